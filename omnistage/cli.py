@@ -1,0 +1,261 @@
+"""The `omnistage` command: validate, serve, generate, run, models build."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from omnistage.spec import SpecError, load_pipeline
+
+DEFAULT_MODEL_DIR = os.environ.get("OMNISTAGE_MODEL_DIR", "models")
+
+
+def _print_spec_errors(path: str, e: SpecError) -> None:
+    print(f"{path}: invalid pipeline ({len(e.errors)} error{'s' if len(e.errors) != 1 else ''}):", file=sys.stderr)
+    for err in e.errors:
+        print(f"  {err}", file=sys.stderr)
+
+
+def cmd_validate(args) -> int:
+    bad = 0
+    for path in args.files:
+        try:
+            p = load_pipeline(path)
+        except SpecError as e:
+            _print_spec_errors(path, e)
+            bad += 1
+            continue
+        stages = " -> ".join(s.name for s in p.topo_order())
+        print(f"{path}: ok (pipeline {p.name}: {stages}; outputs "
+              f"{', '.join(f'{o.modality} from {o.stage}' for o in p.outputs)})")
+    return 1 if bad else 0
+
+
+def _launcher(args):
+    from omnistage.local import LocalPipeline
+
+    pipeline = load_pipeline(args.file)
+    replicas = {}
+    for item in args.replicas or []:
+        name, _, n = item.partition("=")
+        if name not in {s.name for s in pipeline.stages} or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f'--replicas "{item}": expected STAGE=N with a stage of {pipeline.name} and N >= 1')
+        replicas[name] = int(n)
+    return LocalPipeline(Path(args.file).resolve(), pipeline, Path(args.models).resolve(), host=args.host,
+                         port=args.port, log_dir=args.log_dir, replicas=replicas)
+
+
+def cmd_serve(args) -> int:
+    from omnistage.local import LaunchError
+
+    try:
+        local = _launcher(args)
+    except SpecError as e:
+        _print_spec_errors(args.file, e)
+        return 2
+    stop = {"sig": None}
+
+    def on_signal(signum, frame):
+        stop["sig"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    t0 = time.monotonic()
+    try:
+        endpoint = local.start()
+    except LaunchError as e:
+        print(f"omnistage serve: {e}", file=sys.stderr)
+        local.stop()
+        return 1
+    print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)\n"
+          f"  try: omnistage generate --endpoint {endpoint} --prompt 'Hello'", flush=True)
+    code = 0
+    try:
+        while stop["sig"] is None:
+            dead = local.dead()
+            if dead:
+                for p in dead:
+                    print(f"omnistage serve: {p.name} (pid {p.popen.pid}) exited with code {p.popen.returncode}; "
+                          f"last log lines ({p.log_path}):\n{p.tail()}", file=sys.stderr, flush=True)
+                time.sleep(2.0)  # let in-flight requests receive their UNAVAILABLE before the rest stops
+                code = 1
+                break
+            time.sleep(0.2)
+    finally:
+        print("stopping ...", flush=True)
+        local.stop()
+    return code
+
+
+def _gen_kwargs(args) -> dict:
+    kw = dict(max_tokens=args.max_tokens, seed=args.seed, max_codec_frames=args.audio_frames, width=args.width,
+              height=args.height, steps=args.steps, outputs=args.output or (), return_trace=args.trace,
+              ignore_eos=args.ignore_eos)
+    if args.temperature is not None:
+        kw["temperature"] = args.temperature
+    return kw
+
+
+def _print_result(result, out: str | None, trace: bool) -> None:
+    if result.text:
+        print(result.text)
+    if result.pcm:
+        path = out if out and out.endswith(".wav") else "out.wav"
+        result.save_audio(path)
+        print(f"audio: {result.audio_seconds:.2f}s at {result.sample_rate} Hz in {result.audio_chunks} chunks "
+              f"-> {path}")
+    for i, img in enumerate(result.images):
+        path = out if out and out.endswith(".png") and i == 0 else f"out-{i}.png"
+        result.save_image(path, i)
+        print(f"image: {img.width}x{img.height} -> {path}")
+    if result.final is not None:
+        u = result.final.usage
+        print(f"finish: {result.final.finish_reason}; prompt tokens {u.prompt_tokens}, completion tokens "
+              f"{u.completion_tokens}; first event after {1e3 * (result.first_event_s or 0):.0f} ms")
+        if trace and result.final.HasField("trace"):
+            t = result.final.trace
+            print(f"trace: admission {t.admission_wait_ms:.1f} ms, first output {t.first_output_ms:.1f} ms, "
+                  f"total {t.total_ms:.1f} ms")
+            print(f"  {'stage':<14}{'replica':<18}{'queue':>8}{'compute':>9}{'transfer':>9}{'first':>8}"
+                  f"{'total':>8}{'chunks':>7}")
+            for s in t.stages:
+                print(f"  {s.stage:<14}{s.replica:<18}{s.queue_ms:>8.1f}{s.compute_ms:>9.1f}{s.transfer_ms:>9.1f}"
+                      f"{s.first_chunk_ms:>8.1f}{s.total_ms:>8.1f}{s.chunks:>7}")
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from omnistage.client import OmniClient
+
+    with OmniClient(args.endpoint) as client:
+        try:
+            result = client.generate(args.prompt, timeout=args.timeout, **_gen_kwargs(args))
+        except grpc.RpcError as e:
+            print(f"omnistage generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except ValueError as e:
+            print(f"omnistage generate: {e}", file=sys.stderr)
+            return 2
+    _print_result(result, args.out, args.trace)
+    return 0
+
+
+def cmd_run(args) -> int:
+    """Serve a pipeline, answer one request, stop: the quickest way to see a pipeline work."""
+    import grpc
+
+    from omnistage.client import OmniClient
+    from omnistage.local import LaunchError
+
+    try:
+        local = _launcher(args)
+    except SpecError as e:
+        _print_spec_errors(args.file, e)
+        return 2
+    t0 = time.monotonic()
+    try:
+        endpoint = local.start()
+        print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)",
+              flush=True)
+        with OmniClient(endpoint) as client:
+            result = client.generate(args.prompt, timeout=args.timeout, **_gen_kwargs(args))
+        _print_result(result, args.out, args.trace)
+        return 0
+    except LaunchError as e:
+        print(f"omnistage run: {e}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as e:
+        print(f"omnistage run: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        local.stop()
+
+
+def cmd_models_build(args) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_model_libraries()
+    from omnistage.tiny_models import MODELS, build_models
+
+    names = args.only or None
+    try:
+        print(f"building tiny models in {args.dir}:", flush=True)
+        build_models(args.dir, names, force=args.force, progress=lambda m: print(m, flush=True))
+    except KeyError as e:
+        print(f"omnistage models build: {e.args[0]} (known: {', '.join(MODELS)})", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _quiet_model_libraries() -> None:
+    import logging
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _add_gen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--out", default=None, help="where to write the audio (.wav) or image (.png)")
+    p.add_argument("--max-tokens", type=int, default=0, help="text tokens (0: pipeline default)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--audio-frames", type=int, default=0, help="max codec frames (0: pipeline default)")
+    p.add_argument("--width", type=int, default=0)
+    p.add_argument("--height", type=int, default=0)
+    p.add_argument("--steps", type=int, default=0, help="diffusion steps (0: pipeline default)")
+    p.add_argument("--output", action="append", choices=["text", "audio", "image"],
+                   help="only these outputs (repeat; default: all of the pipeline's)")
+    p.add_argument("--trace", action="store_true", help="print the per-stage trace")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="OmniPipeline YAML file")
+    p.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
+    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
+    p.add_argument("--port", type=int, default=0, help="orchestrator port (0: any free port)")
+    p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument("--replicas", action="append", metavar="STAGE=N", help="override a stage's replica count")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="check OmniPipeline files; every error with its field path")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(fn=cmd_validate)
+    p = sub.add_parser("serve", help="run every stage and the orchestrator as local processes")
+    _add_launch_args(p)
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("generate", help="send one request to an orchestrator")
+    p.add_argument("--endpoint", required=True, help="orchestrator HOST:PORT")
+    _add_gen_args(p)
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("run", help="serve a pipeline locally, answer one request, stop")
+    _add_launch_args(p)
+    _add_gen_args(p)
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("models", help="tiny local models")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    b = msub.add_parser("build", help="build the seeded tiny models the examples use")
+    b.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)
+    b.add_argument("--only", action="append", help="build only this model (repeat)")
+    b.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    b.set_defaults(fn=cmd_models_build)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

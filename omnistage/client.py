@@ -1,0 +1,168 @@
+"""A small client for the orchestrator's API, sync and async.
+
+    from omnistage.client import OmniClient
+    with OmniClient("127.0.0.1:50051") as c:
+        r = c.generate("Hello", max_tokens=16)
+        print(r.text); r.save_audio("out.wav")
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import wave
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterable, Iterator
+
+import grpc
+
+from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+_MODALITIES = {"text": orchestrator_pb2.TEXT, "audio": orchestrator_pb2.AUDIO, "image": orchestrator_pb2.IMAGE}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 << 20)]
+
+
+@dataclass
+class Image:
+    png: bytes
+    width: int
+    height: int
+
+
+@dataclass
+class GenerateResult:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    pcm: bytearray = field(default_factory=bytearray)  # int16 little-endian mono
+    sample_rate: int = 0
+    audio_chunks: int = 0
+    images: list[Image] = field(default_factory=list)
+    final: orchestrator_pb2.Final | None = None
+    first_event_s: float | None = None      # seconds from the call to the first event
+    first_audio_s: float | None = None      # seconds from the call to the first audio chunk
+    events: list[str] = field(default_factory=list)  # event kinds in arrival order
+
+    def add(self, ev: orchestrator_pb2.GenerateResponse, elapsed: float) -> None:
+        kind = ev.WhichOneof("event")
+        self.request_id = ev.request_id or self.request_id
+        self.events.append(kind)
+        if self.first_event_s is None:
+            self.first_event_s = elapsed
+        if kind == "text":
+            self.text += ev.text.text
+            self.token_ids.extend(ev.text.token_ids)
+        elif kind == "audio":
+            if self.first_audio_s is None:
+                self.first_audio_s = elapsed
+            self.pcm.extend(ev.audio.pcm)
+            self.sample_rate = ev.audio.sample_rate
+            self.audio_chunks += 1
+        elif kind == "image":
+            self.images.append(Image(ev.image.png, ev.image.width, ev.image.height))
+        elif kind == "final":
+            self.final = ev.final
+
+    @property
+    def audio_seconds(self) -> float:
+        return len(self.pcm) / 2 / self.sample_rate if self.sample_rate else 0.0
+
+    def wav_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        with wave.open(buf, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(self.sample_rate or 24000)
+            w.writeframes(bytes(self.pcm))
+        return buf.getvalue()
+
+    def save_audio(self, path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(self.wav_bytes())
+
+    def save_image(self, path: str, index: int = 0) -> None:
+        with open(path, "wb") as f:
+            f.write(self.images[index].png)
+
+
+def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), max_tokens: int = 0,
+                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                  seed: int | None = None, ignore_eos: bool = False, max_codec_frames: int = 0, speaker: str = "",
+                  width: int = 0, height: int = 0, steps: int = 0, guidance_scale: float | None = None,
+                  negative_prompt: str = "", outputs: Iterable[str] = (), return_trace: bool = False,
+                  priority: int = 0, request_id: str = "") -> orchestrator_pb2.GenerateRequest:
+    text = common_pb2.TextParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    if temperature is not None:
+        text.temperature = temperature
+    if top_p is not None:
+        text.top_p = top_p
+    if top_k is not None:
+        text.top_k = top_k
+    image = common_pb2.ImageParams(width=width, height=height, num_inference_steps=steps,
+                                   negative_prompt=negative_prompt)
+    if guidance_scale is not None:
+        image.guidance_scale = guidance_scale
+    params = common_pb2.GenerationParams(prompt=prompt, prompt_token_ids=list(prompt_token_ids), text=text,
+                                         audio=common_pb2.AudioParams(max_codec_frames=max_codec_frames,
+                                                                      speaker=speaker), image=image)
+    if seed is not None:
+        params.seed = seed
+    unknown = [o for o in outputs if o not in _MODALITIES]
+    if unknown:
+        raise ValueError(f"unknown output modality {unknown[0]!r} (use text, audio or image)")
+    return orchestrator_pb2.GenerateRequest(request_id=request_id, params=params,
+                                            outputs=[_MODALITIES[o] for o in outputs],
+                                            return_trace=return_trace, priority=priority)
+
+
+class OmniClient:
+    """Blocking client. `generate` collects a whole result; `stream` yields events as they arrive."""
+
+    def __init__(self, endpoint: str):
+        self.channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def stream(self, prompt: str = "", *, timeout: float | None = None, **kw) -> Iterator[orchestrator_pb2.GenerateResponse]:
+        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+
+    def generate(self, prompt: str = "", *, timeout: float | None = None, **kw) -> GenerateResult:
+        result, t0 = GenerateResult(), time.perf_counter()
+        for ev in self.stream(prompt, timeout=timeout, **kw):
+            result.add(ev, time.perf_counter() - t0)
+        return result
+
+    def describe(self) -> orchestrator_pb2.PipelineInfo:
+        return self.stub.DescribePipeline(orchestrator_pb2.DescribePipelineRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "OmniClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncOmniClient:
+    def __init__(self, endpoint: str):
+        self.channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def stream(self, prompt: str = "", *, timeout: float | None = None, **kw) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+
+    async def generate(self, prompt: str = "", *, timeout: float | None = None, **kw) -> GenerateResult:
+        result, t0 = GenerateResult(), time.perf_counter()
+        async for ev in self.stream(prompt, timeout=timeout, **kw):
+            result.add(ev, time.perf_counter() - t0)
+        return result
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncOmniClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,184 @@
+"""`omnistage serve`: every stage replica and the orchestrator as local processes on loopback.
+
+Stages start in parallel (each in its own process group, so engine helper
+processes go with it), the orchestrator once every stage is SERVING. On
+Ctrl-C or SIGTERM every process gets SIGTERM, then SIGKILL after a bound: no
+process is left behind. A process that dies is reported by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from omnistage.spec import Pipeline
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    name: str            # "stage thinker[0]" or "orchestrator"
+    argv: list[str]
+    log_path: Path
+    ready_file: Path
+    popen: subprocess.Popen | None = None
+    port: int | None = None
+    started: float = 0.0
+    ready_after: float | None = None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalPipeline:
+    pipeline_file: Path
+    pipeline: Pipeline
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    log_dir: Path | None = None
+    replicas: dict[str, int] = field(default_factory=dict)  # overrides spec.deployment replicas
+    progress: Callable[[str], None] = lambda m: print(m, flush=True)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix=f"omnistage-{self.pipeline.name}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.stages: list[Proc] = []
+        self.orchestrator: Proc | None = None
+        self.endpoint: str | None = None
+
+    # ------------------------------------------------------------ start
+    def check_models(self) -> None:
+        from stage_service.engines.registry import model_dir
+
+        missing = [f"{s.name}: {model_dir(s, self.model_dir)}" for s in self.pipeline.stages
+                   if not model_dir(s, self.model_dir).exists()]
+        if missing:
+            raise LaunchError("model not found for " + "; ".join(missing) +
+                              f" (build the tiny models with `omnistage models build {self.model_dir}`)")
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": "1", "OMNISTAGE_MODEL_DIR": str(self.model_dir),
+                    "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": env.get("UCX_TLS", "tcp"),
+                    "UCX_WARN_UNUSED_ENV_VARS": "n"})
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, proc: Proc, env: dict[str, str]) -> None:
+        proc.ready_file.unlink(missing_ok=True)
+        log = open(proc.log_path, "wb")
+        proc.popen = subprocess.Popen(proc.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        log.close()
+        proc.started = time.monotonic()
+
+    def start(self, timeout: float = 600.0) -> str:
+        """Start everything; returns the orchestrator endpoint. Raises LaunchError naming what failed."""
+        self.check_models()
+        env = self.env()
+        py = sys.executable
+        for st in self.pipeline.stages:
+            n = self.replicas.get(st.name, self.pipeline.deployment.stages[st.name].replicas) or 1
+            for i in range(n):
+                name = f"stage {st.name}[{i}]"
+                tag = f"{st.name}-{i}"
+                proc = Proc(name, [py, "-m", "stage_service", "--pipeline", str(self.pipeline_file), "--stage",
+                                   st.name, "--host", self.host, "--port", "0", "--model-dir", str(self.model_dir),
+                                   "--ready-file", str(self.log_dir / f"{tag}.port")],
+                            self.log_dir / f"{tag}.log", self.log_dir / f"{tag}.port")
+                self._spawn(proc, env)
+                self.stages.append(proc)
+        self.progress(f"starting {len(self.stages)} stage process(es) for {self.pipeline.name} "
+                      f"(logs in {self.log_dir})")
+        self._wait_ready(self.stages, timeout)
+        endpoints = {}
+        for p in self.stages:
+            stage = p.name.split()[1].split("[")[0]
+            endpoints.setdefault(stage, []).append(f"{self.host}:{p.port}")
+        argv = [py, "-m", "orchestrator_service", "--pipeline", str(self.pipeline_file), "--host", self.host,
+                "--port", str(self.port), "--wait-for-stages", "30",
+                "--ready-file", str(self.log_dir / "orchestrator.port")]
+        for stage, addrs in endpoints.items():
+            argv += ["--stage-endpoint", f"{stage}={','.join(addrs)}"]
+        self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log",
+                                 self.log_dir / "orchestrator.port")
+        self._spawn(self.orchestrator, env)
+        self._wait_ready([self.orchestrator], 60)
+        self.endpoint = f"{self.host}:{self.orchestrator.port}"
+        return self.endpoint
+
+    def _wait_ready(self, procs: list[Proc], timeout: float) -> None:
+        end = time.monotonic() + timeout
+        waiting = list(procs)
+        last_note = time.monotonic()
+        while waiting:
+            for p in list(waiting):
+                if p.ready_file.exists() and p.ready_file.read_text().strip():
+                    p.port = int(p.ready_file.read_text())
+                    p.ready_after = time.monotonic() - p.started
+                    self.progress(f"  {p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s")
+                    waiting.remove(p)
+                elif p.popen.poll() is not None:
+                    raise LaunchError(f"{p.name} exited with code {p.popen.returncode} while starting; "
+                                      f"last log lines ({p.log_path}):\n{p.tail()}")
+            if waiting and time.monotonic() > end:
+                raise LaunchError(f"{', '.join(p.name for p in waiting)} not ready after {timeout:.0f}s")
+            if waiting and time.monotonic() - last_note > 10:
+                self.progress(f"  waiting for {', '.join(p.name for p in waiting)} "
+                              f"({time.monotonic() - waiting[0].started:.0f}s: loading models)")
+                last_note = time.monotonic()
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------- run
+    def all_procs(self) -> list[Proc]:
+        return self.stages + ([self.orchestrator] if self.orchestrator else [])
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.all_procs() if p.popen is not None and p.popen.poll() is not None]
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM every process group, wait up to `grace`, then SIGKILL what is left."""
+        procs = [p for p in self.all_procs() if p.popen is not None]
+        for p in procs:
+            _signal_group(p.popen, signal.SIGTERM)
+        end = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.popen.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:  # the group too: engine helper processes must not outlive their stage
+            _signal_group(p.popen, signal.SIGKILL)
+            try:
+                p.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> "LocalPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,93 @@
+"""Request parameters: resolve defaults and check them against a pipeline's limits.
+
+Pure functions over the GenerationParams message; the orchestrator checks at
+admission and every stage checks again, so a bad request never reaches an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omnistage.spec import Limits
+from omnistage.v1 import common_pb2
+
+
+class InvalidRequest(ValueError):
+    """A request field with a value no stage can serve; carries the field path."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    prompt: str
+    prompt_token_ids: tuple[int, ...]
+    seed: int
+    max_tokens: int
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    ignore_eos: bool
+    max_codec_frames: int
+    speaker: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str
+
+
+def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
+    """Defaults filled in; InvalidRequest names the first field out of bounds."""
+    if not p.prompt and not p.prompt_token_ids:
+        raise InvalidRequest("params.prompt", "is required (or params.prompt_token_ids)")
+    if len(p.prompt) > limits.max_prompt_chars:
+        raise InvalidRequest("params.prompt", f"is {len(p.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    if len(p.prompt_token_ids) > limits.max_prompt_chars:
+        raise InvalidRequest("params.prompt_token_ids",
+                             f"has {len(p.prompt_token_ids)} tokens; the limit is {limits.max_prompt_chars}")
+    if any(t < 0 for t in p.prompt_token_ids):
+        raise InvalidRequest("params.prompt_token_ids", "token ids must be >= 0")
+    t = p.text
+    max_tokens = t.max_tokens or limits.default_max_tokens
+    _bound("params.text.max_tokens", max_tokens, 1, limits.max_tokens)
+    temperature = t.temperature if t.HasField("temperature") else None
+    if temperature is not None and not (0.0 <= temperature <= 100.0 and math.isfinite(temperature)):
+        raise InvalidRequest("params.text.temperature", f"must be between 0 and 100, got {temperature}")
+    top_p = t.top_p if t.HasField("top_p") else None
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise InvalidRequest("params.text.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = t.top_k if t.HasField("top_k") else None
+    if top_k is not None:
+        _bound("params.text.top_k", top_k, 1, 1_000_000)
+    frames = p.audio.max_codec_frames or limits.default_codec_frames
+    _bound("params.audio.max_codec_frames", frames, 1, limits.max_codec_frames)
+    img = p.image
+    width = img.width or limits.default_image_side
+    height = img.height or limits.default_image_side
+    for name, side in (("width", width), ("height", height)):
+        _bound(f"params.image.{name}", side, 8, limits.max_image_side)
+        if side % 8:
+            raise InvalidRequest(f"params.image.{name}", f"must be a multiple of 8, got {side}")
+    steps = img.num_inference_steps or limits.default_inference_steps
+    _bound("params.image.num_inference_steps", steps, 1, limits.max_inference_steps)
+    guidance = img.guidance_scale if img.HasField("guidance_scale") else 7.5
+    if not (0.0 <= guidance <= 100.0 and math.isfinite(guidance)):
+        raise InvalidRequest("params.image.guidance_scale", f"must be between 0 and 100, got {guidance}")
+    if len(img.negative_prompt) > limits.max_prompt_chars:
+        raise InvalidRequest("params.image.negative_prompt", f"is longer than {limits.max_prompt_chars} characters")
+    if len(p.audio.speaker) > 64:
+        raise InvalidRequest("params.audio.speaker", "is longer than 64 characters")
+    return RequestParams(
+        prompt=p.prompt, prompt_token_ids=tuple(p.prompt_token_ids), seed=p.seed if p.HasField("seed") else 0,
+        max_tokens=max_tokens, temperature=temperature or None, top_p=top_p, top_k=top_k, ignore_eos=t.ignore_eos,
+        max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
+        num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt)
+
+
+def _bound(field: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise InvalidRequest(field, f"must be between {lo} and {hi}, got {value}")

@@ -1,0 +1,41 @@
+"""`omnistage models build DIR`: build every tiny model the examples and tests use."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import diffusion, lm, qwen3_omni
+
+# Bump when a builder changes, so stale models get rebuilt.
+BUILD_VERSION = 2
+MODELS: dict[str, Callable[[Path, int], None]] = {
+    "qwen3-omni-tiny": qwen3_omni.build,
+    "qwen2-tiny": lm.build,
+    "sd-tiny": diffusion.build,
+}
+
+
+def build_models(root: str | Path, names: list[str] | None = None, *, force: bool = False,
+                 progress: Callable[[str], None] = print) -> list[Path]:
+    """Build the named models (all by default) under `root`; up-to-date ones are kept."""
+    root = Path(root)
+    built = []
+    for name in names or list(MODELS):
+        if name not in MODELS:
+            raise KeyError(f'unknown model "{name}" (known: {", ".join(MODELS)})')
+        out = root / name
+        stamp = out / ".omnistage-build.json"
+        if not force and stamp.exists() and json.loads(stamp.read_text()).get("version") == BUILD_VERSION:
+            progress(f"  {name}: up to date ({out})")
+            built.append(out)
+            continue
+        t0 = time.monotonic()
+        progress(f"  {name}: building ...")
+        MODELS[name](out, 0)
+        stamp.write_text(json.dumps({"version": BUILD_VERSION, "seed": 0}))
+        progress(f"  {name}: built in {time.monotonic() - t0:.1f}s ({out})")
+        built.append(out)
+    return built

@@ -1,0 +1,132 @@
+"""Wires one orchestrator replica: Orchestrator service, grpc.health.v1, reflection, metrics, drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import grpc
+
+from omnistage.serving import HttpStatusServer, add_health_and_reflection, configure_logging, on_signals, set_serving
+from omnistage.spec import Pipeline, SpecError, load_pipeline
+from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from .metrics import OrchestratorMetrics
+from .routing import Router
+from .servicer import OrchestratorServicer
+
+log = logging.getLogger("omnistage.orchestrator")
+SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+
+
+def parse_endpoints(specs: list[str], pipeline: Pipeline) -> dict[str, list[str]]:
+    """`NAME=HOST:PORT[,HOST:PORT...]` flags -> stage -> addresses; every stage must have one."""
+    out: dict[str, list[str]] = {}
+    known = {s.name for s in pipeline.stages}
+    for spec in specs:
+        name, sep, addrs = spec.partition("=")
+        if not sep or not addrs:
+            raise ValueError(f'--stage-endpoint "{spec}": expected NAME=HOST:PORT[,HOST:PORT...]')
+        if name not in known:
+            raise ValueError(f'--stage-endpoint "{spec}": pipeline has no stage "{name}"')
+        out.setdefault(name, []).extend(a for a in addrs.split(",") if a)
+    missing = sorted(known - set(out))
+    if missing:
+        raise ValueError(f"no endpoint given for stage(s): {', '.join(missing)}")
+    return out
+
+
+class OrchestratorServer:
+    def __init__(self, pipeline: Pipeline, endpoints: dict[str, list[str]], host: str = "127.0.0.1",
+                 port: int = 0, http_port: int | None = None, drain_seconds: float | None = None):
+        self.pipeline = pipeline
+        self.router = Router()
+        for stage, addrs in endpoints.items():
+            self.router.set_endpoints(stage, addrs)
+        self.metrics = OrchestratorMetrics()
+        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics)
+        self.host, self.port, self.http_port = host, port, http_port
+        self.drain_seconds = (drain_seconds if drain_seconds is not None
+                              else pipeline.deployment.orchestrator.drain_seconds)
+        self.ready = False
+        self.stopped = asyncio.Event()
+        self.http: HttpStatusServer | None = None
+
+    async def start(self, wait_for_stages: float | None = None) -> int:
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                               ("grpc.max_send_message_length", 512 << 20)])
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE])
+        await set_serving(self.health, [SERVICE], False)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        await self.server.start()
+        if self.http_port is not None:
+            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready).start()
+        if wait_for_stages:
+            await self.router.wait_ready(wait_for_stages)
+        self.ready = True
+        await set_serving(self.health, [SERVICE], True)
+        log.info("orchestrator for %s serving on %s:%d", self.pipeline.name, self.host, self.port)
+        return self.port
+
+    async def drain(self) -> None:
+        if self.servicer.draining:
+            return
+        self.servicer.draining = True
+        self.ready = False
+        await set_serving(self.health, [SERVICE], False)
+        try:
+            await self.server.stop(grace=self.drain_seconds)
+        finally:
+            await self.router.close()
+            if self.http:
+                self.http.stop()
+            self.stopped.set()
+
+
+async def serve(args: argparse.Namespace) -> int:
+    pipeline = load_pipeline(args.pipeline)
+    try:
+        endpoints = parse_endpoints(args.stage_endpoint, pipeline)
+    except ValueError as e:
+        print(f"orchestrator: {e}", file=sys.stderr)
+        return 2
+    srv = OrchestratorServer(pipeline, endpoints, args.host, args.port, args.http_port, args.drain_seconds)
+    on_signals(lambda: asyncio.ensure_future(srv.drain()))
+    await srv.start(wait_for_stages=args.wait_for_stages)
+    if args.ready_file:
+        with open(args.ready_file, "w") as f:
+            f.write(f"{srv.port}\n")
+    print(f"orchestrator ready on {args.host}:{srv.port}", flush=True)
+    await srv.stopped.wait()
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m orchestrator_service",
+                                description="Serve the client API of an OmniPipeline.")
+    p.add_argument("--pipeline", required=True, help="OmniPipeline YAML file")
+    p.add_argument("--host", default=os.environ.get("OMNISTAGE_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--http-port", type=int, default=None, help="HTTP port for /metrics, /readyz, /livez")
+    p.add_argument("--stage-endpoint", action="append", default=[], metavar="NAME=HOST:PORT[,HOST:PORT]",
+                   help="static replicas of a stage (repeat per stage)")
+    p.add_argument("--wait-for-stages", type=float, default=0.0,
+                   help="seconds to wait at start-up for every stage replica to be SERVING")
+    p.add_argument("--drain-seconds", type=float, default=None)
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return asyncio.run(serve(args))
+    except SpecError as e:
+        print(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors), file=sys.stderr)
+        return 2

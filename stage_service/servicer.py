@@ -1,0 +1,150 @@
+"""StageService.Process: header -> engine -> streamed chunks. Thin: parsing, converting, and
+mapping domain errors to status codes happen in one place each."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from omnistage.chunks import ChunkOrderError
+from omnistage.params import InvalidRequest, resolve
+from omnistage.spec import Pipeline, Stage
+from omnistage.tensors import TensorFormatError
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+from .convert import input_from_proto, output_to_proto
+from .engines.base import (Engine, EngineError, EngineOverloaded, InputError, OutputChunk, StageDraining,
+                           StageInputs, StageRequest)
+from .metrics import StageMetrics
+
+log = logging.getLogger("omnistage.stage")
+
+
+def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place where a domain error becomes a gRPC status."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, (InputError, TensorFormatError, ChunkOrderError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"stage {stage}: bad input: {exc}"
+    if isinstance(exc, EngineOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, StageDraining):
+        return grpc.StatusCode.UNAVAILABLE, f"stage {stage} is draining"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {stage}: deadline passed"
+    if isinstance(exc, EngineError):
+        return grpc.StatusCode.INTERNAL, f"stage {stage}: engine failed ({exc})"
+    return grpc.StatusCode.INTERNAL, f"stage {stage}: internal error ({type(exc).__name__})"
+
+
+class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    def __init__(self, pipeline: Pipeline, stage: Stage, engine: Engine, metrics: StageMetrics):
+        self.pipeline = pipeline
+        self.stage = stage
+        self.engine = engine
+        self.metrics = metrics
+        self.sources = tuple(e.source for e in stage.inputs)
+        self.draining = False
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def Process(self, request_iterator, context) -> AsyncIterator[stage_pb2.StageOutput]:
+        name = self.stage.name
+        if self.draining:
+            self.metrics.outcome("rejected")
+            await context.abort(*status_for(name, StageDraining()))
+        self.inflight += 1
+        self.idle.clear()
+        outcome = "failed"
+        reader: asyncio.Task | None = None
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise InvalidRequest("header", "the first message of a Process stream must be a header")
+            h = first.header
+            if not h.request_id:
+                raise InvalidRequest("header.request_id", "is required")
+            req = StageRequest(request_id=h.request_id, params=resolve(h.params, self.pipeline.limits),
+                               deadline=h.deadline_unix_ms / 1e3 if h.deadline_unix_ms else None)
+            inputs = StageInputs(self.sources)
+            reader = asyncio.create_task(self._read_inputs(request_iterator, inputs))
+            chunk_id = 0
+            last = False
+            async with asyncio.timeout_at(_loop_time(req.deadline)):
+                gen = self.engine.generate(req, inputs)
+                try:
+                    async for out in gen:
+                        yield stage_pb2.StageOutput(chunk=self._to_proto(out, chunk_id))
+                        chunk_id += 1
+                        if out.last:
+                            last = True
+                            break
+                    if reader.done() and reader.exception():
+                        raise reader.exception()
+                finally:
+                    await gen.aclose()
+            if not last:
+                yield stage_pb2.StageOutput(chunk=output_to_proto(OutputChunk(), name, chunk_id, True))
+            outcome = "finished"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status below
+            if reader is not None and reader.done() and not reader.cancelled() and reader.exception():
+                e = reader.exception()  # the input was bad: report that, not its consequence
+            code, message = status_for(name, e)
+            outcome = "invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else \
+                "rejected" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else \
+                "timeout" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("stage %s: request failed", name)
+            await context.abort(code, message)
+        finally:
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+            self.metrics.outcome(outcome)
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle.set()
+
+    def _to_proto(self, out: OutputChunk, chunk_id: int):
+        msg = output_to_proto(out, self.stage.name, chunk_id, out.last)
+        self.metrics.chunks.labels(self.stage.name).inc()
+        self.metrics.output_bytes.labels(self.stage.name).inc(sum(len(t.data) for t in msg.tensors))
+        if out.queue_ms:
+            self.metrics.queue_ms.labels(self.stage.name).observe(out.queue_ms)
+        return msg
+
+    async def _read_inputs(self, request_iterator, inputs: StageInputs) -> None:
+        try:
+            async for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise InputError("only chunks may follow the header")
+                await inputs.put(input_from_proto(msg.chunk))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            inputs.fail(e)
+            raise
+        finally:
+            inputs.close_all()
+
+    async def GetLoad(self, request, context) -> stage_pb2.StageLoad:
+        e = self.engine
+        return stage_pb2.StageLoad(stage=self.stage.name, running=e.running, queued=e.queued,
+                                   max_running=e.max_running, max_queued=e.max_queued, draining=self.draining)
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A time.time() deadline on the event loop's clock (None: no deadline)."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.time())
