@@ -132,7 +132,8 @@ class LocalPipeline:
                 if p.ready_file.exists() and p.ready_file.read_text().strip():
                     p.port = int(p.ready_file.read_text())
                     p.ready_after = time.monotonic() - p.started
-                    self.progress(f"  {p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s")
+                    self.progress(f"  {p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s "
+                                  f"(pid {p.popen.pid})")
                     waiting.remove(p)
                 elif p.popen.poll() is not None:
                     raise LaunchError(f"{p.name} exited with code {p.popen.returncode} while starting; "

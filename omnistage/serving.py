@@ -33,10 +33,12 @@ async def set_serving(health: health_aio.HealthServicer, services: list[str], se
 
 
 class HttpStatusServer:
-    """`/metrics` (Prometheus), `/readyz` (200 once serving, 503 while loading or draining), `/livez`."""
+    """`/metrics` (Prometheus), `/readyz` (200 once serving, 503 while loading or draining), `/livez`,
+    and `/drain` (for a preStop hook: stop taking work, finish what was admitted, answer when done)."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool]):
-        registry_, ready_ = registry, ready
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool],
+                 drain: Callable[[], None] | None = None):
+        registry_, ready_, drain_ = registry, ready, drain
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
@@ -45,6 +47,9 @@ class HttpStatusServer:
                 elif self.path.startswith("/readyz"):
                     ok = ready_()
                     body, code, ctype = (b"ready\n" if ok else b"not ready\n"), (200 if ok else 503), "text/plain"
+                elif self.path.startswith("/drain") and drain_ is not None:
+                    drain_()  # blocks until admitted work is finished (bounded by the drain setting)
+                    body, code, ctype = b"drained\n", 200, "text/plain"
                 elif self.path.startswith("/livez"):
                     body, code, ctype = b"ok\n", 200, "text/plain"
                 else:
@@ -69,6 +74,13 @@ class HttpStatusServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def blocking_drain(loop: asyncio.AbstractEventLoop, drain: Callable[[], "asyncio.Future"]) -> Callable[[], None]:
+    """A drain coroutine made callable from the HTTP thread, returning once it finished."""
+    def run() -> None:
+        asyncio.run_coroutine_threadsafe(drain(), loop).result()
+    return run
 
 
 def on_signals(callback: Callable[[], None], signals=(signal.SIGTERM, signal.SIGINT)) -> None:

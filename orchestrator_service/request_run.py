@@ -203,7 +203,13 @@ class RequestRun:
         await self._events.put(_PumpDone(stage, error))
 
     async def _forward(self, source: str, consumer: str, chunk: stage_pb2.Chunk) -> None:
-        call = await self._open(consumer)
+        try:
+            call = await self._open(consumer)
+        except grpc.aio.AioRpcError as e:  # the consumer failed as it was called: its failure, not ours
+            code, message = client_status(consumer, e.code(), e.details() or "")
+            raise StageFailed(consumer, code, message) from None
+        except NoReplica as e:
+            raise StageFailed(consumer, grpc.StatusCode.UNAVAILABLE, str(e)) from None
         try:
             await call.write(stage_pb2.StageInput(chunk=chunk))
             if chunk.end_of_stream:

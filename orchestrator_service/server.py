@@ -10,7 +10,7 @@ import sys
 
 import grpc
 
-from omnistage.serving import HttpStatusServer, add_health_and_reflection, configure_logging, on_signals, set_serving
+from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
 from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -64,7 +64,8 @@ class OrchestratorServer:
         self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
         await self.server.start()
         if self.http_port is not None:
-            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready).start()
+            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
+                                        blocking_drain(asyncio.get_running_loop(), self.drain)).start()
         if wait_for_stages:
             await self.router.wait_ready(wait_for_stages)
         self.ready = True

@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from omnistage.serving import HttpStatusServer, add_health_and_reflection, configure_logging, on_signals, set_serving
+from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
 from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
@@ -57,7 +57,8 @@ class StageServer:
         self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
         await self.server.start()
         if self.http_port is not None:
-            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready).start()
+            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
+                                        blocking_drain(asyncio.get_running_loop(), self.drain)).start()
         await self.engine.start()  # health stays NOT_SERVING until the model is loaded
         self.ready = True
         await set_serving(self.health, [SERVICE], True)

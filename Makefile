@@ -1,0 +1,53 @@
+# omnistage: two commands do all the set-up on a fresh machine.
+#   make demo   install what is missing, build the tiny models, serve examples/qwen3-omni-tiny.yaml
+#               locally and answer one request (prints the text, writes out/demo.wav)
+#   make test   install what is missing and run the test suite
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+MODELS := models
+PROTO_SRC := $(wildcard protos/omnistage/v1/*.proto)
+PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
+export OMP_NUM_THREADS := 1
+
+.PHONY: setup protos models demo demo-image demo-llm test test-unit test-fast e2e bench clean
+
+setup:
+	@scripts/setup.sh
+	@$(MAKE) --no-print-directory protos
+
+protos: $(PROTO_OUT)
+$(PROTO_OUT) &: $(PROTO_SRC) scripts/gen_protos.sh
+	@echo "[setup] generating protobuf code"
+	@scripts/gen_protos.sh
+
+models: setup
+	@$(VENV)/bin/omnistage models build $(MODELS)
+
+demo: models
+	@mkdir -p out
+	$(VENV)/bin/omnistage run examples/qwen3-omni-tiny.yaml --models $(MODELS) \
+	  --prompt "Tell me a short story about the sea." --out out/demo.wav --trace
+
+demo-image: models
+	@mkdir -p out
+	$(VENV)/bin/omnistage run examples/text-to-image-tiny.yaml --models $(MODELS) \
+	  --prompt "a red car on a road" --out out/demo.png --trace
+
+demo-llm: models
+	$(VENV)/bin/omnistage run examples/llm-tiny.yaml --models $(MODELS) --prompt "Hello" --trace
+
+test: models
+	@scripts/run_tests.sh
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+e2e: models
+	@scripts/run_tests.sh --e2e
+
+bench: models
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf out .pytest_cache .hypothesis omnistage/v1/*_pb2*.py*

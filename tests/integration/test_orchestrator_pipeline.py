@@ -1,0 +1,91 @@
+"""The orchestrator walking real stage services (in-process, port 0) for Qwen3-Omni tiny."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from omnistage.client import AsyncOmniClient
+from orchestrator_service.server import OrchestratorServer
+
+from ..harness import example, start_stage
+
+PIPELINE = example("qwen3-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+async def pipeline(model_dir):
+    stages = {n: await start_stage(PIPELINE, n, model_dir) for n in ("thinker", "talker", "code2wav")}
+    orc = OrchestratorServer(PIPELINE, {n: [f"127.0.0.1:{s.port}"] for n, s in stages.items()})
+    await orc.start(wait_for_stages=30)
+    client = AsyncOmniClient(f"127.0.0.1:{orc.port}")
+    yield client, orc, stages
+    await client.close()
+    await orc.drain()
+    for s in stages.values():
+        await s.drain()
+
+
+async def test_text_and_audio_stream_back_with_a_trace(pipeline):
+    client, orc, stages = pipeline
+    r = await client.generate("Hello there", max_tokens=8, ignore_eos=True, max_codec_frames=30,
+                              return_trace=True, timeout=120)
+    assert r.text and len(r.token_ids) == 8
+    assert r.sample_rate == 24000 and len(r.pcm) > 0 and r.audio_chunks == 2  # 30 frames in chunks of 25
+    assert r.final.usage.completion_tokens == 8 and r.final.usage.prompt_tokens > 0
+    assert r.final.usage.audio_samples == len(r.pcm) // 2
+    assert [s.stage for s in r.final.trace.stages] == ["thinker", "talker", "code2wav"]
+    for s in r.final.trace.stages:
+        assert s.compute_ms > 0 and s.total_ms >= s.first_chunk_ms > 0 and s.chunks >= 1 and s.attempts == 1
+    assert r.events[-1] == "final" and r.events.count("final") == 1
+
+
+async def test_text_only_request_skips_the_speech_stages(pipeline):
+    client, orc, stages = pipeline
+    before = stages["talker"].metrics.requests.labels("talker", "finished")._value.get()
+    r = await client.generate("Hi", max_tokens=4, outputs=["text"], return_trace=True, timeout=60)
+    assert r.text and not r.pcm and [s.stage for s in r.final.trace.stages] == ["thinker"]
+    assert stages["talker"].metrics.requests.labels("talker", "finished")._value.get() == before
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(prompt=""), "params.prompt"),
+    (dict(max_tokens=100_000), "params.text.max_tokens"),
+    (dict(outputs=["image"]), "outputs[0]"),
+    (dict(request_id="x" * 500), "request_id"),
+])
+async def test_bad_requests_are_invalid_argument_naming_the_field(pipeline, kw, field):
+    client, orc, stages = pipeline
+    kw = {"prompt": "hi", **kw}
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.generate(timeout=30, **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+
+
+async def test_bad_speaker_from_a_stage_reaches_the_client(pipeline):
+    client, orc, stages = pipeline
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.generate("hi", max_tokens=3, speaker="nobody", timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.audio.speaker" in e.value.details()
+    r = await client.generate("hi", max_tokens=3, max_codec_frames=5, timeout=60)
+    assert r.final is not None
+
+
+async def test_a_stage_that_is_gone_gives_unavailable_naming_it(model_dir):
+    stages = {n: await start_stage(PIPELINE, n, model_dir) for n in ("thinker", "code2wav")}
+    endpoints = {n: [f"127.0.0.1:{s.port}"] for n, s in stages.items()}
+    endpoints["talker"] = ["127.0.0.1:1"]  # nothing listens there
+    orc = OrchestratorServer(PIPELINE, endpoints)
+    await orc.start()
+    try:
+        async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.generate("hi", max_tokens=3, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "stage talker" in e.value.details()
+        # The request's other stage calls were cancelled: nothing is left running on them.
+        for s in stages.values():
+            assert s.servicer.inflight == 0
+    finally:
+        await orc.drain()
+        for s in stages.values():
+            await s.drain()

@@ -1,0 +1,65 @@
+"""Request parameters: defaults, bounds, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnistage.client import build_request
+from omnistage.params import InvalidRequest, resolve
+from omnistage.spec import Limits
+
+LIMITS = Limits()
+
+
+def params(**kw):
+    return build_request(**{"prompt": "hi", **kw}).params
+
+
+def test_defaults():
+    p = resolve(params(), LIMITS)
+    assert p.max_tokens == LIMITS.default_max_tokens and p.temperature is None and p.seed == 0
+    assert p.width == p.height == LIMITS.default_image_side and p.num_inference_steps == LIMITS.default_inference_steps
+    assert p.max_codec_frames == LIMITS.default_codec_frames and p.speaker == "ethan"
+
+
+def test_values_pass_through():
+    p = resolve(params(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, width=128, height=64, steps=4,
+                       guidance_scale=1.0, max_codec_frames=9), LIMITS)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, pytest.approx(0.9), 5, 3)
+    assert (p.width, p.height, p.num_inference_steps, p.guidance_scale, p.max_codec_frames) == (128, 64, 4, 1.0, 9)
+
+
+BAD = [
+    (dict(prompt=""), "params.prompt: is required"),
+    (dict(prompt="x" * 9000), "params.prompt: is 9000 characters"),
+    (dict(max_tokens=10_000), "params.text.max_tokens: must be between 1 and 512, got 10000"),
+    (dict(temperature=-1.0), "params.text.temperature: must be between 0 and 100"),
+    (dict(temperature=float("nan")), "params.text.temperature"),
+    (dict(top_p=0.0), "params.text.top_p: must be in (0, 1]"),
+    (dict(top_k=0), "params.text.top_k: must be between 1"),
+    (dict(width=100_000), "params.image.width: must be between 8 and 1024, got 100000"),
+    (dict(height=100), "params.image.height: must be a multiple of 8, got 100"),
+    (dict(steps=100_000), "params.image.num_inference_steps: must be between 1 and 200"),
+    (dict(guidance_scale=-3.0), "params.image.guidance_scale"),
+    (dict(max_codec_frames=999_999), "params.audio.max_codec_frames: must be between 1 and 2048"),
+    (dict(speaker="x" * 100), "params.audio.speaker: is longer than 64"),
+]
+
+
+@pytest.mark.parametrize("kw,message", BAD, ids=[b[1].split(":")[0] for b in BAD])
+def test_bad_values_name_the_field(kw, message):
+    with pytest.raises(InvalidRequest) as e:
+        resolve(params(**kw), LIMITS)
+    assert str(e.value).startswith(message)
+    assert e.value.field == message.split(":")[0]
+
+
+def test_negative_prompt_token_ids():
+    p = build_request(prompt_token_ids=[1, -2]).params
+    with pytest.raises(InvalidRequest, match="params.prompt_token_ids"):
+        resolve(p, LIMITS)
+
+
+def test_unknown_output_modality_in_client():
+    with pytest.raises(ValueError, match="unknown output modality 'smell'"):
+        build_request("hi", outputs=["smell"])

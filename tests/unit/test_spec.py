@@ -1,0 +1,193 @@
+"""The pipeline spec model: good files load, bad files are refused with every error by field path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from omnistage.spec import SpecError, load_pipeline, parse_pipeline, parse_pipeline_yaml, validate
+
+from ..conftest import EXAMPLES
+
+BASE = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())
+
+
+def variant(edit) -> dict:
+    doc = copy.deepcopy(BASE)
+    edit(doc)
+    return doc
+
+
+def stages(doc):
+    return doc["spec"]["topology"]["stages"]
+
+
+def deploy(doc):
+    return doc["spec"]["deployment"]
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_valid(path):
+    p = load_pipeline(path)
+    assert p.stages and p.outputs
+    assert set(p.deployment.stages) == {s.name for s in p.stages}
+
+
+def test_model_reads_the_fields():
+    p = parse_pipeline(BASE)
+    assert [s.name for s in p.topo_order()] == ["thinker", "talker", "code2wav"]
+    talker = p.stage("talker")
+    assert talker.kind == "ar" and talker.engine == "transformers" and talker.component == "talker"
+    assert [e.source for e in talker.inputs] == ["thinker"] and talker.chunk_size == 25
+    assert [s.name for s in p.consumers("thinker")] == ["talker"]
+    assert [s.name for s in p.entry_stages] == ["thinker"]
+    assert p.limits.default_max_tokens == 16 and p.limits.max_tokens == 512
+    assert p.deployment.orchestrator.max_inflight == 32
+    assert p.deployment.rollout.strategy == "OneStageAtATime"
+    assert p.deployment.stages["code2wav"].resources["requests"]["cpu"] == "500m"
+
+
+BAD = [
+    ("unknown input stage",
+     lambda d: stages(d)[1]["inputs"].__setitem__(0, {"stage": "talkr"}),
+     ['spec.topology.stages[1].inputs[0]: unknown stage "talkr"']),
+    ("input shorthand to unknown stage",
+     lambda d: stages(d)[2].__setitem__("inputs", ["nope"]),
+     ['spec.topology.stages[2].inputs[0]: unknown stage "nope"']),
+    ("cycle",
+     lambda d: stages(d)[0].__setitem__("inputs", [{"stage": "talker"}]),
+     ["spec.topology.stages: the stage graph has a cycle: "]),
+    ("self loop",
+     lambda d: stages(d)[0].__setitem__("inputs", [{"stage": "thinker"}]),
+     ['spec.topology.stages[0].inputs[0]: stage "thinker" cannot take its own output as input']),
+    ("unknown kind",
+     lambda d: stages(d)[0].__setitem__("kind", "autoregressive"),
+     ['spec.topology.stages[0].kind: "autoregressive" is not one of ar, diffusion, generation']),
+    ("unknown engine",
+     lambda d: stages(d)[0].__setitem__("engine", "tensorrt"),
+     ['spec.topology.stages[0].engine: "tensorrt" is not one of vllm, transformers, diffusers']),
+    ("engine cannot serve kind",
+     lambda d: stages(d)[2].__setitem__("engine", "vllm"),
+     ['spec.topology.stages[2].engine: engine "vllm" cannot serve a "generation" stage']),
+    ("duplicate stage",
+     lambda d: stages(d)[2].__setitem__("name", "talker"),
+     ['spec.topology.stages[2].name: duplicate stage name "talker"']),
+    ("bad stage name",
+     lambda d: stages(d)[0].__setitem__("name", "Thinker_1"),
+     ['spec.topology.stages[0].name: "Thinker_1" must be lower-case']),
+    ("missing deployment entry",
+     lambda d: deploy(d)["stages"].pop("talker"),
+     ['spec.deployment.stages: missing entry for stage "talker"']),
+    ("deployment entry for unknown stage",
+     lambda d: deploy(d)["stages"].__setitem__("talkr", {"replicas": 1}),
+     ['spec.deployment.stages.talkr: unknown stage "talkr" (did you mean "talker"?)']),
+    ("negative replicas",
+     lambda d: deploy(d)["stages"]["thinker"].__setitem__("replicas", -1),
+     ["spec.deployment.stages.thinker.replicas: must be >= 0, got -1"]),
+    ("replicas not an int",
+     lambda d: deploy(d)["stages"]["thinker"].__setitem__("replicas", "two"),
+     ['spec.deployment.stages.thinker.replicas: must be an integer, got "two"']),
+    ("output modality not emitted",
+     lambda d: d["spec"]["topology"]["outputs"].append({"modality": "image", "stage": "code2wav"}),
+     ['spec.topology.outputs[2].stage: stage "code2wav" does not emit image']),
+    ("output from unknown stage",
+     lambda d: d["spec"]["topology"]["outputs"][1].__setitem__("stage", "vocoder"),
+     ['spec.topology.outputs[1].stage: unknown stage "vocoder"']),
+    ("stage feeding no output",
+     lambda d: d["spec"]["topology"]["outputs"].pop(1),
+     ['spec.topology.stages[1]: stage "talker" feeds no pipeline output',
+      'spec.topology.stages[2]: stage "code2wav" feeds no pipeline output']),
+    ("typo in a field name",
+     lambda d: stages(d)[0].__setitem__("chunksize", 4),
+     ['spec.topology.stages[0].chunksize: unknown field (did you mean "chunkSize"?)']),
+    ("negative chunk size",
+     lambda d: stages(d)[0].__setitem__("chunkSize", -4),
+     ["spec.topology.stages[0].chunkSize: must be >= 0, got -4"]),
+    ("unknown emit",
+     lambda d: stages(d)[0].__setitem__("emits", ["text", "smell"]),
+     ['spec.topology.stages[0].emits[1]: "smell" is not one of']),
+    ("bad transport",
+     lambda d: stages(d)[1]["inputs"][0].__setitem__("transport", "carrier-pigeon"),
+     ['spec.topology.stages[1].inputs[0].transport: "carrier-pigeon" is not one of auto, inline, shm, ucx']),
+    ("bad rollout strategy",
+     lambda d: deploy(d)["rollout"].__setitem__("strategy", "AllAtOnce"),
+     ['spec.deployment.rollout.strategy: "AllAtOnce" is not one of OneStageAtATime, Parallel']),
+    ("rollout order names unknown stage",
+     lambda d: deploy(d)["rollout"].__setitem__("order", ["talker", "vocoder"]),
+     ['spec.deployment.rollout.order[1]: unknown stage "vocoder"']),
+    ("bad quantity",
+     lambda d: deploy(d)["stages"]["thinker"]["resources"]["requests"].__setitem__("memory", "lots"),
+     ['spec.deployment.stages.thinker.resources.requests.memory: not a resource quantity: "lots"']),
+    ("bad dtype",
+     lambda d: deploy(d)["stages"]["thinker"].__setitem__("dtype", "int4"),
+     ['spec.deployment.stages.thinker.dtype: "int4" is not one of auto, float32, float16, bfloat16']),
+    ("scheduler bound",
+     lambda d: deploy(d)["stages"]["thinker"].__setitem__("scheduler", {"maxBatch": 0}),
+     ["spec.deployment.stages.thinker.scheduler.maxBatch: must be >= 1, got 0"]),
+    ("limits default above max",
+     lambda d: d["spec"]["topology"]["limits"].__setitem__("maxTokens", 8),
+     ["spec.topology.limits.defaultMaxTokens: must be <= maxTokens (8), got 16"]),
+    ("wrong apiVersion",
+     lambda d: d.__setitem__("apiVersion", "omnistage.io/v1"),
+     ['apiVersion: must be "omnistage.io/v1alpha1", got "omnistage.io/v1"']),
+    ("no stages",
+     lambda d: d["spec"]["topology"].__setitem__("stages", []),
+     ["spec.topology.stages: must not be empty"]),
+    ("stages not a list",
+     lambda d: d["spec"]["topology"].__setitem__("stages", {"thinker": {}}),
+     ["spec.topology.stages: must be a list, got a mapping"]),
+    ("missing required stage fields",
+     lambda d: stages(d).__setitem__(0, {"name": "thinker"}),
+     ["spec.topology.stages[0].kind: required field is missing",
+      "spec.topology.stages[0].engine: required field is missing",
+      "spec.topology.stages[0].model: required field is missing",
+      "spec.topology.stages[0].emits: required field is missing"]),
+]
+
+
+@pytest.mark.parametrize("name,edit,expected", BAD, ids=[b[0] for b in BAD])
+def test_bad_files_are_refused_with_field_paths(name, edit, expected):
+    doc = variant(edit)
+    with pytest.raises(SpecError) as exc:
+        parse_pipeline(doc)
+    messages = [str(e) for e in exc.value.errors]
+    for want in expected:
+        assert any(m.startswith(want) for m in messages), f"{want!r} not in {messages}"
+
+
+def test_every_error_is_reported_at_once():
+    def many(d):
+        stages(d)[1]["inputs"][0]["stage"] = "talkr"
+        deploy(d)["stages"]["thinker"]["replicas"] = -2
+        stages(d)[0]["kind"] = "x"
+
+    errors = validate(variant(many))
+    assert len(errors) >= 3
+    paths = {e.path for e in errors}
+    assert {"spec.topology.stages[1].inputs[0]", "spec.deployment.stages.thinker.replicas",
+            "spec.topology.stages[0].kind"} <= paths
+
+
+def test_yaml_errors_name_the_source():
+    with pytest.raises(SpecError, match="x.yaml: not valid YAML"):
+        parse_pipeline_yaml("spec: [unclosed", source="x.yaml")
+    with pytest.raises(SpecError, match="expected exactly one YAML document, found 2"):
+        parse_pipeline_yaml("a: 1\n---\nb: 2\n", source="x.yaml")
+
+
+def test_missing_file_is_a_spec_error(tmp_path):
+    with pytest.raises(SpecError, match="cannot read file"):
+        load_pipeline(tmp_path / "nope.yaml")
+
+
+def test_not_a_mapping():
+    assert [str(e) for e in validate([1, 2])] == ["<root>: must be a mapping, got a list"]
+
+
+def test_defaults_fill_in():
+    doc = variant(lambda d: deploy(d).__setitem__("stages", {"thinker": None, "talker": {}, "code2wav": {}}))
+    p = parse_pipeline(doc)
+    t = p.deployment.stages["thinker"]
+    assert t.replicas == 1 and t.dtype == "auto" and t.scheduler.max_batch == 8 and t.tensor_parallel == 1
