@@ -1,0 +1,85 @@
+"""kopf wiring, nothing else: watch OmniPipelines and their children into the work queue, serve the
+validating webhook, start and stop the reconcile workers.
+
+Run: `python -m kopf run -m omnistage_operator.handlers --all-namespaces` (or `--namespace=NS`).
+Watch events only enqueue; the reconcile is level-based (reconcile.py), so kopf keeps no per-object
+state: no annotations, no finalizers, no writes of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import kopf
+
+from . import spec as k
+from .config import from_env
+from .kube import Kube
+from .reconcile import reconcile
+from .workqueue import WorkQueue, resync, worker
+
+# Children whose changes (or deletion) bring their pipeline back into the queue.
+CHILD_RESOURCES = (
+    dict(group="", version="v1", plural="configmaps"),
+    dict(group="", version="v1", plural="services"),
+    dict(group="", version="v1", plural="serviceaccounts"),
+    dict(group="apps", version="v1", plural="deployments"),
+    dict(group="policy", plural="poddisruptionbudgets"),
+    dict(group="networking.k8s.io", version="v1", plural="networkpolicies"),
+    dict(group="rbac.authorization.k8s.io", version="v1", plural="roles"),
+    dict(group="rbac.authorization.k8s.io", version="v1", plural="rolebindings"),
+)
+WEBHOOK_ID = "validate-omnipipeline"   # the webhook path is /validate-omnipipeline
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
+    cfg = from_env()
+    settings.peering.standalone = True          # one replica (the chart uses Recreate)
+    settings.posting.level = logging.WARNING    # Events come from the reconcile, not from kopf's logs
+    if cfg.webhook != "off":
+        settings.admission.server = kopf.WebhookServer(
+            addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host or cfg.webhook_addr,
+            certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
+        if cfg.webhook == "managed":
+            settings.admission.managed = f"{k.PLURAL}.{k.GROUP}"
+    kube = await asyncio.to_thread(Kube)
+    memo.queue = WorkQueue()
+    run = functools.partial(reconcile, kube, cfg)
+    memo.tasks = [asyncio.create_task(worker(memo.queue, run, f"worker-{i}")) for i in range(cfg.workers)]
+    memo.tasks.append(asyncio.create_task(resync(memo.queue, cfg.resync_seconds)))
+    logger.info("omnistage operator: %d workers, PodDisruptionBudget %s, models %s, webhook %s",
+                cfg.workers, kube.pdb_api_version, cfg.model_volume, cfg.webhook)
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_) -> None:
+    for task in getattr(memo, "tasks", ()):
+        task.cancel()
+    await asyncio.gather(*getattr(memo, "tasks", ()), return_exceptions=True)
+
+
+@kopf.on.event(k.GROUP, k.VERSION, k.PLURAL)
+async def pipeline_event(type: str | None, name: str, namespace: str, memo: kopf.Memo, **_) -> None:  # noqa: A002
+    if type == "DELETED":
+        memo.queue.forget((namespace, name))
+    else:
+        memo.queue.add((namespace, name))
+
+
+async def child_event(labels: dict, namespace: str, memo: kopf.Memo, **_) -> None:
+    memo.queue.add((namespace, labels[k.LABEL_PIPELINE]))
+
+
+for _resource in CHILD_RESOURCES:
+    kopf.on.event(**_resource, labels={k.LABEL_PIPELINE: kopf.PRESENT},
+                  id=f"child-{_resource['plural']}")(child_event)
+
+
+@kopf.on.validate(k.GROUP, k.VERSION, k.PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
+def validate(body: kopf.Body, **_) -> None:
+    errors = k.validation_errors(body)
+    if errors:
+        raise kopf.AdmissionError("\n".join(str(e) for e in errors), code=422)

@@ -1,0 +1,142 @@
+"""The operator's one door to the API server (blocking calls, run in worker threads): read an
+OmniPipeline and its children, create / merge-patch / delete children, patch status, post Events.
+Every write goes through here, so writes can be counted."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import kubernetes
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
+
+from . import spec as k
+from .conditions import now_rfc3339
+
+log = logging.getLogger("omnistage.operator")
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def load_client_config() -> kubernetes.client.ApiClient:
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.ApiClient()
+
+
+def served_pdb_version(api_client: kubernetes.client.ApiClient) -> str:
+    """policy/v1 where served (Kubernetes >= 1.21), else policy/v1beta1."""
+    groups = kubernetes.client.ApisApi(api_client).get_api_versions().groups
+    policy = next((g for g in groups if g.name == "policy"), None)
+    versions = {v.version for v in policy.versions} if policy else set()
+    return "policy/v1" if "v1" in versions else "policy/v1beta1"
+
+
+class Kube:
+    def __init__(self, api_client: kubernetes.client.ApiClient | None = None):
+        self.api_client = api_client or load_client_config()
+        self.dyn = DynamicClient(self.api_client)
+        self.pdb_api_version = served_pdb_version(self.api_client)
+        self.child_kinds = (("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("v1", "Service"),
+                            ("apps/v1", "Deployment"), (self.pdb_api_version, "PodDisruptionBudget"),
+                            ("networking.k8s.io/v1", "NetworkPolicy"),
+                            ("rbac.authorization.k8s.io/v1", "Role"),
+                            ("rbac.authorization.k8s.io/v1", "RoleBinding"))
+        # Resolve every resource once, here: discovery caches are not safe to fill from many threads.
+        self._resources = {kind: self.dyn.resources.get(api_version=av, kind=kind) for av, kind in self.child_kinds}
+        self._pipelines = self.dyn.resources.get(api_version=k.API_VERSION, kind="OmniPipeline")
+        self._events = self.dyn.resources.get(api_version="v1", kind="Event")
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.writes = 0
+
+    def _wrote(self) -> None:
+        with self._lock:
+            self.writes += 1
+        self._local.writes = self.thread_writes() + 1
+
+    def thread_writes(self) -> int:
+        """Writes made so far by the calling thread (a reconcile runs in one thread)."""
+        return getattr(self._local, "writes", 0)
+
+    # ----------------------------------------------------------------------------- reads
+
+    def get_pipeline(self, namespace: str, name: str) -> dict | None:
+        try:
+            return self._pipelines.get(name=name, namespace=namespace).to_dict()
+        except NotFoundError:
+            return None
+
+    def list_children(self, namespace: str, pipeline: str) -> dict[tuple[str, str], dict]:
+        """Every child carrying the pipeline's label, by (kind, name)."""
+        out = {}
+        for kind, res in self._resources.items():
+            for obj in res.get(namespace=namespace, label_selector=f"{k.LABEL_PIPELINE}={pipeline}").items:
+                obj = obj.to_dict()
+                out[(kind, obj["metadata"]["name"])] = obj
+        return out
+
+    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        try:
+            return self._resources[kind].get(name=name, namespace=namespace).to_dict()
+        except NotFoundError:
+            return None
+
+    # ---------------------------------------------------------------------------- writes
+
+    def create(self, obj: dict) -> dict | None:
+        """The created object, or None when one of that name exists already."""
+        try:
+            out = self._resources[obj["kind"]].create(body=obj, namespace=obj["metadata"]["namespace"])
+        except ConflictError:
+            return None
+        finally:
+            self._wrote()
+        return out.to_dict()
+
+    def patch(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        self._wrote()
+        return self._resources[obj["kind"]].patch(body=obj, name=meta["name"], namespace=meta["namespace"],
+                                                  content_type=MERGE_PATCH).to_dict()
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self._wrote()
+        try:
+            self._resources[kind].delete(name=name, namespace=namespace)
+        except NotFoundError:
+            pass
+
+    def patch_status(self, namespace: str, name: str, status_patch: dict) -> None:
+        self._wrote()
+        self._pipelines.status.patch(body={"status": status_patch}, name=name, namespace=namespace,
+                                     content_type=MERGE_PATCH)
+
+    def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
+        meta = owner["metadata"]
+        now = now_rfc3339()
+        self._wrote()
+        try:
+            self._events.create(namespace=meta["namespace"], body={
+                "apiVersion": "v1", "kind": "Event",
+                "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+                "involvedObject": {"apiVersion": owner.get("apiVersion", k.API_VERSION), "kind": "OmniPipeline",
+                                   "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid"),
+                                   "resourceVersion": meta.get("resourceVersion")},
+                "type": type_, "reason": reason, "message": message[:1024], "count": 1,
+                "firstTimestamp": now, "lastTimestamp": now,
+                "source": {"component": k.MANAGED_BY}, "reportingComponent": k.MANAGED_BY})
+        except kubernetes.client.ApiException as e:   # an Event is best effort; never fail a reconcile on it
+            log.warning("could not post event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
+
+
+def owned_by(obj: dict, owner_uid: str) -> bool:
+    return any(ref.get("uid") == owner_uid for ref in obj["metadata"].get("ownerReferences") or ())
+
+
+def controller_uid(obj: dict) -> str | None:
+    return next((ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or () if ref.get("controller")),
+                None)

@@ -1,0 +1,140 @@
+"""One reconcile of one OmniPipeline, as a short narrative: read -> parse -> build -> adopt ->
+apply (rollout-gated for Deployments) -> prune -> status. Level-based and idempotent: a pass with
+nothing to change makes no API writes at all."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import kopf
+
+from omnistage.spec import Pipeline, SpecError
+
+from . import spec as k
+from .builders import Children, build_children
+from .compare import matches
+from .conditions import now_rfc3339
+from .config import OperatorConfig
+from .kube import Kube, controller_uid, owned_by
+from .rollout import UnitState, deployment_rolled_out, plan_rollout, rollout_order
+from .status import build_status, invalid_status, status_patch, unit_counts
+
+log = logging.getLogger("omnistage.operator")
+# While something rolls, look again this often even if no watch event arrives.
+PROGRESS_REQUEUE_SECONDS = 5.0
+
+
+@dataclass
+class Outcome:
+    writes: int = 0
+    gone: bool = False            # the pipeline no longer exists: stop tracking it
+    requeue_after: float | None = None
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+
+def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Outcome:
+    body = kube.get_pipeline(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return Outcome(gone=True)   # the garbage collector removes what it owned
+    out = Outcome()
+    writes_before = kube.thread_writes()
+    generation = body["metadata"].get("generation", 0)
+    try:
+        pipeline = k.parse(body)
+    except SpecError as e:
+        _refuse(kube, body, [str(x) for x in e.errors])
+        raise kopf.PermanentError(f"{namespace}/{name}: invalid spec: {e}") from None
+
+    children = build_children(pipeline, cfg, kube.pdb_api_version)
+    kopf.adopt(children.all(), owner=body)
+    live = kube.list_children(namespace, name)
+    uid = body["metadata"]["uid"]
+
+    for obj in children.all():   # everything but Deployments goes in place at once
+        if obj["kind"] != "Deployment":
+            _ensure(kube, obj, live, uid, out)
+
+    deployments = _unit_deployments(pipeline, children)
+    observed = {unit: live.get(("Deployment", d["metadata"]["name"])) for unit, d in deployments.items()}
+    units = [UnitState(unit, exists=observed[unit] is not None,
+                       in_sync=observed[unit] is not None and matches(d, observed[unit]),
+                       rolled_out=deployment_rolled_out(observed[unit])[0])
+             for unit, d in deployments.items()]
+    plan = plan_rollout(units, pipeline.deployment.rollout.strategy, rollout_order(pipeline))
+    for unit in plan.apply:
+        observed[unit] = _ensure(kube, deployments[unit], live, uid, out)
+
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in children.all()}
+    for (kind, child), obj in sorted(live.items()):
+        if (kind, child) not in wanted and owned_by(obj, uid):   # e.g. a stage taken out of the topology
+            kube.delete(kind, namespace, child)
+            out.deleted.append(f"{kind}/{child}")
+
+    if out.created or out.updated or out.deleted:
+        kube.post_event(body, "Normal", "ChildrenApplied", _summary(out))
+    new = build_status(
+        body.get("status"), generation=generation,
+        stages={s.name: unit_counts(pipeline.deployment.stages[s.name].replicas, observed[s.name])
+                for s in pipeline.stages},
+        orchestrator=unit_counts(pipeline.deployment.orchestrator.replicas, observed[k.ORCHESTRATOR]),
+        deployments=observed, plan=plan, endpoint=k.orchestrator_endpoint(pipeline.name, namespace),
+        now=now_rfc3339())
+    _write_status(kube, body, new)
+    out.writes = kube.thread_writes() - writes_before
+    out.requeue_after = PROGRESS_REQUEUE_SECONDS if plan.progressing else None
+    return out
+
+
+def _ensure(kube: Kube, desired: dict, live: dict, owner_uid: str, out: Outcome) -> dict:
+    """Create the child, or patch it back to what we want; leave it alone when it already is."""
+    key = (desired["kind"], desired["metadata"]["name"])
+    current = live.get(key)
+    if current is None:
+        created = kube.create(desired)
+        if created is not None:
+            out.created.append("/".join(key))
+            return created
+        # It exists without our label (edited by hand, or someone else's): look at it.
+        current = kube.get(desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"])
+        if current is None:
+            raise kopf.TemporaryError(f"{'/'.join(key)} vanished while being created", delay=1)
+    other = controller_uid(current)
+    if other is not None and other != owner_uid:
+        raise kopf.TemporaryError(f"{'/'.join(key)} exists and is controlled by another object", delay=30)
+    if matches(desired, current):
+        return current
+    out.updated.append("/".join(key))
+    return kube.patch(desired)
+
+
+def _unit_deployments(p: Pipeline, children: Children) -> dict[str, dict]:
+    units = {name: sc.deployment for name, sc in children.stages.items()}
+    units[k.ORCHESTRATOR] = children.orchestrator_deployment
+    return units
+
+
+def _refuse(kube: Kube, body: dict, errors: list[str]) -> None:
+    """Ready=False/InvalidSpec and a Warning Event, once per distinct problem; nothing is created."""
+    new = invalid_status(body.get("status"), generation=body["metadata"].get("generation", 0), errors=errors,
+                         now=now_rfc3339())
+    if _write_status(kube, body, new):
+        kube.post_event(body, "Warning", k.R_INVALID_SPEC, "; ".join(errors))
+    log.warning("%s/%s: invalid spec: %s", body["metadata"]["namespace"], body["metadata"]["name"],
+                "; ".join(errors))
+
+
+def _write_status(kube: Kube, body: dict, new: dict) -> bool:
+    patch = status_patch(k.plain(body.get("status")), new)
+    if patch is None:
+        return False
+    kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)
+    return True
+
+
+def _summary(out: Outcome) -> str:
+    parts = [f"{verb}: {', '.join(items)}" for verb, items in
+             (("created", out.created), ("updated", out.updated), ("deleted", out.deleted)) if items]
+    return "; ".join(parts)

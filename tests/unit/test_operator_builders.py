@@ -1,0 +1,235 @@
+"""Builders: what an OmniPipeline becomes on a cluster, checked field by field (no cluster)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from omnistage_operator import spec as k
+from omnistage_operator.builders import build_children, config_hash
+from omnistage_operator.config import ModelVolume, OperatorConfig
+
+from ..conftest import EXAMPLES
+
+BASE = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())
+BASE["metadata"]["namespace"] = "team-a"
+CFG = OperatorConfig(model_volume=ModelVolume("hostPath", "/srv/models", "/models"))
+
+
+def children(edit=None, cfg=CFG, pdb="policy/v1"):
+    doc = copy.deepcopy(BASE)
+    if edit:
+        edit(doc)
+    return build_children(k.parse(doc), cfg, pdb)
+
+
+def stage_dep(doc_edit=None, stage="talker", **kw):
+    return children(doc_edit, **kw).stages[stage].deployment
+
+
+def container(d):
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env(c):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def test_one_deployment_service_pdb_per_stage_and_names():
+    c = children()
+    assert sorted(c.stages) == ["code2wav", "talker", "thinker"]
+    for stage, sc in c.stages.items():
+        for obj in (sc.deployment, sc.service, sc.pdb):
+            assert obj["metadata"]["name"] == f"qwen3-omni-tiny-{stage}"
+            assert obj["metadata"]["namespace"] == "team-a"
+            assert obj["metadata"]["labels"][k.LABEL_STAGE] == stage
+    assert c.orchestrator_deployment["metadata"]["name"] == "qwen3-omni-tiny-orchestrator"
+    assert c.orchestrator_service["metadata"]["name"] == "qwen3-omni-tiny-orchestrator"
+    assert c.config_map["metadata"]["name"] == "qwen3-omni-tiny-pipeline"
+    names = [(o["kind"], o["metadata"]["name"]) for o in c.all()]
+    assert len(names) == len(set(names)) == 16
+    assert all(o["metadata"]["labels"][k.LABEL_PIPELINE] == "qwen3-omni-tiny" for o in c.all())
+
+
+def test_config_map_holds_the_clean_pipeline():
+    doc = copy.deepcopy(BASE)
+    doc["metadata"].update(uid="u1", resourceVersion="42", generation=3, annotations={"x": "y"})
+    doc["status"] = {"observedGeneration": 2}
+    cm = build_children(k.parse(doc), CFG).config_map
+    rendered = yaml.safe_load(cm["data"]["pipeline.yaml"])
+    assert rendered["metadata"] == {"name": "qwen3-omni-tiny", "namespace": "team-a"}
+    assert "status" not in rendered
+    assert rendered["spec"] == BASE["spec"]
+
+
+def test_stage_container_command_ports_and_env():
+    c = container(stage_dep())
+    assert c["command"] == ["python", "-m", "stage_service", "--pipeline", "/etc/omnistage/pipeline.yaml",
+                            "--stage", "talker", "--host", "$(POD_IP)", "--port", "50051", "--http-port", "8080"]
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", 50051), ("http", 8080)]
+    e = env(c)
+    assert e["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert e["HOME"] == "/tmp" and e["OMP_NUM_THREADS"] == "1" and e["OMNISTAGE_MODEL_DIR"] == "/models"
+    assert [x["name"] for x in c["env"]][0] == "POD_IP"   # defined before $(POD_IP) is used
+
+
+def test_stage_env_from_the_spec_overrides_defaults():
+    c = container(stage_dep(lambda d: d["spec"]["deployment"]["stages"]["talker"].update(
+        env={"OMP_NUM_THREADS": "4", "UCX_TLS": "tcp"})))
+    e = env(c)
+    assert e["OMP_NUM_THREADS"] == "4" and e["UCX_TLS"] == "tcp"
+    assert len(c["env"]) == len(e)   # no duplicate names
+
+
+def test_probes_drain_and_grace():
+    d = stage_dep(lambda d: d["spec"]["deployment"]["stages"]["talker"].update(drainSeconds=12.5))
+    c = container(d)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["lifecycle"]["preStop"]["httpGet"] == {"path": "/drain", "port": "http"}
+    assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 12.5
+    assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 28
+
+
+def test_non_root_read_only_root_with_tmp_volume():
+    d = stage_dep()
+    pod = d["spec"]["template"]["spec"]
+    c = container(d)
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 1000
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols[mounts["/tmp"]] == {"name": "tmp", "emptyDir": {}}
+    assert vols[mounts["/etc/omnistage"]]["configMap"]["name"] == "qwen3-omni-tiny-pipeline"
+    assert vols[mounts["/models"]]["hostPath"]["path"] == "/srv/models"
+    assert pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("volume, expect", [
+    (ModelVolume("pvc", "models-claim"), {"persistentVolumeClaim": {"claimName": "models-claim", "readOnly": True}}),
+    (ModelVolume("hostPath", "/data/m"), {"hostPath": {"path": "/data/m", "type": "Directory"}}),
+    (ModelVolume("none"), None),
+])
+def test_model_volume_setting(volume, expect):
+    d = stage_dep(cfg=OperatorConfig(model_volume=volume))
+    vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"] for m in container(d)["volumeMounts"]}
+    if expect is None:
+        assert "models" not in vols and "models" not in mounts
+    else:
+        assert {key: v for key, v in vols["models"].items() if key != "name"} == expect
+        assert "models" in mounts
+
+
+def test_gpus_become_nvidia_limits_next_to_the_spec_resources():
+    c = container(stage_dep(lambda d: d["spec"]["deployment"]["stages"]["talker"].update(gpus=2)))
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert c["resources"]["requests"] == {"cpu": "1", "memory": "1Gi"}
+
+
+def test_no_gpus_no_gpu_resource():
+    assert "limits" not in container(stage_dep())["resources"]
+
+
+def test_rollout_strategy_keeps_every_replica_serving():
+    d = stage_dep()
+    assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert d["spec"]["selector"]["matchLabels"] == k.selector("qwen3-omni-tiny", "stage", "talker")
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() >= d["spec"]["selector"]["matchLabels"].items()
+
+
+def test_replicas_and_image_per_stage():
+    def edit(d):
+        d["spec"]["deployment"]["stages"]["talker"].update(replicas=3, image="reg/omni:2")
+    c = children(edit)
+    assert c.stages["talker"].deployment["spec"]["replicas"] == 3
+    assert container(c.stages["talker"].deployment)["image"] == "reg/omni:2"
+    assert container(c.stages["thinker"].deployment)["image"] == "ghcr.io/omnistage/omnistage:0.1.0"
+
+
+def test_changing_one_stage_changes_only_that_stages_deployment():
+    before = children()
+    after = children(lambda d: d["spec"]["deployment"]["stages"]["talker"].update(image="reg/omni:2"))
+    assert before.stages["talker"].deployment != after.stages["talker"].deployment
+    for stage in ("thinker", "code2wav"):
+        assert before.stages[stage].deployment == after.stages[stage].deployment
+    assert before.orchestrator_deployment == after.orchestrator_deployment
+
+
+def test_config_hash_rolls_on_topology_but_not_on_scaling():
+    doc = copy.deepcopy(BASE)
+    base = k.parse(doc)
+    doc["spec"]["deployment"]["stages"]["talker"]["replicas"] = 4
+    scaled = k.parse(doc)
+    assert config_hash(base, "talker") == config_hash(scaled, "talker")
+    doc["spec"]["topology"]["stages"][0]["chunkSize"] = 8
+    changed = k.parse(doc)
+    assert all(config_hash(base, s) != config_hash(changed, s) for s in ("thinker", "talker", "code2wav", None))
+    doc2 = copy.deepcopy(BASE)
+    doc2["spec"]["deployment"]["stages"]["talker"]["dtype"] = "bfloat16"
+    talker_only = k.parse(doc2)
+    assert config_hash(base, "talker") != config_hash(talker_only, "talker")
+    assert config_hash(base, "thinker") == config_hash(talker_only, "thinker")
+
+
+def test_stage_service_is_headless_with_named_ports():
+    svc = children().stages["thinker"].service
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == k.selector("qwen3-omni-tiny", "stage", "thinker")
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
+        ("grpc", 50051, "grpc"), ("http", 8080, "http")]
+
+
+@pytest.mark.parametrize("version", ["policy/v1", "policy/v1beta1"])
+def test_pdb_uses_the_served_version(version):
+    pdb = children(pdb=version).stages["thinker"].pdb
+    assert pdb["apiVersion"] == version
+    assert pdb["spec"] == {"maxUnavailable": 1,
+                           "selector": {"matchLabels": k.selector("qwen3-omni-tiny", "stage", "thinker")}}
+
+
+def test_orchestrator_deployment_uses_kubernetes_discovery_and_its_own_account():
+    c = children()
+    d = c.orchestrator_deployment
+    oc = container(d)
+    assert oc["command"] == ["python", "-m", "orchestrator_service", "--pipeline", "/etc/omnistage/pipeline.yaml",
+                             "--host", "$(POD_IP)", "--port", "50051", "--http-port", "8080",
+                             "--discovery", "kubernetes", "--namespace", "team-a"]
+    pod = d["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "qwen3-omni-tiny-orchestrator"
+    assert pod["automountServiceAccountToken"] is True
+    assert "OMNISTAGE_MODEL_DIR" not in env(oc)
+    assert d["spec"]["replicas"] == 1
+    assert c.orchestrator_service["spec"]["type"] == "ClusterIP"
+
+
+def test_orchestrator_may_only_read_endpoints():
+    sa, role, binding = children().orchestrator_access
+    assert sa["kind"] == "ServiceAccount"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                    "namespace": "team-a"}]
+
+
+def test_network_policy_admits_only_the_pipeline_pods():
+    np = children().network_policy
+    assert np["spec"]["podSelector"]["matchLabels"] == {k.LABEL_PIPELINE: "qwen3-omni-tiny",
+                                                        k.LABEL_COMPONENT: "stage"}
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {k.LABEL_PIPELINE: "qwen3-omni-tiny"}}}]}]
+
+
+def test_network_policy_metrics_scrapers_reach_only_http():
+    cfg = OperatorConfig(model_volume=CFG.model_volume, metrics_namespace_label=("team", "monitoring"))
+    rules = children(cfg=cfg).network_policy["spec"]["ingress"]
+    assert rules[1] == {"from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}],
+                        "ports": [{"protocol": "TCP", "port": "http"}]}
+
+
+def test_builders_are_deterministic():
+    assert children().all() == children().all()
