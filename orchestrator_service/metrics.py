@@ -23,5 +23,22 @@ class OrchestratorMetrics:
         self.stage_ms = Histogram("omnistage_stage_time_ms", "Per-stage time of a request (ms) by part "
                                   "(queue, compute, transfer, first_chunk, total)", ["stage", "part"],
                                   buckets=_MS, registry=r)
+        self.retries = Counter("omnistage_stage_retries", "Stage calls retried on another replica", ["stage"],
+                               registry=r)
+        self.waiting_peak = Gauge("omnistage_admission_queue_peak", "Most requests ever waiting for admission",
+                                  registry=r)
+        self.committed = Gauge("omnistage_stage_committed", "Admitted requests committed to a stage",
+                               ["stage"], registry=r)
+        self.committed_peak = Gauge("omnistage_stage_committed_peak", "Most requests ever committed to a stage",
+                                    ["stage"], registry=r)
+        self.capacity = Gauge("omnistage_stage_capacity", "Requests a stage's ready replicas can hold",
+                              ["stage"], registry=r)
         self.stage_errors = Counter("omnistage_stage_errors", "Stage calls that failed", ["stage", "code"],
                                     registry=r)
+
+    def observe_admission(self, admission) -> None:
+        self.waiting_peak.set(admission.peak_queued)
+        for stage, n in admission.committed.items():
+            self.committed.labels(stage).set(n)
+            self.committed_peak.labels(stage).set(admission.peak_committed.get(stage, n))
+            self.capacity.labels(stage).set(admission.capacity(stage))

@@ -1,9 +1,15 @@
 """One request's walk through the stage graph.
 
 Entry stages are called at once; a downstream stage is called when the first
-chunk of its input exists, and every chunk descriptor is forwarded the moment
-it arrives, so stages overlap. Output-stage chunks become client events. Any
-stage failing cancels every other stage call of the request.
+chunk of its input exists, and every chunk is forwarded the moment it
+arrives, so stages overlap. Output-stage chunks become client events.
+
+A stage replica that fails mid-request is replaced by another replica of the
+stage when its inputs are still held (the chunks forwarded to it are kept
+until it finishes, within a byte budget) and none of its output has reached
+the client; the new replica gets the same header and inputs, and chunks it
+repeats (ids already handled) go nowhere. Otherwise the client gets
+UNAVAILABLE naming the stage, and every other stage call is cancelled.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -21,6 +27,10 @@ from omnistage.v1 import common_pb2, orchestrator_pb2, stage_pb2
 
 from .outputs import OutputAssembler
 from .routing import NoReplica, Replica, Router
+
+# Failures another replica may not repeat. Bad input, deadlines and cancels are the request's own.
+RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS}
 
 
 class StageFailed(Exception):
@@ -40,6 +50,10 @@ def client_status(stage: str, code: grpc.StatusCode, details: str) -> tuple[grpc
     return grpc.StatusCode.UNAVAILABLE, f"stage {stage} failed: {details or code.name}"
 
 
+class _Incomplete(Exception):
+    """The stream ended without end of stream: the replica went away."""
+
+
 @dataclass
 class StageTiming:
     replica: str = ""
@@ -51,6 +65,23 @@ class StageTiming:
     transfer_ms: float = 0.0
     chunks: int = 0
     attempts: int = 0
+
+
+@dataclass
+class _StageCall:
+    """The request's current call on one stage and what it has been sent and has given back."""
+
+    call: grpc.aio.StreamStreamCall | None = None
+    replica: Replica | None = None
+    tried: set[str] = field(default_factory=set)
+    inputs_log: list[stage_pb2.Chunk] = field(default_factory=list)  # for replay on another replica
+    log_bytes: int = 0
+    log_complete: bool = True
+    ended_inputs: set[str] = field(default_factory=set)
+    delivered: int = 0          # output chunks (ids 0..delivered-1) already forwarded / sent to the client
+    client_saw: bool = False    # some of this stage's output reached the client
+    finished: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 @dataclass
@@ -67,37 +98,29 @@ class RequestRun:
     params: common_pb2.GenerationParams
     outputs: dict[str, str]  # stage -> modality, for the outputs this request asked for
     deadline: float | None = None  # time.time() seconds
+    max_attempts: int = 3
+    max_replay_bytes: int = 64 << 20
+    on_stage_done: Callable[[str], None] = lambda stage: None
     max_buffered_events: int = 64
     timings: dict[str, StageTiming] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.needed = self._needed_stages()
+        self.needed = needed_stages(self.pipeline, set(self.outputs))
         self.assembler = OutputAssembler(self.request_id)
         self._events: asyncio.Queue = asyncio.Queue(self.max_buffered_events)
-        self._calls: dict[str, grpc.aio.StreamStreamCall] = {}
-        self._replicas: dict[str, Replica] = {}
+        self._stages = {s: _StageCall() for s in self.needed}
         self._tasks: dict[str, asyncio.Task] = {}
-        self._ended_inputs: dict[str, set[str]] = {s: set() for s in self.needed}
         self._inputs = {s.name: [e.source for e in s.inputs if e.source in self.needed]
-                        for s in pipeline_stages(self.pipeline, self.needed)}
-        self._open_lock = asyncio.Lock()
+                        for s in self.pipeline.stages if s.name in self.needed}
+        self._consumers = {s: [c for c, srcs in self._inputs.items() if s in srcs] for s in self.needed}
         self._active = 0  # stage calls whose outputs are still being pumped
         self.started = time.perf_counter()
         self.first_output: float | None = None
         self.finish_reason = ""
 
-    def _needed_stages(self) -> set[str]:
-        graph = {s.name: [e.source for e in s.inputs] for s in self.pipeline.stages}
-        needed, todo = set(self.outputs), list(self.outputs)
-        while todo:
-            for src in graph[todo.pop()]:
-                if src not in needed:
-                    needed.add(src)
-                    todo.append(src)
-        return needed
-
+    # ------------------------------------------------------------- public
     async def events(self) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
-        """Client events as they appear; raises StageFailed when a stage fails."""
+        """Client events as they appear; raises StageFailed when a stage fails for good."""
         try:
             for st in self.pipeline.stages:
                 if st.name in self.needed and not self._inputs[st.name]:
@@ -117,8 +140,9 @@ class RequestRun:
 
     async def cancel(self) -> None:
         """Cancel every stage call still running (client gone, deadline, or a failed stage)."""
-        for call in self._calls.values():
-            call.cancel()
+        for sc in self._stages.values():
+            if sc.call is not None and not sc.finished:
+                sc.call.cancel()
         for t in self._tasks.values():
             t.cancel()
         for t in self._tasks.values():
@@ -128,101 +152,192 @@ class RequestRun:
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.time())
 
-    async def _open(self, stage: str) -> grpc.aio.StreamStreamCall:
-        """Call a replica of `stage` and start pumping its outputs."""
-        async with self._open_lock:
-            if stage in self._calls:
-                return self._calls[stage]
-            replica = self.router.pool(stage).choose()
-            replica.outstanding += 1
-            self._replicas[stage] = replica
-            timing = self.timings.setdefault(stage, StageTiming())
-            timing.replica, timing.dispatched, timing.attempts = replica.address, time.perf_counter(), timing.attempts + 1
-            call = replica.stub.Process(timeout=self.remaining())
-            self._calls[stage] = call
-            header = stage_pb2.StageRequestHeader(
-                request_id=self.request_id, params=self.params, inline_outputs=stage in self.outputs,
-                deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0)
-            try:
-                await call.write(stage_pb2.StageInput(header=header))
-                if not self._inputs[stage]:
-                    await call.done_writing()
-            except BaseException:
-                replica.outstanding -= 1
-                raise
-            self._active += 1
-            self._tasks[stage] = asyncio.create_task(self._pump(stage, call, replica), name=f"pump-{stage}")
-            return call
+    @property
+    def held_bytes(self) -> int:
+        return sum(sc.log_bytes for sc in self._stages.values())
 
-    async def _pump(self, stage: str, call: grpc.aio.StreamStreamCall, replica: Replica) -> None:
-        error: BaseException | None = None
-        timing = self.timings[stage]
-        consumers = [s for s, srcs in self._inputs.items() if stage in srcs]
-        modality = self.outputs.get(stage)
+    # ----------------------------------------------------------- dispatch
+    async def _open(self, stage: str) -> None:
+        sc = self._stages[stage]
+        await sc.lock.acquire()
+        handed_over = False
         try:
-            ended = False
-            async for out in call:
-                chunk = out.chunk
-                now = time.perf_counter()
-                if timing.first_chunk is None:
-                    timing.first_chunk = now
-                timing.chunks += 1
-                timing.queue_ms += chunk.timing.queue_ms
-                timing.compute_ms += chunk.timing.compute_ms
-                timing.transfer_ms += chunk.timing.transfer_ms
-                if chunk.chunk_id == 0:
-                    self.assembler.count_prompt(chunk)
-                if chunk.finish_reason and modality == "text":
-                    self.finish_reason = chunk.finish_reason
-                for consumer in consumers:
-                    await self._forward(stage, consumer, chunk)
-                if modality:
-                    for ev in self.assembler.events(modality, chunk):
-                        await self._events.put(ev)
-                if chunk.end_of_stream:
-                    ended = True
+            if sc.call is None and not sc.finished:
+                handed_over = await self._dispatch(stage)
+                self._active += 1
+                self._tasks[stage] = asyncio.create_task(self._pump(stage), name=f"pump-{stage}")
+        finally:
+            if not handed_over:
+                sc.lock.release()
+
+    async def _dispatch(self, stage: str) -> bool:
+        """Call a replica of `stage`: the header, then every input held so far.
+
+        The caller holds the stage's lock. When inputs are replayed, the lock passes to the replay
+        task (which releases it when done) and this returns True: chunks forwarded meanwhile wait
+        behind the replay, so the new replica sees every input once and in order."""
+        sc = self._stages[stage]
+        replica = self.router.pool(stage).choose(exclude=sc.tried)
+        sc.tried.add(replica.address)
+        timing = self.timings.setdefault(stage, StageTiming())
+        if not timing.attempts:
+            timing.dispatched = time.perf_counter()
+        timing.replica, timing.attempts = replica.address, timing.attempts + 1
+        call = replica.stub.Process(timeout=self.remaining())
+        replica.outstanding += 1
+        sc.call, sc.replica = call, replica
+        header = stage_pb2.StageRequestHeader(
+            request_id=self.request_id, params=self.params, inline_outputs=stage in self.outputs,
+            deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0)
+        try:
+            await call.write(stage_pb2.StageInput(header=header))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return False  # the call failed already: its pump sees the status and decides
+        if sc.inputs_log:
+            # On its own task, so the pump goes back to reading this call's outputs at once
+            # (a stage may need to emit before it reads more input).
+            self._tasks[f"replay-{stage}-{len(sc.tried)}"] = asyncio.create_task(
+                self._replay(stage, call), name=f"replay-{stage}")
+            return True
+        if sc.ended_inputs >= set(self._inputs[stage]):
+            await _done_writing(call)
+        return False
+
+    async def _replay(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
+        sc = self._stages[stage]
+        try:
+            for chunk in list(sc.inputs_log):
+                await call.write(stage_pb2.StageInput(chunk=chunk))
+            if sc.ended_inputs >= set(self._inputs[stage]):
+                await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the pump sees the failure
+        finally:
+            sc.lock.release()
+
+    async def _forward(self, source: str, consumer: str, chunk: stage_pb2.Chunk) -> None:
+        sc = self._stages[consumer]
+        if sc.finished:
+            return
+        if sc.call is None:
+            try:
+                await self._open(consumer)
+            except NoReplica as e:
+                raise StageFailed(consumer, grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        async with sc.lock:
+            if sc.finished:
+                return
+            if sc.log_complete:
+                size = chunk.ByteSize()
+                if sc.log_bytes + size <= self.max_replay_bytes:
+                    sc.inputs_log.append(chunk)
+                    sc.log_bytes += size
+                else:  # too big to hold for a replay: this stage can no longer be retried
+                    sc.log_complete = False
+                    sc.inputs_log.clear()
+                    sc.log_bytes = 0
+            if chunk.end_of_stream:
+                sc.ended_inputs.add(source)
+            try:
+                await sc.call.write(stage_pb2.StageInput(chunk=chunk))
+                if chunk.end_of_stream and sc.ended_inputs >= set(self._inputs[consumer]):
+                    await sc.call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the consumer's pump sees its failure; the chunk is in the log for a replay
+
+    # -------------------------------------------------------------- pumps
+    async def _pump(self, stage: str) -> None:
+        sc = self._stages[stage]
+        error: BaseException | None = None
+        try:
+            while True:
+                call, replica = sc.call, sc.replica
+                try:
+                    await self._drain(stage, call)
                     break
-            if not ended:
-                raise StageFailed(stage, grpc.StatusCode.UNAVAILABLE,
-                                  f"stage {stage} ended its stream without end of stream", replica.address)
-            timing.finished = time.perf_counter()
-        except grpc.aio.AioRpcError as e:
-            code, message = client_status(stage, e.code(), e.details() or "")
-            error = StageFailed(stage, code, message, replica.address)
-        except NoReplica as e:
-            error = StageFailed(e.stage, grpc.StatusCode.UNAVAILABLE, str(e))
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details() or ""
+                except _Incomplete:
+                    code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without end of stream"
+                finally:
+                    replica.outstanding -= 1
+                await self._retry_or_fail(stage, replica, code, details)
+            sc.finished = True
+            self.timings[stage].finished = time.perf_counter()
+            sc.inputs_log.clear()
+            sc.log_bytes = 0
+            self.on_stage_done(stage)
         except asyncio.CancelledError:
             raise
         except StageFailed as e:
             error = e
+        except NoReplica as e:
+            error = StageFailed(e.stage, grpc.StatusCode.UNAVAILABLE, str(e))
         except Exception as e:  # noqa: BLE001 - reported to the client as this stage's failure
-            error = StageFailed(stage, grpc.StatusCode.UNAVAILABLE, f"stage {stage} failed: {type(e).__name__}: {e}",
-                                replica.address)
-        finally:
-            replica.outstanding -= 1
+            error = StageFailed(stage, grpc.StatusCode.UNAVAILABLE, f"stage {stage} failed: {type(e).__name__}: {e}")
         await self._events.put(_PumpDone(stage, error))
 
-    async def _forward(self, source: str, consumer: str, chunk: stage_pb2.Chunk) -> None:
+    async def _retry_or_fail(self, stage: str, replica: Replica, code: grpc.StatusCode, details: str) -> None:
+        sc = self._stages[stage]
+        timing = self.timings[stage]
+        why = ("its output already reached the client" if sc.client_saw else
+               "its inputs are no longer held" if not sc.log_complete else
+               f"{timing.attempts} attempts made" if timing.attempts >= self.max_attempts else "")
+        if code not in RETRIABLE or why:
+            c, message = client_status(stage, code, details)
+            if c == grpc.StatusCode.UNAVAILABLE and why and code in RETRIABLE:
+                message += f" (replica {replica.address}; not retried: {why})"
+            raise StageFailed(stage, c, message, replica.address)
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.router.report_failure(replica)
+        await sc.lock.acquire()
+        handed_over = False
         try:
-            call = await self._open(consumer)
-        except grpc.aio.AioRpcError as e:  # the consumer failed as it was called: its failure, not ours
-            code, message = client_status(consumer, e.code(), e.details() or "")
-            raise StageFailed(consumer, code, message) from None
-        except NoReplica as e:
-            raise StageFailed(consumer, grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        try:
-            await call.write(stage_pb2.StageInput(chunk=chunk))
-            if chunk.end_of_stream:
-                self._ended_inputs[consumer].add(source)
-                if self._ended_inputs[consumer] >= set(self._inputs[consumer]):
-                    await call.done_writing()
-        except grpc.aio.AioRpcError:
-            pass  # the consumer's own pump reports its failure
-        except asyncio.InvalidStateError:
-            pass  # the consumer already finished (e.g. stopped at its own length limit)
+            handed_over = await self._dispatch(stage)
+        except NoReplica:
+            c, message = client_status(stage, code, details)
+            raise StageFailed(stage, c, f"{message} (replica {replica.address}; no other ready replica)",
+                              replica.address) from None
+        finally:
+            if not handed_over:
+                sc.lock.release()
 
-    def trace(self, admission_wait_ms: float = 0.0) -> "common_pb2.RequestTrace":
-        t0 = self.started
+    async def _drain(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
+        """Handle one call's output chunks until end of stream."""
+        sc = self._stages[stage]
+        timing = self.timings[stage]
+        modality = self.outputs.get(stage)
+        async for out in call:
+            chunk = out.chunk
+            if chunk.chunk_id < sc.delivered:
+                continue  # a retried replica repeating what was already handled
+            if chunk.chunk_id != sc.delivered:
+                raise StageFailed(stage, grpc.StatusCode.UNAVAILABLE,
+                                  f"stage {stage} sent chunk {chunk.chunk_id}, expected {sc.delivered}")
+            now = time.perf_counter()
+            if timing.first_chunk is None:
+                timing.first_chunk = now
+            timing.chunks += 1
+            timing.queue_ms += chunk.timing.queue_ms
+            timing.compute_ms += chunk.timing.compute_ms
+            timing.transfer_ms += chunk.timing.transfer_ms
+            if chunk.chunk_id == 0:
+                self.assembler.count_prompt(chunk)
+            if chunk.finish_reason and modality == "text":
+                self.finish_reason = chunk.finish_reason
+            for consumer in self._consumers[stage]:
+                await self._forward(stage, consumer, chunk)
+            if modality:
+                for ev in self.assembler.events(modality, chunk):
+                    sc.client_saw = True
+                    await self._events.put(ev)
+            sc.delivered += 1
+            if chunk.end_of_stream:
+                return
+        raise _Incomplete()
+
+    # -------------------------------------------------------------- trace
+    def trace(self, admission_wait_ms: float = 0.0) -> common_pb2.RequestTrace:
         end = time.perf_counter()
         stages = []
         for st in self.pipeline.stages:
@@ -231,13 +346,25 @@ class RequestRun:
                 continue
             stages.append(common_pb2.StageTrace(
                 stage=st.name, replica=t.replica, queue_ms=t.queue_ms, compute_ms=t.compute_ms,
-                transfer_ms=t.transfer_ms,
-                first_chunk_ms=((t.first_chunk or end) - t.dispatched) * 1e3,
+                transfer_ms=t.transfer_ms, first_chunk_ms=((t.first_chunk or end) - t.dispatched) * 1e3,
                 total_ms=((t.finished or end) - t.dispatched) * 1e3, chunks=t.chunks, attempts=t.attempts))
         return common_pb2.RequestTrace(admission_wait_ms=admission_wait_ms,
-                                       first_output_ms=((self.first_output or end) - t0) * 1e3,
-                                       total_ms=(end - t0) * 1e3, stages=stages)
+                                       first_output_ms=((self.first_output or end) - self.started) * 1e3,
+                                       total_ms=(end - self.started) * 1e3, stages=stages)
 
 
-def pipeline_stages(pipeline: Pipeline, names: set[str]):
-    return [s for s in pipeline.stages if s.name in names]
+async def _done_writing(call: grpc.aio.StreamStreamCall) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        await call.done_writing()
+
+
+def needed_stages(pipeline: Pipeline, output_stages: set[str]) -> set[str]:
+    """The output stages and every stage upstream of them."""
+    graph = {s.name: [e.source for e in s.inputs] for s in pipeline.stages}
+    needed, todo = set(output_stages), list(output_stages)
+    while todo:
+        for src in graph[todo.pop()]:
+            if src not in needed:
+                needed.add(src)
+                todo.append(src)
+    return needed

@@ -1,20 +1,27 @@
-"""Replicas of each stage and the choice among them: least outstanding work among ready replicas."""
+"""Replicas of each stage, what each can hold, and the choice among them.
+
+Each replica's load and capacity come from its own `GetLoad` answers, polled
+in the background; a replica that is draining, unreachable or just failed gets
+no new work. The choice is the ready replica with the least outstanding work.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage.v1 import stage_pb2_grpc
+from omnistage.spec import Pipeline
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.orchestrator")
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 << 20), ("grpc.max_send_message_length", 512 << 20),
-                   ("grpc.enable_retries", 0)]
+                   ("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 10_000)]
 
 
 class NoReplica(RuntimeError):
@@ -23,15 +30,31 @@ class NoReplica(RuntimeError):
         super().__init__(f"stage {stage}: {why}")
 
 
-@dataclass
+@dataclass(eq=False)
 class Replica:
     stage: str
     address: str
     channel: grpc.aio.Channel
     stub: stage_pb2_grpc.StageServiceStub
-    outstanding: int = 0
-    ready: bool = True
+    default_capacity: int
+    outstanding: int = 0            # calls this orchestrator has open on it
+    reported_load: int = 0          # running + queued, as the replica last said (all orchestrators)
+    capacity: int | None = None     # max_running + max_queued, as the replica last said
+    draining: bool = False
+    reachable: bool = True
     failures: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.reachable and not self.draining
+
+    @property
+    def holds(self) -> int:
+        return self.capacity if self.capacity is not None else self.default_capacity
+
+    @property
+    def load(self) -> int:
+        return max(self.outstanding, self.reported_load)
 
 
 @dataclass
@@ -39,43 +62,110 @@ class StagePool:
     stage: str
     replicas: dict[str, Replica] = field(default_factory=dict)
 
-    def choose(self, exclude: set[str] = frozenset()) -> Replica:
+    def choose(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica:
+        """The ready replica with the least outstanding work (ties: fewer recent failures, then address)."""
         ready = [r for r in self.replicas.values() if r.ready and r.address not in exclude]
         if not ready:
             raise NoReplica(self.stage)
-        return min(ready, key=lambda r: (r.outstanding, r.failures))
+        return min(ready, key=lambda r: (r.load / max(1, r.holds), r.failures, r.address))
+
+    def capacity(self) -> int:
+        return sum(r.holds for r in self.replicas.values() if r.ready)
 
 
 class Router:
     """Channels to every stage replica, kept in step with the endpoints discovery reports."""
 
-    def __init__(self):
-        self.pools: dict[str, StagePool] = {}
+    def __init__(self, pipeline: Pipeline, poll_interval: float = 0.25,
+                 on_change: Callable[[], None] | None = None):
+        self.pipeline = pipeline
+        self.poll_interval = poll_interval
+        self.on_change = on_change or (lambda: None)
+        self.pools: dict[str, StagePool] = {s.name: StagePool(s.name) for s in pipeline.stages}
+        self._pollers: dict[Replica, asyncio.Task] = {}
 
+    def _default_capacity(self, stage: str) -> int:
+        sch = self.pipeline.deployment.stages[stage].scheduler
+        return sch.max_batch + sch.max_queued
+
+    # ------------------------------------------------------------ membership
     def set_endpoints(self, stage: str, addresses: list[str]) -> None:
-        pool = self.pools.setdefault(stage, StagePool(stage))
+        pool = self.pools[stage]
         for addr in set(pool.replicas) - set(addresses):
             r = pool.replicas.pop(addr)
-            asyncio.ensure_future(r.channel.close(grace=30))
+            task = self._pollers.pop(r, None)
+            if task:
+                task.cancel()
+            asyncio.ensure_future(r.channel.close(grace=60))  # lets its in-flight calls finish
             log.info("stage %s: replica %s removed", stage, addr)
         for addr in addresses:
             if addr not in pool.replicas:
                 ch = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
-                pool.replicas[addr] = Replica(stage, addr, ch, stage_pb2_grpc.StageServiceStub(ch))
+                r = Replica(stage, addr, ch, stage_pb2_grpc.StageServiceStub(ch), self._default_capacity(stage))
+                pool.replicas[addr] = r
+                self._start_poller(r)
                 log.info("stage %s: replica %s added", stage, addr)
+        self.on_change()
 
+    def _start_poller(self, r: Replica) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet: start() begins polling
+        if self.poll_interval > 0 and r not in self._pollers:
+            self._pollers[r] = asyncio.create_task(self._poll(r), name=f"poll-{r.stage}-{r.address}")
+
+    def start(self) -> None:
+        for pool in self.pools.values():
+            for r in pool.replicas.values():
+                self._start_poller(r)
+
+    async def _poll(self, r: Replica) -> None:
+        misses = 0
+        while True:
+            try:
+                load = await r.stub.GetLoad(stage_pb2.GetLoadRequest(), timeout=max(1.0, 4 * self.poll_interval))
+                changed = (not r.reachable or r.draining != load.draining or
+                           r.capacity != load.max_running + load.max_queued)
+                r.reported_load = load.running + load.queued
+                r.capacity = load.max_running + load.max_queued
+                r.draining = load.draining
+                r.reachable = True
+                misses = 0
+                if changed:
+                    self.on_change()
+            except grpc.aio.AioRpcError:
+                misses += 1
+                if misses >= 2 and r.reachable:
+                    r.reachable = False
+                    log.warning("stage %s: replica %s unreachable", r.stage, r.address)
+                    self.on_change()
+            except asyncio.CancelledError:
+                raise
+            await asyncio.sleep(self.poll_interval)
+
+    # ----------------------------------------------------------------- use
     def pool(self, stage: str) -> StagePool:
         try:
             return self.pools[stage]
         except KeyError:
-            raise NoReplica(stage, "no replicas known") from None
+            raise NoReplica(stage, "no such stage") from None
+
+    def capacity(self, stage: str) -> int:
+        return self.pools[stage].capacity()
+
+    def report_failure(self, r: Replica) -> None:
+        """A call to `r` failed: no new work until its next successful poll says it is fine."""
+        r.failures += 1
+        r.reachable = False
+        self.on_change()
 
     async def wait_ready(self, timeout: float) -> None:
-        """Block until every replica answers health SERVING (used at start-up)."""
+        """Block until every known replica answers health SERVING (used at start-up)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         for pool in self.pools.values():
-            for r in pool.replicas.values():
+            for r in list(pool.replicas.values()):
                 stub = health_pb2_grpc.HealthStub(r.channel)
                 while True:
                     try:
@@ -89,6 +179,8 @@ class Router:
                     await asyncio.sleep(0.2)
 
     async def close(self) -> None:
+        for t in self._pollers.values():
+            t.cancel()
         for pool in self.pools.values():
             for r in pool.replicas.values():
                 await r.channel.close()

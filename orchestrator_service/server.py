@@ -43,7 +43,7 @@ class OrchestratorServer:
     def __init__(self, pipeline: Pipeline, endpoints: dict[str, list[str]], host: str = "127.0.0.1",
                  port: int = 0, http_port: int | None = None, drain_seconds: float | None = None):
         self.pipeline = pipeline
-        self.router = Router()
+        self.router = Router(pipeline)
         for stage, addrs in endpoints.items():
             self.router.set_endpoints(stage, addrs)
         self.metrics = OrchestratorMetrics()
@@ -63,6 +63,7 @@ class OrchestratorServer:
         await set_serving(self.health, [SERVICE], False)
         self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
         await self.server.start()
+        self.router.start()
         if self.http_port is not None:
             self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
                                         blocking_drain(asyncio.get_running_loop(), self.drain)).start()

@@ -17,7 +17,7 @@ from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from .admission import Admission, Overloaded
 from .metrics import OrchestratorMetrics
 from .outputs import MODALITY_CODES, MODALITY_NAMES
-from .request_run import RequestRun, StageFailed
+from .request_run import RequestRun, StageFailed, needed_stages
 from .routing import Router
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -41,14 +41,24 @@ def requested_outputs(pipeline: Pipeline, request: orchestrator_pb2.GenerateRequ
     return chosen
 
 
+def estimated_cost(p) -> float:
+    """Relative work of a request, for ShortestFirst ordering (pure; units do not matter, order does)."""
+    return float((p.text.max_tokens or 16) + (p.audio.max_codec_frames or 0) +
+                 4 * (p.image.num_inference_steps or 0))
+
+
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, pipeline: Pipeline, router: Router, metrics: OrchestratorMetrics):
         self.pipeline = pipeline
         self.router = router
         self.metrics = metrics
         orc = pipeline.deployment.orchestrator
-        self.admission = Admission(orc.max_inflight, orc.max_queued)
+        self.max_attempts = 1 + orc.max_retries
+        self.admission = Admission(orc.max_inflight, orc.max_queued, capacity=router.capacity,
+                                   fairness=orc.fairness)
+        router.on_change = self.admission.poke
         self.draining = False
+        self.runs: dict[str, RequestRun] = {}
 
     async def Generate(self, request: orchestrator_pb2.GenerateRequest, context):
         m = self.metrics
@@ -68,50 +78,58 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         deadline = time.time() + remaining if remaining is not None else None
         t0 = time.perf_counter()
         outcome = "failed"
+        ticket = None
         try:
-            m.waiting.inc()
+            m.waiting.set(self.admission.queued + 1)
             try:
-                admit = self.admission.admit(request.priority)
-                wait_ms = await admit.__aenter__()
+                ticket = await self.admission.admit(needed_stages(self.pipeline, set(outputs)), request.priority,
+                                                    estimated_cost(request.params))
             finally:
-                m.waiting.dec()
-            try:
-                m.requests.labels("admitted").inc()
-                m.admission_wait_ms.observe(wait_ms)
-                m.inflight.inc()
-                run = RequestRun(self.pipeline, self.router, rid, request.params, outputs, deadline)
-                first = True
-                async for ev in run.events():
-                    if first:
-                        m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
-                        first = False
-                    yield ev
-                final = orchestrator_pb2.Final(finish_reason=run.finish_reason or "stop", usage=run.assembler.usage)
-                trace = run.trace(wait_ms)
-                for st in trace.stages:
-                    for part in ("queue_ms", "compute_ms", "transfer_ms", "first_chunk_ms", "total_ms"):
-                        m.stage_ms.labels(st.stage, part[:-3]).observe(getattr(st, part))
-                if request.return_trace:
-                    final.trace.CopyFrom(trace)
-                yield orchestrator_pb2.GenerateResponse(request_id=rid, final=final)
-                outcome = "finished"
-            finally:
-                m.inflight.dec()
-                await admit.__aexit__(None, None, None)
+                m.waiting.set(self.admission.queued)
+            m.requests.labels("admitted").inc()
+            m.admission_wait_ms.observe(ticket.wait_ms)
+            m.inflight.set(self.admission.inflight)
+            run = RequestRun(self.pipeline, self.router, rid, request.params, outputs, deadline,
+                             max_attempts=self.max_attempts,
+                             on_stage_done=lambda stage: self.admission.release(ticket, stage))
+            self.runs[rid] = run
+            first = True
+            async for ev in run.events():
+                if first:
+                    m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
+                    first = False
+                yield ev
+            final = orchestrator_pb2.Final(finish_reason=run.finish_reason or "stop", usage=run.assembler.usage)
+            trace = run.trace(ticket.wait_ms)
+            for st in trace.stages:
+                for part in ("queue_ms", "compute_ms", "transfer_ms", "first_chunk_ms", "total_ms"):
+                    m.stage_ms.labels(st.stage, part[:-3]).observe(getattr(st, part))
+                if st.attempts > 1:
+                    m.retries.labels(st.stage).inc(st.attempts - 1)
+            if request.return_trace:
+                final.trace.CopyFrom(trace)
+            yield orchestrator_pb2.GenerateResponse(request_id=rid, final=final)
+            outcome = "finished"
         except Overloaded as e:
             outcome = "rejected"
             context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s")
         except StageFailed as e:
-            outcome = "cancelled" if e.code == grpc.StatusCode.CANCELLED else "failed"
+            outcome = "cancelled" if e.code == grpc.StatusCode.CANCELLED else \
+                "timeout" if e.code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
             m.stage_errors.labels(e.stage, e.code.name).inc()
             await context.abort(e.code, str(e))
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
+            self.runs.pop(rid, None)
+            if ticket is not None:
+                self.admission.release(ticket)
+            m.inflight.set(self.admission.inflight)
             m.requests.labels(outcome).inc()
             m.latency_ms.observe((time.perf_counter() - t0) * 1e3)
+            m.observe_admission(self.admission)
 
     async def DescribePipeline(self, request, context) -> orchestrator_pb2.PipelineInfo:
         return orchestrator_pb2.PipelineInfo(

@@ -54,3 +54,78 @@ async def call_stage(port: int, first: stage_pb2.StageInput | None, chunks=(), t
     finally:
         if own:
             await channel.close()
+
+
+class StageProcess:
+    """A stage replica as a real process (`python -m stage_service`), for tests that kill it."""
+
+    def __init__(self, pipeline_file: Path, stage: str, model_dir: Path, tmp: Path, tag: str = ""):
+        import os
+        import subprocess
+        import sys
+
+        tag = tag or stage
+        self.ready_file = tmp / f"{tag}.port"
+        self.log = tmp / f"{tag}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stage_service", "--pipeline", str(pipeline_file), "--stage", stage,
+             "--port", "0", "--model-dir", str(model_dir), "--ready-file", str(self.ready_file)],
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.port: int | None = None
+
+    def wait_ready(self, timeout: float = 120) -> "StageProcess":
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.ready_file.exists() and self.ready_file.read_text().strip():
+                self.port = int(self.ready_file.read_text())
+                return self
+            if self.proc.poll() is not None:
+                raise AssertionError(f"stage exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"stage not ready after {timeout}s:\n{self.log.read_text()}")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        import os
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except Exception:
+                self.kill()
+
+
+async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+    """Poll `predicate` until it is true (no fixed sleeps in tests)."""
+    import asyncio
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+def write_pipeline(pipeline: Pipeline, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(dict(pipeline.raw), sort_keys=False))
+    return path
