@@ -24,15 +24,14 @@ BASE = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())
 
 # ------------------------------------------------------- schema as the apiserver reads it
 
-def to_json_schema(node: dict, strict: bool) -> dict:
-    """An openAPIV3Schema node as JSON Schema. `strict` adds `additionalProperties: false` where the
-    apiserver would prune unknown fields (kubectl's client-side validation and the webhook reject them)."""
+def to_json_schema(node: dict) -> dict:
+    """An openAPIV3Schema node as JSON Schema, keeping what the apiserver enforces."""
     out = {}
     for key, value in node.items():
         if key == "properties":
-            out[key] = {k: to_json_schema(v, strict) for k, v in value.items()}
+            out[key] = {k: to_json_schema(v) for k, v in value.items()}
         elif key in ("items", "additionalProperties") and isinstance(value, dict):
-            out[key] = to_json_schema(value, strict)
+            out[key] = to_json_schema(value)
         elif key == "nullable":
             continue
         elif key == "x-kubernetes-int-or-string":
@@ -43,9 +42,6 @@ def to_json_schema(node: dict, strict: bool) -> dict:
             out[key] = value
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
-    if (strict and node.get("type") == "object" and "properties" in node
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
-        out["additionalProperties"] = False
     return out
 
 
@@ -73,8 +69,8 @@ def _list_type(validator, list_type, instance, schema):
 Validator = jsonschema.validators.extend(jsonschema.Draft4Validator, {"x-kubernetes-list-type": _list_type})
 
 
-def schema_errors(doc: dict, strict: bool = True) -> list[str]:
-    v = Validator(to_json_schema(SCHEMA, strict))
+def schema_errors(doc: dict) -> list[str]:
+    v = Validator(to_json_schema(SCHEMA))
     return ["/".join(map(str, e.absolute_path)) + ": " + e.message for e in v.iter_errors(doc)]
 
 
@@ -113,6 +109,9 @@ def test_schema_is_structural_for_v1_20():
                 or node.get("x-kubernetes-preserve-unknown-fields")), f"{path}: no type"
         for junctor in ("anyOf", "oneOf", "allOf", "not"):
             assert junctor not in node, f"{path}: {junctor} gives unhelpful errors; the webhook says it better"
+        if path.startswith("spec") and "properties" in node:
+            # Unknown fields are kept for the webhook to refuse by name, never pruned in silence.
+            assert node.get("x-kubernetes-preserve-unknown-fields") is True, f"{path}: would prune"
         if node.get("x-kubernetes-list-type") == "map":
             keys = node["x-kubernetes-list-map-keys"]
             assert set(keys) <= set(node["items"].get("required", [])), f"{path}: map keys must be required"
@@ -251,7 +250,6 @@ BAD = [
     ("string chunkSize", lambda d: st(d, 0).update(chunkSize="4"), True, "spec.topology.stages[0].chunkSize"),
     ("bad transport", lambda d: st(d, 1).update(inputs=[{"stage": "thinker", "transport": "rdma"}]), True,
      "spec.topology.stages[1].inputs[0].transport"),
-    ("unknown stage field", lambda d: st(d, 0).update(chunksize=4), True, "spec.topology.stages[0].chunksize"),
     ("duplicate stage name", lambda d: st(d, 1).update(name="thinker"), True, "spec.topology.stages[1].name"),
     ("duplicate output modality", lambda d: d["spec"]["topology"]["outputs"].append(
         {"modality": "text", "stage": "thinker"}), True, "spec.topology.outputs[2].modality"),
@@ -260,8 +258,6 @@ BAD = [
     ("no outputs", lambda d: d["spec"]["topology"].update(outputs=[]), True, "spec.topology.outputs"),
     ("limit zero", lambda d: d["spec"]["topology"]["limits"].update(maxTokens=0), True,
      "spec.topology.limits.maxTokens"),
-    ("unknown limit", lambda d: d["spec"]["topology"]["limits"].update(maxTokenz=3), True,
-     "spec.topology.limits.maxTokenz"),
     ("missing deployment", lambda d: d["spec"].pop("deployment"), True, "spec.deployment"),
     ("negative replicas", lambda d: dep(d)["stages"]["talker"].update(replicas=-1), True,
      "spec.deployment.stages.talker.replicas"),
@@ -279,8 +275,6 @@ BAD = [
      "spec.deployment.stages.talker.scheduler.maxBatch"),
     ("negative drainSeconds", lambda d: dep(d)["stages"]["talker"].update(drainSeconds=-5), True,
      "spec.deployment.stages.talker.drainSeconds"),
-    ("unknown deployment field", lambda d: dep(d)["stages"]["talker"].update(replica=2), True,
-     "spec.deployment.stages.talker.replica"),
     ("bad strategy", lambda d: dep(d)["rollout"].update(strategy="AllAtOnce"), True,
      "spec.deployment.rollout.strategy"),
     ("order twice", lambda d: dep(d)["rollout"].update(order=["talker", "talker"]), True,
@@ -290,7 +284,8 @@ BAD = [
     ("maxRetries too high", lambda d: dep(d)["orchestrator"].update(maxRetries=11), True,
      "spec.deployment.orchestrator.maxRetries"),
     ("long pipeline name", lambda d: d["metadata"].update(name="p" * 48), True, "metadata.name"),
-    # Cross-field rules: a v1.20 schema cannot express them, the webhook (spec.py) refuses them.
+    # Cross-field rules, which a v1.20 schema cannot express, and unknown fields, which it keeps
+    # (see the CRD's header): the webhook (spec.py) refuses them.
     ("unknown input stage", lambda d: st(d, 1).update(inputs=[{"stage": "talkr"}]), False,
      "spec.topology.stages[1].inputs[0]"),
     ("cycle", lambda d: st(d, 0).update(inputs=[{"stage": "code2wav"}]), False, "spec.topology.stages"),
@@ -305,6 +300,11 @@ BAD = [
      "spec.deployment.rollout.order[0]"),
     ("default above max", lambda d: d["spec"]["topology"]["limits"].update(defaultMaxTokens=600), False,
      "spec.topology.limits.defaultMaxTokens"),
+    ("unknown stage field", lambda d: st(d, 0).update(chunksize=4), False, "spec.topology.stages[0].chunksize"),
+    ("unknown limit", lambda d: d["spec"]["topology"]["limits"].update(maxTokenz=3), False,
+     "spec.topology.limits.maxTokenz"),
+    ("unknown deployment field", lambda d: dep(d)["stages"]["talker"].update(replica=2), False,
+     "spec.deployment.stages.talker.replica"),
 ]
 
 
