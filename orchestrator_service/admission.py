@@ -1,13 +1,14 @@
 """Admission and backpressure: which requests may enter the pipeline now.
 
-A request is admitted when the pipeline has room for it everywhere it will go:
-fewer than `maxInflight` requests run, and for every stage it needs, the
-requests committed to that stage (admitted, not yet done with it) stay below
-the stage's capacity (the sum over its ready replicas of what each can hold,
-as the replicas report it). So no stage is ever sent more than it can hold,
-and when a slow stage's backlog is full, new requests wait here instead of
-piling intermediate results in front of it. The wait queue is bounded; beyond
-it a request is refused at once with a retry hint.
+A request is admitted when fewer than `maxInflight` requests run and every
+stage it needs has a backlog (requests dispatched to it and not done there,
+plus requests already in flight waiting for a slot on it) below its capacity
+(the sum over its ready replicas of what each says it can hold). So when a slow
+stage's backlog is full, new requests wait here instead of piling intermediate
+results in front of it, and requests already in flight get its free slots
+first. Dispatch itself never sends a replica more than it holds (routing
+waits for room). The wait queue is bounded; beyond it a request is refused at
+once with a retry hint.
 
 Order among waiting requests: higher priority first; then arrival order
 (`InFlightFirst`: work already admitted finishes before new work competes
@@ -32,7 +33,7 @@ class Overloaded(RuntimeError):
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted request's hold on the pipeline; released stage by stage as it moves on."""
+    """One admitted request's place in the pipeline."""
 
     stages: set[str]
     priority: int
@@ -40,6 +41,7 @@ class Ticket:
     seq: int
     admitted_at: float = 0.0
     wait_ms: float = 0.0
+    pending: bool = False  # admitted, not yet dispatched to a stage
 
 
 @dataclass(eq=False)
@@ -54,12 +56,12 @@ class Admission:
     max_inflight: int
     max_queued: int
     capacity: Callable[[str], int]          # how many requests a stage can hold right now
+    backlog: Callable[[str], int] = lambda stage: 0  # how many it holds or has waiting for it
     fairness: str = "InFlightFirst"
     max_overtakes: int = 64
-    committed: dict[str, int] = field(default_factory=dict)
     inflight: int = 0
     peak_queued: int = 0
-    peak_committed: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)  # admitted, not yet at a stage
 
     def __post_init__(self):
         self._waiters: list[_Waiter] = []
@@ -73,7 +75,7 @@ class Admission:
 
     def fits(self, stages: Iterable[str]) -> bool:
         return self.inflight < self.max_inflight and all(
-            self.committed.get(s, 0) < self.capacity(s) for s in stages)
+            self.backlog(s) + self.pending.get(s, 0) < self.capacity(s) for s in stages)
 
     def retry_after(self) -> float:
         """Roughly when a slot frees up: the queue ahead times the mean service time, over the slots."""
@@ -108,14 +110,18 @@ class Admission:
         ticket.wait_ms = (ticket.admitted_at - t0) * 1e3
         return ticket
 
-    def release(self, ticket: Ticket, stage: str | None = None) -> None:
-        """The request is done with `stage` (or with everything when None)."""
-        for s in ([stage] if stage is not None else list(ticket.stages)):
-            if s in ticket.stages:
-                ticket.stages.discard(s)
-                self.committed[s] -= 1
-        if not ticket.stages and ticket.seq >= 0:
-            ticket.seq = -1  # released for good
+    def arrived(self, ticket: Ticket) -> None:
+        """The request has been dispatched: stage backlogs count it from now on."""
+        if ticket.pending:
+            ticket.pending = False
+            for s in ticket.stages:
+                self.pending[s] -= 1
+
+    def release(self, ticket: Ticket) -> None:
+        """The request has left the pipeline (finished, failed or cancelled)."""
+        self.arrived(ticket)
+        if ticket.seq >= 0:
+            ticket.seq = -1
             self.inflight -= 1
             if ticket.admitted_at:
                 self._mean_service_s = 0.9 * self._mean_service_s + 0.1 * (time.perf_counter() - ticket.admitted_at)
@@ -151,10 +157,11 @@ class Admission:
 
     def _take(self, ticket: Ticket) -> None:
         self.inflight += 1
-        for s in ticket.stages:
-            self.committed[s] = self.committed.get(s, 0) + 1
-            self.peak_committed[s] = max(self.peak_committed.get(s, 0), self.committed[s])
+        ticket.pending = True
+        for s in ticket.stages:  # counted against its stages until it gets there
+            self.pending[s] = self.pending.get(s, 0) + 1
 
     def _busiest(self) -> str:
-        full = [s for s, n in self.committed.items() if n >= self.capacity(s)]
+        stages = {s for w in self._waiters for s in w.ticket.stages}
+        full = [s for s in stages if self.backlog(s) >= self.capacity(s)]
         return f"; stage {', '.join(sorted(full))} at capacity" if full else ""

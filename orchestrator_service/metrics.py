@@ -27,18 +27,18 @@ class OrchestratorMetrics:
                                registry=r)
         self.waiting_peak = Gauge("omnistage_admission_queue_peak", "Most requests ever waiting for admission",
                                   registry=r)
-        self.committed = Gauge("omnistage_stage_committed", "Admitted requests committed to a stage",
-                               ["stage"], registry=r)
-        self.committed_peak = Gauge("omnistage_stage_committed_peak", "Most requests ever committed to a stage",
-                                    ["stage"], registry=r)
+        self.backlog = Gauge("omnistage_stage_backlog", "Requests at a stage or waiting for a slot on it",
+                             ["stage"], registry=r)
+        self.backlog_peak = Gauge("omnistage_stage_backlog_peak", "Most requests ever at a stage",
+                                  ["stage"], registry=r)
         self.capacity = Gauge("omnistage_stage_capacity", "Requests a stage's ready replicas can hold",
                               ["stage"], registry=r)
         self.stage_errors = Counter("omnistage_stage_errors", "Stage calls that failed", ["stage", "code"],
                                     registry=r)
 
-    def observe_admission(self, admission) -> None:
+    def observe_admission(self, admission, router) -> None:
         self.waiting_peak.set(admission.peak_queued)
-        for stage, n in admission.committed.items():
-            self.committed.labels(stage).set(n)
-            self.committed_peak.labels(stage).set(admission.peak_committed.get(stage, n))
-            self.capacity.labels(stage).set(admission.capacity(stage))
+        for stage, pool in router.pools.items():
+            self.backlog.labels(stage).set(pool.backlog())
+            self.backlog_peak.labels(stage).set(pool.peak_backlog)
+            self.capacity.labels(stage).set(pool.capacity())

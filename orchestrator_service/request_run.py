@@ -100,7 +100,7 @@ class RequestRun:
     deadline: float | None = None  # time.time() seconds
     max_attempts: int = 3
     max_replay_bytes: int = 64 << 20
-    on_stage_done: Callable[[str], None] = lambda stage: None
+    on_dispatched: Callable[[], None] = lambda: None  # the request reached its first stage
     max_buffered_events: int = 64
     timings: dict[str, StageTiming] = field(default_factory=dict)
 
@@ -125,6 +125,7 @@ class RequestRun:
             for st in self.pipeline.stages:
                 if st.name in self.needed and not self._inputs[st.name]:
                     await self._open(st.name)
+            self.on_dispatched()
             while self._active:
                 item = await self._events.get()
                 if isinstance(item, _PumpDone):
@@ -177,14 +178,16 @@ class RequestRun:
         task (which releases it when done) and this returns True: chunks forwarded meanwhile wait
         behind the replay, so the new replica sees every input once and in order."""
         sc = self._stages[stage]
-        replica = self.router.pool(stage).choose(exclude=sc.tried)
+        try:
+            replica = await self.router.acquire(stage, sc.tried, self.remaining())
+        except TimeoutError as e:
+            raise StageFailed(stage, grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
         sc.tried.add(replica.address)
         timing = self.timings.setdefault(stage, StageTiming())
         if not timing.attempts:
             timing.dispatched = time.perf_counter()
         timing.replica, timing.attempts = replica.address, timing.attempts + 1
         call = replica.stub.Process(timeout=self.remaining())
-        replica.outstanding += 1
         sc.call, sc.replica = call, replica
         header = stage_pb2.StageRequestHeader(
             request_id=self.request_id, params=self.params, inline_outputs=stage in self.outputs,
@@ -260,13 +263,12 @@ class RequestRun:
                 except _Incomplete:
                     code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without end of stream"
                 finally:
-                    replica.outstanding -= 1
+                    self.router.release(replica)
                 await self._retry_or_fail(stage, replica, code, details)
             sc.finished = True
             self.timings[stage].finished = time.perf_counter()
             sc.inputs_log.clear()
             sc.log_bytes = 0
-            self.on_stage_done(stage)
         except asyncio.CancelledError:
             raise
         except StageFailed as e:

@@ -1,8 +1,11 @@
 """Replicas of each stage, what each can hold, and the choice among them.
 
-Each replica's load and capacity come from its own `GetLoad` answers, polled
-in the background; a replica that is draining, unreachable or just failed gets
-no new work. The choice is the ready replica with the least outstanding work.
+Each replica's capacity and the load other orchestrators put on it come from
+its own `GetLoad` answers, polled in the background; the load this
+orchestrator puts on it is counted exactly as calls open and close. A replica
+that is draining, unreachable or just failed gets no new work. The choice is
+the ready replica with the least outstanding work relative to what it holds,
+and a replica is never sent more than it holds: dispatch waits for room.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Replica:
     stub: stage_pb2_grpc.StageServiceStub
     default_capacity: int
     outstanding: int = 0            # calls this orchestrator has open on it
-    reported_load: int = 0          # running + queued, as the replica last said (all orchestrators)
+    others: int = 0                 # load from other orchestrators: reported load minus ours at that time
     capacity: int | None = None     # max_running + max_queued, as the replica last said
     draining: bool = False
     reachable: bool = True
@@ -54,23 +57,42 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return max(self.outstanding, self.reported_load)
+        return self.outstanding + self.others
+
+    @property
+    def has_room(self) -> bool:
+        return self.load < self.holds
 
 
 @dataclass
 class StagePool:
     stage: str
     replicas: dict[str, Replica] = field(default_factory=dict)
+    waiting: int = 0            # dispatches of in-flight requests waiting for room
+    peak_backlog: int = 0
 
-    def choose(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica:
-        """The ready replica with the least outstanding work (ties: fewer recent failures, then address)."""
-        ready = [r for r in self.replicas.values() if r.ready and r.address not in exclude]
+    def __post_init__(self):
+        self.room = asyncio.Event()
+
+    def candidates(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.ready and r.address not in exclude]
+
+    def choose(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
+        """The ready replica with room and the least load for what it holds; None when all are full;
+        NoReplica when there is no ready replica at all."""
+        ready = self.candidates(exclude)
         if not ready:
             raise NoReplica(self.stage)
-        return min(ready, key=lambda r: (r.load / max(1, r.holds), r.failures, r.address))
+        roomy = [r for r in ready if r.has_room]
+        if not roomy:
+            return None
+        return min(roomy, key=lambda r: (r.load / max(1, r.holds), r.failures, r.address))
 
     def capacity(self) -> int:
         return sum(r.holds for r in self.replicas.values() if r.ready)
+
+    def backlog(self) -> int:
+        return sum(r.load for r in self.replicas.values() if r.ready) + self.waiting
 
 
 class Router:
@@ -105,7 +127,7 @@ class Router:
                 pool.replicas[addr] = r
                 self._start_poller(r)
                 log.info("stage %s: replica %s added", stage, addr)
-        self.on_change()
+        self._changed()
 
     def _start_poller(self, r: Replica) -> None:
         try:
@@ -127,19 +149,19 @@ class Router:
                 load = await r.stub.GetLoad(stage_pb2.GetLoadRequest(), timeout=max(1.0, 4 * self.poll_interval))
                 changed = (not r.reachable or r.draining != load.draining or
                            r.capacity != load.max_running + load.max_queued)
-                r.reported_load = load.running + load.queued
+                r.others = max(0, load.running + load.queued - r.outstanding)
                 r.capacity = load.max_running + load.max_queued
                 r.draining = load.draining
                 r.reachable = True
                 misses = 0
-                if changed:
-                    self.on_change()
+                if changed or r.others:
+                    self._changed()
             except grpc.aio.AioRpcError:
                 misses += 1
                 if misses >= 2 and r.reachable:
                     r.reachable = False
                     log.warning("stage %s: replica %s unreachable", r.stage, r.address)
-                    self.on_change()
+                    self._changed()
             except asyncio.CancelledError:
                 raise
             await asyncio.sleep(self.poll_interval)
@@ -154,10 +176,57 @@ class Router:
     def capacity(self, stage: str) -> int:
         return self.pools[stage].capacity()
 
+    def backlog(self, stage: str) -> int:
+        return self.pools[stage].backlog()
+
+    async def acquire(self, stage: str, exclude: set[str], timeout: float | None) -> Replica:
+        """A replica of `stage` with room, its outstanding count taken; waits while all are full."""
+        pool = self.pool(stage)
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        counted = False
+        try:
+            while True:
+                r = pool.choose(exclude)
+                if r is not None:
+                    r.outstanding += 1
+                    if counted:
+                        pool.waiting -= 1
+                        counted = False
+                    pool.peak_backlog = max(pool.peak_backlog, pool.backlog())
+                    return r
+                if not counted:
+                    pool.waiting += 1
+                    counted = True
+                pool.room.clear()
+                left = None if end is None else end - loop.time()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"stage {stage}: no replica had room before the deadline")
+                try:
+                    await asyncio.wait_for(pool.room.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if counted:
+                pool.waiting -= 1
+
+    def release(self, r: Replica) -> None:
+        """A call on `r` ended: its slot is free for the next dispatch or admission."""
+        r.outstanding -= 1
+        pool = self.pools.get(r.stage)
+        if pool is not None:
+            pool.room.set()
+        self.on_change()
+
     def report_failure(self, r: Replica) -> None:
         """A call to `r` failed: no new work until its next successful poll says it is fine."""
         r.failures += 1
         r.reachable = False
+        self.on_change()
+
+    def _changed(self) -> None:
+        for pool in self.pools.values():
+            pool.room.set()
         self.on_change()
 
     async def wait_ready(self, timeout: float) -> None:

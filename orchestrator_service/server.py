@@ -14,6 +14,8 @@ from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_r
 from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
+from . import otel
+from .discovery import KubernetesDiscovery
 from .metrics import OrchestratorMetrics
 from .routing import Router
 from .servicer import OrchestratorServicer
@@ -41,7 +43,8 @@ def parse_endpoints(specs: list[str], pipeline: Pipeline) -> dict[str, list[str]
 
 class OrchestratorServer:
     def __init__(self, pipeline: Pipeline, endpoints: dict[str, list[str]], host: str = "127.0.0.1",
-                 port: int = 0, http_port: int | None = None, drain_seconds: float | None = None):
+                 port: int = 0, http_port: int | None = None, drain_seconds: float | None = None,
+                 namespace: str | None = None):
         self.pipeline = pipeline
         self.router = Router(pipeline)
         for stage, addrs in endpoints.items():
@@ -54,6 +57,9 @@ class OrchestratorServer:
         self.ready = False
         self.stopped = asyncio.Event()
         self.http: HttpStatusServer | None = None
+        # In a cluster: stage replicas come from the Endpoints of their Services.
+        self.discovery = (KubernetesDiscovery(pipeline, namespace, self.router.set_endpoints)
+                          if namespace is not None else None)
 
     async def start(self, wait_for_stages: float | None = None) -> int:
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
@@ -64,6 +70,9 @@ class OrchestratorServer:
         self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
         await self.server.start()
         self.router.start()
+        if self.discovery is not None:
+            self.discovery.start()
+            await asyncio.wait_for(self.discovery.synced.wait(), 60)
         if self.http_port is not None:
             self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
                                         blocking_drain(asyncio.get_running_loop(), self.drain)).start()
@@ -83,6 +92,8 @@ class OrchestratorServer:
         try:
             await self.server.stop(grace=self.drain_seconds)
         finally:
+            if self.discovery is not None:
+                self.discovery.stop()
             await self.router.close()
             if self.http:
                 self.http.stop()
@@ -91,12 +102,22 @@ class OrchestratorServer:
 
 async def serve(args: argparse.Namespace) -> int:
     pipeline = load_pipeline(args.pipeline)
-    try:
-        endpoints = parse_endpoints(args.stage_endpoint, pipeline)
-    except ValueError as e:
-        print(f"orchestrator: {e}", file=sys.stderr)
-        return 2
-    srv = OrchestratorServer(pipeline, endpoints, args.host, args.port, args.http_port, args.drain_seconds)
+    otel.configure_from_env()
+    namespace = None
+    if args.discovery == "kubernetes":
+        if args.stage_endpoint:
+            print("orchestrator: --stage-endpoint and --discovery kubernetes exclude each other", file=sys.stderr)
+            return 2
+        endpoints = {}
+        namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
+    else:
+        try:
+            endpoints = parse_endpoints(args.stage_endpoint, pipeline)
+        except ValueError as e:
+            print(f"orchestrator: {e}", file=sys.stderr)
+            return 2
+    srv = OrchestratorServer(pipeline, endpoints, args.host, args.port, args.http_port, args.drain_seconds,
+                             namespace=namespace)
     on_signals(lambda: asyncio.ensure_future(srv.drain()))
     await srv.start(wait_for_stages=args.wait_for_stages)
     if args.ready_file:
@@ -116,6 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=None, help="HTTP port for /metrics, /readyz, /livez")
     p.add_argument("--stage-endpoint", action="append", default=[], metavar="NAME=HOST:PORT[,HOST:PORT]",
                    help="static replicas of a stage (repeat per stage)")
+    p.add_argument("--discovery", choices=["static", "kubernetes"], default="static",
+                   help="static: --stage-endpoint flags; kubernetes: watch the Endpoints of the stage Services "
+                        "(<pipeline>-<stage>, port grpc) in --namespace")
+    p.add_argument("--namespace", default=None, help="namespace to watch (default $POD_NAMESPACE or default)")
     p.add_argument("--wait-for-stages", type=float, default=0.0,
                    help="seconds to wait at start-up for every stage replica to be SERVING")
     p.add_argument("--drain-seconds", type=float, default=None)

@@ -14,6 +14,7 @@ from omnistage.params import InvalidRequest, resolve
 from omnistage.spec import Pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
+from . import otel
 from .admission import Admission, Overloaded
 from .metrics import OrchestratorMetrics
 from .outputs import MODALITY_CODES, MODALITY_NAMES
@@ -55,7 +56,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         orc = pipeline.deployment.orchestrator
         self.max_attempts = 1 + orc.max_retries
         self.admission = Admission(orc.max_inflight, orc.max_queued, capacity=router.capacity,
-                                   fairness=orc.fairness)
+                                   backlog=router.backlog, fairness=orc.fairness)
         router.on_change = self.admission.poke
         self.draining = False
         self.runs: dict[str, RequestRun] = {}
@@ -73,6 +74,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         except InvalidRequest as e:
             m.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stages = needed_stages(self.pipeline, set(outputs))
+        missing = sorted(s for s in stages if not self.router.pools[s].replicas)
+        if missing:  # nothing to wait for: say so now rather than hold the request
+            m.requests.labels("failed").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"stage {missing[0]} has no replicas")
         rid = request.request_id or uuid.uuid4().hex
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
@@ -82,7 +88,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         try:
             m.waiting.set(self.admission.queued + 1)
             try:
-                ticket = await self.admission.admit(needed_stages(self.pipeline, set(outputs)), request.priority,
+                ticket = await self.admission.admit(stages, request.priority,
                                                     estimated_cost(request.params))
             finally:
                 m.waiting.set(self.admission.queued)
@@ -90,8 +96,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             m.admission_wait_ms.observe(ticket.wait_ms)
             m.inflight.set(self.admission.inflight)
             run = RequestRun(self.pipeline, self.router, rid, request.params, outputs, deadline,
-                             max_attempts=self.max_attempts,
-                             on_stage_done=lambda stage: self.admission.release(ticket, stage))
+                             max_attempts=self.max_attempts, on_dispatched=lambda: self.admission.arrived(ticket))
             self.runs[rid] = run
             first = True
             async for ev in run.events():
@@ -108,6 +113,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     m.retries.labels(st.stage).inc(st.attempts - 1)
             if request.return_trace:
                 final.trace.CopyFrom(trace)
+            otel.emit(rid, self.pipeline.name, trace, "finished")
             yield orchestrator_pb2.GenerateResponse(request_id=rid, final=final)
             outcome = "finished"
         except Overloaded as e:
@@ -129,7 +135,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             m.inflight.set(self.admission.inflight)
             m.requests.labels(outcome).inc()
             m.latency_ms.observe((time.perf_counter() - t0) * 1e3)
-            m.observe_admission(self.admission)
+            m.observe_admission(self.admission, self.router)
 
     async def DescribePipeline(self, request, context) -> orchestrator_pb2.PipelineInfo:
         return orchestrator_pb2.PipelineInfo(

@@ -89,3 +89,23 @@ async def test_a_stage_that_is_gone_gives_unavailable_naming_it(model_dir):
         await orc.drain()
         for s in stages.values():
             await s.drain()
+
+
+async def test_traces_are_exported_as_opentelemetry_spans(pipeline):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from orchestrator_service import otel
+
+    client, orc, stages = pipeline
+    exporter = InMemorySpanExporter()
+    assert otel.configure(exporter)
+    try:
+        r = await client.generate("Hello", max_tokens=4, max_codec_frames=10, timeout=120)
+    finally:
+        otel._tracer = None
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root = spans["omnistage.request"]
+    assert root.attributes["omnistage.request_id"] == r.request_id
+    for stage in ("thinker", "talker", "code2wav"):
+        s = spans[f"omnistage.stage.{stage}"]
+        assert s.parent.span_id == root.context.span_id and s.attributes["omnistage.compute_ms"] > 0
