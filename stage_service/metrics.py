@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+RATE_WINDOW_S = 10.0
 
 
 class StageMetrics:
     def __init__(self, stage: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, ["stage"]
-        self.requests = Counter("omnistage_stage_requests", "Requests finished by outcome",
+        self.requests = Counter("omnistage_stage_requests", "Requests ended, by outcome "
+                                "(finished, cancelled, failed, rejected, invalid, timeout)",
                                 ["stage", "outcome"], registry=r)
         self.queue_depth = Gauge("omnistage_stage_queue_depth", "Requests admitted, waiting for the engine",
                                  labels, registry=r)
@@ -22,12 +27,35 @@ class StageMetrics:
                                  buckets=_MS_BUCKETS, registry=r)
         self.queue_ms = Histogram("omnistage_stage_queue_ms", "Time a request waited before its first step (ms)",
                                   labels, buckets=_MS_BUCKETS, registry=r)
-        self.units = Counter("omnistage_stage_units", "Work units produced (tokens, frames, steps, images)",
+        self.units = Counter("omnistage_stage_units", "Work units produced (tokens, frames, steps, images, chunks)",
                              ["stage", "unit"], registry=r)
+        self.units_per_second = Gauge("omnistage_stage_units_per_second",
+                                      f"Work units produced per second over the last {RATE_WINDOW_S:.0f} s",
+                                      ["stage", "unit"], registry=r)
+        self.failed_steps = Counter("omnistage_stage_failed_steps", "Engine steps that raised", labels, registry=r)
         self.chunks = Counter("omnistage_stage_output_chunks", "Output chunks sent", labels, registry=r)
         self.output_bytes = Counter("omnistage_stage_output_bytes", "Tensor bytes sent in output chunks",
                                     labels, registry=r)
         self.stage = stage
+        self._recent: deque[tuple[float, int]] = deque()
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.stage, outcome).inc()
+
+    def load(self, running: int, queued: int) -> None:
+        self.running.labels(self.stage).set(running)
+        self.queue_depth.labels(self.stage).set(queued)
+
+    def step(self, batch: int, ms: float | None, unit: str, units: int | None = None) -> None:
+        """One engine step over `batch` requests that produced `units` (default: one per request)."""
+        units = batch if units is None else units
+        self.batch_size.labels(self.stage).observe(batch)
+        if ms is not None:
+            self.step_ms.labels(self.stage).observe(ms)
+        self.units.labels(self.stage, unit).inc(units)
+        now = time.monotonic()
+        self._recent.append((now, units))
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+        span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else RATE_WINDOW_S
+        self.units_per_second.labels(self.stage, unit).set(sum(u for _, u in self._recent) / span)

@@ -2,7 +2,8 @@
 
 Drain order on SIGTERM: health NOT_SERVING -> refuse new work (UNAVAILABLE) ->
 wait for admitted work up to the drain bound -> server.stop(grace) -> engine
-shutdown. An engine that cannot recover flips health and exits non-zero.
+shutdown; then the process exits 0. An engine that cannot recover flips health
+at once and the process exits non-zero (EXIT_ENGINE_DEAD).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from .servicer import StageServicer
 
 log = logging.getLogger("omnistage.stage")
 SERVICE = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+EXIT_ENGINE_DEAD = 3
+STOP_GRACE_S = 1.0  # after the drain bound: what is still running gets this long before it is cancelled
 
 
 class StageServer:
@@ -38,6 +41,7 @@ class StageServer:
         self.host, self.port, self.http_port = host, port, http_port
         self.engine = create_engine(pipeline, self.stage, model_root)
         self.metrics = StageMetrics(self.stage.name)
+        self.engine.bind_metrics(self.metrics)
         self.servicer = StageServicer(pipeline, self.stage, self.engine, self.metrics)
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.stages[self.stage.name].drain_seconds)
@@ -46,6 +50,7 @@ class StageServer:
         self.ready = False
         self.stopped = asyncio.Event()
         self.exit_code = 0
+        self._watcher: asyncio.Task | None = None
 
     async def start(self) -> int:
         t0 = time.monotonic()
@@ -60,6 +65,9 @@ class StageServer:
             self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
                                         blocking_drain(asyncio.get_running_loop(), self.drain)).start()
         await self.engine.start()  # health stays NOT_SERVING until the model is loaded
+        if self.servicer.draining:  # SIGTERM while loading: stay NOT_SERVING; drain() finishes the stop
+            return self.port
+        self._watcher = asyncio.create_task(self._watch_engine())
         self.ready = True
         await set_serving(self.health, [SERVICE], True)
         log.info("stage %s serving on %s:%d (model loaded in %.1fs)", self.stage.name, self.host, self.port,
@@ -80,21 +88,20 @@ class StageServer:
         except asyncio.TimeoutError:
             log.warning("stage %s: drain bound passed with %d in flight", self.stage.name, self.servicer.inflight)
         try:
-            await self.server.stop(grace=1.0)
+            await self.server.stop(grace=STOP_GRACE_S)
         finally:
+            if self._watcher is not None and self._watcher is not asyncio.current_task():
+                self._watcher.cancel()
             await self.engine.shutdown()
             if self.http:
                 self.http.stop()
             self.stopped.set()
 
-    async def watch_engine(self, interval: float = 1.0) -> None:
-        """An engine that cannot recover: NOT_SERVING, then exit non-zero."""
-        while not self.stopped.is_set():
-            if self.engine.failed is not None:
-                log.error("stage %s: engine failed for good: %r", self.stage.name, self.engine.failed)
-                await self.drain(exit_code=3)
-                return
-            await asyncio.sleep(interval)
+    async def _watch_engine(self) -> None:
+        """An engine that cannot recover: NOT_SERVING at once, then stop and exit non-zero."""
+        await self.engine.dead.wait()
+        log.error("stage %s: engine failed for good: %r", self.stage.name, self.engine.failed)
+        await self.drain(exit_code=EXIT_ENGINE_DEAD)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -105,15 +112,18 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
                       args.drain_seconds)
+    if args.inject_step_failure is not None:
+        from .engines.faults import fail_steps
+
+        fail_steps(srv.engine, after=args.inject_step_failure)
     on_signals(lambda: asyncio.ensure_future(srv.drain()))
     await srv.start()
-    if args.ready_file:
-        with open(args.ready_file, "w") as f:
-            f.write(f"{srv.port}\n")
-    print(f"stage {args.stage} ready on {args.host}:{srv.port}", flush=True)
-    watcher = asyncio.create_task(srv.watch_engine())
+    if srv.ready:
+        if args.ready_file:
+            with open(args.ready_file, "w") as f:
+                f.write(f"{srv.port}\n")
+        print(f"stage {args.stage} ready on {args.host}:{srv.port}", flush=True)
     await srv.stopped.wait()
-    watcher.cancel()
     return srv.exit_code
 
 
@@ -128,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", default=None, help="root of the model store (default $OMNISTAGE_MODEL_DIR or ./models)")
     p.add_argument("--drain-seconds", type=float, default=None, help="bound on finishing admitted work at SIGTERM")
     p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--inject-step-failure", type=int, default=None, metavar="N",
+                   help="fault injection for tests: every engine step after the N-th raises")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 

@@ -18,8 +18,8 @@ from omnistage.tensors import TensorFormatError
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .convert import input_from_proto, output_to_proto
-from .engines.base import (Engine, EngineError, EngineOverloaded, InputError, OutputChunk, StageDraining,
-                           StageInputs, StageRequest)
+from .engines.base import Engine, OutputChunk, StageInputs, StageRequest
+from .errors import EngineDead, EngineError, EngineOverloaded, InputError, StageDraining
 from .metrics import StageMetrics
 
 log = logging.getLogger("omnistage.stage")
@@ -37,6 +37,8 @@ def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"stage {stage} is draining"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {stage}: deadline passed"
+    if isinstance(exc, EngineDead):  # retryable on another replica: this one is going down
+        return grpc.StatusCode.UNAVAILABLE, f"stage {stage}: engine failed for good ({exc}); the replica is going down"
     if isinstance(exc, EngineError):
         return grpc.StatusCode.INTERNAL, f"stage {stage}: engine failed ({exc})"
     return grpc.StatusCode.INTERNAL, f"stage {stage}: internal error ({type(exc).__name__})"
@@ -56,9 +58,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Process(self, request_iterator, context) -> AsyncIterator[stage_pb2.StageOutput]:
         name = self.stage.name
-        if self.draining:
+        if self.draining or self.engine.failed is not None:
             self.metrics.outcome("rejected")
-            await context.abort(*status_for(name, StageDraining()))
+            await context.abort(*status_for(name, StageDraining() if self.draining else EngineDead(
+                f"{type(self.engine.failed).__name__}: {self.engine.failed}")))
         self.inflight += 1
         self.idle.clear()
         outcome = "failed"

@@ -8,37 +8,20 @@ module; the servicer only translates between these types and protobuf.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator
 
 import torch
 
 from omnistage.chunks import EdgeReorderBuffer
-from omnistage.params import InvalidRequest, RequestParams
+from omnistage.params import RequestParams
 from omnistage.spec import Pipeline, Stage, StageDeployment
 
-R = TypeVar("R")
-
-
-class EngineError(RuntimeError):
-    """The engine failed while working on a request."""
-
-
-class EngineOverloaded(RuntimeError):
-    """The stage's queue is full."""
-
-
-class StageDraining(RuntimeError):
-    """The stage is shutting down and takes no new work."""
-
-
-class InputError(ValueError):
-    """Inputs from upstream that this engine cannot use (missing tensor, wrong shape)."""
+from ..errors import EngineDead, EngineError, EngineOverloaded, InputError, StageDraining  # noqa: F401 - re-exported
+from ..scheduler import StepScheduler, StepState
 
 
 @dataclass
@@ -148,79 +131,131 @@ def torch_dtype(name: str, default: torch.dtype = torch.float32) -> torch.dtype:
 
 
 class Engine(ABC):
-    """One stage's engine. Subclasses implement `load` and `generate`."""
+    """One stage's engine. Subclasses implement `start` (load) and `generate`."""
 
     def __init__(self, pipeline: Pipeline, stage: Stage, model_dir: Path):
         self.pipeline = pipeline
         self.stage = stage
         self.settings: StageDeployment = pipeline.deployment.stages[stage.name]
         self.model_dir = model_dir
-        self.running = 0
-        self.queued = 0
-        self.max_running = 1
-        self.max_queued = self.settings.scheduler.max_queued
+        self.metrics = None  # StageMetrics, bound by the server
         self.failed: BaseException | None = None  # set when the engine cannot recover
+        self.dead = asyncio.Event()
 
-    async def start(self) -> None:
-        await asyncio.to_thread(self.load)
+    def bind_metrics(self, metrics) -> None:
+        self.metrics = metrics
+
+    def fail_for_good(self, error: BaseException) -> None:
+        """The engine cannot recover: the server flips health and exits non-zero."""
+        if self.failed is None:
+            self.failed = error
+            self.dead.set()
 
     @abstractmethod
-    def load(self) -> None:
-        """Load the model (blocking; runs on a worker thread)."""
+    async def start(self) -> None:
+        """Load the model; the stage reports SERVING only after this returns."""
 
     @abstractmethod
     def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
-        """Stream this request's output chunks; the last has `last=True`."""
+        """Stream this request's output chunks; the last has `last=True`. Cancelling the consumer aborts
+        the engine request within one step and frees what it held."""
 
     async def shutdown(self) -> None:
         pass
+
+    # Load, for GetLoad and routing.
+    running: int = 0
+    queued: int = 0
+    max_running: int = 1
+    max_queued: int = 0
+
+    def unfinished(self) -> int:
+        """Requests the engine still holds (queued or running)."""
+        return self.running + self.queued
+
+    def held_bytes(self) -> int:
+        """Bytes of per-request state the engine holds (KV caches, latents)."""
+        return 0
 
     @property
     def dtype(self) -> torch.dtype:
         return torch_dtype(self.settings.dtype)
 
 
-class SerialEngine(Engine):
-    """An engine whose model runs one request at a time on one worker thread.
+@dataclass(frozen=True)
+class EngineOptions:
+    """`spec.deployment.stages.<name>.engineArgs` of the engines that run on the step scheduler."""
 
-    Requests beyond the running one wait in a bounded queue; each model call
-    is one step, and a cancelled request stops at the next step boundary.
+    batch_invariant: bool = True   # pad small kernels so batching never changes a result (invariance.py)
+    max_failed_steps: int = 3      # failed steps in a row after which the engine is declared dead
+    max_model_len: int | None = None  # AR engines: bound on prompt + generated tokens (as vLLM's)
+
+    @classmethod
+    def parse(cls, stage: str, args: dict[str, Any]) -> "EngineOptions":
+        path = f"spec.deployment.stages.{stage}.engineArgs"
+        known = {"batch_invariant": bool, "max_failed_steps": int, "max_model_len": int}
+        args = {k.replace("-", "_"): v for k, v in args.items()}
+        unknown = sorted(set(args) - set(known))
+        if unknown:
+            raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} for this engine "
+                             f"(known: {', '.join(sorted(known))})")
+        for k, v in args.items():
+            if type(v) is not known[k] or (known[k] is int and v < 1):
+                raise ValueError(f"{path}.{k}: expected {'a positive integer' if known[k] is int else 'true or false'}, "
+                                 f"got {v!r}")
+        return cls(**args)
+
+
+class SteppedEngine(Engine):
+    """An engine whose model runs in steps over batches of requests, on the shared `StepScheduler`.
+
+    Subclasses implement `load` (blocking), `step(states) -> results` (blocking, on the worker
+    thread, one result per state) and `generate`, which submits a `StepState` and turns its
+    results into output chunks.
     """
+
+    unit = "steps"  # what one state's step produces, for metrics
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.stage.name}")
-        self._slot = asyncio.Semaphore(1)
+        self.options = EngineOptions.parse(self.stage.name, dict(self.settings.engine_args))
+        self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
+                                       max_failed_steps=self.options.max_failed_steps, on_dead=self.fail_for_good)
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[float]:
-        """Wait for the model; yields the queue time in ms."""
-        if self.queued >= self.max_queued and self._slot.locked():
-            raise EngineOverloaded(f"stage {self.stage.name}: {self.queued} requests queued "
-                                   f"(maxQueued {self.max_queued})")
-        t0 = time.perf_counter()
-        self.queued += 1
-        try:
-            await self._slot.acquire()
-        finally:
-            self.queued -= 1
-        self.running += 1
-        try:
-            yield (time.perf_counter() - t0) * 1e3
-        finally:
-            self.running -= 1
-            self._slot.release()
+    def bind_metrics(self, metrics) -> None:
+        super().bind_metrics(metrics)
+        self.scheduler.metrics = metrics
 
-    async def run(self, fn: Callable[..., R], *args) -> tuple[R, float]:
-        """Run one blocking model step on the engine thread; returns (result, ms)."""
-        t0 = time.perf_counter()
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        except (InputError, InvalidRequest):
-            raise
-        except Exception as e:
-            raise EngineError(f"{type(e).__name__} in engine step") from e
-        return result, (time.perf_counter() - t0) * 1e3
+    async def start(self) -> None:
+        await self.scheduler.run_on_worker(self.load)
+        self.scheduler.start()
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load the model (blocking; runs on the worker thread)."""
+
+    @abstractmethod
+    def step(self, states: list[StepState]) -> list[Any]:
+        """One model step over a batch (blocking; runs on the worker thread)."""
 
     async def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        await self.scheduler.shutdown()
+
+    @property
+    def running(self) -> int:
+        return self.scheduler.running
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.queued
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_batch
+
+    @property
+    def max_queued(self) -> int:
+        return self.scheduler.max_queued
+
+    def held_bytes(self) -> int:
+        return self.scheduler.held_bytes()

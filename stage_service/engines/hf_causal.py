@@ -1,60 +1,103 @@
-"""AR stages on transformers for causal LMs vLLM does not serve (or to compare against vLLM)."""
+"""AR stages on transformers: a causal LM decoded with step-level batching (for LMs vLLM does not
+serve, or to compare against vLLM). The Thinker engine is this one with hidden-state rows added."""
 
 from __future__ import annotations
 
 from typing import AsyncIterator
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from omnistage.params import InvalidRequest
+from omnistage.params import InvalidRequest, RequestParams
 
-from .base import OutputChunk, SerialEngine, StageInputs, StageRequest
-from .qwen3_omni import TextDeltas, text_sampling
-from .sampling import choose, new_generator
+from .base import OutputChunk, StageInputs, StageRequest, SteppedEngine
+from .lm_steps import DecoderLm, TokenState
+from .sampling import SamplingSettings
 
 
-class HfCausalEngine(SerialEngine):
+def text_sampling(p: RequestParams, repetition_penalty: float = 1.0) -> SamplingSettings:
+    return SamplingSettings(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                            repetition_penalty=repetition_penalty)
+
+
+class TextDeltas:
+    """Incremental detokenization: emit only text that will not change when more tokens arrive."""
+
+    def __init__(self, decode):
+        self._decode = decode
+        self._sent = ""
+
+    def delta(self, tokens: list[int], final: bool) -> str:
+        text = self._decode(tokens)
+        if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its bytes
+            return ""
+        out, self._sent = text[len(self._sent):], text
+        return out
+
+
+class CausalLmEngine(SteppedEngine):
+    """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk."""
+
+    unit = "tokens"
+
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        self.lm = DecoderLm(model, batch_invariant=self.options.batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.vocab = self.model.config.vocab_size
-        self.eos = self.model.config.eos_token_id
+        self.vocab = model.config.vocab_size
+        self.max_len = min(x for x in (getattr(model.config, "max_position_embeddings", None),
+                                       self.options.max_model_len, 1 << 62) if x)
+        eos = model.config.eos_token_id
+        self.stop_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    def _step(self, state: dict) -> int:
-        with torch.inference_mode():
-            feed = state["ids"] if not state["generated"] else state["generated"][-1:]
-            out = self.model(input_ids=torch.tensor([feed]), past_key_values=state["cache"], use_cache=True)
-        token = choose(out.logits[0, -1], state["sampling"], state["generator"])
-        state["generated"].append(token)
-        return token
+    def step(self, states: list[TokenState]) -> list:
+        return self.lm.step_batch(states)
+
+    def prompt_ids(self, p: RequestParams) -> list[int]:
+        return list(p.prompt_token_ids) or self.tokenizer(p.prompt)["input_ids"]
+
+    def new_state(self, ids: list[int], p: RequestParams) -> TokenState:
+        return self.lm.new_state(ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def step_tensors(self, step) -> dict[str, torch.Tensor]:
+        """Tensors a step adds to the chunk beside its token (rows, for the Thinker)."""
+        return {}
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         p = req.params
-        ids = list(p.prompt_token_ids) or self.tokenizer(p.prompt)["input_ids"]
+        ids = self.prompt_ids(p)
+        if not ids:
+            raise InvalidRequest("params.prompt", "encodes to no tokens")
         if any(t >= self.vocab for t in ids):
             raise InvalidRequest("params.prompt_token_ids", f"token ids must be < {self.vocab}")
-        sampling = text_sampling(p)
-        async with self.slot() as queue_ms:
-            state = {"ids": ids, "generated": [], "cache": DynamicCache(config=self.model.config),
-                     "sampling": sampling, "generator": None if sampling.greedy else new_generator(p.seed)}
-            deltas = TextDeltas(lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))
-            chunk, tokens, compute, first = self.stage.chunk_size, [], 0.0, True
-            while True:
-                token, ms = await self.run(self._step, state)
-                compute += ms
-                tokens.append(token)
-                finish = ("stop" if token == self.eos and not p.ignore_eos else
-                          "length" if len(state["generated"]) >= p.max_tokens else "")
-                if finish or (chunk and len(tokens) >= chunk):
-                    out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64)}
+        if self.max_len and len(ids) + p.max_tokens > self.max_len:
+            raise InvalidRequest("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
+                                 f"({p.max_tokens}) exceeds the model's length {self.max_len}")
+        st = self.new_state(ids, p)
+        deltas = TextDeltas(self.decode)
+        every = self.stage.chunk_size
+        generated: list[int] = []
+        tokens: list[int] = []
+        extra: dict[str, list[torch.Tensor]] = {}
+        first, compute_before = True, 0.0
+        async with self.scheduler.submit(req.request_id, st) as stream:
+            async for step in stream:
+                generated.append(step.token)
+                tokens.append(step.token)
+                for name, t in self.step_tensors(step).items():
+                    extra.setdefault(name, []).append(t)
+                done = step.finish_reason is not None
+                if done or (every and len(tokens) >= every):
+                    out = {"token_ids": torch.tensor(tokens, dtype=torch.int64),
+                           **{name: torch.cat(ts) for name, ts in extra.items()}}
                     if first:
-                        out_t["prompt_token_ids"] = torch.tensor(ids, dtype=torch.int64)
-                    yield OutputChunk(tensors=out_t,
-                                      text=deltas.delta(state["generated"], bool(finish)), last=bool(finish),
-                                      finish_reason=finish, queue_ms=queue_ms if first else 0.0, compute_ms=compute)
-                    first, tokens, compute = False, [], 0.0
-                if finish:
-                    return
+                        out["prompt_token_ids"] = torch.tensor(ids, dtype=torch.int64)
+                    yield OutputChunk(tensors=out, text=deltas.delta(generated, done), last=done,
+                                      finish_reason=step.finish_reason or "",
+                                      queue_ms=stream.queue_ms if first else 0.0,
+                                      compute_ms=stream.compute_ms - compute_before)
+                    first, tokens, extra, compute_before = False, [], {}, stream.compute_ms

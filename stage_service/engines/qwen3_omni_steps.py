@@ -1,15 +1,19 @@
-"""Step-by-step Qwen3-Omni Thinker, Talker and Code2Wav on transformers' classes.
+"""Step-by-step Qwen3-Omni Thinker, Talker and Code2Wav on transformers' classes, over batches.
 
-These reproduce what `Qwen3OmniMoeForConditionalGeneration.generate` computes,
-but one decode step at a time and across process boundaries: the Thinker emits
-the embedding and hidden-state rows of every position it feeds, and the Talker
-builds its prompt and per-step text conditioning from those rows as they
-arrive, so it can start before the Thinker has finished. Blocking torch code
-only; the async engine adapters run it on their worker thread.
+These compute what `Qwen3OmniMoeForConditionalGeneration.generate` computes,
+but one decode step at a time, for a batch of requests at once, and across
+process boundaries: the Thinker emits the embedding and hidden-state rows of
+every position it feeds, and the Talker builds its prompt and per-step text
+conditioning from those rows as they arrive, so it can start before the
+Thinker has finished. Each request keeps its own KV cache and sampling
+generator; with batch invariance on (`invariance.py`) a request's numbers do
+not depend on what shares its step. Blocking torch code only; the async engine
+adapters run it on their worker thread.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,44 +22,45 @@ from transformers.cache_utils import DynamicCache
 
 from omnistage.params import InvalidRequest
 
+from ..scheduler import StepState
+from .invariance import MIN_MATMUL_ROWS, MOE_EXPERTS, make_batch_invariant
+from .lm_steps import DecoderLm, TokenState
+from .packed import SequenceKV, packed_forward, use_packed_attention
 from .sampling import SamplingSettings, apply_repetition_penalty, choose, new_generator
+
+
+def _moe_kwargs(batch_invariant: bool) -> dict:
+    return {"experts_implementation": MOE_EXPERTS} if batch_invariant else {}
 
 
 # ------------------------------------------------------------------ Thinker
 
 @dataclass
-class ThinkerState:
-    prompt_ids: list[int]
-    sampling: SamplingSettings
-    max_tokens: int
-    stop_ids: frozenset[int]
-    cache: DynamicCache
-    generator: torch.Generator | None
-    generated: list[int] = field(default_factory=list)
-    fed: int = 0  # positions fed to the model so far
-    finish_reason: str | None = None
-
-
-@dataclass
 class ThinkerStep:
-    token: int | None        # the new token (None when the request already finished)
+    token: int
+    finish_reason: str | None
     embeds: torch.Tensor     # [n, H] input-embedding rows of the positions fed this step
     hidden: torch.Tensor     # [n, H] rows of the layer the Talker accepts
 
 
-class Thinker:
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32):
+class Thinker(DecoderLm):
+    ROPE_AXES = 3  # multimodal RoPE: text positions are equal on every axis
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
         from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeThinkerForConditionalGeneration
 
-        self.model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+        model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+            model_dir, dtype=dtype, **_moe_kwargs(batch_invariant))
+        super().__init__(model, rope_axes=self.ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-        cfg = self.model.config
+        cfg = model.config
         self.accept_layer = 1  # overwritten by the Talker's config where known
         self.im_start = 151644
         self.im_end = 151645
         self.user_id = cfg.user_token_id if hasattr(cfg, "user_token_id") else 872
         self.assistant_id = 77091
         self.newline = self.tokenizer.convert_tokens_to_ids("\u010a")
+        self.vocab = cfg.text_config.vocab_size
 
     def chat_prompt(self, text: str) -> list[int]:
         """`<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n` as token ids."""
@@ -63,64 +68,84 @@ class Thinker:
         return ([self.im_start, self.user_id, self.newline] + body +
                 [self.im_end, self.newline, self.im_start, self.assistant_id, self.newline])
 
-    def new_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
-                  ignore_eos: bool = False) -> ThinkerState:
-        return ThinkerState(
-            prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens,
-            stop_ids=frozenset() if ignore_eos else frozenset({self.im_end, 151643}),
-            cache=DynamicCache(config=self.model.config.text_config),
-            generator=None if sampling.greedy else new_generator(sampling.seed))
+    def new_thinker_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
+                          ignore_eos: bool = False) -> TokenState:
+        stop = frozenset() if ignore_eos else frozenset({self.im_end, 151643})
+        return self.new_state(prompt_ids, sampling, max_tokens, stop)
 
-    @torch.inference_mode()
-    def step(self, st: ThinkerState) -> ThinkerStep:
-        """Prefill on the first call, then one decode step per call."""
-        feed = st.prompt_ids if st.fed == 0 else st.generated[-1:]
-        n = len(feed)
-        pos = torch.arange(st.fed, st.fed + n).view(1, 1, -1).expand(3, 1, -1)
-        out = self.model(input_ids=torch.tensor([feed]), past_key_values=st.cache, use_cache=True,
-                         output_hidden_states=True, position_ids=pos)
-        st.fed += n
-        token = choose(out.logits[0, -1], st.sampling, st.generator)
-        st.generated.append(token)
-        if token in st.stop_ids:
-            st.finish_reason = "stop"
-        elif len(st.generated) >= st.max_tokens:
-            st.finish_reason = "length"
-        return ThinkerStep(token=token, embeds=out.hidden_states[0][0], hidden=out.hidden_states[self.accept_layer][0])
+    def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep]:
+        return [ThinkerStep(s.token, s.finish_reason, s.rows[0], s.rows[self.accept_layer])
+                for s in self.step_batch(states)]
 
-    def text_of(self, st: ThinkerState) -> str:
+    def text_of(self, st: TokenState) -> str:
         ids = [t for t in st.generated if t not in st.stop_ids]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 # ------------------------------------------------------------------- Talker
 
-@dataclass
-class TalkerState:
+END_OF_TEXT = None  # in a TalkerState inbox: the Thinker's stream has ended
+
+
+@dataclass(eq=False)
+class TalkerState(StepState):
     sampling: SamplingSettings
     max_frames: int
-    cache: DynamicCache
     generator: torch.Generator | None
-    prefill: torch.Tensor | None          # [P, H] talker prompt, consumed by the first step
-    trailing: list[torch.Tensor]          # projected text rows still to be spoken, one per step
-    text_done: bool = False               # the Thinker's stream has ended
-    eos_sent: bool = False                # the tts_eos marker has been consumed
+    speaker: str
+    # (prompt ids, prompt embeds, prompt hidden, first generated token's embed row): the first step builds the prefill
+    prompt: tuple | None
+    # Thinker embedding rows [n, H] of later tokens, appended by the engine as they arrive (END_OF_TEXT last);
+    # a deque, because the engine appends while a step on the worker thread may be draining it
+    inbox: deque = field(default_factory=deque)
+    kv: SequenceKV = field(default_factory=SequenceKV)
+    trailing: list[torch.Tensor] = field(default_factory=list)  # projected text rows still to be spoken
+    text_done: bool = False
+    eos_sent: bool = False
     tokens: list[int] = field(default_factory=list)
     past_hidden: torch.Tensor | None = None
-    fed: int = 0
     steps: int = 0
     finish_reason: str | None = None
+    finished: bool = False
+
+    def ready(self) -> bool:
+        """The next step can run: it is the first, or the text row it speaks (or the end of text) is in."""
+        if self.steps == 0 or self.text_done:
+            return True
+        arrived = sum(len(x) for x in list(self.inbox) if x is not END_OF_TEXT)
+        return END_OF_TEXT in self.inbox or self.steps - 1 < len(self.trailing) + arrived
+
+    def held_bytes(self) -> int:
+        rows = [*self.trailing, *(x for x in list(self.inbox) if x is not END_OF_TEXT)]
+        return self.kv.nbytes + sum(t.nbytes for t in rows)
+
+    def release(self) -> None:
+        self.kv.clear()
+        self.trailing.clear()
+        self.inbox.clear()
+        self.prompt = self.past_hidden = None
+
+
+@dataclass
+class TalkerStep:
+    frame: list[int] | None  # the codes of one frame [groups], once one is complete
+    finish_reason: str | None
 
 
 class Talker:
     """Codec-token generation conditioned on the Thinker's rows (first code group by the talker,
-    the residual groups by its code predictor), exactly as transformers' generate does it."""
+    the residual groups by its code predictor), as transformers' generate does it, over a batch."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
         from safetensors.torch import load_file
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
 
-        self.model = Qwen3OmniMoeTalkerForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = Qwen3OmniMoeTalkerForConditionalGeneration.from_pretrained(
+            model_dir, dtype=dtype, **_moe_kwargs(batch_invariant)).eval()
+        use_packed_attention(self.model.model)
+        if batch_invariant:
+            make_batch_invariant(self.model)
+        self.min_rows = MIN_MATMUL_ROWS if batch_invariant else 1
         cfg = self.model.config
         self.cfg = cfg
         self.groups = cfg.num_code_groups
@@ -133,13 +158,24 @@ class Talker:
             self.tts_bos, self.tts_eos, self.tts_pad = self.model.text_projection(special[None])[0].unbind(0)
         self.speakers = dict(cfg.speaker_id or {})
 
-    @torch.inference_mode()
+    def check_speaker(self, speaker: str) -> None:
+        if speaker.lower() not in self.speakers:
+            raise InvalidRequest("params.audio.speaker",
+                                 f'unknown speaker "{speaker}" (known: {", ".join(sorted(self.speakers))})')
+
     def new_state(self, prompt_ids: list[int], prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor,
                   first_token_embed: torch.Tensor, sampling: SamplingSettings, max_frames: int,
                   speaker: str = "ethan") -> TalkerState:
-        """Build the talker prompt from the Thinker's prompt rows and its first generated token's row."""
-        if speaker.lower() not in self.speakers:
-            raise InvalidRequest("params.audio.speaker", f'unknown speaker "{speaker}" (known: {", ".join(sorted(self.speakers))})')
+        """A state whose first step builds the talker prompt from the Thinker's prompt rows and its first
+        generated token's row."""
+        self.check_speaker(speaker)
+        return TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(),
+                           generator=None if sampling.greedy else new_generator(sampling.seed),
+                           prompt=(list(prompt_ids), prompt_embeds, prompt_hidden, first_token_embed))
+
+    def _prefill(self, prompt_ids: list[int], prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor,
+                 first_token_embed: torch.Tensor, speaker: str) -> torch.Tensor:
+        """The talker prompt rows [P, H], as generate() builds them."""
         ids = torch.tensor(prompt_ids)
         starts = [i for i, t in enumerate(prompt_ids) if t == 151644]
         user = torch.zeros(len(prompt_ids), dtype=torch.bool)
@@ -157,39 +193,43 @@ class Talker:
         text_rows = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
         c = self.cfg
         codec_ids = torch.tensor([c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id,
-                                  self.speakers[speaker.lower()], c.codec_pad_id, c.codec_bos_id])
+                                  self.speakers[speaker], c.codec_pad_id, c.codec_bos_id])
         codec_rows = torch.cat([torch.zeros(3, text_rows.shape[1], dtype=text_rows.dtype),
                                 self.model.get_input_embeddings()(codec_ids)])
-        prefill = torch.cat([user_part, text_rows + codec_rows])
-        return TalkerState(sampling=sampling, max_frames=max_frames,
-                           cache=DynamicCache(config=self.model.config.text_config),
-                           generator=None if sampling.greedy else new_generator(sampling.seed),
-                           prefill=prefill, trailing=[])
+        return torch.cat([user_part, text_rows + codec_rows])
+
+    def _take_inbox(self, st: TalkerState) -> None:
+        """Project the Thinker rows that arrived since the last step into rows to be spoken."""
+        rows = []
+        while st.inbox:
+            x = st.inbox.popleft()
+            if x is END_OF_TEXT:
+                st.text_done = True
+            elif len(x):
+                rows.append(x)
+        if rows:
+            st.trailing.extend(self.model.text_projection(torch.cat(rows)).unbind(0))
 
     @torch.inference_mode()
-    def add_text(self, st: TalkerState, embeds: torch.Tensor) -> None:
-        """Queue Thinker embedding rows of generated tokens (from the second one on) to be spoken."""
-        if len(embeds):
-            st.trailing.extend(self.model.text_projection(embeds).unbind(0))
-
-    def needs_text(self, st: TalkerState) -> bool:
-        """True when the next step cannot run until more Thinker rows (or its end) arrive."""
-        return st.prefill is None and not st.text_done and st.steps - 1 >= len(st.trailing)
-
-    @torch.inference_mode()
-    def step(self, st: TalkerState) -> list[int] | None:
-        """One talker step. Returns the codes of one frame [groups] once one is complete, else None."""
-        frame = None
-        if st.prefill is not None:
-            emb = st.prefill[None]
-            st.prefill = None
-        else:
+    def step_batch(self, states: list[TalkerState]) -> list[TalkerStep]:
+        """One talker step of every state. A state's first step prefills its prompt; each later one
+        completes the previous frame's residual codes and feeds that frame plus one text row."""
+        for st in states:
+            self._take_inbox(st)
+        decoding = [st for st in states if st.prompt is None]
+        residual = dict(zip(map(id, decoding), self._residual_codes(decoding))) if decoding else {}
+        inputs, frames = [], []
+        for st in states:
+            if st.prompt is not None:
+                inputs.append(self._prefill(*st.prompt, st.speaker))
+                st.prompt = None
+                frames.append(None)
+                continue
             last = st.tokens[-1]
-            last_emb = self.model.get_input_embeddings()(torch.tensor([[last]]))
-            residual = self._residual_codes(st.past_hidden, last_emb, st)
-            frame = [last] + residual
-            embs = [last_emb[0, 0]] + [self.model.code_predictor.get_input_embeddings()[i](torch.tensor(code))
-                                       for i, code in enumerate(residual)]
+            codes = residual[id(st)]
+            frames.append([last] + codes)
+            embs = [self.model.get_input_embeddings()(torch.tensor(last))] + [
+                self.model.code_predictor.get_input_embeddings()[i](torch.tensor(code)) for i, code in enumerate(codes)]
             emb = torch.stack(embs).sum(0)
             k = st.steps - 1
             if k < len(st.trailing):
@@ -199,77 +239,96 @@ class Talker:
                 st.eos_sent = True
             else:
                 emb = emb + self.tts_pad
-            emb = emb.view(1, 1, -1)
-        n = emb.shape[1]
-        pos = torch.arange(st.fed, st.fed + n).view(1, 1, -1).expand(3, 1, -1)
-        out = self.model.model(inputs_embeds=emb, past_key_values=st.cache, use_cache=True, position_ids=pos)
-        hidden = out.last_hidden_state
-        st.fed += n
-        st.steps += 1
-        st.past_hidden = hidden[:, -1:]
-        logits = self.model.codec_head(hidden[0, -1])
-        logits = apply_repetition_penalty(logits, st.tokens, st.sampling.repetition_penalty)
-        logits[self.suppress] = float("-inf")
-        token = choose(logits, st.sampling, st.generator)
-        st.tokens.append(token)
-        if token == self.eos:
-            st.finish_reason = "stop"
-        elif len(st.tokens) >= st.max_frames + 1:
-            st.finish_reason = "length"
-        return frame
+            inputs.append(emb[None])
+        last_hidden, _ = packed_forward(self.model.model, inputs, [st.kv for st in states], rope_axes=3,
+                                        min_rows=self.min_rows)
+        logits_all = self.model.codec_head(last_hidden)
+        out = []
+        for i, st in enumerate(states):
+            st.steps += 1
+            st.past_hidden = last_hidden[i].view(1, 1, -1)
+            logits = apply_repetition_penalty(logits_all[i], st.tokens, st.sampling.repetition_penalty)
+            logits[self.suppress] = float("-inf")
+            token = choose(logits, st.sampling, st.generator)
+            st.tokens.append(token)
+            if token == self.eos:
+                st.finish_reason = "stop"
+            elif len(st.tokens) >= st.max_frames + 1:
+                st.finish_reason = "length"
+            st.finished = st.finish_reason is not None
+            out.append(TalkerStep(frames[i], st.finish_reason))
+        return out
 
-    def _residual_codes(self, past_hidden: torch.Tensor, last_emb: torch.Tensor, st: TalkerState) -> list[int]:
-        """The code predictor's greedy (or sampled) residual code groups for one frame."""
+    def _residual_codes(self, states: list[TalkerState]) -> list[list[int]]:
+        """The code predictor's residual code groups of each state's last frame, as one batch."""
         cp = self.model.code_predictor
         cache = DynamicCache(config=cp.config)
-        emb = torch.cat([past_hidden, last_emb], dim=1)
-        codes: list[int] = []
+        last = self.model.get_input_embeddings()(torch.tensor([[st.tokens[-1]] for st in states]))
+        emb = torch.cat([torch.cat([st.past_hidden for st in states]), last], dim=1)
+        codes: list[list[int]] = [[] for _ in states]
         for g in range(self.groups - 1):
             out = cp.model(inputs_embeds=emb, past_key_values=cache, use_cache=True)
-            logits = cp.lm_head[g](out.last_hidden_state[0, -1])
-            code = choose(logits, SamplingSettings(temperature=st.sampling.temperature, top_k=50, top_p=0.8)
-                          if not st.sampling.greedy else st.sampling, st.generator)
-            codes.append(code)
-            emb = cp.get_input_embeddings()[g](torch.tensor([[code]]))
+            logits = cp.lm_head[g](out.last_hidden_state[:, -1])
+            for i, st in enumerate(states):
+                s = st.sampling if st.sampling.greedy else SamplingSettings(
+                    temperature=st.sampling.temperature, top_k=50, top_p=0.8)
+                codes[i].append(choose(logits[i], s, st.generator))
+            emb = cp.get_input_embeddings()[g](torch.tensor([[c[-1]] for c in codes]))
         return codes
 
 
 # ----------------------------------------------------------------- Code2Wav
+
+@dataclass(eq=False)
+class AudioChunkState(StepState):
+    """One chunk of one request's codec frames, with its left context: decoded in one step."""
+
+    codes: torch.Tensor  # [groups, context + new]
+    context: int         # frames of left context at the front
+    finished: bool = False
+
+    @property
+    def key(self) -> int:  # chunks of equal length share a forward
+        return self.codes.shape[-1]
+
+    def held_bytes(self) -> int:
+        return self.codes.nbytes
+
+    def release(self) -> None:
+        self.codes = torch.empty(0, dtype=torch.int64)  # a [:, :0] view would keep the storage alive
+
 
 class Code2Wav:
     """Codec frames -> 24 kHz waveform, decoded chunk by chunk with left context as in chunked_decode."""
 
     LEFT_CONTEXT = 25
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
         from transformers import Qwen3OmniMoeCode2Wav
         from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
         # Code2Wav's class declares the combined config; load its own sub-config explicitly.
         config = Qwen3OmniMoeCode2WavConfig.from_pretrained(model_dir)
         self.model = Qwen3OmniMoeCode2Wav.from_pretrained(model_dir, config=config, dtype=dtype).eval()
+        if batch_invariant:
+            make_batch_invariant(self.model)
         self.upsample = int(self.model.total_upsample)
         rate_file = Path(model_dir) / "sample_rate"
         self.sample_rate = int(rate_file.read_text()) if rate_file.exists() else 24000
         self.groups = self.model.config.num_quantizers
 
-    @torch.inference_mode()
-    def decode(self, history: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Waveform [samples] for `new` codes [groups, n], given the codes before them."""
+    def chunk_state(self, history: torch.Tensor, new: torch.Tensor) -> AudioChunkState:
+        """`new` codes [groups, n] to decode after `history` (the codes before them)."""
         context = history[:, -self.LEFT_CONTEXT:] if history.numel() else history
-        codes = torch.cat([context, new], dim=1)[None]
-        wav = self.model(codes)[0, 0]
-        return wav[context.shape[1] * self.upsample:]
+        return AudioChunkState(codes=torch.cat([context, new], dim=1), context=context.shape[1])
 
     @torch.inference_mode()
-    def decode_batch(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Decode several requests' chunks in one forward when they have equal lengths."""
-        ctx = [h[:, -self.LEFT_CONTEXT:] if h.numel() else h for h, _ in items]
-        full = [torch.cat([c, n], dim=1) for c, (_, n) in zip(ctx, items)]
-        if len({f.shape[1] for f in full}) == 1:
-            wav = self.model(torch.stack(full))[:, 0]
-            return [w[c.shape[1] * self.upsample:] for w, c in zip(wav, ctx)]
-        return [self.decode(h, n) for h, n in items]
+    def decode_batch(self, states: list[AudioChunkState]) -> list[torch.Tensor]:
+        """Waveforms [samples] of several requests' chunks of equal length, in one forward."""
+        wav = self.model(torch.stack([st.codes for st in states]))[:, 0]
+        for st in states:
+            st.finished = True
+        return [w[st.context * self.upsample:] for w, st in zip(wav, states)]
 
 
 def to_pcm16(wav: torch.Tensor) -> torch.Tensor:

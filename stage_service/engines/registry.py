@@ -49,7 +49,7 @@ def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLik
         elif arch == "Qwen3OmniMoeCode2Wav":
             from .qwen3_omni import Code2WavEngine as cls
         elif arch.endswith("ForCausalLM"):
-            from .hf_causal import HfCausalEngine as cls
+            from .hf_causal import CausalLmEngine as cls
         else:
             raise UnknownModel(f"{path}: the transformers engine has no adapter for {arch or 'this model'}")
     elif stage.engine == "diffusers":

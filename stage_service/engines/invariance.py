@@ -1,0 +1,57 @@
+"""Batch invariance: a request gets the same numbers alone as in any batch.
+
+Measured on the CPU build here (MKL, AVX2): a matmul with fewer than 4 rows and
+a 2-D convolution over a batch of 1 take other kernels than larger ones and
+round differently (last bits), which is enough to flip a sampled token. These
+helpers pad such calls up to the size where every batch shares one kernel, so a
+row's result never depends on its neighbours. MoE experts run as one small
+matmul per (token, expert) pair ("batched_mm"), which is invariant too.
+
+The cost is the padding itself: tiny for matmuls; for a convolution it doubles
+the work of a lone single-sample call. Engines take `engineArgs.batch_invariant:
+false` to skip all of it.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+MIN_MATMUL_ROWS = 4
+MIN_CONV_BATCH = 2
+MOE_EXPERTS = "batched_mm"
+
+
+def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or rows >= MIN_MATMUL_ROWS:
+        return F.linear(x, self.weight, self.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    flat = torch.cat([flat, flat.new_zeros(MIN_MATMUL_ROWS - rows, flat.shape[1])])
+    return F.linear(flat, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
+def _conv2d(self: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 4 or x.shape[0] >= MIN_CONV_BATCH:
+        return self._conv_forward(x, self.weight, self.bias)
+    padded = torch.cat([x, x.new_zeros(MIN_CONV_BATCH - x.shape[0], *x.shape[1:])])
+    return self._conv_forward(padded, self.weight, self.bias)[: x.shape[0]]
+
+
+def make_batch_invariant(model: torch.nn.Module) -> torch.nn.Module:
+    """Pad every small Linear and Conv2d call of `model` (in place); returns the model."""
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.forward = types.MethodType(_linear, m)
+        elif type(m) is torch.nn.Conv2d and m.padding_mode == "zeros":
+            m.forward = types.MethodType(_conv2d, m)
+    return model
+
+
+def pad_rows(x: torch.Tensor, rows: int = MIN_MATMUL_ROWS) -> torch.Tensor:
+    """`x` [n, ...] with zero rows added up to `rows` (for inputs this code batches itself)."""
+    if len(x) >= rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - len(x), *x.shape[1:])])

@@ -1,0 +1,86 @@
+"""Token-by-token decoding of a transformers causal LM, stepped over a batch of sequences.
+
+Each sequence joins with its prompt (prefilled in the step it joins), then feeds
+its last token each step; it leaves when it stops or reaches its length. Every
+sequence keeps its own KV cache and sampling generator, so its tokens do not
+depend on what else shares the step. Blocking torch code, run on the engine's
+worker thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..scheduler import StepState
+from .invariance import MIN_MATMUL_ROWS, make_batch_invariant
+from .packed import SequenceKV, packed_forward, use_packed_attention
+from .sampling import SamplingSettings, choose, new_generator
+
+
+@dataclass(eq=False)
+class TokenState(StepState):
+    prompt_ids: list[int]
+    sampling: SamplingSettings
+    max_tokens: int
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    kv: SequenceKV = field(default_factory=SequenceKV)
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    finished: bool = False
+
+    def held_bytes(self) -> int:
+        return self.kv.nbytes
+
+    def release(self) -> None:
+        self.kv.clear()
+
+
+@dataclass
+class TokenStep:
+    token: int
+    finish_reason: str | None
+    rows: tuple[torch.Tensor, ...] | None  # when kept: each layer's hidden rows [n, H] of the positions fed
+
+
+class DecoderLm:
+    """A causal LM in the transformers layout (a decoder plus an output head), stepped in packed batches."""
+
+    def __init__(self, model: torch.nn.Module, rope_axes: int = 0, keep_rows: bool = False,
+                 batch_invariant: bool = True):
+        self.model = model.eval()
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self.rope_axes = rope_axes
+        self.keep_rows = keep_rows
+        self.min_rows = MIN_MATMUL_ROWS if batch_invariant else 1
+        use_packed_attention(self.decoder)
+        if batch_invariant:
+            make_batch_invariant(model)
+
+    def new_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
+                  stop_ids: frozenset[int] = frozenset()) -> TokenState:
+        return TokenState(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens, stop_ids=stop_ids,
+                          generator=None if sampling.greedy else new_generator(sampling.seed))
+
+    @torch.inference_mode()
+    def step_batch(self, states: list[TokenState]) -> list[TokenStep]:
+        """One step of every state: the prompt of those that just joined, the last token of the others."""
+        inputs = [torch.tensor(st.generated[-1:] if st.generated else st.prompt_ids) for st in states]
+        last, rows = packed_forward(self.decoder, inputs, [st.kv for st in states], self.rope_axes, self.embed,
+                                    hidden_states=self.keep_rows, min_rows=self.min_rows)
+        logits = self.head(last)
+        out = []
+        for i, st in enumerate(states):
+            token = choose(logits[i], st.sampling, st.generator)
+            st.generated.append(token)
+            if token in st.stop_ids:
+                st.finish_reason = "stop"
+            elif len(st.generated) >= st.max_tokens:
+                st.finish_reason = "length"
+            st.finished = st.finish_reason is not None
+            out.append(TokenStep(token, st.finish_reason, rows[i] if rows else None))
+        return out

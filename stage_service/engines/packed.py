@@ -1,0 +1,134 @@
+"""Packed batching for transformers decoder models: many sequences in one forward, each with its own KV cache.
+
+The tokens of every sequence in a step (a whole prompt for a sequence that
+joins, one token for one that decodes) are laid end to end in one row, as
+vLLM does. The dense layers see one [1, tokens, hidden] batch; attention is
+computed per sequence against that sequence's own cache, registered with
+transformers as an attention implementation. A sequence that leaves simply
+drops its `SequenceKV`.
+
+Batch invariance (see `invariance.py`): a step is padded to at least
+`min_rows` tokens, so that the matmuls a module calls directly (an MoE router)
+take the same kernel whatever the batch; the padding rows have no cache and are
+attended to by nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .invariance import MIN_MATMUL_ROWS
+
+ATTENTION = "omnistage_packed"
+_step = threading.local()  # the layout of the forward running on this thread
+
+
+class SequenceKV:
+    """One sequence's KV cache: per layer, keys and values [1, kv_heads, length, head_dim]."""
+
+    def __init__(self) -> None:
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+
+    def length(self, layer: int = 0) -> int:
+        k = self._k.get(layer)
+        return 0 if k is None else k.shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self._k:
+            k = torch.cat([self._k[layer], k], dim=2)
+            v = torch.cat([self._v[layer], v], dim=2)
+        else:  # own the rows: a slice would keep the whole step's tensor alive
+            k, v = k.clone(), v.clone()
+        self._k[layer], self._v[layer] = k, v
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for d in (self._k, self._v) for t in d.values())
+
+    def clear(self) -> None:
+        self._k.clear()
+        self._v.clear()
+
+
+@dataclass
+class _Segment:
+    start: int
+    length: int
+    kv: SequenceKV | None  # None: padding rows, attended to by nothing and cached nowhere
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of each sequence's new tokens against its own cache (registered as `ATTENTION`)."""
+    layer = module.layer_idx
+    outs = []
+    for seg in _step.segments:
+        s, e = seg.start, seg.start + seg.length
+        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+        past = seg.kv.length(layer) if seg.kv is not None else 0
+        if seg.kv is not None:
+            k, v = seg.kv.append(layer, k, v)
+        mask = None
+        if seg.length > 1 and past:  # new tokens after a cached prefix: causal, aligned bottom-right
+            mask = torch.ones(seg.length, past + seg.length, dtype=torch.bool).tril(past)[None, None]
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=True)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+AttentionInterface.register(ATTENTION, packed_attention)
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Route a decoder model's attention through `packed_attention` (its config only, not its siblings')."""
+    model.config._attn_implementation = ATTENTION
+
+
+def positions(past: int, n: int, rope_axes: int) -> torch.Tensor:
+    """Position ids of n new tokens after `past`: [n], or [rope_axes, n] for multimodal RoPE (text: equal axes)."""
+    p = torch.arange(past, past + n)
+    return p if rope_axes == 0 else p.expand(rope_axes, n)
+
+
+def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], caches: Sequence[SequenceKV],
+                   rope_axes: int = 0, embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   hidden_states: bool = False, min_rows: int = MIN_MATMUL_ROWS):
+    """One forward of a transformers decoder (`...Model`, not `...ForCausalLM`) over several sequences.
+
+    `inputs[i]` are sequence i's new rows: token ids [n] when `embed` is given, else embeddings [n, H].
+    Each cache grows by its sequence's rows. Returns (last hidden rows [k, H] per sequence, and when asked
+    every layer's hidden rows per sequence: a list of tuples of [n_i, H]).
+    """
+    rows = [embed(x) if embed is not None else x for x in inputs]
+    pos = [positions(c.length(), len(x), rope_axes) for x, c in zip(rows, caches)]
+    segments, start = [], 0
+    for x, c in zip(rows, caches):
+        segments.append(_Segment(start, len(x), c))
+        start += len(x)
+    if start < min_rows:  # pad: see the module docstring
+        pad = min_rows - start
+        rows.append(torch.zeros(pad, rows[0].shape[1], dtype=rows[0].dtype))
+        pos.append(positions(0, pad, rope_axes))
+        segments.append(_Segment(start, pad, None))
+    flat = torch.cat(rows)[None]
+    position_ids = torch.cat(pos, dim=-1)
+    position_ids = position_ids[None] if rope_axes == 0 else position_ids[:, None]
+    _step.segments = segments
+    try:
+        out = model(inputs_embeds=flat, position_ids=position_ids, use_cache=False,
+                    output_hidden_states=hidden_states)
+    finally:
+        _step.segments = ()
+    real = segments[:len(inputs)]
+    last = torch.cat([out.last_hidden_state[0, s.start + s.length - 1:s.start + s.length] for s in real])
+    if not hidden_states:
+        return last, None
+    per_seq = [tuple(h[0, s.start:s.start + s.length] for h in out.hidden_states) for s in real]
+    return last, per_seq

@@ -1,0 +1,23 @@
+"""The stage's domain errors; the servicer maps each to one gRPC status code (`servicer.status_for`)."""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """The engine failed while working on a request (INTERNAL)."""
+
+
+class EngineDead(EngineError):
+    """The engine cannot recover: the replica is going down (UNAVAILABLE, so the caller may retry elsewhere)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The stage's queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class StageDraining(RuntimeError):
+    """The stage is shutting down and takes no new work (UNAVAILABLE)."""
+
+
+class InputError(ValueError):
+    """Inputs from upstream that this engine cannot use: missing tensor, wrong shape (INVALID_ARGUMENT)."""

@@ -1,0 +1,347 @@
+"""The step scheduler every batching engine of a stage shares.
+
+A request's engine state (a `StepState`) waits in a bounded queue (maxQueued),
+joins the running set when there is room (maxBatch), and at every step the
+scheduler runs the engine's step function, on the engine's one worker thread,
+over the running states that are ready and share a batch key. Each result goes
+to its request's `JobStream`. A state that finishes, fails or is cancelled
+leaves at the step boundary and its memory (KV cache, latents) is released.
+
+One shape for every paradigm: AR engines keep a state for many steps
+(continuous batching: join at the next step, leave when done), the denoise
+loop keeps one per image, decoders submit one-step states (batch what is
+queued). When the scheduler wakes from idle it waits up to maxWaitMs for a
+batch to fill.
+
+Failure: a step that raises fails the requests in that step; `max_failed_steps`
+failed steps in a row mean the engine cannot recover: every request held fails
+with `EngineDead` and new ones are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Hashable
+
+from omnistage.spec import SchedulerSettings
+
+from .errors import EngineDead, EngineError, EngineOverloaded
+
+log = logging.getLogger("omnistage.stage")
+_END = object()  # after a state's last result
+
+
+class StepState:
+    """What one request carries through the scheduler. Engines subclass it.
+
+    Read by the scheduler on the event loop between steps; changed by the engine's
+    step on the worker thread. Code that feeds a state while it may be in a step
+    must only append to a thread-safe inbox (a deque) that the step drains.
+    """
+
+    finished: bool = False    # set by the step that produced the last result
+    key: Hashable = None      # states with equal keys may share a step
+
+    def ready(self) -> bool:
+        """True when the next step has what it needs (inputs that stream in may not have arrived)."""
+        return True
+
+    def held_bytes(self) -> int:
+        """Bytes of tensors this state holds (KV cache, latents)."""
+        return 0
+
+    def release(self) -> None:
+        """Drop every tensor held; called once, when the state leaves the scheduler."""
+
+
+StepFn = Callable[[list[StepState]], list[Any]]
+
+
+@dataclass(eq=False)
+class _Job:
+    request_id: str
+    state: StepState
+    seq: int
+    submitted: float = field(default_factory=time.perf_counter)
+    results: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_step: float | None = None
+    compute_s: float = 0.0  # wall time of the steps it took part in
+    last_step: int = -1
+    cancelled: bool = False
+    gone: bool = False  # left the scheduler
+
+
+class JobStream:
+    """One request's results, one per step it took part in, in order; errors are raised."""
+
+    def __init__(self, job: _Job, wake: Callable[[], None]):
+        self._job = job
+        self._wake = wake
+
+    def __aiter__(self) -> "JobStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self._job.results.get()
+        self._wake()  # a consumer that fell behind makes its state ready again
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def next(self) -> Any:
+        """The next result (for one-step states: the only one)."""
+        return await self.__anext__()
+
+    def fail(self, error: BaseException) -> None:
+        """Something outside the engine (a bad input chunk) ends this request: its reader gets `error`."""
+        self._job.results.put_nowait(error)
+
+    @property
+    def queue_ms(self) -> float:
+        """Time from submission to the first step."""
+        j = self._job
+        return ((j.first_step or j.submitted) - j.submitted) * 1e3
+
+    @property
+    def compute_ms(self) -> float:
+        """Time of the steps it took part in so far (each shared with its batch)."""
+        return self._job.compute_s * 1e3
+
+
+class StepScheduler:
+    def __init__(self, stage: str, settings: SchedulerSettings, step: StepFn, *, unit: str = "steps",
+                 metrics=None, max_failed_steps: int = 3, max_pending_results: int = 16,
+                 on_dead: Callable[[BaseException], None] | None = None):
+        self.stage = stage
+        self.max_batch = settings.max_batch
+        self.max_queued = settings.max_queued
+        self.max_wait = settings.max_wait_ms / 1e3
+        self.step_fn = step
+        self.unit = unit
+        self.metrics = metrics
+        self.max_failed_steps = max_failed_steps
+        self.max_pending_results = max_pending_results
+        self.on_dead = on_dead
+        self.failed: BaseException | None = None
+        self.steps = 0
+        self._queue: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._in_step: tuple[_Job, ...] = ()
+        self._failed_in_a_row = 0
+        self._seq = 0
+        self._wake = asyncio.Event()
+        self._live: weakref.WeakSet[StepState] = weakref.WeakSet()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engine-{stage}")
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ the engine's side
+
+    async def run_on_worker(self, fn: Callable[..., Any], *args) -> Any:
+        """Run blocking model code (loading) on the thread the steps run on."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def start(self) -> None:
+        if not self._closed:
+            self._task = asyncio.create_task(self._loop(), name=f"scheduler-{self.stage}")
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        for job in [*self._queue, *self._running]:
+            job.results.put_nowait(EngineDead("the stage shut down"))
+            self._remove(job)
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)  # lets a running step end
+
+    # ------------------------------------------------------------ the request's side
+
+    @contextlib.asynccontextmanager
+    async def submit(self, request_id: str, state: StepState, *, admitted: bool = False) -> AsyncIterator[JobStream]:
+        """Queue a state; yields its result stream. Leaving the block (done, error, cancel) frees the state
+        at the next step boundary. `admitted`: a later part of a request already admitted (no queue limit)."""
+        if self.failed is not None:
+            raise EngineDead(f"{type(self.failed).__name__}: {self.failed}")
+        if self._closed:
+            raise EngineDead("the stage shut down")
+        waiting = len(self._running) + len(self._queue) + 1 - self.max_batch
+        if not admitted and waiting > self.max_queued:
+            raise EngineOverloaded(f"stage {self.stage}: {len(self._queue)} requests queued "
+                                   f"(maxQueued {self.max_queued}, maxBatch {self.max_batch})")
+        self._seq += 1
+        job = _Job(request_id, state, self._seq)
+        self._queue.append(job)
+        self._live.add(state)
+        self._changed()
+        try:
+            yield JobStream(job, self._wake.set)
+        finally:
+            self._leave(job)
+
+    def notify(self) -> None:
+        """A state may have become ready (its input arrived)."""
+        self._wake.set()
+
+    # ------------------------------------------------------------ what it holds
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def unfinished(self) -> int:
+        return len(self._running) + len(self._queue)
+
+    def held_bytes(self) -> int:
+        return sum(s.held_bytes() for s in list(self._live))
+
+    def live_states(self) -> int:
+        """States not yet garbage-collected (a leak check for tests: 0 once every request is gone)."""
+        return len(self._live)
+
+    # ------------------------------------------------------------ the loop
+
+    async def _loop(self) -> None:
+        try:
+            await self._serve()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must fail requests, never strand them
+            log.exception("stage %s: scheduler loop failed", self.stage)
+            self._die(e)
+
+    async def _serve(self) -> None:
+        while self.failed is None:
+            self._admit()
+            batch = self._pick()
+            if not batch:
+                idle = not self._running
+                self._wake.clear()
+                await self._wake.wait()
+                if idle and self.max_wait > 0:
+                    await self._fill()
+                continue
+            await self._step(batch)
+
+    async def _fill(self) -> None:
+        """Coming out of idle: give a batch up to maxWaitMs to fill."""
+        deadline = time.monotonic() + self.max_wait
+        while len(self._queue) + len(self._running) < self.max_batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+
+    def _admit(self) -> None:
+        moved = False
+        while self._queue and len(self._running) < self.max_batch:
+            self._running.append(self._queue.popleft())
+            moved = True
+        if moved:
+            self._changed()
+
+    def _pick(self) -> list[_Job]:
+        """The ready running states that share a key with the one that waited longest for a step."""
+        ready = [j for j in self._running
+                 if j.results.qsize() < self.max_pending_results and j.state.ready()]
+        if not ready:
+            return []
+        first = min(ready, key=lambda j: (j.last_step, j.seq))
+        return [j for j in ready if j.state.key == first.state.key]
+
+    async def _step(self, batch: list[_Job]) -> None:
+        t0 = time.perf_counter()
+        for j in batch:
+            if j.first_step is None:
+                j.first_step = t0
+        self._in_step = tuple(batch)
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.step_fn, [j.state for j in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"step returned {len(results)} results for {len(batch)} requests")
+        except Exception as e:  # noqa: BLE001 - the step's failure is the requests' failure
+            self._in_step = ()
+            self._step_failed(batch, e)
+            return
+        self._in_step = ()
+        self._failed_in_a_row = 0
+        self.steps += 1
+        took = time.perf_counter() - t0
+        for j, r in zip(batch, results):
+            j.last_step = self.steps
+            j.compute_s += took
+            if j.gone or j.cancelled:
+                self._remove(j)
+                continue
+            j.results.put_nowait(r)
+            if isinstance(r, BaseException) or j.state.finished:
+                j.results.put_nowait(_END)
+                self._remove(j)
+        if self.metrics is not None:
+            self.metrics.step(len(batch), took * 1e3, self.unit)
+
+    def _step_failed(self, batch: list[_Job], error: Exception) -> None:
+        self._failed_in_a_row += 1
+        log.error("stage %s: step failed for %d requests (%d in a row): %r", self.stage, len(batch),
+                  self._failed_in_a_row, error, exc_info=error)
+        if self.metrics is not None:
+            self.metrics.failed_steps.labels(self.stage).inc()
+        for j in batch:
+            j.results.put_nowait(EngineError(f"step failed: {type(error).__name__}: {error}"))
+            self._remove(j)
+        if self._failed_in_a_row >= self.max_failed_steps:
+            self._die(error)
+
+    def _die(self, error: Exception) -> None:
+        self.failed = error
+        log.error("stage %s: %d failed steps in a row; the engine cannot recover", self.stage, self._failed_in_a_row)
+        for j in [*self._queue, *self._running]:
+            j.results.put_nowait(EngineDead(f"{type(error).__name__}: {error}"))
+            self._remove(j)
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    # ------------------------------------------------------------ leaving
+
+    def _leave(self, job: _Job) -> None:
+        """The request is done with its state (finished, failed, cancelled, deadline passed)."""
+        if job.gone:
+            return
+        if job in self._in_step:
+            job.cancelled = True  # the step in flight still uses it: it leaves when that step returns
+            return
+        self._remove(job)
+
+    def _remove(self, job: _Job) -> None:
+        if job.gone:
+            return
+        job.gone = True
+        if job in self._running:
+            self._running.remove(job)
+        else:
+            with contextlib.suppress(ValueError):
+                self._queue.remove(job)
+        job.state.release()
+        self._changed()
+
+    def _changed(self) -> None:
+        self._wake.set()
+        if self.metrics is not None:
+            self.metrics.load(len(self._running), len(self._queue))
