@@ -136,12 +136,15 @@ def build_orchestrator_service(p: Pipeline) -> dict:
 
 
 def build_orchestrator_access(p: Pipeline) -> tuple[dict, dict, dict]:
-    """The orchestrator finds stage replicas by watching Endpoints: it may read those, nothing else."""
+    """The orchestrator finds stage replicas by watching the endpoints of stage Services: it may read
+    those (EndpointSlices, and core Endpoints for older orchestrators), nothing else."""
     name = k.orchestrator_object_name(p.name)
     meta = _meta(p, name, k.COMPONENT_ORCHESTRATOR)
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-            "rules": [{"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]}]}
+            "rules": [{"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]},
+                      {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                       "verbs": ["get", "list", "watch"]}]}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": p.namespace}]}

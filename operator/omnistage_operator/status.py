@@ -69,7 +69,8 @@ def build_status(old: Mapping[str, Any] | None, *, generation: int, stages: Mapp
     elif short and (was_ready or was_degraded):
         degraded = condition(k.DEGRADED, True, k.R_STAGE_UNAVAILABLE, "; ".join(short), generation)
     else:
-        degraded = condition(k.DEGRADED, False, k.R_AS_EXPECTED, "", generation)
+        degraded = condition(k.DEGRADED, False, k.R_AS_EXPECTED, "no replica missing, no Deployment failing",
+                             generation)
 
     for c in (ready, progressing, degraded):
         c["message"] = c["message"][:MAX_MESSAGE]

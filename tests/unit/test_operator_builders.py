@@ -210,7 +210,9 @@ def test_orchestrator_deployment_uses_kubernetes_discovery_and_its_own_account()
 def test_orchestrator_may_only_read_endpoints():
     sa, role, binding = children().orchestrator_access
     assert sa["kind"] == "ServiceAccount"
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]},
+                             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                     "namespace": "team-a"}]
