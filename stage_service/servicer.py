@@ -65,6 +65,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.inflight += 1
         self.idle.clear()
         outcome = "failed"
+        status: tuple[grpc.StatusCode, str] | None = None
         reader: asyncio.Task | None = None
         try:
             first = await anext(aiter(request_iterator), None)
@@ -101,13 +102,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             if reader is not None and reader.done() and not reader.cancelled() and reader.exception():
                 e = reader.exception()  # the input was bad: report that, not its consequence
-            code, message = status_for(name, e)
+            status = status_for(name, e)
+            code = status[0]
             outcome = "invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else \
                 "rejected" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else \
                 "timeout" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
             if code == grpc.StatusCode.INTERNAL:
-                log.exception("stage %s: request failed", name)
-            await context.abort(code, message)
+                log.error("stage %s: request failed", name, exc_info=e)
         finally:
             if reader is not None:
                 reader.cancel()
@@ -117,6 +118,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle.set()
+        if status is not None:
+            # Outside the except block: the abort must not carry the error's traceback (and with it
+            # the engine's frames and request state) into gRPC's call state.
+            await context.abort(*status)
 
     def _to_proto(self, out: OutputChunk, chunk_id: int):
         msg = output_to_proto(out, self.stage.name, chunk_id, out.last)

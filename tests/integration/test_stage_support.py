@@ -1,0 +1,104 @@
+"""Helpers the stage runtime tests share (no tests here): calls that can be cancelled mid-stream,
+polling with a timeout, load and health probes, and the leak check after a run."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omnistage import tensors
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+
+def tensor_of(chunk, name):
+    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
+
+
+def token_ids(chunks) -> list[int]:
+    return [t for c in chunks for t in tensor_of(c, "token_ids").tolist()]
+
+
+def scheduler(edit_stage: str, max_batch: int = 16, max_queued: int = 128, max_wait_ms: float | None = None):
+    """A pipeline edit that sets one stage's scheduler settings."""
+    def edit(doc):
+        s = {"maxBatch": max_batch, "maxQueued": max_queued}
+        if max_wait_ms is not None:
+            s["maxWaitMs"] = max_wait_ms
+        doc["spec"]["deployment"]["stages"][edit_stage]["scheduler"] = s
+    return edit
+
+
+async def poll(condition, timeout: float = 30.0, interval: float = 0.02, what: str = "condition"):
+    """Wait until `condition()` is true; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+class Call:
+    """One Process call running as a task: its chunks so far, and whether its first chunk arrived."""
+
+    def __init__(self, channel: grpc.aio.Channel, first: stage_pb2.StageInput, chunks=(), timeout: float = 300,
+                 hold_open: asyncio.Event | None = None):
+        """`chunks` are sent after the header; with `hold_open`, the input stream stays open (no half-close)
+        until that event is set, as while an upstream stage is still producing."""
+        self.chunks: list[stage_pb2.Chunk] = []
+        self.started = asyncio.Event()
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+
+        async def requests():
+            yield first
+            for c in chunks:
+                yield stage_pb2.StageInput(chunk=c)
+            if hold_open is not None:
+                await hold_open.wait()
+
+        self.rpc = stub.Process(requests(), timeout=timeout)
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> list[stage_pb2.Chunk]:
+        async for out in self.rpc:
+            self.chunks.append(out.chunk)
+            self.started.set()
+        return self.chunks
+
+    def cancel(self) -> None:
+        self.rpc.cancel()
+
+    async def outcome(self) -> grpc.StatusCode:
+        try:
+            await self.task
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        return await self.rpc.code()
+
+
+async def health(port: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+
+
+async def load(port: int) -> stage_pb2.StageLoad:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return await stage_pb2_grpc.StageServiceStub(ch).GetLoad(stage_pb2.GetLoadRequest(), timeout=5)
+
+
+async def assert_nothing_held(srv, timeout: float = 30.0) -> None:
+    """After a run: no request in flight, none unfinished in the engine, no request state alive."""
+    engine = srv.engine
+    await poll(lambda: srv.servicer.inflight == 0, timeout, what="no call in flight")
+    await poll(lambda: engine.unfinished() == 0, timeout, what="no unfinished engine request")
+    assert engine.held_bytes() == 0
+    sched = getattr(engine, "scheduler", None)
+    if sched is not None:
+        gc.collect()
+        assert sched.live_states() == 0, f"{sched.live_states()} request states still alive"
+        assert (sched.running, sched.queued) == (0, 0)
+    else:  # vLLM: its KV cache is free again
+        await poll(lambda: engine.kv_cache_usage == 0.0, timeout, what="vLLM KV cache free")
