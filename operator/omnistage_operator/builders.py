@@ -95,8 +95,7 @@ def build_stage_service(p: Pipeline, stage: str) -> dict:
     labels = k.selector(p.name, k.COMPONENT_STAGE, stage)
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(p, k.stage_object_name(p.name, stage), k.COMPONENT_STAGE, stage),
-            "spec": {"clusterIP": "None", "selector": labels, "ports": _service_ports(),
-                     "publishNotReadyAddresses": False}}
+            "spec": {"clusterIP": "None", "selector": labels, "ports": _service_ports()}}
 
 
 def build_stage_pdb(p: Pipeline, stage: str, api_version: str = "policy/v1") -> dict:

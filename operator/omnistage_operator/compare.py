@@ -21,7 +21,7 @@ def matches(desired: Any, live: Any, *, quantities: bool = False) -> bool:
         for key, want in desired.items():
             have = live.get(key)
             if have is None and _empty(want):
-                continue   # the apiserver drops empty maps and lists
+                continue   # the apiserver drops empty maps and lists, and false booleans
             if not matches(want, have, quantities=quantities or key in _QUANTITY_PARENTS):
                 return False
         return True
@@ -42,4 +42,4 @@ def _same_quantity(a: Any, b: Any) -> bool:
 
 
 def _empty(value: Any) -> bool:
-    return value in ({}, [], None, "")
+    return value is False or value is None or value in ({}, [], "")

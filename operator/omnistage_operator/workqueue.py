@@ -89,6 +89,8 @@ async def worker(queue: WorkQueue, reconcile: Callable, name: str) -> None:
         try:
             outcome = await asyncio.to_thread(reconcile, *key)
             queue.succeeded(key)
+            log.info("reconciled %s/%s: %d writes%s", *key, getattr(outcome, "writes", 0),
+                     f", again in {outcome.requeue_after:.0f}s" if getattr(outcome, "requeue_after", None) else "")
             if getattr(outcome, "gone", False):
                 queue.forget(key)
             elif outcome is not None and outcome.requeue_after:

@@ -57,6 +57,9 @@ def test_matches(edit, same):
 
 def test_matches_scalars_and_missing():
     assert matches({"a": {}}, {})
+    assert matches({"a": False}, {})          # omitted false booleans
+    assert not matches({"a": True}, {})
+    assert not matches({"a": 0}, {})
     assert not matches({"a": 1}, {})
     assert not matches({"a": [1]}, {"a": [1, 2]})
     assert matches({"a": "grpc"}, {"a": "grpc"})
