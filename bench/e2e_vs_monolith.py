@@ -1,0 +1,145 @@
+"""Headline benchmark: the staged pipeline against the monolithic model, side by side, same weights.
+
+(a) monolith: transformers' combined `Qwen3OmniMoeForConditionalGeneration.generate`, one request at a
+    time, as a user of that library runs it (one process, one torch thread);
+(b) staged:   `omnistage serve examples/qwen3-omni-tiny.yaml` (Thinker, Talker, Code2Wav as separate
+    processes, one torch thread each, async chunk streaming on) called by a load generator at
+    concurrency 1, 8 and 32.
+Both compute the same thing: the stages are the combined model's own sub-models, greedy decoding, the
+same prompts (a fixed, seeded mix of short and long), the same token and codec-frame budgets.
+
+    .venv/bin/python bench/e2e_vs_monolith.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from common import figure, percentile, print_table, write_results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the sea wind story light city river night song stone bird road morning garden music winter "
+         "Tell me about a quiet village where people build boats and sing").split()
+
+
+def prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """(prompt, max text tokens): half short, half long, seeded."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        long = i % 2 == 1
+        words = rng.randint(30, 60) if long else rng.randint(3, 8)
+        out.append((" ".join(rng.choice(WORDS) for _ in range(words)), 24 if long else 8))
+    return out
+
+
+def monolith(prompt_set, frames: int, model_dir: Path) -> dict:
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from stage_service.engines.qwen3_omni_steps import Thinker
+
+    torch.set_num_threads(1)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
+    chat = Thinker(model_dir / "thinker")  # the same chat template the Thinker stage applies
+    lat, tokens, audio_s = [], 0, 0.0
+    t_all = time.perf_counter()
+    for text, max_tokens in prompt_set:
+        ids = torch.tensor([chat.chat_prompt(text)])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            seq, wav = model.generate(input_ids=ids, thinker_max_new_tokens=max_tokens, thinker_eos_token_id=None,
+                                      talker_max_new_tokens=frames + 1, talker_do_sample=False)
+        lat.append(time.perf_counter() - t0)
+        tokens += seq.shape[1] - ids.shape[1]
+        audio_s += wav.shape[-1] / 24000
+    wall = time.perf_counter() - t_all
+    return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": lat,  # audio arrives with the result
+            "rtf": sum(lat) / audio_s, "n": len(prompt_set)}
+
+
+async def staged_level(endpoint: str, prompt_set, frames: int, concurrency: int) -> dict:
+    from omnistage.client import AsyncOmniClient
+
+    ttfp, rtf, tokens = [], [], 0
+    queue = list(prompt_set)
+    async with AsyncOmniClient(endpoint) as client:
+        async def worker():
+            nonlocal tokens
+            while queue:
+                text, max_tokens = queue.pop()
+                t0 = time.perf_counter()
+                r = await client.generate(text, max_tokens=max_tokens, ignore_eos=True, max_codec_frames=frames,
+                                          timeout=600)
+                dt = time.perf_counter() - t0
+                ttfp.append(r.first_audio_s)
+                rtf.append(dt / r.audio_seconds)
+                tokens += len(r.token_ids)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": ttfp,
+            "rtf": sum(rtf) / len(rtf), "n": len(prompt_set)}
+
+
+def staged(levels: dict[int, int], frames: int, model_dir: Path, seed: int) -> dict[int, dict]:
+    from omnistage.local import LocalPipeline
+    from omnistage.spec import load_pipeline
+
+    path = ROOT / "examples" / "qwen3-omni-tiny.yaml"
+    local = LocalPipeline(path, load_pipeline(path), model_dir, progress=lambda m: None)
+    out = {}
+    try:
+        endpoint = local.start()
+        asyncio.run(staged_level(endpoint, prompts(2, seed + 99), frames, 2))  # warm the stages
+        for c, n in levels.items():
+            out[c] = asyncio.run(staged_level(endpoint, prompts(n, seed), frames, c))
+    finally:
+        local.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default=str(ROOT / "models"))
+    args = ap.parse_args()
+    model_dir = Path(args.models) / "qwen3-omni-tiny"
+    frames = 50  # 4 s of audio per request
+    n_mono = 6 if args.quick else 16
+    levels = {1: 6, 8: 16, 32: 32} if args.quick else {1: 16, 8: 48, 32: 96}
+    mono = monolith(prompts(n_mono), frames, Path(model_dir))
+    st = staged(levels, frames, Path(args.models), 0)
+    rows = [("monolith (c1)", mono)] + [(f"staged c{c}", r) for c, r in st.items()]
+    print(f"\n{'side':<16}{'req/s':>8}{'tok/s':>8}{'TTFP p50':>10}{'TTFP p95':>10}{'RTF':>7}{'n':>5}")
+    for name, r in rows:
+        print(f"{name:<16}{r['rps']:>8.2f}{r['tok_s']:>8.1f}{1e3 * percentile(r['ttfp'], 50):>9.0f}ms"
+              f"{1e3 * percentile(r['ttfp'], 95):>8.0f}ms{r['rtf']:>7.2f}{r['n']:>5}")
+    figures = [figure("monolith.rps", mono["rps"], "req/s"), figure("monolith.tok_s", mono["tok_s"], "tok/s"),
+               figure("monolith.ttfp_p50_ms", 1e3 * percentile(mono["ttfp"], 50), "ms"),
+               figure("monolith.ttfp_p95_ms", 1e3 * percentile(mono["ttfp"], 95), "ms"),
+               figure("monolith.rtf", mono["rtf"], "ratio")]
+    for c, r in st.items():
+        figures += [figure(f"staged.rps_c{c}", r["rps"], "req/s"), figure(f"staged.tok_s_c{c}", r["tok_s"], "tok/s"),
+                    figure(f"staged.ttfp_p50_c{c}_ms", 1e3 * percentile(r["ttfp"], 50), "ms"),
+                    figure(f"staged.ttfp_p95_c{c}_ms", 1e3 * percentile(r["ttfp"], 95), "ms"),
+                    figure(f"staged.rtf_c{c}", r["rtf"], "ratio")]
+    figures += [figure("staged_over_monolith.rps_c8", st[8]["rps"] / mono["rps"], "ratio"),
+                figure("staged_over_monolith.rps_c32", st[32]["rps"] / mono["rps"], "ratio"),
+                figure("staged_over_monolith.tok_s_c8", st[8]["tok_s"] / mono["tok_s"], "ratio"),
+                figure("monolith_over_staged.ttfp_p50_c1",
+                       percentile(mono["ttfp"], 50) / percentile(st[1]["ttfp"], 50), "ratio")]
+    print_table("figures", figures)
+    print(f"\nwrote {write_results('e2e_vs_monolith', figures, {'quick': args.quick, 'codec_frames': frames})}")
+
+
+if __name__ == "__main__":
+    main()
