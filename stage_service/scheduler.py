@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -221,8 +222,8 @@ class StepScheduler:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug here must fail requests, never strand them
-            log.exception("stage %s: scheduler loop failed", self.stage)
-            self._die(e)
+            log.error("stage %s: scheduler loop failed\n%s", self.stage, "".join(traceback.format_exception(e)))
+            self._die(e.with_traceback(None))
 
     async def _serve(self) -> None:
         while self.failed is None:
@@ -299,8 +300,10 @@ class StepScheduler:
 
     def _step_failed(self, batch: list[_Job], error: Exception) -> None:
         self._failed_in_a_row += 1
-        log.error("stage %s: step failed for %d requests (%d in a row): %r", self.stage, len(batch),
-                  self._failed_in_a_row, error, exc_info=error)
+        # Logged as text and kept without its traceback: the traceback's frames hold the batch's states.
+        log.error("stage %s: step failed for %d requests (%d in a row)\n%s", self.stage, len(batch),
+                  self._failed_in_a_row, "".join(traceback.format_exception(error)).rstrip())
+        error = error.with_traceback(None)
         if self.metrics is not None:
             self.metrics.failed_steps.labels(self.stage).inc()
         for j in batch:

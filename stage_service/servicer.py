@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import traceback
 from typing import AsyncIterator
 
 import grpc
@@ -107,8 +108,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             outcome = "invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else \
                 "rejected" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else \
                 "timeout" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
-            if code == grpc.StatusCode.INTERNAL:
-                log.error("stage %s: request failed", name, exc_info=e)
+            if code == grpc.StatusCode.INTERNAL:  # as text: a kept traceback would keep the request's state
+                log.error("stage %s: request failed\n%s", name, "".join(traceback.format_exception(e)).rstrip())
         finally:
             if reader is not None:
                 reader.cancel()

@@ -1,0 +1,121 @@
+"""A stage as the real process (`python -m stage_service`): SIGTERM under load drains (admitted work
+completes, new work gets UNAVAILABLE, exit 0 within the bound); an engine that breaks makes the
+process exit non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from stage_service.server import EXIT_ENGINE_DEAD
+
+from ..conftest import EXAMPLES, REPO
+from ..harness import call_stage, header
+from .test_stage_support import load, poll, token_ids
+
+DRAIN_SECONDS = 30
+TOKENS = 256
+
+
+def lm_pipeline_file(tmp_path: Path, **engine_args) -> Path:
+    doc = yaml.safe_load((EXAMPLES / "llm-tiny.yaml").read_text())
+    doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
+    doc["spec"]["deployment"]["stages"]["llm"]["scheduler"] = {"maxBatch": 2, "maxQueued": 16}
+    doc["spec"]["deployment"]["stages"]["llm"]["engineArgs"].update(engine_args)
+    path = tmp_path / "llm.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+class StageProcess:
+    def __init__(self, tmp_path: Path, model_dir: Path, *extra: str, **engine_args):
+        self.ready_file = tmp_path / "ready"
+        self.log = open(tmp_path / "stage.log", "w+")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMNISTAGE_MODEL_DIR": str(model_dir)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stage_service", "--pipeline", str(lm_pipeline_file(tmp_path, **engine_args)), "--stage", "llm",
+             "--port", "0", "--ready-file", str(self.ready_file), "--drain-seconds", str(DRAIN_SECONDS), *extra],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    async def start(self) -> int:
+        await poll(lambda: self.ready_file.exists() or self.proc.poll() is not None, 120, 0.1, "stage ready")
+        assert self.proc.poll() is None, self.output()
+        return int(self.ready_file.read_text())
+
+    async def exit_code(self, timeout: float) -> int:
+        await poll(lambda: self.proc.poll() is not None, timeout, 0.05, "process exit")
+        return self.proc.returncode
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.mark.slow
+async def test_sigterm_under_load_finishes_admitted_work_refuses_new_and_exits_0(tmp_path, model_dir):
+    stage = StageProcess(tmp_path, model_dir)
+    try:
+        port = await stage.start()
+        calls = [asyncio.create_task(call_stage(port, header(f"r{i}", max_tokens=TOKENS, ignore_eos=True)))
+                 for i in range(8)]
+        loaded = {}
+
+        async def all_admitted():
+            loaded["l"] = await load(port)
+            return loaded["l"].running + loaded["l"].queued == 8
+
+        deadline = time.monotonic() + 60
+        while not await all_admitted():
+            assert time.monotonic() < deadline, loaded
+            await asyncio.sleep(0.02)
+        assert (loaded["l"].running, loaded["l"].max_running) == (2, 2)
+
+        stage.proc.send_signal(signal.SIGTERM)
+        t_term = time.monotonic()
+        deadline = time.monotonic() + 10
+        while not (await load(port)).draining:
+            assert time.monotonic() < deadline, "never reported draining"
+            await asyncio.sleep(0.02)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call_stage(port, header("late", max_tokens=4))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "stage llm is draining" in refused.value.details()
+        assert any(not c.done() for c in calls)  # the refusal came while admitted work still ran
+
+        results = await asyncio.wait_for(asyncio.gather(*calls), DRAIN_SECONDS)
+        assert [len(token_ids(r)) for r in results] == [TOKENS] * 8
+        assert all(r[-1].end_of_stream and r[-1].finish_reason == "length" for r in results)
+        assert await stage.exit_code(DRAIN_SECONDS + 15) == 0, stage.output()
+        assert time.monotonic() - t_term < DRAIN_SECONDS + 15
+        assert "draining" in stage.output()
+    finally:
+        stage.kill()
+
+
+@pytest.mark.slow
+async def test_a_broken_engine_makes_the_process_exit_non_zero(tmp_path, model_dir):
+    # Every step after the third raises, and one failed step is enough to declare the engine dead.
+    stage = StageProcess(tmp_path, model_dir, "--inject-step-failure", "3", max_failed_steps=1)
+    try:
+        port = await stage.start()
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await call_stage(port, header("r", max_tokens=50, ignore_eos=True), timeout=60)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL and "stage llm: engine failed" in failed.value.details()
+        assert await stage.exit_code(30) == EXIT_ENGINE_DEAD, stage.output()
+        assert "engine failed for good" in stage.output()
+    finally:
+        stage.kill()
