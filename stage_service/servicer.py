@@ -59,6 +59,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Process(self, request_iterator, context) -> AsyncIterator[stage_pb2.StageOutput]:
         name = self.stage.name
+        # Read the header before any refusal: a status sent while the client is still writing its first
+        # message reaches some clients as INTERNAL ("Internal error from Core") instead of UNAVAILABLE.
+        first = await anext(aiter(request_iterator), None)
         if self.draining or self.engine.failed is not None:
             self.metrics.outcome("rejected")
             await context.abort(*status_for(name, StageDraining() if self.draining else EngineDead(
@@ -69,7 +72,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         status: tuple[grpc.StatusCode, str] | None = None
         reader: asyncio.Task | None = None
         try:
-            first = await anext(aiter(request_iterator), None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidRequest("header", "the first message of a Process stream must be a header")
             h = first.header
