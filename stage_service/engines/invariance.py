@@ -1,8 +1,10 @@
 """Batch invariance: a request gets the same numbers alone as in any batch.
 
-Measured on the CPU build here (MKL, AVX2): a matmul with fewer than 4 rows and
-a 2-D convolution over a batch of 1 take other kernels than larger ones and
-round differently (last bits), which is enough to flip a sampled token. These
+Measured on the CPU build here (MKL, AVX2): a matmul with fewer than 4 rows, a
+2-D convolution over a batch of 1, and a matmul or group norm over a strided
+input that is strided only for some batch sizes take other kernels than the
+general case and round differently (last bits), which is enough to flip a
+sampled token or a pixel. These
 helpers pad such calls up to the size where every batch shares one kernel, so a
 row's result never depends on its neighbours. MoE experts run as one small
 matmul per (token, expert) pair ("batched_mm"), which is invariant too.
@@ -25,6 +27,8 @@ MOE_EXPERTS = "batched_mm"
 
 
 def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # Contiguous first: a strided view folds into one matmul for a batch of 1 but not for more.
+    x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or rows >= MIN_MATMUL_ROWS:
         return F.linear(x, self.weight, self.bias)
@@ -33,7 +37,12 @@ def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(flat, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
 
 
+def _group_norm(self: torch.nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.group_norm(x.contiguous(), self.num_groups, self.weight, self.bias, self.eps)
+
+
 def _conv2d(self: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
     if x.dim() != 4 or x.shape[0] >= MIN_CONV_BATCH:
         return self._conv_forward(x, self.weight, self.bias)
     padded = torch.cat([x, x.new_zeros(MIN_CONV_BATCH - x.shape[0], *x.shape[1:])])
@@ -41,12 +50,15 @@ def _conv2d(self: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 
 def make_batch_invariant(model: torch.nn.Module) -> torch.nn.Module:
-    """Pad every small Linear and Conv2d call of `model` (in place); returns the model."""
+    """Pad every small Linear and Conv2d call of `model` and make their (and GroupNorm's) inputs
+    contiguous, in place; returns the model."""
     for m in model.modules():
         if type(m) is torch.nn.Linear:
             m.forward = types.MethodType(_linear, m)
         elif type(m) is torch.nn.Conv2d and m.padding_mode == "zeros":
             m.forward = types.MethodType(_conv2d, m)
+        elif type(m) is torch.nn.GroupNorm:
+            m.forward = types.MethodType(_group_norm, m)
     return model
 
 

@@ -40,8 +40,9 @@ def codes_chunk(chunk_id: int, frames: int, end: bool, seed: int = 0) -> stage_p
                            tensors=[tensors.to_proto("codes", codes)])
 
 
-def embeddings_chunk() -> stage_pb2.Chunk:
-    emb = torch.randn(2, 77, 32, generator=torch.Generator().manual_seed(0))
+def embeddings_chunk(rows: int = 2) -> stage_pb2.Chunk:
+    """Text-encoder output as the denoise stage takes it: [unconditional, conditional] (2 rows) or 1 row."""
+    emb = torch.randn(rows, 77, 32, generator=torch.Generator().manual_seed(0))
     return stage_pb2.Chunk(stage="text-encoder", chunk_id=0, end_of_stream=True,
                            tensors=[tensors.to_proto("embeddings", emb)])
 
