@@ -1,13 +1,25 @@
-"""AR stages on the tiny Qwen2 LM: vLLM's AsyncLLM and the transformers engine, behind real stage services."""
+"""AR stages on the tiny Qwen2 LM: vLLM's AsyncLLM and the transformers engine, behind real stage services.
+
+One vLLM engine serves the whole module (start-up is about 30 s here); the last test kills it."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import psutil
 import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage import tensors
+from omnistage.v1 import stage_pb2
+from stage_service.server import EXIT_ENGINE_DEAD
 
 from ..harness import call_stage, example, header, start_stage
+from .test_stage_batching import joins_a_running_batch
+from .test_stage_cancel import run_hundred
+from .test_stage_support import Call, token_ids
 
 
 def with_engine(engine: str):
@@ -27,9 +39,21 @@ async def hf_stage(model_dir):
     await srv.drain()
 
 
+def vllm_with_upstream():
+    """llm-tiny, with an upstream stage feeding the vLLM stage (its prompt can come as embeddings)."""
+    def edit(doc):
+        stages = doc["spec"]["topology"]["stages"]
+        stages.insert(0, {"name": "prefix", "kind": "ar", "engine": "transformers", "model": "qwen2-tiny",
+                          "emits": ["tokens", "hidden"]})
+        stages[1]["inputs"] = [{"stage": "prefix"}]
+        doc["spec"]["deployment"]["stages"]["prefix"] = {"replicas": 1}
+        doc["spec"]["deployment"]["stages"]["llm"]["scheduler"] = {"maxBatch": 32, "maxQueued": 128}
+    return example("llm-tiny", edit)
+
+
 @pytest.fixture(scope="module")
 async def vllm_stage(model_dir):
-    srv = await start_stage(example("llm-tiny"), "llm", model_dir)
+    srv = await start_stage(vllm_with_upstream(), "llm", model_dir)
     yield srv
     await srv.drain()
 
@@ -59,3 +83,64 @@ async def test_vllm_bad_request_is_invalid_argument(vllm_stage):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.prompt_token_ids" in e.value.details()
     out = await call_stage(vllm_stage.port, header(max_tokens=2))
     assert out[-1].end_of_stream
+
+
+@pytest.mark.vllm
+async def test_vllm_prompt_from_upstream_embeddings_or_tokens(vllm_stage, hf_stage):
+    ids = [5, 17, 42, 99, 123, 7]
+    by_ids = token_ids(await call_stage(vllm_stage.port, header("ids", prompt="", prompt_token_ids=ids,
+                                                                 max_tokens=10, ignore_eos=True)))
+    with torch.inference_mode():
+        rows = hf_stage.engine.lm.embed(torch.tensor(ids))  # the same model's input embeddings
+    for name, t in (("embeds", rows), ("prompt_embeds", rows), ("token_ids", torch.tensor(ids))):
+        chunks = [stage_pb2.Chunk(stage="prefix", chunk_id=0, tensors=[tensors.to_proto(name, t[:4])]),
+                  stage_pb2.Chunk(stage="prefix", chunk_id=1, end_of_stream=True,
+                                  tensors=[tensors.to_proto(name, t[4:])])]
+        out = await call_stage(vllm_stage.port, header(f"up-{name}", max_tokens=10, ignore_eos=True), chunks)
+        assert token_ids(out) == by_ids, name
+    bad = stage_pb2.Chunk(stage="prefix", chunk_id=0, end_of_stream=True,
+                          tensors=[tensors.to_proto("embeds", torch.zeros(3, 7))])
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call_stage(vllm_stage.port, header("bad"), [bad])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[positions, 256]" in e.value.details()
+
+
+@pytest.mark.vllm
+async def test_vllm_hundred_requests_ten_cancelled(vllm_stage):
+    def make(ch, i, cancel):
+        return Call(ch, header(f"c{i}", prompt=f"request {i}", max_tokens=200 if cancel else 12, ignore_eos=True))
+
+    def check(i, chunks):
+        assert len(token_ids(chunks)) == 12 and chunks[-1].finish_reason == "length"
+
+    await run_hundred(vllm_stage, make, check)  # then: vLLM tracks no request and its KV cache is free
+
+
+@pytest.mark.vllm
+async def test_vllm_request_joining_a_batch_gets_what_it_gets_alone(vllm_stage):
+    probe = (header("probe", prompt="The probe", max_tokens=30, ignore_eos=True, temperature=0.9, seed=5), ())
+    fillers = [(header(f"f{i}", prompt=f"filler {i}", max_tokens=250, ignore_eos=True), ()) for i in range(6)]
+    alone, joined = await joins_a_running_batch(vllm_stage, probe, fillers, token_ids)
+    assert len(alone) == 30 and joined == alone
+
+
+@pytest.mark.vllm
+async def test_vllm_engine_death_fails_requests_flips_health_and_stops(vllm_stage):
+    """Last in the module: kills the shared engine's core process, a real failure."""
+    srv = vllm_stage
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        calls = [Call(ch, header(f"d{i}", max_tokens=250, ignore_eos=True)) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(c.started.wait() for c in calls)), 60)
+        core = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in p.name()]
+        assert core, "no vLLM engine core process found"
+        for p in core:
+            p.kill()
+        codes = await asyncio.wait_for(asyncio.gather(*(c.outcome() for c in calls)), 60)
+        assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
+        details = [await c.rpc.details() for c in calls]
+        assert all("stage llm: engine failed for good" in d for d in details), details
+        assert (await asyncio.wait_for(watch.read(), 30)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    await asyncio.wait_for(srv.stopped.wait(), 60)
+    assert srv.exit_code == EXIT_ENGINE_DEAD
