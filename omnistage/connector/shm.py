@@ -1,0 +1,121 @@
+"""Shared-memory backend: one file in /dev/shm per tensor, for consumers on the same host.
+
+The producer writes a header and the bytes into a new segment; a consumer reads them out with one
+`preadv` (a copy into its own tensor, so nothing stays mapped) and counts itself off in the header
+under a file lock; the last reader unlinks the segment. The producer sees that as consumption
+(the name is gone) and stops counting the bytes. Release, cancel and TTL unlink from the producer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import secrets
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from omnistage.v1 import tensor_pb2
+
+from .errors import ConnectorError, TensorNotFound
+from .keys import TensorKey
+from .store import TensorStore
+from .wire import HEADER_BYTES, TensorHeader, as_bytes, empty_bytes, from_bytes, off_loop
+
+SEGMENT_PREFIX = "omnistage-"
+_IO_MAX = 1 << 30  # bytes per read/write call (Linux caps one call near 2 GiB)
+
+
+class ShmStore(TensorStore):
+    backend = "shm"
+
+    def __init__(self, host_id: str, clock: Callable[[], float], shm_dir: str = "/dev/shm"):
+        super().__init__(host_id, clock)
+        self.dir = Path(shm_dir)
+        if not self.dir.is_dir():
+            raise ConnectorError(f"shared memory directory {self.dir} does not exist")
+        self._prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self._seq = itertools.count()
+
+    async def put(self, key: TensorKey, tensor: torch.Tensor, readers: int = 1) -> tensor_pb2.TensorRef:
+        header = TensorHeader.of(tensor, readers)
+        name = f"{self._prefix}{next(self._seq)}"
+        path = self.dir / name
+        try:
+            await off_loop(header.nbytes, _write_segment, path, header, tensor)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise ConnectorError(f"shared memory: cannot write {header.nbytes} bytes for {key.wire} "
+                                 f"in {self.dir} ({e.strerror})") from None
+        self.held.add(key, header.nbytes, path, readers)
+        return tensor_pb2.TensorRef(backend=self.backend, address=name, key=key.wire, nbytes=header.nbytes,
+                                    host_id=self.host_id)
+
+    async def get(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+        if ref.host_id != self.host_id:
+            raise ConnectorError(f'shared-memory tensor {ref.key} lives on host "{ref.host_id}", this consumer '
+                                 f'is on "{self.host_id}": shared memory works on the same host only')
+        if not ref.address.startswith(SEGMENT_PREFIX) or "/" in ref.address:
+            raise ConnectorError(f'"{ref.address}" is not an omnistage shared-memory segment name')
+        return await off_loop(ref.nbytes, _read_segment, self.dir / ref.address, ref)
+
+    def _free(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def reap_consumed(self) -> int:
+        """Stop counting segments whose last reader removed them; returns the bytes that freed."""
+        gone = [h.key for h in self.held if not h.handle.exists()]
+        return sum(self.held.pop(k, "consumed").nbytes for k in gone)
+
+    @property
+    def held_bytes(self) -> int:
+        self.reap_consumed()
+        return self.held.nbytes
+
+    def segments(self) -> list[str]:
+        """This store's segments present in the shared-memory directory."""
+        return sorted(p.name for p in self.dir.glob(f"{self._prefix}*"))
+
+
+def _write_segment(path: Path, header: TensorHeader, tensor: torch.Tensor) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.pwrite(fd, header.pack(), 0)
+        view = memoryview(as_bytes(tensor).numpy())
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:done + _IO_MAX], HEADER_BYTES + done)
+    finally:
+        os.close(fd)
+
+
+def _read_segment(path: Path, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise TensorNotFound(f"tensor {ref.key} is gone from shared memory (consumed, released or expired)") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # readers count themselves off one at a time
+        if os.fstat(fd).st_nlink == 0:
+            raise TensorNotFound(f"tensor {ref.key} was released while being fetched")
+        header = TensorHeader.unpack(os.pread(fd, HEADER_BYTES, 0), f"segment {ref.address}")
+        if header.nbytes != ref.nbytes:
+            raise ConnectorError(f"segment {ref.address} holds {header.nbytes} bytes, the reference to "
+                                 f"{ref.key} says {ref.nbytes}")
+        raw = empty_bytes(header.nbytes)
+        view = memoryview(raw.numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:done + _IO_MAX]], HEADER_BYTES + done)
+            if n == 0:
+                raise ConnectorError(f"segment {ref.address} ended after {done} of {len(view)} bytes")
+            done += n
+        if header.readers <= 1:
+            path.unlink(missing_ok=True)
+        else:
+            os.pwrite(fd, header.with_readers(header.readers - 1), 0)
+    finally:
+        os.close(fd)  # also drops the lock
+    return from_bytes(raw, header)

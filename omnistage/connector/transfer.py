@@ -1,0 +1,177 @@
+"""Whole chunks through a stage's connector.
+
+`ChunkSender` (producer side) keeps the bytes its stage holds under a budget: over it, `put_chunk`
+waits (asyncio) instead of growing memory. Held chunks go when their consumer has fetched them
+(or acks them), when their request is cancelled (`release_request`), or after a TTL when the
+consumer vanished (a background sweeper). `ChunkReceiver` (consumer side) fetches a chunk's tensors
+as soon as its descriptor arrives and hands chunks on in chunk-id order per edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from omnistage.chunks import EdgeReorderBuffer
+from omnistage.tensors import TensorFormatError
+from omnistage.v1 import stage_pb2, tensor_pb2
+
+from .connector import Connector
+from .errors import ChunkTooLarge
+from .keys import TensorKey
+from .metrics import TransferMetrics
+
+
+class ChunkSender:
+    def __init__(self, connector: Connector, *, budget_bytes: int, ttl_s: float = 120.0,
+                 metrics: TransferMetrics | None = None, sweep_interval_s: float | None = None,
+                 room_poll_s: float = 0.01):
+        if budget_bytes <= 0 or ttl_s <= 0:
+            raise ValueError(f"budget_bytes and ttl_s must be > 0, got {budget_bytes} and {ttl_s}")
+        self.connector = connector
+        self.stage = connector.stage
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self.metrics = metrics or TransferMetrics()
+        self.sweep_interval_s = sweep_interval_s or max(0.05, ttl_s / 4)
+        self.room_poll_s = room_poll_s  # shared-memory readers free bytes in another process: look this often
+        self._reserved = 0  # bytes of puts admitted and in progress
+        self._turn = asyncio.Lock()  # producers wait for room one at a time, first come first served
+        self._room = asyncio.Event()
+        self._sweeper: asyncio.Task | None = None
+        connector.release_listeners.append(self._released)
+
+    def start(self) -> None:
+        """Start the TTL sweeper (call from the event loop that will use this sender)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name=f"connector-sweeper-{self.stage}")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
+    async def put_chunk(self, request_id: str, chunk_id: int, tensors: Mapping[str, torch.Tensor], *,
+                        consumer: str = "", consumer_host: str | None = None, transport: str = "auto",
+                        readers: int = 1, timeout: float | None = None) -> list[tensor_pb2.Tensor]:
+        """Descriptors for one chunk's tensors, waiting first while the stage is over its budget."""
+        conn = self.connector
+        held = {name: conn.transport_for(t, transport, consumer_host) != "inline" for name, t in tensors.items()}
+        need = sum(t.numel() * t.element_size() for name, t in tensors.items() if held[name])
+        if need > self.budget_bytes:
+            raise ChunkTooLarge(f"stage {self.stage}: chunk {chunk_id} of request {request_id} needs {need} bytes, "
+                                f"more than the stage's whole buffer budget ({self.budget_bytes}); raise the budget "
+                                "or make chunks smaller")
+        edge = f"{self.stage}->{consumer or '*'}"
+        t0 = time.perf_counter()
+        async with asyncio.timeout(timeout):
+            await self._admit(need)
+        try:
+            msgs = []
+            for name, t in tensors.items():
+                msg = await conn.put(TensorKey(request_id, self.stage, chunk_id, name), t, transport=transport,
+                                     consumer_host=consumer_host, readers=readers)
+                self.metrics.bytes.labels(edge, _transport(msg), "out").inc(t.numel() * t.element_size())
+                msgs.append(msg)
+        except BaseException:
+            conn.release_chunk(request_id, chunk_id, "failed")
+            raise
+        finally:
+            self._reserved -= need
+        self.metrics.chunks.labels(edge, "out").inc()
+        self.metrics.seconds.labels(edge, "out").observe(time.perf_counter() - t0)
+        self.metrics.buffered.labels(self.stage).set(conn.held_bytes_known)
+        return msgs
+
+    async def _admit(self, need: int) -> None:
+        async with self._turn:
+            t0 = time.perf_counter()
+            waited = False
+            while self.connector.held_bytes + self._reserved + need > self.budget_bytes:
+                waited = True
+                self._room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), self.room_poll_s)
+            self._reserved += need
+            if waited:
+                self.metrics.budget_wait.labels(self.stage).observe(time.perf_counter() - t0)
+
+    def _released(self, nbytes: int, reason: str) -> None:
+        self.metrics.released.labels(self.stage, reason).inc(nbytes)
+        self.metrics.buffered.labels(self.stage).set(self.connector.held_bytes_known)
+        self._room.set()
+
+    def ack(self, request_id: str, chunk_id: int) -> int:
+        """The consumer has the chunk (told through another channel than its fetch): free it."""
+        return self.connector.release_chunk(request_id, chunk_id, "ack")
+
+    def release_request(self, request_id: str) -> int:
+        """The request is cancelled, failed or done: free every chunk of it this stage still holds."""
+        return self.connector.release_request(request_id, "cancel")
+
+    def sweep(self, now: float | None = None) -> int:
+        """Free what has been held longer than the TTL; returns the bytes freed."""
+        return self.connector.expire(self.ttl_s, now)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            self.sweep()
+            self.metrics.buffered.labels(self.stage).set(self.connector.held_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        return self.connector.held_bytes
+
+
+@dataclass
+class ReceivedChunk:
+    chunk: stage_pb2.Chunk               # the descriptor as it arrived (text, timing, end of stream...)
+    tensors: dict[str, torch.Tensor]     # its tensors, fetched
+    transfer_ms: float
+
+
+class ChunkReceiver:
+    def __init__(self, connector: Connector, *, metrics: TransferMetrics | None = None, max_pending: int = 1024):
+        self.connector = connector
+        self.metrics = metrics or TransferMetrics()
+        self.max_pending = max_pending
+        self._edges: dict[tuple[str, str], EdgeReorderBuffer[ReceivedChunk]] = {}
+
+    async def receive(self, request_id: str, chunk: stage_pb2.Chunk) -> list[ReceivedChunk]:
+        """Fetch one chunk's tensors now; return the chunks of its edge that are now deliverable, in order."""
+        names = [t.name for t in chunk.tensors]
+        if len(set(names)) != len(names):
+            raise TensorFormatError(f'chunk {chunk.chunk_id} from "{chunk.stage}" names a tensor twice: {names}')
+        edge = f"{chunk.stage}->{self.connector.stage}"
+        t0 = time.perf_counter()
+        fetched = await asyncio.gather(*(self.connector.get(t) for t in chunk.tensors))
+        seconds = time.perf_counter() - t0
+        for msg, t in zip(chunk.tensors, fetched):
+            self.metrics.bytes.labels(edge, _transport(msg), "in").inc(t.numel() * t.element_size())
+        self.metrics.chunks.labels(edge, "in").inc()
+        self.metrics.seconds.labels(edge, "in").observe(seconds)
+        order = self._edges.get((request_id, chunk.stage))
+        if order is None:
+            order = self._edges[(request_id, chunk.stage)] = EdgeReorderBuffer(edge, self.max_pending)
+        ready = order.push(chunk.chunk_id, ReceivedChunk(chunk, dict(zip(names, fetched)), seconds * 1e3),
+                           chunk.end_of_stream)
+        if order.finished:
+            del self._edges[(request_id, chunk.stage)]
+        return ready
+
+    def forget(self, request_id: str) -> None:
+        """Drop the ordering state of a request that ended (chunks still waiting for earlier ones go too)."""
+        for key in [k for k in self._edges if k[0] == request_id]:
+            del self._edges[key]
+
+
+def _transport(msg: tensor_pb2.Tensor) -> str:
+    return msg.ref.backend if msg.WhichOneof("payload") == "ref" else "inline"

@@ -1,0 +1,95 @@
+"""The fixed-size header that describes a tensor's bytes: dtype, shape, size.
+
+It heads every shared-memory segment (with a count of readers still to come) and every UCX reply
+(with a status), so a consumer holding only a TensorRef rebuilds the tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.tensors import proto_dtype, torch_dtype
+
+from .errors import ConnectorError
+
+HEADER_BYTES = 128
+MAX_DIMS = 12
+_MAGIC = b"OSTN"
+_FIXED = struct.Struct("<4sHHQII")  # magic, status, dtype code, nbytes, ndim, readers
+_DIMS_AT = _FIXED.size  # then MAX_DIMS int64
+
+# reply status of a UCX get
+OK, NOT_FOUND, BAD_REQUEST = 0, 1, 2
+
+
+@dataclass
+class TensorHeader:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    readers: int = 0   # shm: consumers still to read it; the last one removes the segment
+    status: int = OK
+
+    @classmethod
+    def of(cls, t: torch.Tensor, readers: int = 0) -> "TensorHeader":
+        if t.dim() > MAX_DIMS:
+            raise ConnectorError(f"tensor has {t.dim()} dimensions; the connector carries at most {MAX_DIMS}")
+        proto_dtype(t.dtype)  # refuses dtypes the wire cannot name
+        return cls(t.dtype, tuple(t.shape), t.numel() * t.element_size(), readers)
+
+    def pack(self) -> bytes:
+        code = proto_dtype(self.dtype) if self.status == OK else 0
+        dims = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
+        out = _FIXED.pack(_MAGIC, self.status, code, self.nbytes, len(self.shape), self.readers)
+        return (out + struct.pack(f"<{MAX_DIMS}q", *dims)).ljust(HEADER_BYTES, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview, where: str) -> "TensorHeader":
+        magic, status, code, nbytes, ndim, readers = _FIXED.unpack_from(raw)
+        if magic != _MAGIC or ndim > MAX_DIMS:
+            raise ConnectorError(f"{where}: not an omnistage tensor header")
+        if status != OK:
+            return cls(torch.uint8, (), 0, readers, status)
+        shape = struct.unpack_from(f"<{ndim}q", raw, _DIMS_AT)
+        return cls(torch_dtype(code), tuple(shape), nbytes, readers, status)
+
+    def with_readers(self, readers: int) -> bytes:
+        return TensorHeader(self.dtype, self.shape, self.nbytes, readers, self.status).pack()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor's bytes (no copy), every dtype included."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+HUGE_PAGES_AT = 4 << 20  # fresh buffers at least this big ask for transparent huge pages
+
+
+def empty_bytes(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 buffer to receive into. Large ones are anonymous mappings advised to use huge
+    pages: first-touch page faults, not the copy, dominate a large receive into new memory."""
+    if nbytes < HUGE_PAGES_AT or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+def from_bytes(raw: torch.Tensor, header: TensorHeader) -> torch.Tensor:
+    """The tensor a flat uint8 buffer holds, as the header describes it (no copy)."""
+    return raw.view(header.dtype).reshape(header.shape)
+
+
+OFF_LOOP_BYTES = 1 << 20  # copies at least this big run on a worker thread, not the event loop
+
+
+async def off_loop(nbytes: int, fn, *args):
+    """Run a blocking copy of `nbytes` inline when small, on a worker thread when large."""
+    if nbytes < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
