@@ -43,7 +43,7 @@ def test_unparsable_wire_key_is_refused():
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 0, 4), tuple(range(1, MAX_DIMS + 1))])
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 0, 4), (2, 1, 3) * (MAX_DIMS // 3)])
 def test_header_round_trip(dtype, shape):
     t = torch.zeros(shape, dtype=DTYPES[dtype])
     h = TensorHeader.unpack(TensorHeader.of(t, readers=3).pack(), "test")
