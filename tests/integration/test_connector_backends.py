@@ -15,6 +15,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 from omnistage.connector import TensorKey, TensorNotFound, make_connector  # noqa: E402
 from omnistage.connector.peer import DTYPES, PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
 
+from ..harness import wait_until  # noqa: E402
+
 SHM = Path("/dev/shm")
 SHAPES = [(), (1,), (3, 5, 7), (0, 4), (257, 1031)]
 
@@ -23,10 +25,16 @@ def peer_segments(pid: int) -> list[str]:
     return sorted(p.name for p in SHM.glob(f"omnistage-{pid}-*"))
 
 
-async def until(predicate, timeout: float = 10.0) -> None:
+async def peer_reaches(peer: PeerProcess, want: dict, timeout: float = 20.0) -> None:
+    """Poll the peer's counts (never a fixed sleep) until they are `want`."""
     async with asyncio.timeout(timeout):
-        while not await predicate():
-            await asyncio.sleep(0.01)
+        while {k: v for k, v in (await peer.call(op="held")).items() if k in want} != want:
+            await asyncio.sleep(0.02)
+
+
+async def nothing_held(conn) -> None:
+    """A producer notices a UCX fetch completed a moment after its consumer has the bytes."""
+    await wait_until(lambda: conn.held_bytes == 0, what=f"{conn.stage} holding nothing")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +62,7 @@ async def test_ucx_every_dtype_in_process(local, dtype):
         msg = await producer.put(TensorKey("r1", "thinker", i, dtype), t, transport="ucx")
         assert msg.ref.backend == "ucx" and msg.ref.address == producer.ucx_address
         assert digest(await consumer.get(msg)) == digest(t)
-    assert producer.held_bytes == 0
+    await nothing_held(producer)
 
 
 @pytest.mark.parametrize("nbytes", [1, 4096, 65537, 1 << 20, 16 << 20])
@@ -63,7 +71,8 @@ async def test_ucx_sizes_in_process(local, nbytes):
     t = make_tensor("uint8", [nbytes], seed=nbytes)
     msg = await producer.put(TensorKey("r1", "thinker", 0, "x"), t, transport="ucx")
     out = await consumer.get(msg)
-    assert digest(out) == digest(t) and producer.held_bytes == 0
+    assert digest(out) == digest(t)
+    await nothing_held(producer)
     with pytest.raises(TensorNotFound, match="no longer holds r1/thinker/0/x"):
         await consumer.get(msg)  # consumed
 
@@ -86,7 +95,7 @@ async def test_this_process_serves_a_consumer_in_another(local, peer):
         msg = await producer.put(TensorKey("r2", "thinker", i, "x"), t, transport="ucx")
         r = await peer.call(op="get", tensor=encode(msg))
         assert r["sha256"] == digest(t)
-    assert producer.held_bytes == 0
+    await nothing_held(producer)
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm", "ucx"])
@@ -115,16 +124,12 @@ async def test_many_requests_leave_no_segment_or_endpoint_behind():
             r = await peer.call(op="put", key=[f"req{i}", "thinker", 0, "hidden"], dtype="float16", shape=[64, 512],
                                 seed=i, transport=transport)
             assert digest(await consumer.get(decode(r["tensor"]))) == r["sha256"]
-        held = await peer.call(op="held")
-        assert (held["held_bytes"], held["held_tensors"], held["endpoints"]) == (0, 0, 1)
+        await peer_reaches(peer, {"held_bytes": 0, "held_tensors": 0, "endpoints": 1})
         assert consumer.endpoints == 1 and peer_segments(pid) == []
     finally:
         await consumer.close()
     assert consumer.endpoints == 0
-
-    async def peer_endpoints_gone():
-        return (await peer.call(op="held"))["endpoints"] == 0
-    await until(peer_endpoints_gone)
+    await peer_reaches(peer, {"endpoints": 0})
     assert await peer.close() == 0
 
 
@@ -138,10 +143,7 @@ async def test_endpoint_cache_is_bounded():
                 msg = await p.put(TensorKey("r", f"p{i}", round_, "x"), t, transport="ucx")
                 assert digest(await consumer.get(msg)) == digest(t)
                 assert consumer.endpoints <= 2
-
-        async def served_by_producers_bounded():
-            return sum(p.endpoints for p in producers) == 2
-        await until(served_by_producers_bounded)
+        await wait_until(lambda: sum(p.endpoints for p in producers) == 2, what="evicted endpoints closed")
     finally:
         await consumer.close()
         for p in producers:

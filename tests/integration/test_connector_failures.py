@@ -4,7 +4,6 @@ fetches fail with a clear error instead of hanging."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
@@ -15,18 +14,14 @@ from prometheus_client import CollectorRegistry
 os.environ.setdefault("UCX_TLS", "tcp")  # before ucxx loads; peer processes inherit it
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from omnistage.connector import (ChunkSender, PeerUnreachable, TensorKey, TensorNotFound,  # noqa: E402
+from omnistage.connector import (ChunkSender, PeerUnreachable, TensorNotFound,  # noqa: E402
                                  TransferMetrics, make_connector)
 from omnistage.connector.peer import PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
 
+from ..harness import wait_until  # noqa: E402
+from .test_connector_backends import peer_reaches  # noqa: E402
+
 CHUNK_SHAPE = [8 << 20]  # float32: 32 MiB per chunk
-
-
-async def until(predicate, timeout: float = 20.0) -> None:
-    """Poll (never a fixed sleep) until the predicate holds."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("transport", ["ucx", "shm"])
@@ -49,11 +44,12 @@ async def test_consumer_killed_mid_stream_leaves_buffers_to_the_ttl(transport):
         consumer.kill()
         assert await consumer.proc.wait() == -9
         assert producer.held_bytes >= 2 * (32 << 20)  # chunks 2 and 3 were never asked for
-        await until(lambda: producer.held_bytes == 0)
+        await wait_until(lambda: producer.held_bytes == 0, timeout=20, what="TTL freeing the buffers")
         ttl = registry.get_sample_value("omnistage_transfer_released_bytes_total", {"stage": "thinker", "reason": "ttl"})
         assert ttl >= 2 * (32 << 20)
         assert producer.stores["shm"].segments() == []
-        await until(lambda: producer.endpoints == 0)  # the dead consumer's UCX endpoint is gone too
+        # the dead consumer's UCX endpoint is gone too
+        await wait_until(lambda: producer.endpoints == 0, timeout=20, what="dead endpoint closed")
     finally:
         await sender.close()
         await producer.close()
@@ -72,7 +68,7 @@ async def test_cancel_frees_every_buffer_of_the_request_at_once():
         other = await producer.call(op="put", key=["r2", "thinker", 0, "x"], dtype="int8", shape=[1 << 20], seed=9,
                                     transport="shm")
         assert digest(await consumer.get(msgs[0][0])) == msgs[0][1]
-        assert (await producer.call(op="held"))["held_bytes"] == 3 * (2 << 20) + (1 << 20)
+        await peer_reaches(producer, {"held_bytes": 3 * (2 << 20) + (1 << 20)})
         assert (await producer.call(op="release_request", request_id="r1"))["freed"] == 3 * (2 << 20)
         held = await producer.call(op="held")
         assert (held["held_bytes"], held["held_tensors"]) == (1 << 20, 1)

@@ -13,6 +13,8 @@ from omnistage.connector import (ChunkReceiver, ChunkSender, ChunkTooLarge, Tens
                                  make_connector)
 from omnistage.v1 import stage_pb2
 
+from ..harness import wait_until
+
 CHUNK = 256 << 10  # bytes per test chunk: above the inline threshold
 
 
@@ -48,13 +50,6 @@ def as_chunk(i: int, msgs, end: bool = False) -> stage_pb2.Chunk:
     return stage_pb2.Chunk(stage="thinker", chunk_id=i, tensors=msgs, end_of_stream=end)
 
 
-async def until(predicate, timeout: float = 5.0) -> None:
-    """Poll (never a fixed sleep) until the predicate holds."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-
 async def test_producer_waits_over_its_budget_until_the_consumer_has_a_chunk(stage_pair):
     sender, receiver, _, _ = stage_pair
     events: list[str] = []
@@ -76,7 +71,7 @@ async def test_producer_waits_over_its_budget_until_the_consumer_has_a_chunk(sta
     assert events == ["put0", "put1", "get0", "put2"]
     for i, m in ((1, m1), (2, m2)):
         await receiver.receive("r1", as_chunk(i, m))
-    await until(lambda: sender.held_bytes == 0)
+    await wait_until(lambda: sender.held_bytes == 0, what="nothing held")
 
 
 async def test_ack_wakes_a_waiting_producer_and_inline_tensors_do_not_count(stage_pair):
@@ -148,7 +143,7 @@ async def test_the_sweeper_runs_on_its_own():
     sender.start()
     try:
         await sender.put_chunk("r1", 0, chunk_tensors(0))
-        await until(lambda: sender.held_bytes == 0)
+        await wait_until(lambda: sender.held_bytes == 0, what="nothing held")
         assert producer.stores["shm"].segments() == []
     finally:
         await sender.close()
@@ -182,7 +177,7 @@ async def test_metrics_per_edge(stage_pair):
     assert value("omnistage_transfer_bytes_total", {**inn, "transport": "shm"}) == CHUNK
     assert value("omnistage_transfer_chunks_total", out) == 1 and value("omnistage_transfer_chunks_total", inn) == 1
     assert value("omnistage_transfer_seconds_count", inn) == 1
-    await until(lambda: sender.held_bytes == 0)
+    await wait_until(lambda: sender.held_bytes == 0, what="nothing held")
     assert value("omnistage_transfer_released_bytes_total", {"stage": "thinker", "reason": "consumed"}) == CHUNK
     assert value("omnistage_transfer_buffered_bytes", {"stage": "thinker"}) == 0
 
