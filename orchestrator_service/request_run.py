@@ -114,6 +114,8 @@ class RequestRun:
                         for s in self.pipeline.stages if s.name in self.needed}
         self._consumers = {s: [c for c, srcs in self._inputs.items() if s in srcs] for s in self.needed}
         self._active = 0  # stage calls whose outputs are still being pumped
+        self._unfetched = False  # some chunk may never be fetched from its producer
+        self._completed = False
         self.started = time.perf_counter()
         self.first_output: float | None = None
         self.finish_reason = ""
@@ -136,8 +138,11 @@ class RequestRun:
                 if self.first_output is None:
                     self.first_output = time.perf_counter()
                 yield item
+            self._completed = True
         finally:
             await self.cancel()
+            if self._unfetched or not self._completed:
+                _background(self._release_everywhere())
 
     async def cancel(self) -> None:
         """Cancel every stage call still running (client gone, deadline, or a failed stage)."""
@@ -149,6 +154,17 @@ class RequestRun:
         for t in self._tasks.values():
             with contextlib.suppress(BaseException):
                 await t
+
+    async def _release_everywhere(self) -> None:
+        """Tell every replica the request touched to free what it still holds for it."""
+        calls = []
+        for stage, sc in self._stages.items():
+            pool = self.router.pools.get(stage)
+            for addr in sc.tried:
+                r = pool.replicas.get(addr) if pool else None
+                if r is not None:
+                    calls.append(r.stub.Release(stage_pb2.ReleaseRequest(request_id=self.request_id), timeout=5))
+        await asyncio.gather(*calls, return_exceptions=True)  # a replica that is gone frees by its TTL
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.time())
@@ -221,6 +237,7 @@ class RequestRun:
     async def _forward(self, source: str, consumer: str, chunk: stage_pb2.Chunk) -> None:
         sc = self._stages[consumer]
         if sc.finished:
+            self._unfetched = True  # the consumer stopped early: the producer may hold this chunk
             return
         if sc.call is None:
             try:
@@ -230,6 +247,12 @@ class RequestRun:
         async with sc.lock:
             if sc.finished:
                 return
+            if sc.log_complete and any(t.WhichOneof("payload") == "ref" for t in chunk.tensors):
+                # The bytes live in the producer's connector, which frees them once fetched: a new
+                # replica could not fetch them again, so this stage can no longer be retried.
+                sc.log_complete = False
+                sc.inputs_log.clear()
+                sc.log_bytes = 0
             if sc.log_complete:
                 size = chunk.ByteSize()
                 if sc.log_bytes + size <= self.max_replay_bytes:
@@ -353,6 +376,16 @@ class RequestRun:
         return common_pb2.RequestTrace(admission_wait_ms=admission_wait_ms,
                                        first_output_ms=((self.first_output or end) - self.started) * 1e3,
                                        total_ms=(end - self.started) * 1e3, stages=stages)
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+def _background(coro) -> None:
+    """Run `coro` after the request has answered, keeping a reference until it is done."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 async def _done_writing(call: grpc.aio.StreamStreamCall) -> None:
