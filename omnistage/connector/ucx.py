@@ -1,10 +1,10 @@
 """UCX backend (ucxx): the producer serves the tensors it holds from a listener; a consumer keeps
 one endpoint per producer (cached, bounded) and fetches by key straight into a preallocated tensor.
 
-Per get: the consumer sends a fixed-size request (key, reply tag, fragment size); the producer
-answers with a tensor header on the reply tag, then the bytes on the following tags, one message
-per fragment (fragments go out together, so large tensors keep several transfers in flight). The
-producer sends from the tensor itself and the consumer receives into its final buffer: no copies.
+Per get: the consumer posts, all at once, a fixed-size request (key, size, reply tag, fragment
+size), the receive of the reply header and the receives of the bytes straight into the new tensor;
+the producer answers with the header on the reply tag and the bytes on the following tags, one
+message per fragment, all sent together from the held tensor itself. One round trip, no copies.
 A tensor counts as consumed once its last reader's send completed.
 """
 
@@ -30,10 +30,11 @@ from .store import TensorStore
 from .wire import BAD_REQUEST, HEADER_BYTES, NOT_FOUND, OK, TensorHeader, as_bytes, empty_bytes, from_bytes
 
 REQUEST_BYTES = 1024
-_REQUEST = struct.Struct("<4sHHQQI")  # magic, op, pad, reply tag, fragment bytes, key length
+_REQUEST = struct.Struct("<4sHHQQQI")  # magic, op, pad, reply tag, fragment bytes, tensor bytes, key length
 _MAGIC = b"OSRQ"
 _GET, _BYE = 1, 2
 MAX_KEY_BYTES = REQUEST_BYTES - _REQUEST.size
+_EMPTY = np.empty(0, dtype=np.uint8)
 
 
 # UCX settings the connector starts UCX with (UCX_* environment variables win). Endpoints made by
@@ -162,11 +163,11 @@ class UcxStore(TensorStore):
         try:
             while True:
                 await ep.recv(request)
-                magic, op, _, tag, fragment_bytes, keylen = _REQUEST.unpack_from(request)
+                magic, op, _, tag, fragment_bytes, nbytes, keylen = _REQUEST.unpack_from(request)
                 if magic != _MAGIC or op != _GET:
                     break
                 key = bytes(request[_REQUEST.size:_REQUEST.size + keylen]).decode(errors="replace")
-                task = asyncio.create_task(self._send_tensor(ep, tag, fragment_bytes, key))
+                task = asyncio.create_task(self._send_tensor(ep, tag, fragment_bytes, nbytes, key))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except ucxx.exceptions.UCXError:
@@ -180,28 +181,31 @@ class UcxStore(TensorStore):
             if not self._served:
                 self._all_served.set()
 
-    async def _send_tensor(self, ep, tag: int, fragment_bytes: int, wire_key: str) -> None:
+    async def _send_tensor(self, ep, tag: int, fragment_bytes: int, nbytes: int, wire_key: str) -> None:
+        """Reply to one get: the header on `tag`, then the bytes on the following tags (all posted at
+        once). A refusal still sends one empty message per expected fragment, so that the consumer,
+        which posted every receive up front, is left with none pending."""
         ucxx = _ucxx()
         try:
             held = self.held.get(TensorKey.parse(wire_key))
+            status = NOT_FOUND if held is None else OK if held.nbytes == nbytes else BAD_REQUEST
         except ValueError:
             held, status = None, BAD_REQUEST
+        frags = _fragments(nbytes, fragment_bytes)
+        if status == OK:
+            header, data = TensorHeader.of(held.handle), as_bytes(held.handle).numpy()
+            payload = [data[o:o + n] for o, n in frags]
         else:
-            status = NOT_FOUND
+            header, payload = TensorHeader(torch.uint8, (), 0, status=status), [_EMPTY] * len(frags)
         try:
-            if held is None:
-                await ep.send(_header_buffer(TensorHeader(torch.uint8, (), 0, status=status)), tag=tag)
-                return
-            tensor = held.handle
-            await ep.send(_header_buffer(TensorHeader.of(tensor)), tag=tag)
-            data = as_bytes(tensor).numpy()
-            await asyncio.gather(*(ep.send(data[o:o + n], tag=tag + 1 + i)
-                                   for i, (o, n) in enumerate(_fragments(held.nbytes, fragment_bytes))))
+            await asyncio.gather(ep.send(_header_buffer(header), tag=tag),
+                                 *(ep.send(p, tag=tag + 1 + i) for i, p in enumerate(payload)))
         except ucxx.exceptions.UCXError:
             return  # the consumer went away mid-send; the tensor stays held
-        held.readers -= 1
-        if held.readers <= 0:
-            self.release([held.key], "consumed")
+        if status == OK:
+            held.readers -= 1
+            if held.readers <= 0:
+                self.release([held.key], "consumed")
 
     # ---- consumer side -------------------------------------------------------------------------
 
@@ -222,26 +226,31 @@ class UcxStore(TensorStore):
             peer.inflight -= 1
 
     async def _fetch(self, peer: _Peer, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+        """Post the request, the header receive and every fragment receive at once: one round trip."""
         frags = _fragments(ref.nbytes, self.fragment_bytes)
         tag = peer.tags(1 + len(frags))
         key = ref.key.encode()
         request = np.zeros(REQUEST_BYTES, dtype=np.uint8)
-        _REQUEST.pack_into(request, 0, _MAGIC, _GET, 0, tag, self.fragment_bytes, len(key))
+        _REQUEST.pack_into(request, 0, _MAGIC, _GET, 0, tag, self.fragment_bytes, ref.nbytes, len(key))
         request[_REQUEST.size:_REQUEST.size + len(key)] = np.frombuffer(key, dtype=np.uint8)
-        await peer.ep.send(request)
         reply = np.empty(HEADER_BYTES, dtype=np.uint8)
-        await peer.ep.recv(reply, tag=tag)
+        raw = empty_bytes(ref.nbytes)
+        buf = raw.numpy()
+        done = await asyncio.gather(peer.ep.send(request), peer.ep.recv(reply, tag=tag),
+                                    *(peer.ep.recv(buf[o:o + n], tag=tag + 1 + i) for i, (o, n) in enumerate(frags)),
+                                    return_exceptions=True)
+        for outcome in done[:2]:
+            if isinstance(outcome, BaseException):
+                raise outcome
         header = TensorHeader.unpack(reply.tobytes(), f"UCX reply from {ref.address}")
         if header.status == NOT_FOUND:
             raise TensorNotFound(f"producer at {ref.address} no longer holds {ref.key} (consumed, released or expired)")
         if header.status != OK:
-            raise ConnectorError(f'producer at {ref.address} refused the key "{ref.key}"')
-        if header.nbytes != ref.nbytes:
-            raise ConnectorError(f"producer at {ref.address} holds {header.nbytes} bytes for {ref.key}, "
-                                 f"the reference says {ref.nbytes}")
-        raw = empty_bytes(header.nbytes)
-        buf = raw.numpy()
-        await asyncio.gather(*(peer.ep.recv(buf[o:o + n], tag=tag + 1 + i) for i, (o, n) in enumerate(frags)))
+            raise ConnectorError(f'producer at {ref.address} refused "{ref.key}": the key is malformed or it holds '
+                                 f"another size than the reference's {ref.nbytes} bytes")
+        for outcome in done[2:]:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return from_bytes(raw, header)
 
     async def _peer(self, address: str) -> _Peer:
@@ -281,7 +290,7 @@ class UcxStore(TensorStore):
         if bye:
             with contextlib.suppress(Exception):
                 request = np.zeros(REQUEST_BYTES, dtype=np.uint8)
-                _REQUEST.pack_into(request, 0, _MAGIC, _BYE, 0, 0, 0, 0)
+                _REQUEST.pack_into(request, 0, _MAGIC, _BYE, 0, 0, 0, 0, 0)
                 await asyncio.wait_for(peer.ep.send(request), 1.0)
         with contextlib.suppress(Exception):
             await peer.ep.close()

@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("UCX_TLS", "tcp")  # before ucxx loads; peer processes inherit it
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from omnistage.connector import TensorKey, TensorNotFound, make_connector  # noqa: E402
+from omnistage.connector import ConnectorError, TensorKey, TensorNotFound, make_connector  # noqa: E402
 from omnistage.connector.peer import DTYPES, PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
 
 from ..harness import wait_until  # noqa: E402
@@ -158,3 +158,14 @@ async def test_released_request_is_gone_for_its_consumer(local):
     for msg in msgs:
         with pytest.raises(TensorNotFound, match="gone/thinker"):
             await consumer.get(msg)
+
+
+async def test_reference_that_lies_about_its_size_is_refused_and_the_endpoint_survives(local):
+    producer, consumer = local
+    t = make_tensor("float32", [1 << 16], seed=1)
+    msg = await producer.put(TensorKey("lie", "thinker", 0, "x"), t, transport="ucx")
+    msg.ref.nbytes -= 4
+    with pytest.raises(ConnectorError, match="another size than the reference's 262140 bytes"):
+        await consumer.get(msg)
+    msg.ref.nbytes += 4
+    assert digest(await consumer.get(msg)) == digest(t)  # still held, and the same endpoint still works

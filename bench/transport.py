@@ -1,0 +1,296 @@
+"""Transport benchmark: bandwidth and latency of the connector's backends (UCX, shared memory,
+inline gRPC) from 4 KiB to 256 MiB, against memcpy and ucx_perftest (tcp) in the same run.
+
+Every figure is one hand-off from a producer's tensor to the consumer's tensor: the producer is a
+separate process (`omnistage.connector.peer`) that puts the tensor, this process gets it, and the
+time is the producer's put plus the consumer's get. memcpy is a torch copy into an existing buffer
+(`memcpy`) and into new memory (`memcpy_new`: what a receive into a fresh tensor also pays).
+ucx_perftest is UCX's own tag bandwidth test between two processes on 127.0.0.1 with the same UCX
+settings as the connector. The machine is shared and noisy, so the backends are measured
+interleaved, size by size, for several rounds; a round's figure is the median of its iterations,
+and each reported figure is the best round (best of N: the least disturbed). The UCX ratio is
+reported both ways: best UCX over best perftest, and the median of per-round ratios against the
+perftest run right before (busy-polling perftest loses more than the connector when the cores are
+contended, so that one flatters UCX on a loaded machine).
+
+    .venv/bin/python bench/transport.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # traffic stays on 127.0.0.0/8
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from common import figure, write_results  # noqa: E402
+
+from omnistage.connector import TensorKey, make_connector  # noqa: E402
+from omnistage.connector.peer import PeerProcess, decode, make_tensor  # noqa: E402
+from omnistage.connector.ucx import UCX_DEFAULTS  # noqa: E402
+from omnistage.v1 import tensor_pb2  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "1MiB": MiB, "16MiB": 16 * MiB, "64MiB": 64 * MiB,
+         "256MiB": 256 * MiB}
+QUICK_SIZES = ("4KiB", "1MiB", "16MiB", "64MiB")
+BACKENDS = ("ucx_perftest", "ucx", "shm", "inline_grpc", "memcpy", "memcpy_new")
+FETCH = "/omnistage.bench.Transport/Fetch"
+GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
+LIBUCX = Path(__import__("libucx").__file__).parent
+
+
+def ucx_env() -> dict[str, str]:
+    """The environment both the connector's processes and ucx_perftest run with: the same UCX settings."""
+    env = dict(os.environ)
+    for k, v in UCX_DEFAULTS.items():
+        env.setdefault(f"UCX_{k}", v)
+    return env
+
+
+def iterations(nbytes: int) -> int:
+    return max(3, min(100, (128 * MiB) // nbytes))
+
+
+# ---- measurements: each returns seconds per hand-off (median of its iterations) ----------------
+
+def measure_memcpy(nbytes: int, fresh: bool) -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iterations(nbytes) + 1):
+        t0 = time.perf_counter()
+        if fresh:
+            src.clone()
+        else:
+            dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+async def measure_connector(producer: PeerProcess, consumer, transport: str, nbytes: int, tag: str) -> float:
+    times = []
+    for i in range(iterations(nbytes) + 1):
+        r = await producer.call(op="put", key=[tag, "producer", i, "x"], dtype="uint8", shape=[nbytes], seed=1,
+                                transport=transport)
+        msg = decode(r["tensor"])
+        t0 = time.perf_counter()
+        await consumer.get(msg)
+        times.append(r["seconds"] + time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+async def measure_inline_grpc(stub, consumer, nbytes: int) -> float:
+    request = json.dumps({"nbytes": nbytes}).encode()
+    times = []
+    for _ in range(iterations(nbytes) + 1):
+        t0 = time.perf_counter()
+        msg = tensor_pb2.Tensor.FromString(await stub(request))
+        await consumer.get(msg)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+async def measure_perftest(nbytes: int, error_handling: bool = False) -> float:
+    """ucx_perftest tag_bw (bandwidth, seconds per message) or, at 4 KiB, tag_lat as a round trip."""
+    latency = nbytes <= 4 * KiB
+    port = _free_port()
+    env = {**ucx_env(), "LD_LIBRARY_PATH": str(LIBUCX / "lib")}
+    exe = str(LIBUCX / "bin" / "ucx_perftest")
+    common = ["-p", str(port)] + (["-e"] if error_handling else [])
+    # plain subprocess (not asyncio's child watcher): UCX in this process may reap children first
+    server = subprocess.Popen([exe, *common], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await _until_listening(port)
+        n = 2000 if latency else max(8, min(400, (2 * 1024 * MiB) // nbytes))
+        client = await asyncio.to_thread(
+            subprocess.run, [exe, "127.0.0.1", *common, "-t", "tag_lat" if latency else "tag_bw", "-s", str(nbytes),
+                             "-n", str(n), "-w", str(max(2, n // 10)), "-f"],
+            env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        server.kill()
+        server.wait()
+    out = client.stdout
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    if not rows:
+        raise RuntimeError(f"ucx_perftest printed no result (exit {client.returncode}): {out[-400:]}")
+    row = [float(x) for x in rows[-1]]  # iterations, overhead 50%/avg/overall (us), bw avg/overall (MiB/s), ...
+    if latency:
+        return 2 * row[2] / 1e6  # one-way latency: a fetch is a round trip
+    return nbytes / (row[5] * MiB)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _until_listening(port: int, timeout: float = 30) -> None:
+    """Poll /proc/net/tcp until something listens on `port` (state 0A)."""
+    want = f":{port:04X} "
+    async with asyncio.timeout(timeout):
+        while True:
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                with open(table) as f:
+                    if any(want in line and line.split()[3] == "0A" for line in f):
+                        return
+            await asyncio.sleep(0.02)
+
+
+# ---- the inline gRPC producer (a process of its own) --------------------------------------------
+
+async def serve_inline() -> None:
+    conn = await make_connector("producer", ())
+    tensors: dict[int, torch.Tensor] = {}
+
+    async def fetch(request: bytes, context) -> bytes:
+        nbytes = json.loads(request)["nbytes"]
+        if nbytes not in tensors:
+            tensors.clear()
+            tensors[nbytes] = make_tensor("uint8", [nbytes], 1)
+        msg = await conn.put(TensorKey("bench", "producer", 0, "x"), tensors[nbytes], transport="inline")
+        return msg.SerializeToString()
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "omnistage.bench.Transport", {"Fetch": grpc.unary_unary_rpc_method_handler(fetch)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print("@@ " + json.dumps({"port": port}), flush=True)
+    await asyncio.to_thread(sys.stdin.readline)  # until the driver closes our stdin
+    await server.stop(1)
+
+
+async def start_inline_server():
+    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--serve-inline", stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE)
+    while not (line := await proc.stdout.readline()).startswith(b"@@ "):
+        if not line:
+            raise RuntimeError("inline gRPC server exited")
+    return proc, json.loads(line[3:])["port"]
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+async def run(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
+    env = ucx_env()
+    os.environ.update({k: v for k, v in env.items() if k.startswith("UCX_")})
+    producer = PeerProcess("producer", "shm,ucx", host_id="bench", fragment_bytes=fragment_bytes, env=env)
+    await producer.start()
+    consumer = await make_connector("consumer", ("shm", "ucx"), host_id="bench", fragment_bytes=fragment_bytes)
+    inline_proc, port = await start_inline_server()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    stub = channel.unary_unary(FETCH)
+    seconds: dict[tuple[str, str], list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    try:
+        for rnd in range(rounds):
+            for label in sizes:
+                n = SIZES[label]
+                t = {"ucx_perftest": await measure_perftest(n),
+                     "ucx": await measure_connector(producer, consumer, "ucx", n, f"ucx{rnd}{label}"),
+                     "shm": await measure_connector(producer, consumer, "shm", n, f"shm{rnd}{label}"),
+                     "inline_grpc": await measure_inline_grpc(stub, consumer, n),
+                     "memcpy": measure_memcpy(n, fresh=False),
+                     "memcpy_new": measure_memcpy(n, fresh=True)}
+                if n >= 16 * MiB:
+                    t["ucx_perftest_e"] = await measure_perftest(n, error_handling=True)
+                for backend, s in t.items():
+                    seconds.setdefault((backend, label), []).append(s)
+                ratios.setdefault(label, []).append(t["ucx_perftest"] / t["ucx"])
+                print(f"  round {rnd + 1}/{rounds} {label:>6}: " + "  ".join(
+                    f"{b} {n / s / 1e9:.2f}" for b, s in t.items()) + " GB/s", flush=True)
+    finally:
+        await channel.close()
+        inline_proc.stdin.close()
+        await inline_proc.wait()
+        await consumer.close()
+        await producer.close()
+    return {"seconds": {k: min(v) for k, v in seconds.items()},
+            "ratios": {k: statistics.median(v) for k, v in ratios.items()}, "env": env}
+
+
+def figures_of(result: dict, sizes: list[str]) -> list[dict]:
+    sec, ratios = result["seconds"], result["ratios"]
+    figs = []
+    for (backend, label), s in sorted(sec.items(), key=lambda kv: (kv[0][0], SIZES[kv[0][1]])):
+        figs.append(figure(f"{backend}.bw_{label}_GBps", SIZES[label] / s / 1e9, "GB/s"))
+    if "4KiB" in sizes:
+        for backend in BACKENDS:
+            name = "ucx_perftest.rtt_4KiB_us" if backend == "ucx_perftest" else f"{backend}.lat_4KiB_us"
+            figs.append(figure(name, sec[(backend, "4KiB")] * 1e6, "us"))
+    for label, r in ratios.items():
+        if SIZES[label] >= 16 * MiB:
+            best = sec[("ucx_perftest", label)] / sec[("ucx", label)]
+            figs.append(figure(f"ucx_over_perftest.{label}", best, "ratio"))
+            figs.append(figure(f"ucx.bw_{label}_over_perftest", best, "ratio"))  # the issue's name for it
+            figs.append(figure(f"ucx_over_perftest_paired_median.{label}", r, "ratio"))
+    if "64MiB" in sizes:
+        figs.append(figure("shm.bw_64MiB_over_memcpy", sec[("memcpy", "64MiB")] / sec[("shm", "64MiB")], "ratio"))
+        figs.append(figure("shm.bw_64MiB_over_memcpy_new", sec[("memcpy_new", "64MiB")] / sec[("shm", "64MiB")],
+                           "ratio"))
+    if "1MiB" in sizes:
+        figs.append(figure("inline.bw_1MiB_GBps", MiB / sec[("inline_grpc", "1MiB")] / 1e9, "GB/s"))
+    return figs
+
+
+def print_table(result: dict, sizes: list[str]) -> None:
+    sec, ratios = result["seconds"], result["ratios"]
+    cols = [b for b in BACKENDS + ("ucx_perftest_e",) if any((b, s) in sec for s in sizes)]
+    print("\nbest of rounds: bandwidth, GB/s (4 KiB: latency, us; ucx_perftest at 4 KiB: round trip)")
+    print(f"{'size':>7} " + " ".join(f"{c:>14}" for c in cols) + f" {'ucx/perftest':>13}")
+    for label in sizes:
+        cells = []
+        for c in cols:
+            s = sec.get((c, label))
+            cells.append("-" if s is None else f"{s * 1e6:.0f} us" if label == "4KiB" else f"{SIZES[label] / s / 1e9:.2f}")
+        ratio = f"{sec[('ucx_perftest', label)] / sec[('ucx', label)]:.2f}" if SIZES[label] > 4 * KiB else "-"
+        print(f"{label:>7} " + " ".join(f"{c:>14}" for c in cells) + f" {ratio:>13}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="4 KiB to 64 MiB, two rounds")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--sizes", default=None, help="comma-separated, e.g. 16MiB,64MiB")
+    p.add_argument("--fragment-bytes", type=int, default=0, help="UCX fragment size (0: the connector's default)")
+    p.add_argument("--serve-inline", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_inline:
+        asyncio.run(serve_inline())
+        return
+    sizes = args.sizes.split(",") if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
+    rounds = args.rounds or (2 if args.quick else 3)
+    load_before = os.getloadavg()
+    result = asyncio.run(run(sizes, rounds, args.fragment_bytes))
+    print_table(result, sizes)
+    figs = figures_of(result, sizes)
+    for f in figs:
+        if "over" in f["name"] or f["name"].startswith("inline."):
+            print(f"  {f['name']}: {f['value']}")
+    ucx = {k: v for k, v in result["env"].items() if k.startswith("UCX_")}
+    path = write_results("transport", figs, {"run": {
+        "quick": args.quick, "rounds": rounds, "sizes": sizes, "ucx_env": ucx,
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "method": "best over interleaved rounds of each round's median hand-off time (producer put + consumer "
+                  "get); ucx_over_perftest_paired_median: median of per-round ratios"}})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
