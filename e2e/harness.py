@@ -198,7 +198,8 @@ class Cluster:
 
     def _webhook_registered(self) -> bool:
         api = kubernetes.client.AdmissionregistrationV1Api(self.api)
-        return any(w.metadata.name == "omnipipelines.omnistage.io"
+        # A cleanly stopped kopf empties its configuration rather than deleting it.
+        return any(w.metadata.name == "omnipipelines.omnistage.io" and w.webhooks
                    for w in api.list_validating_webhook_configuration().items)
 
     def delete_webhook_configurations(self, name: str = "omnipipelines.omnistage.io") -> None:

@@ -89,7 +89,7 @@ class Agent:
         conds += [{"type": c, "status": "False", "reason": f"KubeletHasNo{c}", "lastHeartbeatTime": t,
                    "lastTransitionTime": t} for c in ("MemoryPressure", "DiskPressure", "PIDPressure")]
         # Large on purpose: nothing is isolated here, so requests must never keep a pod from scheduling.
-        capacity = {"cpu": "64", "memory": "256Gi", "pods": "250", "ephemeral-storage": "100Gi"}
+        capacity = {"cpu": "1000", "memory": "4Ti", "pods": "1000", "ephemeral-storage": "10Ti"}
         return {"conditions": conds, "capacity": capacity, "allocatable": capacity,
                 "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.node}],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},

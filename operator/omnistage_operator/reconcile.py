@@ -22,7 +22,7 @@ from .status import build_status, invalid_status, status_patch, unit_counts
 
 log = logging.getLogger("omnistage.operator")
 # While something rolls, look again this often even if no watch event arrives.
-PROGRESS_REQUEUE_SECONDS = 5.0
+PROGRESS_REQUEUE_SECONDS = 10.0
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""How fast the operator turns OmniPipelines into running children, and how quiet it is when nothing
+changed, against the e2e control plane (Kubernetes v1.20.2 on this machine).
+
+The node agent runs in --simulate mode here (pods are marked Running and Ready at once, as kwok does):
+the figures are the operator's and the control plane's, not model start-up (see e2e for that).
+
+    .venv/bin/python bench/operator_reconcile.py [--quick]
+
+Figures (bench/results/operator_reconcile.json):
+  apply_to_children_s    apply of examples/qwen3-omni-tiny.yaml -> all 16 children exist
+  apply_to_ready_s       same apply -> status condition Ready=True
+  noop_reconcile_writes  API writes (from the apiserver's audit log) per reconcile that has nothing to
+                         change, averaged over several reconciles triggered by touching an annotation
+  apply50_to_ready_s     50 pipelines applied at once -> all 50 Ready=True
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from common import figure, print_table, write_results  # bench/common.py (puts the repository on sys.path)
+from e2e.harness import OPERATOR_USER, Cluster, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+
+NS = "omnistage-bench"
+EXAMPLE = yaml.safe_load((REPO / "examples" / "qwen3-omni-tiny.yaml").read_text())
+CHILDREN = 16   # ConfigMap, SA, Role, RoleBinding, NetworkPolicy, 3 x (Deployment, Service, PDB), orchestrator x 2
+POLL = 0.05
+
+
+def pipeline(name: str) -> dict:
+    d = copy.deepcopy(EXAMPLE)
+    d["metadata"] = {"name": name, "namespace": NS}
+    return d
+
+
+def children(c: Cluster, name: str) -> int:
+    sel = f"omnistage.io/pipeline={name}"
+    n = len(c.core.list_namespaced_config_map(NS, label_selector=sel).items)
+    n += len(c.core.list_namespaced_service(NS, label_selector=sel).items)
+    n += len(c.core.list_namespaced_service_account(NS, label_selector=sel).items)
+    n += len(c.apps.list_namespaced_deployment(NS, label_selector=sel).items)
+    for kind in ("pdb", "networkpolicy", "role", "rolebinding"):
+        n += len(json.loads(c.kubectl("get", kind, "-n", NS, "-l", sel, "-o", "json").stdout)["items"])
+    return n
+
+
+def ready_names(c: Cluster) -> set[str]:
+    items = c.custom.list_namespaced_custom_object("omnistage.io", "v1alpha1", NS, "omnipipelines")["items"]
+    return {p["metadata"]["name"] for p in items
+            if any(x["type"] == "Ready" and x["status"] == "True" for x in (p.get("status") or {}).get("conditions", []))}
+
+
+def apply_one(c: Cluster) -> tuple[float, float]:
+    t0 = time.monotonic()
+    c.custom.create_namespaced_custom_object("omnistage.io", "v1alpha1", NS, "omnipipelines", pipeline("bench-one"))
+    wait_for(lambda: children(c, "bench-one") >= CHILDREN, 120, "all children of bench-one", POLL)
+    t_children = time.monotonic() - t0
+    wait_for(lambda: "bench-one" in ready_names(c), 120, "bench-one Ready", POLL)
+    return t_children, time.monotonic() - t0
+
+
+def noop_writes(c: Cluster, rounds: int) -> tuple[float, int, int]:
+    """(writes per no-op reconcile, writes, reconciles) over `rounds` annotation touches."""
+    c.wait_condition(NS, "bench-one", "Progressing", "False", 60)
+    log = c.run / "log" / "operator.log"
+    mark, since = log.stat().st_size, time.time()
+    for i in range(rounds):
+        before = _reconciles(log, mark)
+        c.kubectl("annotate", "omnip", "-n", NS, "bench-one", f"bench/touch={time.time_ns()}", "--overwrite")
+        wait_for(lambda: _reconciles(log, mark) > before, 30, f"reconcile {i + 1} after the annotation", POLL)
+    reconciles = _reconciles(log, mark)
+    writes = len(c.audit_writes(OPERATOR_USER, since))
+    return writes / max(reconciles, 1), writes, reconciles
+
+
+def _reconciles(log: Path, mark: int) -> int:
+    with open(log) as f:
+        f.seek(mark)
+        return sum(1 for line in f if f"reconciled {NS}/bench-one:" in line)
+
+
+def apply_many(c: Cluster, n: int) -> float:
+    names = [f"bench-{i:02d}" for i in range(n)]
+    docs = yaml.safe_dump_all([pipeline(name) for name in names])
+    t0 = time.monotonic()
+    c.kubectl("apply", "-f", "-", input=docs)
+    wait_for(lambda: set(names) <= ready_names(c), 600, f"{n} pipelines Ready", 0.25)
+    return time.monotonic() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer no-op rounds (the figures keep their meaning)")
+    args = p.parse_args()
+    c = Cluster(REPO / "e2e" / ".run" / "bench", simulate=True)
+    try:
+        c.up()
+        c.grant_operator_rbac()
+        c.namespace(NS)
+        c.start_operator([NS], OMNISTAGE_WORKERS="4")
+        children_s, ready_s = apply_one(c)
+        per, writes, reconciles = noop_writes(c, 3 if args.quick else 10)
+        many_s = apply_many(c, 50)
+        figures = [figure("apply_to_children_s", children_s, "s"), figure("apply_to_ready_s", ready_s, "s"),
+                   figure("noop_reconcile_writes", per, "writes/reconcile"),
+                   figure("apply50_to_ready_s", many_s, "s")]
+        notes = {"noop_reconciles": reconciles, "noop_writes_total": writes,
+                 "cluster_up_s": round(c.timings["up_s"], 1),
+                 "cluster": "Kubernetes v1.20.2 e2e control plane; node agent --simulate (pods Ready at once)"}
+    finally:
+        c.stop_operator()
+        c.down()
+    print_table("operator reconcile (e2e control plane, simulated pods)", figures)
+    print(f"  ({notes['noop_reconciles']} no-op reconciles made {notes['noop_writes_total']} writes; "
+          f"control plane up in {notes['cluster_up_s']}s)")
+    path = write_results("operator_reconcile", figures, {"notes": notes})
+    print(f"wrote {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
