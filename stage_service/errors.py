@@ -21,3 +21,7 @@ class StageDraining(RuntimeError):
 
 class InputError(ValueError):
     """Inputs from upstream that this engine cannot use: missing tensor, wrong shape (INVALID_ARGUMENT)."""
+
+
+class CallerGone(Exception):
+    """The caller cancelled while the stage still read its inputs: the request stops (counted as cancelled)."""

@@ -207,8 +207,13 @@ class StepScheduler:
     def unfinished(self) -> int:
         return len(self._running) + len(self._queue)
 
-    def held_bytes(self) -> int:
-        return sum(s.held_bytes() for s in list(self._live))
+    def held_bytes(self, request_id: str | None = None) -> int:
+        """Bytes the states hold: every live state's, or those of one request's states still in use
+        (not those already leaving at the end of the step in flight)."""
+        if request_id is None:
+            return sum(s.held_bytes() for s in list(self._live))
+        return sum(j.state.held_bytes() for j in [*self._queue, *self._running]
+                   if j.request_id == request_id and not j.cancelled)
 
     def live_states(self) -> int:
         """States not yet garbage-collected (a leak check for tests: 0 once every request is gone)."""

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 import traceback
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -20,7 +20,7 @@ from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .convert import input_from_proto, output_to_proto
 from .engines.base import Engine, OutputChunk, StageInputs, StageRequest
-from .errors import EngineDead, EngineError, EngineOverloaded, InputError, StageDraining
+from .errors import CallerGone, EngineDead, EngineError, EngineOverloaded, InputError, StageDraining
 from .metrics import StageMetrics
 
 log = logging.getLogger("omnistage.stage")
@@ -56,6 +56,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self._calls: dict[str, set[asyncio.Task]] = {}  # request id -> its Process calls, for Release
+        self._released: set[asyncio.Task] = set()
+        # Release also asks these (request id -> bytes freed): the data-plane connector's buffers.
+        self.release_hooks: list[Callable[[str], int]] = []
 
     async def Process(self, request_iterator, context) -> AsyncIterator[stage_pb2.StageOutput]:
         name = self.stage.name
@@ -79,8 +83,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 raise InvalidRequest("header.request_id", "is required")
             req = StageRequest(request_id=h.request_id, params=resolve(h.params, self.pipeline.limits),
                                deadline=h.deadline_unix_ms / 1e3 if h.deadline_unix_ms else None)
+            self._calls.setdefault(req.request_id, set()).add(asyncio.current_task())
             inputs = StageInputs(self.sources)
-            reader = asyncio.create_task(self._read_inputs(request_iterator, inputs))
+            reader = asyncio.create_task(self._read_inputs(request_iterator, context, inputs))
             chunk_id = 0
             last = False
             async with asyncio.timeout_at(_loop_time(req.deadline)):
@@ -98,10 +103,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     await gen.aclose()
             if not last:
                 yield stage_pb2.StageOutput(chunk=output_to_proto(OutputChunk(), name, chunk_id, True))
-            outcome = "finished"
+            outcome = "cancelled" if context.cancelled() else "finished"
         except asyncio.CancelledError:
             outcome = "cancelled"
-            raise
+            task = asyncio.current_task()
+            if task not in self._released:
+                raise  # the caller went away (or the server stops): nothing to answer
+            # Release ended this call: answer it, rather than leave the caller waiting.
+            self._released.discard(task)
+            task.uncancel()
+            status = (grpc.StatusCode.CANCELLED, f"stage {name}: request {first.header.request_id} was released")
+        except CallerGone:
+            outcome = "cancelled"  # nobody is left to answer
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             if reader is not None and reader.done() and not reader.cancelled() and reader.exception():
                 e = reader.exception()  # the input was bad: report that, not its consequence
@@ -117,6 +130,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+            self._released.discard(asyncio.current_task())
+            if first is not None and first.header.request_id in self._calls:
+                calls = self._calls[first.header.request_id]
+                calls.discard(asyncio.current_task())
+                if not calls:
+                    del self._calls[first.header.request_id]
             self.metrics.outcome(outcome)
             self.inflight -= 1
             if self.inflight == 0:
@@ -134,12 +153,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.metrics.queue_ms.labels(self.stage.name).observe(out.queue_ms)
         return msg
 
-    async def _read_inputs(self, request_iterator, inputs: StageInputs) -> None:
+    async def _read_inputs(self, request_iterator, context, inputs: StageInputs) -> None:
         try:
             async for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise InputError("only chunks may follow the header")
                 await inputs.put(input_from_proto(msg.chunk))
+            if context.cancelled():  # the stream ended because the caller went away, not a half-close:
+                inputs.fail(CallerGone())  # the engine must stop, not finish on partial input
+                return
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -147,6 +169,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             raise
         finally:
             inputs.close_all()
+
+    async def Release(self, request, context) -> stage_pb2.ReleaseResponse:
+        """Free what this stage holds for a request that ended elsewhere: its calls still running here
+        end (the engine frees their state at the next step boundary), then the release hooks run."""
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: is required")
+        freed = self.engine.held_bytes(request.request_id)
+        for task in list(self._calls.get(request.request_id, ())):
+            self._released.add(task)
+            task.cancel()
+        freed += sum(hook(request.request_id) for hook in self.release_hooks)
+        return stage_pb2.ReleaseResponse(bytes_freed=freed)
 
     async def GetLoad(self, request, context) -> stage_pb2.StageLoad:
         e = self.engine

@@ -173,8 +173,8 @@ class Engine(ABC):
         """Requests the engine still holds (queued or running)."""
         return self.running + self.queued
 
-    def held_bytes(self) -> int:
-        """Bytes of per-request state the engine holds (KV caches, latents)."""
+    def held_bytes(self, request_id: str | None = None) -> int:
+        """Bytes of per-request state the engine holds (KV caches, latents): all, or one request's."""
         return 0
 
     @property
@@ -257,5 +257,5 @@ class SteppedEngine(Engine):
     def max_queued(self) -> int:
         return self.scheduler.max_queued
 
-    def held_bytes(self) -> int:
-        return self.scheduler.held_bytes()
+    def held_bytes(self, request_id: str | None = None) -> int:
+        return self.scheduler.held_bytes(request_id)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnistage import tensors
-from omnistage.v1 import stage_pb2
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from ..harness import call_stage, example, header, start_stage
 from .test_stage_support import Call, assert_nothing_held, scheduler, tensor_of, token_ids
@@ -170,5 +170,24 @@ async def test_deadline_ends_the_engine_request(model_dir):
         await assert_nothing_held(srv)
         out = await call_stage(srv.port, header("next", max_tokens=3))
         assert out[-1].end_of_stream
+    finally:
+        await srv.drain()
+
+
+async def test_release_ends_what_the_stage_still_runs_for_a_request(model_dir):
+    srv = await start_stage(llm_transformers(), "llm", model_dir)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = stage_pb2_grpc.StageServiceStub(ch)
+            call = Call(ch, header("orphan", max_tokens=256, ignore_eos=True))
+            await asyncio.wait_for(call.started.wait(), 30)
+            freed = await stub.Release(stage_pb2.ReleaseRequest(request_id="orphan"))
+            assert freed.bytes_freed > 0  # its KV cache
+            assert await asyncio.wait_for(call.outcome(), 30) == grpc.StatusCode.CANCELLED
+            assert (await stub.Release(stage_pb2.ReleaseRequest(request_id="orphan"))).bytes_freed == 0  # idempotent
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Release(stage_pb2.ReleaseRequest())
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+        await assert_nothing_held(srv)
     finally:
         await srv.drain()
