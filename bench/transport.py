@@ -6,7 +6,9 @@ separate process (`omnistage.connector.peer`) that puts the tensor, this process
 time is the producer's put plus the consumer's get. memcpy is a torch copy into an existing buffer
 (`memcpy`) and into new memory (`memcpy_new`: what a receive into a fresh tensor also pays).
 ucx_perftest is UCX's own tag bandwidth test between two processes on 127.0.0.1 with the same UCX
-settings as the connector. The machine is shared and noisy, so the backends are measured
+settings as the connector: as it ships (busy polling, no error handling), with peer error handling
+(`-e`, as the connector's endpoints) and waiting for events (`-E sleep`, as the connector's
+progress thread). The machine is shared and noisy, so the backends are measured
 interleaved, size by size, for several rounds; a round's figure is the median of its iterations,
 and each reported figure is the best round (best of N: the least disturbed). The UCX ratio is
 reported both ways: best UCX over best perftest, and the median of per-round ratios against the
@@ -105,13 +107,15 @@ async def measure_inline_grpc(stub, consumer, nbytes: int) -> float:
     return statistics.median(times[1:])
 
 
-async def measure_perftest(nbytes: int, error_handling: bool = False) -> float:
-    """ucx_perftest tag_bw (bandwidth, seconds per message) or, at 4 KiB, tag_lat as a round trip."""
+async def measure_perftest(nbytes: int, *options: str) -> float:
+    """ucx_perftest tag_bw (bandwidth, seconds per message) or, at 4 KiB, tag_lat as a round trip.
+    options: "-e" peer error handling (as the connector's endpoints have), "-E sleep" wait for
+    events instead of busy polling (as the connector's progress thread does)."""
     latency = nbytes <= 4 * KiB
     port = _free_port()
     env = {**ucx_env(), "LD_LIBRARY_PATH": str(LIBUCX / "lib")}
     exe = str(LIBUCX / "bin" / "ucx_perftest")
-    common = ["-p", str(port)] + (["-e"] if error_handling else [])
+    common = ["-p", str(port)] + [word for o in options for word in o.split()]
     # plain subprocess (not asyncio's child watcher): UCX in this process may reap children first
     server = subprocess.Popen([exe, *common], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -209,7 +213,8 @@ async def run(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
                      "memcpy": measure_memcpy(n, fresh=False),
                      "memcpy_new": measure_memcpy(n, fresh=True)}
                 if n >= 16 * MiB:
-                    t["ucx_perftest_e"] = await measure_perftest(n, error_handling=True)
+                    t["ucx_perftest_e"] = await measure_perftest(n, "-e")
+                    t["ucx_perftest_sleep"] = await measure_perftest(n, "-E sleep")
                 for backend, s in t.items():
                     seconds.setdefault((backend, label), []).append(s)
                 ratios.setdefault(label, []).append(t["ucx_perftest"] / t["ucx"])
@@ -240,6 +245,8 @@ def figures_of(result: dict, sizes: list[str]) -> list[dict]:
             figs.append(figure(f"ucx_over_perftest.{label}", best, "ratio"))
             figs.append(figure(f"ucx.bw_{label}_over_perftest", best, "ratio"))  # the issue's name for it
             figs.append(figure(f"ucx_over_perftest_paired_median.{label}", r, "ratio"))
+            figs.append(figure(f"ucx_over_perftest_sleep.{label}", sec[("ucx_perftest_sleep", label)] / sec[("ucx", label)],
+                               "ratio"))
     if "64MiB" in sizes:
         figs.append(figure("shm.bw_64MiB_over_memcpy", sec[("memcpy", "64MiB")] / sec[("shm", "64MiB")], "ratio"))
         figs.append(figure("shm.bw_64MiB_over_memcpy_new", sec[("memcpy_new", "64MiB")] / sec[("shm", "64MiB")],
@@ -251,7 +258,7 @@ def figures_of(result: dict, sizes: list[str]) -> list[dict]:
 
 def print_table(result: dict, sizes: list[str]) -> None:
     sec, ratios = result["seconds"], result["ratios"]
-    cols = [b for b in BACKENDS + ("ucx_perftest_e",) if any((b, s) in sec for s in sizes)]
+    cols = [b for b in BACKENDS + ("ucx_perftest_e", "ucx_perftest_sleep") if any((b, s) in sec for s in sizes)]
     print("\nbest of rounds: bandwidth, GB/s (4 KiB: latency, us; ucx_perftest at 4 KiB: round trip)")
     print(f"{'size':>7} " + " ".join(f"{c:>14}" for c in cols) + f" {'ucx/perftest':>13}")
     for label in sizes:

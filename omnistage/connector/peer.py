@@ -3,9 +3,10 @@ and the transport benchmark. Replies are stdout lines starting with "@@ " (UCX m
 
     python -m omnistage.connector.peer --stage thinker --transports shm,ucx --host-id h1
 
-ops: put {key, dtype, shape, seed, transport, readers} -> {tensor}; get {tensor, repeat} ->
-{sha256, seconds}; held -> {held_bytes, held_tensors, endpoints}; release_request {request_id};
-quit. `tensor` is a serialized omnistage.v1.Tensor, base64-encoded.
+ops: put {key, dtype, shape, seed, transport, readers} -> {tensor, sha256, seconds}; get {tensor}
+-> {sha256, seconds, dtype, shape}; held -> {held_bytes, held_tensors, endpoints};
+release_request {request_id} -> {freed}; quit. `tensor` is a serialized omnistage.v1.Tensor,
+base64-encoded; put tensors are random bytes made from (dtype, shape, seed).
 """
 
 from __future__ import annotations
@@ -59,21 +60,31 @@ def decode(text: str) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor.FromString(base64.b64decode(text))
 
 
+_last: dict[tuple, tuple[torch.Tensor, str]] = {}  # the last tensor made and its digest, for repeated puts
+
+
+def cached_tensor(dtype: str, shape: list[int], seed: int) -> tuple[torch.Tensor, str]:
+    key = (dtype, tuple(shape), seed)
+    if key not in _last:
+        _last.clear()
+        t = make_tensor(dtype, shape, seed)
+        _last[key] = (t, digest(t))
+    return _last[key]
+
+
 async def handle(conn: Connector, cmd: dict) -> dict:
     op = cmd["op"]
     if op == "put":
-        t = make_tensor(cmd["dtype"], cmd["shape"], cmd.get("seed", 0))
+        t, sha256 = cached_tensor(cmd["dtype"], cmd["shape"], cmd.get("seed", 0))
         key = TensorKey(*cmd["key"])
         t0 = time.perf_counter()
         msg = await conn.put(key, t, transport=cmd.get("transport", "auto"), readers=cmd.get("readers", 1))
-        return {"tensor": encode(msg), "seconds": time.perf_counter() - t0, "sha256": digest(t)}
+        return {"tensor": encode(msg), "seconds": time.perf_counter() - t0, "sha256": sha256}
     if op == "get":
-        msg, seconds, out = decode(cmd["tensor"]), [], None
-        for _ in range(cmd.get("repeat", 1)):
-            t0 = time.perf_counter()
-            out = await conn.get(msg)
-            seconds.append(time.perf_counter() - t0)
-        return {"sha256": digest(out), "seconds": seconds, "dtype": str(out.dtype), "shape": list(out.shape)}
+        t0 = time.perf_counter()
+        out = await conn.get(decode(cmd["tensor"]))
+        return {"sha256": digest(out), "seconds": time.perf_counter() - t0, "dtype": str(out.dtype),
+                "shape": list(out.shape)}
     if op == "held":
         return {"held_bytes": conn.held_bytes, "held_tensors": conn.held_tensors, "endpoints": conn.endpoints}
     if op == "release_request":

@@ -4,6 +4,9 @@ The producer writes a header and the bytes into a new segment; a consumer reads 
 `preadv` (a copy into its own tensor, so nothing stays mapped) and counts itself off in the header
 under a file lock; the last reader unlinks the segment. The producer sees that as consumption
 (the name is gone) and stops counting the bytes. Release, cancel and TTL unlink from the producer.
+
+Segment names carry the producer's pid namespace and pid, so a store starting up removes the
+segments of producers in its own pid namespace that died without cleaning up (SIGKILL, OOM).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ class ShmStore(TensorStore):
         self.dir = Path(shm_dir)
         if not self.dir.is_dir():
             raise ConnectorError(f"shared memory directory {self.dir} does not exist")
-        self._prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self._prefix = f"{SEGMENT_PREFIX}{_PID_NS}-{os.getpid()}-{secrets.token_hex(4)}-"
         self._seq = itertools.count()
+        reap_orphans(self.dir)
 
     async def put(self, key: TensorKey, tensor: torch.Tensor, readers: int = 1) -> tensor_pb2.TensorRef:
         header = TensorHeader.of(tensor, readers)
@@ -77,6 +81,37 @@ class ShmStore(TensorStore):
     def segments(self) -> list[str]:
         """This store's segments present in the shared-memory directory."""
         return sorted(p.name for p in self.dir.glob(f"{self._prefix}*"))
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+_PID_NS = _pid_namespace()
+
+
+def reap_orphans(shm_dir: Path) -> int:
+    """Remove segments left by dead producers of this pid namespace; returns how many."""
+    reaped = 0
+    for path in shm_dir.glob(f"{SEGMENT_PREFIX}{_PID_NS}-*"):
+        pid = path.name.removeprefix(f"{SEGMENT_PREFIX}{_PID_NS}-").split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            reaped += 1
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_segment(path: Path, header: TensorHeader, tensor: torch.Tensor) -> None:

@@ -22,7 +22,8 @@ SHAPES = [(), (1,), (3, 5, 7), (0, 4), (257, 1031)]
 
 
 def peer_segments(pid: int) -> list[str]:
-    return sorted(p.name for p in SHM.glob(f"omnistage-{pid}-*"))
+    """A process's shared-memory segments: omnistage-<pid namespace>-<pid>-..."""
+    return sorted(p.name for p in SHM.glob(f"omnistage-*-{pid}-*"))
 
 
 async def peer_reaches(peer: PeerProcess, want: dict, timeout: float = 20.0) -> None:

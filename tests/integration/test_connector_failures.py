@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
-
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -19,7 +17,7 @@ from omnistage.connector import (ChunkSender, PeerUnreachable, TensorNotFound,  
 from omnistage.connector.peer import PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
 
 from ..harness import wait_until  # noqa: E402
-from .test_connector_backends import peer_reaches  # noqa: E402
+from .test_connector_backends import peer_reaches, peer_segments  # noqa: E402
 
 CHUNK_SHAPE = [8 << 20]  # float32: 32 MiB per chunk
 
@@ -72,7 +70,7 @@ async def test_cancel_frees_every_buffer_of_the_request_at_once():
         assert (await producer.call(op="release_request", request_id="r1"))["freed"] == 3 * (2 << 20)
         held = await producer.call(op="held")
         assert (held["held_bytes"], held["held_tensors"]) == (1 << 20, 1)
-        assert len(list(Path("/dev/shm").glob(f"omnistage-{producer.proc.pid}-*"))) == 1  # r2's segment only
+        assert len(peer_segments(producer.proc.pid)) == 1  # r2's segment only
         for msg, _ in msgs[1:]:
             with pytest.raises(TensorNotFound):
                 await consumer.get(msg)
@@ -101,3 +99,21 @@ async def test_dead_producer_fails_fetches_clearly():
         assert consumer.endpoints == 0
     finally:
         await consumer.close()
+
+
+async def test_segments_of_a_killed_producer_are_reaped_by_the_next_store():
+    producer = PeerProcess("thinker", "shm", host_id="host-a")
+    await producer.start()
+    for i in range(3):
+        await producer.call(op="put", key=["r1", "thinker", i, "x"], dtype="uint8", shape=[1 << 20], seed=i,
+                            transport="shm")
+    pid = producer.proc.pid
+    assert len(peer_segments(pid)) == 3
+    producer.kill()
+    assert await producer.proc.wait() == -9
+    assert len(peer_segments(pid)) == 3  # nobody unlinked them
+    successor = await make_connector("thinker", ("shm",), host_id="host-a")
+    try:
+        assert peer_segments(pid) == []
+    finally:
+        await successor.close()
