@@ -61,20 +61,24 @@ class _Runtime:
     """
 
     users = 0
+    owned = False  # this module started the context (not other ucxx code in the process)
 
     @classmethod
     def acquire(cls, options: dict[str, str]) -> None:
         ucxx = _ucxx()
         if cls.users == 0:
-            with contextlib.suppress(RuntimeError):  # already started by this process's own code
+            try:
                 ucxx.init({**UCX_DEFAULTS, **options}, env_takes_precedence=True, progress_mode="thread",
                           enable_python_future=True)
+                cls.owned = True
+            except RuntimeError:  # already started elsewhere in this process: use it as it is
+                cls.owned = False
         cls.users += 1
 
     @classmethod
     def release(cls) -> None:
         cls.users -= 1
-        if cls.users == 0:
+        if cls.users == 0 and cls.owned:
             ucxx = _ucxx()
             ucxx.stop_notifier_thread()  # a live notifier thread keeps the process from exiting
             try:
