@@ -115,6 +115,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             status = (grpc.StatusCode.CANCELLED, f"stage {name}: request {first.header.request_id} was released")
         except CallerGone:
             outcome = "cancelled"  # nobody is left to answer
+        except GeneratorExit:
+            outcome = "cancelled"  # gRPC closed this generator: the caller went away
+            raise
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             if reader is not None and reader.done() and not reader.cancelled() and reader.exception():
                 e = reader.exception()  # the input was bad: report that, not its consequence
