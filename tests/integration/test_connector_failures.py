@@ -26,25 +26,25 @@ CHUNK_SHAPE = [8 << 20]  # float32: 32 MiB per chunk
 async def test_consumer_killed_mid_stream_leaves_buffers_to_the_ttl(transport):
     producer = await make_connector("thinker", ("shm", "ucx"), host_id="host-a")
     registry = CollectorRegistry()
-    sender = ChunkSender(producer, budget_bytes=1 << 30, ttl_s=2.0, metrics=TransferMetrics(registry),
+    sender = ChunkSender(producer, budget_bytes=1 << 30, ttl_s=5.0, metrics=TransferMetrics(registry),
                          sweep_interval_s=0.1)
     consumer = PeerProcess("talker", "shm,ucx", host_id="host-a")
     await consumer.start()
+    chunks = [make_tensor("float32", CHUNK_SHAPE, i) for i in range(4)]  # made before the TTL clock starts
     try:
-        msgs = [await sender.put_chunk("r1", i, {"hidden": make_tensor("float32", CHUNK_SHAPE, i)},
-                                       consumer="talker", transport=transport) for i in range(4)]
+        msgs = [await sender.put_chunk("r1", i, {"hidden": t}, consumer="talker", transport=transport)
+                for i, t in enumerate(chunks)]
         sender.start()
         got = await consumer.call(op="get", tensor=encode(msgs[0][0]))
-        assert got["sha256"] == digest(make_tensor("float32", CHUNK_SHAPE, 0))
+        assert got["sha256"] == digest(chunks[0])
         # ask for chunk 1 and kill the consumer without waiting: it dies during or right after the fetch
         consumer.proc.stdin.write((json.dumps({"op": "get", "tensor": encode(msgs[1][0])}) + "\n").encode())
         await consumer.proc.stdin.drain()
         consumer.kill()
         assert await consumer.proc.wait() == -9
-        assert producer.held_bytes >= 2 * (32 << 20)  # chunks 2 and 3 were never asked for
-        await wait_until(lambda: producer.held_bytes == 0, timeout=20, what="TTL freeing the buffers")
+        await wait_until(lambda: producer.held_bytes == 0, timeout=30, what="TTL freeing the buffers")
         ttl = registry.get_sample_value("omnistage_transfer_released_bytes_total", {"stage": "thinker", "reason": "ttl"})
-        assert ttl >= 2 * (32 << 20)
+        assert ttl >= 2 * (32 << 20)  # chunks 2 and 3 were never asked for: only the TTL could free them
         assert producer.stores["shm"].segments() == []
         # the dead consumer's UCX endpoint is gone too
         await wait_until(lambda: producer.endpoints == 0, timeout=20, what="dead endpoint closed")
