@@ -34,6 +34,8 @@ _REQUEST = struct.Struct("<4sHHQQQI")  # magic, op, pad, reply tag, fragment byt
 _MAGIC = b"OSRQ"
 _GET, _BYE = 1, 2
 MAX_KEY_BYTES = REQUEST_BYTES - _REQUEST.size
+MIN_FRAGMENT_BYTES = 64 << 10
+MAX_FRAGMENTS = 1 << 16  # a request asking for more is malformed: answered with a refusal header only
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
@@ -113,6 +115,8 @@ class UcxStore(TensorStore):
         super().__init__(host_id, clock)
         if max_endpoints < 1:
             raise ValueError(f"max_endpoints must be >= 1, got {max_endpoints}")
+        if fragment_bytes and fragment_bytes < MIN_FRAGMENT_BYTES:
+            raise ValueError(f"fragment_bytes must be 0 (one message) or >= {MIN_FRAGMENT_BYTES}, got {fragment_bytes}")
         self.host, self.port = host, port
         self.max_endpoints = max_endpoints
         self.fragment_bytes = fragment_bytes
@@ -195,6 +199,8 @@ class UcxStore(TensorStore):
             status = NOT_FOUND if held is None else OK if held.nbytes == nbytes else BAD_REQUEST
         except ValueError:
             held, status = None, BAD_REQUEST
+        if fragment_bytes and nbytes // fragment_bytes >= MAX_FRAGMENTS:
+            status, nbytes = BAD_REQUEST, 0
         frags = _fragments(nbytes, fragment_bytes)
         if status == OK:
             header, data = TensorHeader.of(held.handle), as_bytes(held.handle).numpy()

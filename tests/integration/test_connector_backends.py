@@ -170,3 +170,20 @@ async def test_reference_that_lies_about_its_size_is_refused_and_the_endpoint_su
         await consumer.get(msg)
     msg.ref.nbytes += 4
     assert digest(await consumer.get(msg)) == digest(t)  # still held, and the same endpoint still works
+
+
+async def test_fragmented_fetches_are_exact_and_refusals_leave_no_receive_pending(local):
+    producer, _ = local
+    consumer = await make_connector("talker", ("ucx",), host_id="host-a", fragment_bytes=1 << 20)
+    try:
+        t = make_tensor("int16", [(11 << 20) // 4], seed=5)  # 5.5 MiB: five whole fragments and a half
+        msg = await producer.put(TensorKey("frag", "thinker", 0, "x"), t, transport="ucx")
+        assert digest(await consumer.get(msg)) == digest(t)
+        with pytest.raises(TensorNotFound):
+            await consumer.get(msg)  # refused: six empty fragments answer the six posted receives
+        again = await producer.put(TensorKey("frag", "thinker", 1, "x"), t, transport="ucx")
+        assert digest(await consumer.get(again)) == digest(t)  # the same endpoint, nothing left pending
+    finally:
+        await consumer.close()
+    with pytest.raises(ValueError, match="fragment_bytes must be 0"):
+        await make_connector("talker", ("ucx",), fragment_bytes=100)
