@@ -85,7 +85,7 @@ def noop_writes(c: Cluster, rounds: int) -> tuple[float, int, int]:
 def _reconciles(log: Path, mark: int) -> int:
     with open(log) as f:
         f.seek(mark)
-        return sum(1 for line in f if f"reconciled {NS}/bench-one:" in line)
+        return sum(1 for line in f if f"reconciled {NS}/bench-one in " in line)
 
 
 def apply_many(c: Cluster, n: int) -> float:

@@ -140,7 +140,7 @@ def test_reconcile_with_nothing_to_change_writes_nothing(pipeline):
     def reconciled():
         with open(log) as f:
             f.seek(mark)
-            return [line for line in f if f"reconciled {NS}/{PIPE}:" in line]
+            return [line for line in f if f"reconciled {NS}/{PIPE} in " in line]
     lines = wait_for(reconciled, 30, "the operator to reconcile after the annotation")
     assert all(": 0 writes" in line for line in lines), lines
     writes = c.audit_writes(OPERATOR_USER, since)

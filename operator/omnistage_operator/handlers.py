@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 
@@ -33,6 +34,7 @@ CHILD_RESOURCES = (
     dict(group="rbac.authorization.k8s.io", version="v1", plural="rolebindings"),
 )
 WEBHOOK_ID = "validate-omnipipeline"   # the webhook path is /validate-omnipipeline
+CHILD_EVENT_DELAY = 0.5
 
 
 @kopf.on.startup()
@@ -48,6 +50,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
             settings.admission.managed = f"{k.PLURAL}.{k.GROUP}"
     kube = await asyncio.to_thread(Kube)
     memo.queue = WorkQueue()
+    memo.seen = {}
     run = functools.partial(reconcile, kube, cfg)
     memo.tasks = [asyncio.create_task(worker(memo.queue, run, f"worker-{i}")) for i in range(cfg.workers)]
     memo.tasks.append(asyncio.create_task(resync(memo.queue, cfg.resync_seconds)))
@@ -63,15 +66,25 @@ async def stop(memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.event(k.GROUP, k.VERSION, k.PLURAL)
-async def pipeline_event(type: str | None, name: str, namespace: str, memo: kopf.Memo, **_) -> None:  # noqa: A002
+async def pipeline_event(type: str | None, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo,
+                         **_) -> None:  # noqa: A002
+    key = (namespace, name)
     if type == "DELETED":
-        memo.queue.forget((namespace, name))
-    else:
-        memo.queue.add((namespace, name))
+        memo.queue.forget(key)
+        memo.seen.pop(key, None)
+        return
+    # Our own status writes come back as events: skip those, reconcile on anything else.
+    meta = body.get("metadata", {})
+    seen = json.dumps([body.get("spec"), meta.get("labels"), meta.get("annotations"),
+                       meta.get("deletionTimestamp")], sort_keys=True, default=str)
+    if memo.seen.get(key) != seen or type is None:
+        memo.seen[key] = seen
+        memo.queue.add(key)
 
 
 async def child_event(labels: dict, namespace: str, memo: kopf.Memo, **_) -> None:
-    memo.queue.add((namespace, labels[k.LABEL_PIPELINE]))
+    # Children change in bursts (16 created at once, pods coming up): one reconcile per burst.
+    memo.queue.add_after((namespace, labels[k.LABEL_PIPELINE]), CHILD_EVENT_DELAY)
 
 
 for _resource in CHILD_RESOURCES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable, Hashable
 
 import kopf
@@ -87,9 +88,10 @@ async def worker(queue: WorkQueue, reconcile: Callable, name: str) -> None:
     while True:
         key = await queue.get()
         try:
+            t0 = time.monotonic()
             outcome = await asyncio.to_thread(reconcile, *key)
             queue.succeeded(key)
-            log.info("reconciled %s/%s: %d writes%s", *key, getattr(outcome, "writes", 0),
+            log.info("reconciled %s/%s in %.2fs: %d writes%s", *key, time.monotonic() - t0, getattr(outcome, "writes", 0),
                      f", again in {outcome.requeue_after:.0f}s" if getattr(outcome, "requeue_after", None) else "")
             if getattr(outcome, "gone", False):
                 queue.forget(key)
