@@ -22,10 +22,11 @@ import torch
 
 from omnistage.v1 import tensor_pb2
 
+from .buffers import empty_bytes
 from .errors import ConnectorError, TensorNotFound
 from .keys import TensorKey
 from .store import TensorStore
-from .wire import HEADER_BYTES, TensorHeader, as_bytes, empty_bytes, from_bytes, off_loop
+from .wire import HEADER_BYTES, TensorHeader, as_bytes, from_bytes, off_loop
 
 SEGMENT_PREFIX = "omnistage-"
 _IO_MAX = 1 << 30  # bytes per read/write call (Linux caps one call near 2 GiB)

@@ -24,10 +24,11 @@ import torch
 
 from omnistage.v1 import tensor_pb2
 
+from .buffers import empty_bytes
 from .errors import ConnectorError, PeerUnreachable, TensorNotFound
 from .keys import TensorKey
 from .store import TensorStore
-from .wire import BAD_REQUEST, HEADER_BYTES, NOT_FOUND, OK, TensorHeader, as_bytes, empty_bytes, from_bytes
+from .wire import BAD_REQUEST, HEADER_BYTES, NOT_FOUND, OK, TensorHeader, as_bytes, from_bytes
 
 REQUEST_BYTES = 1024
 _REQUEST = struct.Struct("<4sHHQQQI")  # magic, op, pad, reply tag, fragment bytes, tensor bytes, key length

@@ -7,7 +7,6 @@ It heads every shared-memory segment (with a count of readers still to come) and
 from __future__ import annotations
 
 import asyncio
-import mmap
 import struct
 from dataclasses import dataclass
 
@@ -65,19 +64,6 @@ class TensorHeader:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU tensor's bytes (no copy), every dtype included."""
     return t.reshape(-1).view(torch.uint8)
-
-
-HUGE_PAGES_AT = 4 << 20  # fresh buffers at least this big ask for transparent huge pages
-
-
-def empty_bytes(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 buffer to receive into. Large ones are anonymous mappings advised to use huge
-    pages: first-touch page faults, not the copy, dominate a large receive into new memory."""
-    if nbytes < HUGE_PAGES_AT or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 def from_bytes(raw: torch.Tensor, header: TensorHeader) -> torch.Tensor:

@@ -186,3 +186,31 @@ async def test_bad_input_names_what_is_wrong(shm_pair):
         await consumer.get(lying)
     with pytest.raises(ConnectorError, match="unknown transport"):
         await make_connector("x", ("tcp",))
+
+
+def test_large_receive_buffers_are_recycled_when_their_last_view_dies():
+    from omnistage.connector import buffers
+    pool = buffers._POOL
+    size, rounded = 5 << 20, 6 << 20  # sizes round up to whole 2 MiB pages
+    idle_before = pool.idle_bytes
+    t = buffers.empty_bytes(size)
+    assert t.numel() == size and t.dtype == torch.uint8
+    address = t.data_ptr()
+    view = t[8:].view(torch.int16)  # a view keeps the buffer leased
+    del t
+    assert pool.idle_bytes == idle_before
+    view.fill_(7)
+    del view
+    assert pool.idle_bytes == idle_before + rounded
+    again = buffers.empty_bytes(size + 1000)  # the same rounded size: the same mapping, already faulted in
+    assert again.data_ptr() == address and pool.idle_bytes == idle_before
+    assert buffers.empty_bytes(1000).numel() == 1000  # small buffers are plain torch allocations
+
+
+def test_receive_buffer_pool_is_bounded():
+    from omnistage.connector.buffers import _Pool
+    pool = _Pool(max_bytes=8 << 20)
+    regions = [pool.take(4 << 20) for _ in range(3)]
+    for r in regions:
+        pool.give_back(r)
+    assert pool.idle_bytes == 8 << 20  # the third did not fit and was dropped
