@@ -21,29 +21,33 @@ POOL_MAX_BYTES = 256 << 20  # idle mappings kept for reuse, at most
 
 
 class _Pool:
+    """Idle mappings by size, least recently returned first; over the bound, the oldest go."""
+
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.idle_bytes = 0
-        self._idle: dict[int, list[mmap.mmap]] = {}
+        self._idle: list[mmap.mmap] = []
         self._lock = threading.Lock()  # buffers die on whatever thread drops the last view
 
     def take(self, size: int) -> mmap.mmap:
         with self._lock:
-            free = self._idle.get(size)
-            if free:
-                self.idle_bytes -= size
-                return free.pop()
+            for i in range(len(self._idle) - 1, -1, -1):
+                if len(self._idle[i]) == size:
+                    self.idle_bytes -= size
+                    return self._idle.pop(i)
         region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             region.madvise(mmap.MADV_HUGEPAGE)
         return region
 
     def give_back(self, region: mmap.mmap) -> None:
+        if len(region) > self.max_bytes:
+            return  # dropped: unmapped once nothing refers to it
         with self._lock:
-            if self.idle_bytes + len(region) <= self.max_bytes:
-                self._idle.setdefault(len(region), []).append(region)
-                self.idle_bytes += len(region)
-        # otherwise dropped: unmapped once nothing refers to it
+            self._idle.append(region)
+            self.idle_bytes += len(region)
+            while self.idle_bytes > self.max_bytes:
+                self.idle_bytes -= len(self._idle.pop(0))
 
 
 _POOL = _Pool(POOL_MAX_BYTES)

@@ -207,10 +207,15 @@ def test_large_receive_buffers_are_recycled_when_their_last_view_dies():
     assert buffers.empty_bytes(1000).numel() == 1000  # small buffers are plain torch allocations
 
 
-def test_receive_buffer_pool_is_bounded():
+def test_receive_buffer_pool_is_bounded_and_keeps_the_most_recent():
     from omnistage.connector.buffers import _Pool
     pool = _Pool(max_bytes=8 << 20)
-    regions = [pool.take(4 << 20) for _ in range(3)]
-    for r in regions:
+    small = [pool.take(2 << 20) for _ in range(3)]
+    for r in small:
         pool.give_back(r)
-    assert pool.idle_bytes == 8 << 20  # the third did not fit and was dropped
+    assert pool.idle_bytes == 6 << 20
+    pool.give_back(pool.take(6 << 20))  # the oldest small ones make room for it
+    assert pool.idle_bytes == 8 << 20
+    assert pool.take(6 << 20) is not None and pool.idle_bytes == 2 << 20
+    pool.give_back(pool.take(16 << 20))  # bigger than the whole pool: not kept
+    assert pool.idle_bytes == 2 << 20
