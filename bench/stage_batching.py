@@ -47,6 +47,7 @@ class Case:
     request: Callable[[int], tuple[stage_pb2.StageInput, list[stage_pb2.Chunk]]]
     units: Callable[[list[stage_pb2.Chunk]], int]
     engine: str | None = None  # override the stage's engine
+    keep: list | None = None   # outputs to keep (a few), as inputs for a later case
 
 
 def header(i: int, **params) -> stage_pb2.StageInput:
@@ -95,8 +96,17 @@ def cases(quick: bool) -> list[Case]:
         Case("decoder", "qwen3-omni-tiny", "code2wav", "frames/s", code2wav, lambda out: 25 * chunks),
     ]
     if not quick:
+        thinker_outputs: list[list[stage_pb2.Chunk]] = []  # filled by the thinker case, read by the talker's
+
+        def talker(i):
+            return header(i, max_codec_frames=64), thinker_outputs[i % len(thinker_outputs)]
+
+        def count_frames(out):
+            return sum(tensor_of(c, "codes").shape[1] for c in out)
+
         out += [
-            Case("thinker", "qwen3-omni-tiny", "thinker", "tokens/s", lm, count_tokens),
+            Case("thinker", "qwen3-omni-tiny", "thinker", "tokens/s", lm, count_tokens, keep=thinker_outputs),
+            Case("talker", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames),
             Case("vae", "text-to-image-tiny", "vae-decode", "images/s", vae, lambda out: 1),
         ]
     return out
@@ -158,7 +168,10 @@ async def throughput(port: int, case: Case, n: int, concurrency: int) -> float:
                     yield stage_pb2.StageInput(chunk=c)
 
             async with gate:
-                return case.units([o.chunk async for o in stub.Process(msgs(), timeout=600)])
+                out = [o.chunk async for o in stub.Process(msgs(), timeout=600)]
+            if case.keep is not None and len(case.keep) < 8:
+                case.keep.append(out)
+            return case.units(out)
 
         await one(n)  # warm-up
         t0 = time.perf_counter()

@@ -84,7 +84,7 @@ class TalkerEngine(SteppedEngine):
         frames: list[list[int]] = []
         first, compute_before = True, 0.0
         async with self.scheduler.submit(req.request_id, st) as stream:
-            feeder = None if END_OF_TEXT in st.inbox else asyncio.create_task(self._feed(inputs, st, stream))
+            feeder = None if st.text_ended() else asyncio.create_task(self._feed(inputs, st, stream))
             try:
                 async for step in stream:
                     if step.frame is not None:

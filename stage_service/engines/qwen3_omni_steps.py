@@ -110,10 +110,14 @@ class TalkerState(StepState):
 
     def ready(self) -> bool:
         """The next step can run: it is the first, or the text row it speaks (or the end of text) is in."""
-        if self.steps == 0 or self.text_done:
+        if self.steps == 0 or self.text_done or self.text_ended():
             return True
         arrived = sum(len(x) for x in list(self.inbox) if x is not END_OF_TEXT)
-        return END_OF_TEXT in self.inbox or self.steps - 1 < len(self.trailing) + arrived
+        return self.steps - 1 < len(self.trailing) + arrived
+
+    def text_ended(self) -> bool:
+        """The end of the Thinker's stream is in the inbox (compared by identity: the rest are tensors)."""
+        return any(x is END_OF_TEXT for x in list(self.inbox))
 
     def held_bytes(self) -> int:
         rows = [*self.trailing, *(x for x in list(self.inbox) if x is not END_OF_TEXT)]
