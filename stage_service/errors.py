@@ -19,6 +19,11 @@ class StageDraining(RuntimeError):
     """The stage is shutting down and takes no new work (UNAVAILABLE)."""
 
 
+class EngineConfigError(ValueError):
+    """The deployment asks the engine for something it cannot do (an unknown engineArgs key, no adapter
+    for the model): the stage refuses to start, naming the field."""
+
+
 class InputError(ValueError):
     """Inputs from upstream that this engine cannot use: missing tensor, wrong shape (INVALID_ARGUMENT)."""
 

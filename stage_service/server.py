@@ -22,6 +22,7 @@ from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .engines.registry import create_engine
+from .errors import EngineConfigError
 from .metrics import StageMetrics
 from .servicer import StageServicer
 
@@ -51,21 +52,24 @@ class StageServer:
         self.stopped = asyncio.Event()
         self.exit_code = 0
         self._watcher: asyncio.Task | None = None
+        self._setup = asyncio.Lock()
 
     async def start(self) -> int:
         t0 = time.monotonic()
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
-                                               ("grpc.max_send_message_length", 512 << 20)])
-        stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
-        self.health = add_health_and_reflection(self.server, [SERVICE])
-        await set_serving(self.health, [SERVICE], False)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
-        await self.server.start()
-        if self.http_port is not None:
-            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
-                                        blocking_drain(asyncio.get_running_loop(), self.drain)).start()
+        async with self._setup:  # a drain that comes meanwhile waits for the gRPC server to be up
+            self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
+                                                   ("grpc.max_send_message_length", 512 << 20)])
+            stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
+            self.health = add_health_and_reflection(self.server, [SERVICE])
+            await set_serving(self.health, [SERVICE], False)
+            self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+            await self.server.start()
+            if self.http_port is not None:
+                self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
+                                            blocking_drain(asyncio.get_running_loop(), self.drain)).start()
         await self.engine.start()  # health stays NOT_SERVING until the model is loaded
-        if self.servicer.draining:  # SIGTERM while loading: stay NOT_SERVING; drain() finishes the stop
+        if self.servicer.draining:  # stopped while loading: never SERVING; free what loading built
+            await self.engine.shutdown()
             return self.port
         self._watcher = asyncio.create_task(self._watch_engine())
         self.ready = True
@@ -80,6 +84,11 @@ class StageServer:
         self.exit_code = exit_code
         self.servicer.draining = True
         self.ready = False
+        async with self._setup:
+            pass
+        if self.server is None:  # never started
+            self.stopped.set()
+            return
         await set_serving(self.health, [SERVICE], False)
         log.info("stage %s draining: %d in flight, bound %.0fs", self.stage.name, self.servicer.inflight,
                  self.drain_seconds)
@@ -151,4 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(serve(args))
     except SpecError as e:
         print(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors), file=sys.stderr)
+        return 2
+    except EngineConfigError as e:
+        print(f"{args.pipeline}: stage {args.stage}: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,8 @@ from omnistage.chunks import EdgeReorderBuffer
 from omnistage.params import RequestParams
 from omnistage.spec import Pipeline, Stage, StageDeployment
 
-from ..errors import EngineDead, EngineError, EngineOverloaded, InputError, StageDraining  # noqa: F401 - re-exported
+from ..errors import (EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputError,  # noqa: F401
+                      StageDraining)  # re-exported for the adapters
 from ..scheduler import StepScheduler, StepState
 
 
@@ -197,11 +198,11 @@ class EngineOptions:
         args = {k.replace("-", "_"): v for k, v in args.items()}
         unknown = sorted(set(args) - set(known))
         if unknown:
-            raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} for this engine "
+            raise EngineConfigError(f"{path}: unknown key(s) {', '.join(unknown)} for this engine "
                              f"(known: {', '.join(sorted(known))})")
         for k, v in args.items():
             if type(v) is not known[k] or (known[k] is int and v < 1):
-                raise ValueError(f"{path}.{k}: expected {'a positive integer' if known[k] is int else 'true or false'}, "
+                raise EngineConfigError(f"{path}.{k}: expected {'a positive integer' if known[k] is int else 'true or false'}, "
                                  f"got {v!r}")
         return cls(**args)
 

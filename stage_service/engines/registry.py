@@ -8,10 +8,10 @@ from pathlib import Path
 
 from omnistage.spec import Pipeline, Stage
 
-from .base import Engine
+from .base import Engine, EngineConfigError
 
 
-class UnknownModel(ValueError):
+class UnknownModel(EngineConfigError):
     pass
 
 

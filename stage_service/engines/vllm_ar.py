@@ -26,8 +26,8 @@ import torch
 
 from omnistage.params import InvalidRequest
 
-from .base import (Engine, EngineDead, EngineError, EngineOverloaded, InputChunk, InputError, OutputChunk,
-                   StageInputs, StageRequest)
+from .base import (Engine, EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputChunk, InputError,
+                   OutputChunk, StageInputs, StageRequest)
 
 ON_CPU = not torch.cuda.is_available()
 DEFAULT_MAX_MODEL_LEN = 512
@@ -79,7 +79,7 @@ class VllmEngine(Engine):
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"spec.deployment.stages.{self.stage.name}.engineArgs: unknown vLLM engine "
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs: unknown vLLM engine "
                              f"argument(s) {', '.join(unknown)}")
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger()])
         self.tokenizer = self.llm.tokenizer

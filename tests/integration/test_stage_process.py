@@ -1,22 +1,26 @@
-"""A stage as the real process (`python -m stage_service`): SIGTERM under load drains (admitted work
+"""A stage's life as a process (`python -m stage_service`): SIGTERM under load drains (admitted work
 completes, new work gets UNAVAILABLE, exit 0 within the bound); an engine that breaks makes the
-process exit non-zero."""
+process exit non-zero; a stop while loading never serves; a bad engineArgs key refuses to start."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stage_service.server import EXIT_ENGINE_DEAD
+from omnistage.spec import parse_pipeline
+from stage_service.server import EXIT_ENGINE_DEAD, StageServer
 
 from ..conftest import EXAMPLES, REPO
 from ..harness import call_stage, header
@@ -26,13 +30,18 @@ DRAIN_SECONDS = 30
 TOKENS = 256
 
 
-def lm_pipeline_file(tmp_path: Path, **engine_args) -> Path:
+def lm_pipeline_file_text(**engine_args) -> str:
+    """llm-tiny on the transformers engine, two requests at a time."""
     doc = yaml.safe_load((EXAMPLES / "llm-tiny.yaml").read_text())
     doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
     doc["spec"]["deployment"]["stages"]["llm"]["scheduler"] = {"maxBatch": 2, "maxQueued": 16}
     doc["spec"]["deployment"]["stages"]["llm"]["engineArgs"].update(engine_args)
+    return yaml.safe_dump(doc)
+
+
+def lm_pipeline_file(tmp_path: Path, **engine_args) -> Path:
     path = tmp_path / "llm.yaml"
-    path.write_text(yaml.safe_dump(doc))
+    path.write_text(lm_pipeline_file_text(**engine_args))
     return path
 
 
@@ -116,5 +125,44 @@ async def test_a_broken_engine_makes_the_process_exit_non_zero(tmp_path, model_d
         assert failed.value.code() == grpc.StatusCode.INTERNAL and "stage llm: engine failed" in failed.value.details()
         assert await stage.exit_code(30) == EXIT_ENGINE_DEAD, stage.output()
         assert "engine failed for good" in stage.output()
+    finally:
+        stage.kill()
+
+
+async def test_stop_while_loading_never_serves_and_stops_cleanly(model_dir):
+    pipeline = parse_pipeline(yaml.safe_load(lm_pipeline_file_text()))
+    srv = StageServer(pipeline, "llm", "127.0.0.1", 0, model_root=str(model_dir))
+    loading, release = threading.Event(), threading.Event()
+    original = srv.engine.load
+
+    def slow_load():  # the real load, held at its start until the test has asked the stage to stop
+        loading.set()
+        release.wait(30)
+        original()
+
+    srv.engine.load = slow_load
+    start = asyncio.create_task(srv.start())
+    try:
+        await poll(loading.is_set, 30, what="loading")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+            seen = [(await watch.read()).status]
+            drain = asyncio.create_task(srv.drain())  # SIGTERM's handler, while the model loads
+            release.set()
+            await asyncio.wait_for(asyncio.gather(start, drain), 30)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                while (update := await watch.read()) is not grpc.aio.EOF:  # ends when the server stops
+                    seen.append(update.status)
+        assert health_pb2.HealthCheckResponse.SERVING not in seen
+        assert srv.stopped.is_set() and not srv.ready and srv.exit_code == 0
+    finally:
+        release.set()
+
+
+async def test_an_unknown_engine_arg_refuses_to_start_naming_the_field(tmp_path, model_dir):
+    stage = StageProcess(tmp_path, model_dir, bogus_knob=1)
+    try:
+        assert await stage.exit_code(60) == 2
+        assert "spec.deployment.stages.llm.engineArgs: unknown key(s) bogus_knob" in stage.output()
     finally:
         stage.kill()
