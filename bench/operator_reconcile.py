@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -102,6 +103,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer no-op rounds (the figures keep their meaning)")
     args = p.parse_args()
     c = Cluster(REPO / "e2e" / ".run" / "bench", simulate=True)
+    load_at_start = round(os.getloadavg()[0], 2)   # everything here shares 2 cores: say how busy they were
     try:
         c.up()
         c.grant_operator_rbac()
@@ -114,6 +116,7 @@ def main() -> int:
                    figure("noop_reconcile_writes", per, "writes/reconcile"),
                    figure("apply50_to_ready_s", many_s, "s")]
         notes = {"noop_reconciles": reconciles, "noop_writes_total": writes,
+                 "load_average_1m_at_start_and_end": [load_at_start, round(os.getloadavg()[0], 2)],
                  "cluster_up_s": round(c.timings["up_s"], 1),
                  "cluster": "Kubernetes v1.20.2 e2e control plane; node agent --simulate (pods Ready at once)"}
     finally:
@@ -121,7 +124,7 @@ def main() -> int:
         c.down()
     print_table("operator reconcile (e2e control plane, simulated pods)", figures)
     print(f"  ({notes['noop_reconciles']} no-op reconciles made {notes['noop_writes_total']} writes; "
-          f"control plane up in {notes['cluster_up_s']}s)")
+          f"control plane up in {notes['cluster_up_s']}s; load average {notes['load_average_1m_at_start_and_end']})")
     path = write_results("operator_reconcile", figures, {"notes": notes})
     print(f"wrote {path.relative_to(REPO)}")
     return 0

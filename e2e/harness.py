@@ -76,6 +76,7 @@ class Cluster:
         wait_for(lambda: self._default_service_account(), 60, "the default ServiceAccount token")
         self.kubectl("apply", "-f", str(REPO / "crds" / "omnipipelines.yaml"))
         self.kubectl("wait", "--for=condition=established", "crd/omnipipelines.omnistage.io", "--timeout=60s")
+        shutil.rmtree(self.run / "kubectl-cache", ignore_errors=True)   # discovery from before the CRD
         self.timings["up_s"] = time.monotonic() - t1
         return self
 
@@ -123,7 +124,10 @@ class Cluster:
         return kubernetes.client.CustomObjectsApi(self.api)
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run([str(BIN / "kubectl"), f"--kubeconfig={self.admin_kubeconfig}", *args],
+        # A discovery cache per run: kubectl's shared one (~/.kube/cache, keyed by host:port) may hold
+        # another cluster's API list, and kubectl 1.20 does not refresh it on an unknown short name.
+        r = subprocess.run([str(BIN / "kubectl"), f"--kubeconfig={self.admin_kubeconfig}",
+                            f"--cache-dir={self.run / 'kubectl-cache'}", *args],
                            input=input, capture_output=True, text=True)
         if check and r.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
