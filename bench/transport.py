@@ -282,7 +282,7 @@ def main() -> None:
         asyncio.run(serve_inline())
         return
     sizes = args.sizes.split(",") if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (2 if args.quick else 5)
     load_before = os.getloadavg()
     result = asyncio.run(run(sizes, rounds, args.fragment_bytes))
     print_table(result, sizes)

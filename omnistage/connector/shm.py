@@ -18,6 +18,7 @@ import secrets
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 
 from omnistage.v1 import tensor_pb2
@@ -99,20 +100,10 @@ def reap_orphans(shm_dir: Path) -> int:
     reaped = 0
     for path in shm_dir.glob(f"{SEGMENT_PREFIX}{_PID_NS}-*"):
         pid = path.name.removeprefix(f"{SEGMENT_PREFIX}{_PID_NS}-").split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             path.unlink(missing_ok=True)
             reaped += 1
     return reaped
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_segment(path: Path, header: TensorHeader, tensor: torch.Tensor) -> None:
