@@ -35,9 +35,11 @@ ROLLOUT_STRATEGIES = ("OneStageAtATime", "Parallel")
 FAIRNESS_POLICIES = ("InFlightFirst", "ShortestFirst")
 DEFAULT_IMAGE = "ghcr.io/omnistage/omnistage:0.1.0"
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-# Kubernetes object names are built as "<pipeline>-<stage>" and must stay a DNS label.
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Kubernetes objects are named "<pipeline>-<stage>" and "<pipeline>-orchestrator"; Service names
+# must be DNS-1035 labels: a letter first, at most 63 characters.
 MAX_NAME_LEN = 63
+RESERVED_STAGE_NAMES = ("orchestrator",)
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,8 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Edge:
-    source: str            # producing stage
-    chunk_size: int | None  # None: the producer's chunkSize; 0: whole result
-    transport: str
+    source: str      # producing stage; chunks arrive at the producer's chunkSize
+    transport: str   # auto | inline | shm | ucx
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,7 @@ class Stage:
     component: str
     inputs: tuple[Edge, ...]
     emits: tuple[str, ...]
-    chunk_size: int  # units (tokens, frames, steps) per output chunk; 0 = one chunk at the end
-
-    def edge_chunk_size(self, edge: Edge, producer: "Stage") -> int:
-        return producer.chunk_size if edge.chunk_size is None else edge.chunk_size
+    chunk_size: int  # units (tokens, frames, steps) per chunk on every edge leaving it; 0 = whole result
 
 
 @dataclass(frozen=True)
@@ -298,6 +296,9 @@ def validate(doc: Any) -> list[FieldError]:
             name = c.string(meta.get("name"), "metadata.name")
             if name is not None:
                 _check_dns_label(c, name, "metadata.name")
+                if len(f"{name}-orchestrator") > MAX_NAME_LEN:
+                    c.err("metadata.name", f'"{name}" is too long: "{name}-orchestrator" must be at most '
+                                           f"{MAX_NAME_LEN} characters")
     spec = root.get("spec")
     if spec is None:
         return c.errors
@@ -326,6 +327,12 @@ def _validate_topology(c: _Checker, topo: Any, root: dict) -> list[str]:
         name = c.string(st.get("name"), f"{path}.name") if "name" in st else None
         if name is not None:
             _check_dns_label(c, name, f"{path}.name")
+            if name in RESERVED_STAGE_NAMES:
+                c.err(f"{path}.name", f'"{name}" is reserved for the orchestrator\'s objects')
+            pipeline_name = (root.get("metadata") or {}).get("name") if isinstance(root.get("metadata"), dict) else None
+            if isinstance(pipeline_name, str) and len(f"{pipeline_name}-{name}") > MAX_NAME_LEN:
+                c.err(f"{path}.name", f'"{pipeline_name}-{name}" (pipeline name + "-" + stage name) is longer '
+                                      f"than {MAX_NAME_LEN} characters")
             if name in names:
                 c.err(f"{path}.name", f'duplicate stage name "{name}"')
             names.append(name)
@@ -356,9 +363,7 @@ def _validate_topology(c: _Checker, topo: Any, root: dict) -> list[str]:
         seen: set[str] = set()
         for j, edge in enumerate(c.seq(st.get("inputs", []), f"{path}.inputs")):
             epath = f"{path}.inputs[{j}]"
-            if isinstance(edge, str):  # shorthand: "- thinker"
-                edge = {"stage": edge}
-            edge = c.mapping(edge, epath, ("stage", "chunkSize", "transport"), ("stage",))
+            edge = c.mapping(edge, epath, ("stage", "transport"), ("stage",))
             if not edge:
                 continue
             src = c.string(edge.get("stage"), f"{epath}.stage") if "stage" in edge else None
@@ -374,8 +379,6 @@ def _validate_topology(c: _Checker, topo: Any, root: dict) -> list[str]:
                     seen.add(src)
                     if isinstance(name, str) and name in graph:
                         graph[name].append(src)
-            if "chunkSize" in edge:
-                c.integer(edge["chunkSize"], f"{epath}.chunkSize", minimum=0)
             if "transport" in edge:
                 c.string(edge["transport"], f"{epath}.transport", TRANSPORTS)
     cycle = _find_cycle(graph)
@@ -546,9 +549,9 @@ def _validate_resources(c: _Checker, res: Any, path: str) -> None:
 
 
 def _check_dns_label(c: _Checker, name: str, path: str) -> None:
-    if len(name) > MAX_NAME_LEN - 16 or not _DNS_LABEL.match(name):
-        c.err(path, f'"{name}" must be lower-case letters, digits and "-", start and end with a letter or '
-                    f"digit, and be at most {MAX_NAME_LEN - 16} characters")
+    if not _DNS_LABEL.match(name):
+        c.err(path, f'"{name}" must be lower-case letters, digits and "-", start with a letter and end with a '
+                    "letter or digit (it names Kubernetes Services)")
 
 
 # ------------------------------------------------------------ graph utils
@@ -631,8 +634,7 @@ def _build(doc: dict) -> Pipeline:
     for st in topo["stages"]:
         inputs = []
         for e in st.get("inputs", []) or []:
-            e = {"stage": e} if isinstance(e, str) else e
-            inputs.append(Edge(source=e["stage"], chunk_size=e.get("chunkSize"), transport=e.get("transport", "auto")))
+            inputs.append(Edge(source=e["stage"], transport=e.get("transport", "auto")))
         stages.append(Stage(
             name=st["name"], kind=st["kind"], engine=st["engine"], model=st["model"],
             component=st.get("component", ""), inputs=tuple(inputs), emits=tuple(st["emits"]),

@@ -1,9 +1,12 @@
 """Where the stage replicas are.
 
 Local mode: static `--stage-endpoint` addresses. In a cluster: watch the
-Endpoints of each stage's Service (`<pipeline>-<stage>`, port `grpc`) and keep
-the router's replica set equal to the ready addresses, so scaled, drained and
-replaced replicas are picked up without a restart.
+EndpointSlices of each stage's Service (`<pipeline>-<stage>`, port `grpc`;
+`discovery.k8s.io/v1` where served, else `v1beta1`) and keep the router's
+replica set equal to the ready addresses, so scaled, drained and replaced
+replicas are picked up without a restart. EndpointSlices rather than core
+Endpoints: they carry readiness per address, and (unlike Endpoints) accept
+loopback pod IPs, which the e2e harness gives every pod.
 """
 
 from __future__ import annotations
@@ -18,30 +21,41 @@ from omnistage.spec import Pipeline
 
 log = logging.getLogger("omnistage.orchestrator")
 GRPC_PORT_NAME = "grpc"
+SERVICE_LABEL = "kubernetes.io/service-name"
 
 
 def service_name(pipeline: str, stage: str) -> str:
     return f"{pipeline}-{stage}"
 
 
-def ready_addresses(endpoints: Any, port_name: str = GRPC_PORT_NAME) -> list[str]:
-    """`host:port` of every ready address of an Endpoints object (dict or kubernetes client model)."""
-    obj = endpoints.to_dict() if hasattr(endpoints, "to_dict") else endpoints
+def _plain(obj: Any) -> dict:
+    return obj.to_dict() if hasattr(obj, "to_dict") else obj
+
+
+def slice_addresses(endpoint_slice: Any, port_name: str = GRPC_PORT_NAME) -> list[str]:
+    """`host:port` of every ready endpoint of one EndpointSlice (ready unless it says otherwise)."""
+    sl = _plain(endpoint_slice)
+    ports = sl.get("ports") or []
+    port = next((p.get("port") for p in ports if p.get("name") == port_name), None)
+    if port is None and len(ports) == 1:
+        port = ports[0].get("port")
+    if port is None:
+        return []
     out = []
-    for subset in obj.get("subsets") or []:
-        ports = subset.get("ports") or []
-        port = next((p["port"] for p in ports if p.get("name") == port_name), None)
-        if port is None and len(ports) == 1:
-            port = ports[0]["port"]
-        if port is None:
+    for ep in sl.get("endpoints") or []:
+        if (ep.get("conditions") or {}).get("ready") is False:
             continue
-        for addr in subset.get("addresses") or []:  # notReadyAddresses are left out on purpose
-            out.append(f"{addr['ip']}:{port}")
+        out += [f"{a}:{port}" for a in ep.get("addresses") or []]
     return sorted(set(out))
 
 
+def ready_addresses(slices: list[Any], port_name: str = GRPC_PORT_NAME) -> list[str]:
+    """The ready addresses of a Service: the union over its EndpointSlices."""
+    return sorted({a for sl in slices for a in slice_addresses(sl, port_name)})
+
+
 class KubernetesDiscovery:
-    """Watches Endpoints in one namespace on a thread; hands updates to the event loop."""
+    """Watches one namespace's EndpointSlices on a thread; hands each stage's addresses to the event loop."""
 
     def __init__(self, pipeline: Pipeline, namespace: str, apply: Callable[[str, list[str]], None]):
         self.namespace = namespace
@@ -58,46 +72,52 @@ class KubernetesDiscovery:
             config.load_kube_config()
         else:
             config.load_incluster_config()
-        self._api = client.CoreV1Api()
+        self._api = client.CustomObjectsApi()
+        groups = {g.name: [v.version for v in g.versions] for g in client.ApisApi().get_api_versions().groups}
+        served = groups.get("discovery.k8s.io", [])
+        if not served:
+            raise RuntimeError("the cluster serves no discovery.k8s.io EndpointSlices (Kubernetes >= 1.17 needed)")
+        self._version = "v1" if "v1" in served else "v1beta1"
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="endpoints-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _publish(self, stage: str, addrs: list[str]) -> None:
-        self._loop.call_soon_threadsafe(self.apply, stage, addrs)
+    def _publish(self, slices: dict[str, dict], services) -> None:
+        for svc in services:
+            mine = [s for s in slices.values() if (s["metadata"].get("labels") or {}).get(SERVICE_LABEL) == svc]
+            self._loop.call_soon_threadsafe(self.apply, self.by_service[svc], ready_addresses(mine))
 
     def _run(self) -> None:
         from kubernetes import watch
 
+        args = ("discovery.k8s.io", self._version, self.namespace, "endpointslices")
+        selector = f"{SERVICE_LABEL} in ({','.join(sorted(self.by_service))})"
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                listing = self._api.list_namespaced_endpoints(self.namespace)
-                seen = set()
-                for ep in listing.items:
-                    if ep.metadata.name in self.by_service:
-                        seen.add(ep.metadata.name)
-                        self._publish(self.by_service[ep.metadata.name], ready_addresses(ep))
-                for svc in set(self.by_service) - seen:
-                    self._publish(self.by_service[svc], [])
+                listing = self._api.list_namespaced_custom_object(*args, label_selector=selector)
+                slices = {s["metadata"]["name"]: s for s in listing["items"]}
+                self._publish(slices, self.by_service)
                 self._loop.call_soon_threadsafe(self.synced.set)
                 backoff = 0.5
                 w = watch.Watch()
-                for event in w.stream(self._api.list_namespaced_endpoints, self.namespace,
-                                      resource_version=listing.metadata.resource_version, timeout_seconds=60):
+                for event in w.stream(self._api.list_namespaced_custom_object, *args, label_selector=selector,
+                                      resource_version=listing["metadata"]["resourceVersion"], timeout_seconds=60):
                     if self._stop.is_set():
                         w.stop()
                         return
-                    ep = event["object"]
-                    stage = self.by_service.get(ep.metadata.name)
-                    if stage is None:
-                        continue
-                    addrs = [] if event["type"] == "DELETED" else ready_addresses(ep)
-                    self._publish(stage, addrs)
-            except Exception as e:  # noqa: BLE001 - the watch restarts with a fresh list
-                log.warning("endpoints watch in %s failed (%s); retrying in %.1fs", self.namespace, e, backoff)
+                    sl = event["object"]
+                    if event["type"] == "DELETED":
+                        slices.pop(sl["metadata"]["name"], None)
+                    else:
+                        slices[sl["metadata"]["name"]] = sl
+                    svc = (sl["metadata"].get("labels") or {}).get(SERVICE_LABEL)
+                    if svc in self.by_service:
+                        self._publish(slices, [svc])
+            except Exception as e:  # noqa: BLE001 - the watch restarts from a fresh list
+                log.warning("endpointslice watch in %s failed (%s); retrying in %.1fs", self.namespace, e, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)

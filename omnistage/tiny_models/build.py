@@ -36,6 +36,12 @@ def build_models(root: str | Path, names: list[str] | None = None, *, force: boo
         progress(f"  {name}: building ...")
         MODELS[name](out, 0)
         stamp.write_text(json.dumps({"version": BUILD_VERSION, "seed": 0}))
+        _readable_by_all(out)  # stage pods run as non-root users
         progress(f"  {name}: built in {time.monotonic() - t0:.1f}s ({out})")
         built.append(out)
     return built
+
+
+def _readable_by_all(root: Path) -> None:
+    for path in [root, *root.rglob("*")]:
+        path.chmod(path.stat().st_mode | (0o755 if path.is_dir() else 0o644))

@@ -81,30 +81,9 @@ def clean_document(body: Mapping[str, Any]) -> dict:
             "spec": plain(body.get("spec"))}
 
 
-def cluster_errors(doc: Mapping[str, Any]) -> list[FieldError]:
-    """Rules that hold only on a cluster: object names `<pipeline>-<stage>` must be DNS-1035 labels
-    (Service names start with a letter, at most 63 characters) and no stage may take the
-    orchestrator's name. Run after spec.validate found nothing."""
-    errors = []
-    name = (doc.get("metadata") or {}).get("name", "")
-    if name and not name[0].isalpha():
-        errors.append(FieldError("metadata.name", f'"{name}" must start with a letter: it names Services'))
-    for i, st in enumerate(doc["spec"]["topology"]["stages"]):
-        path = f"spec.topology.stages[{i}].name"
-        if st["name"] == ORCHESTRATOR:
-            errors.append(FieldError(path, f'"{ORCHESTRATOR}" is reserved for the orchestrator\'s objects'))
-        full = stage_object_name(name, st["name"])
-        if len(full) > K8S_NAME_MAX:
-            errors.append(FieldError(path, f'"{full}" (pipeline name + "-" + stage name) is longer than '
-                                           f"{K8S_NAME_MAX} characters"))
-    return errors
-
-
 def validation_errors(body: Mapping[str, Any]) -> list[FieldError]:
     """Every reason this object cannot be served, as field-path errors (the webhook's answer)."""
-    doc = clean_document(body)
-    errors = omnispec.validate(doc)
-    return errors or cluster_errors(doc)
+    return omnispec.validate(clean_document(body))
 
 
 def parse(body: Mapping[str, Any]) -> Pipeline:
