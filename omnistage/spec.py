@@ -106,6 +106,14 @@ class SchedulerSettings:
 
 
 @dataclass(frozen=True)
+class TransferSettings:
+    """The stage's data-plane buffers: bytes it may hold for consumers, and how long unfetched ones live."""
+
+    max_buffered_bytes: int = 256 << 20
+    ttl_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
 class StageDeployment:
     replicas: int = 1
     image: str = DEFAULT_IMAGE
@@ -119,6 +127,7 @@ class StageDeployment:
     scheduler: SchedulerSettings = SchedulerSettings()
     drain_seconds: float = 30.0
     env: Mapping[str, str] = field(default_factory=dict)
+    transfer: TransferSettings = TransferSettings()
 
 
 @dataclass(frozen=True)
@@ -443,7 +452,7 @@ def _validate_limits(c: _Checker, limits: Any) -> None:
 
 
 _STAGE_DEPLOY_FIELDS = ("replicas", "image", "resources", "gpus", "parallelism", "dtype", "engineArgs",
-                        "scheduler", "drainSeconds", "env")
+                        "scheduler", "drainSeconds", "env", "transfer")
 
 
 def _validate_deployment(c: _Checker, dep: Any, stage_names: list[str]) -> None:
@@ -490,6 +499,12 @@ def _validate_deployment(c: _Checker, dep: Any, stage_names: list[str]) -> None:
             for key, value in env.items():
                 if not isinstance(value, str):
                     c.err(f"{path}.env.{key}", f"must be a string, got {_show(value)}")
+        if "transfer" in sd:
+            tr = c.mapping(sd["transfer"], f"{path}.transfer", ("maxBufferedBytes", "ttlSeconds"))
+            if "maxBufferedBytes" in tr:
+                c.integer(tr["maxBufferedBytes"], f"{path}.transfer.maxBufferedBytes", minimum=1 << 20)
+            if "ttlSeconds" in tr:
+                c.number(tr["ttlSeconds"], f"{path}.transfer.ttlSeconds", minimum=1)
         if "scheduler" in sd:
             sch = c.mapping(sd["scheduler"], f"{path}.scheduler", ("maxBatch", "maxQueued", "maxWaitMs"))
             if "maxBatch" in sch:
@@ -658,7 +673,10 @@ def _build(doc: dict) -> Pipeline:
                                         max_queued=sch.get("maxQueued", SchedulerSettings.max_queued),
                                         max_wait_ms=float(sch.get("maxWaitMs", SchedulerSettings.max_wait_ms))),
             drain_seconds=float(sd.get("drainSeconds", StageDeployment.drain_seconds)),
-            env=dict(sd.get("env", {})))
+            env=dict(sd.get("env", {})),
+            transfer=TransferSettings(
+                max_buffered_bytes=(sd.get("transfer") or {}).get("maxBufferedBytes", TransferSettings.max_buffered_bytes),
+                ttl_seconds=float((sd.get("transfer") or {}).get("ttlSeconds", TransferSettings.ttl_seconds))))
     orc = dep.get("orchestrator") or {}
     orchestrator = OrchestratorDeployment(
         replicas=orc.get("replicas", 1), image=orc.get("image", default_image), resources=orc.get("resources", {}),

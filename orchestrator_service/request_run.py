@@ -207,7 +207,7 @@ class RequestRun:
         sc.call, sc.replica = call, replica
         header = stage_pb2.StageRequestHeader(
             request_id=self.request_id, params=self.params, inline_outputs=stage in self.outputs,
-            deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0)
+            consumers=self._consumers[stage], deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0)
         try:
             await call.write(stage_pb2.StageInput(header=header))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):

@@ -138,7 +138,7 @@ def maximal_document() -> dict:
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
         "gpus": 1, "parallelism": {"tensor": 1, "pipeline": 1, "data": 1}, "dtype": "bfloat16",
         "engineArgs": {"max_model_len": 512}, "scheduler": {"maxBatch": 4, "maxQueued": 8, "maxWaitMs": 1.5},
-        "drainSeconds": 10, "env": {"A": "b"}}
+        "drainSeconds": 10, "env": {"A": "b"}, "transfer": {"maxBufferedBytes": 64 << 20, "ttlSeconds": 30}}
     dep["orchestrator"] = {"replicas": 1, "image": "example.org/omnistage:3",
                            "resources": {"requests": {"cpu": "250m"}, "limits": {"cpu": "1"}}, "maxInflight": 8, "maxQueued": 16,
                            "maxRetries": 1, "fairness": "ShortestFirst", "drainSeconds": 5}
