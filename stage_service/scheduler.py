@@ -49,6 +49,7 @@ class StepState:
 
     finished: bool = False    # set by the step that produced the last result
     key: Hashable = None      # states with equal keys may share a step
+    cost: int = 1             # its share of a step's work, against the scheduler's max_step_cost
 
     def ready(self) -> bool:
         """True when the next step has what it needs (inputs that stream in may not have arrived)."""
@@ -121,7 +122,7 @@ class JobStream:
 class StepScheduler:
     def __init__(self, stage: str, settings: SchedulerSettings, step: StepFn, *, unit: str = "steps",
                  metrics=None, max_failed_steps: int = 3, max_pending_results: int = 16,
-                 on_dead: Callable[[BaseException], None] | None = None):
+                 max_step_cost: int | None = None, on_dead: Callable[[BaseException], None] | None = None):
         self.stage = stage
         self.max_batch = settings.max_batch
         self.max_queued = settings.max_queued
@@ -131,6 +132,7 @@ class StepScheduler:
         self.metrics = metrics
         self.max_failed_steps = max_failed_steps
         self.max_pending_results = max_pending_results
+        self.max_step_cost = max_step_cost  # None: as many as maxBatch allows
         self.on_dead = on_dead
         self.failed: BaseException | None = None
         self.steps = 0
@@ -263,13 +265,23 @@ class StepScheduler:
             self._changed()
 
     def _pick(self) -> list[_Job]:
-        """The ready running states that share a key with the one that waited longest for a step."""
+        """The ready running states that share a key with the one that waited longest for a step,
+        longest-waiting first while their cost fits `max_step_cost` (the first always fits)."""
         ready = [j for j in self._running
                  if j.results.qsize() < self.max_pending_results and j.state.ready()]
         if not ready:
             return []
         first = min(ready, key=lambda j: (j.last_step, j.seq))
-        return [j for j in ready if j.state.key == first.state.key]
+        same = [j for j in ready if j.state.key == first.state.key]
+        if self.max_step_cost is None:
+            return same
+        chosen, cost = set(), 0
+        for j in sorted(same, key=lambda j: (j.last_step, j.seq)):
+            if chosen and cost + j.state.cost > self.max_step_cost:
+                break
+            chosen.add(j)
+            cost += j.state.cost
+        return [j for j in same if j in chosen]
 
     async def _step(self, batch: list[_Job]) -> None:
         t0 = time.perf_counter()

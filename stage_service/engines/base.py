@@ -190,11 +190,12 @@ class EngineOptions:
     batch_invariant: bool = True   # pad small kernels so batching never changes a result (invariance.py)
     max_failed_steps: int = 3      # failed steps in a row after which the engine is declared dead
     max_model_len: int | None = None  # AR engines: bound on prompt + generated tokens (as vLLM's)
+    max_batched_frames: int | None = None  # Code2Wav: codec frames (with context) in one forward
 
     @classmethod
     def parse(cls, stage: str, args: dict[str, Any]) -> "EngineOptions":
         path = f"spec.deployment.stages.{stage}.engineArgs"
-        known = {"batch_invariant": bool, "max_failed_steps": int, "max_model_len": int}
+        known = {"batch_invariant": bool, "max_failed_steps": int, "max_model_len": int, "max_batched_frames": int}
         args = {k.replace("-", "_"): v for k, v in args.items()}
         unknown = sorted(set(args) - set(known))
         if unknown:
@@ -221,7 +222,8 @@ class SteppedEngine(Engine):
         super().__init__(*args, **kwargs)
         self.options = EngineOptions.parse(self.stage.name, dict(self.settings.engine_args))
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
-                                       max_failed_steps=self.options.max_failed_steps, on_dead=self.fail_for_good)
+                                       max_failed_steps=self.options.max_failed_steps,
+                                       max_step_cost=self.max_step_cost(), on_dead=self.fail_for_good)
 
     def bind_metrics(self, metrics) -> None:
         super().bind_metrics(metrics)
@@ -230,6 +232,10 @@ class SteppedEngine(Engine):
     async def start(self) -> None:
         await self.scheduler.run_on_worker(self.load)
         self.scheduler.start()
+
+    def max_step_cost(self) -> int | None:
+        """The most work one step may take, summed over its states' `cost` (None: only maxBatch bounds it)."""
+        return None
 
     @abstractmethod
     def load(self) -> None:

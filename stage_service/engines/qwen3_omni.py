@@ -156,9 +156,20 @@ class _ThinkerFeed:
 
 class Code2WavEngine(SteppedEngine):
     """Decodes each incoming chunk of codec frames (with left context) into int16 PCM as it arrives;
-    chunks of equal length from many requests share one forward."""
+    chunks of equal length from many requests share one forward, up to `max_batched_frames`.
+
+    On a CPU the decoder is bound by memory traffic (each frame becomes 1920 samples through wide
+    upsampling convolutions): beyond about 100 frames a forward gets slower per frame, so that is the
+    CPU default; on a GPU the default is no bound.
+    """
 
     unit = "chunks"
+    CPU_MAX_BATCHED_FRAMES = 100
+
+    def max_step_cost(self) -> int | None:
+        if self.options.max_batched_frames is not None:
+            return self.options.max_batched_frames
+        return None if torch.cuda.is_available() else self.CPU_MAX_BATCHED_FRAMES
 
     def load(self) -> None:
         self.c2w = Code2Wav(self.model_dir, self.dtype, batch_invariant=self.options.batch_invariant)

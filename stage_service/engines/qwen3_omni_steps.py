@@ -295,6 +295,10 @@ class AudioChunkState(StepState):
     def key(self) -> int:  # chunks of equal length share a forward
         return self.codes.shape[-1]
 
+    @property
+    def cost(self) -> int:  # frames through the model, against the engine's max_batched_frames
+        return self.codes.shape[-1]
+
     def held_bytes(self) -> int:
         return self.codes.nbytes
 

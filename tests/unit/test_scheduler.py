@@ -25,6 +25,7 @@ class Count(StepState):
     name: str
     length: int
     key: str | None = None
+    cost: int = 1
     done: int = 0
     finished: bool = False
     releases: int = 0
@@ -132,6 +133,15 @@ async def test_states_with_different_keys_never_share_a_step_and_take_turns():
     keys = [names[b[0]] for b in rec.batches]
     assert keys.count("A") == keys.count("B") == 5
     assert all(x != y for x, y in zip(keys, keys[1:]))  # neither key waits while the other runs on
+    await sched.shutdown()
+
+
+async def test_a_step_takes_states_while_their_cost_fits_and_the_rest_go_next():
+    sched, rec = make(max_batch=8, max_step_cost=100)
+    costs = {"a": 50, "b": 50, "c": 50, "d": 200}  # d alone exceeds the budget: it still runs, alone
+    await asyncio.gather(*(run(sched, Count(n, 2, cost=c)) for n, c in costs.items()))
+    assert all(sum(costs[n] for n in b) <= 100 or len(b) == 1 for b in rec.batches)
+    assert ["d"] in rec.batches and all(len(b) <= 2 for b in rec.batches)
     await sched.shutdown()
 
 
