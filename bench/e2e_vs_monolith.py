@@ -16,28 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from common import figure, percentile, print_table, write_results  # noqa: E402
+from omni_load import prompts, run_level, serve_local  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("the sea wind story light city river night song stone bird road morning garden music winter "
-         "Tell me about a quiet village where people build boats and sing").split()
-
-
-def prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
-    """(prompt, max text tokens): half short, half long, seeded."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        long = i % 2 == 1
-        words = rng.randint(30, 60) if long else rng.randint(3, 8)
-        out.append((" ".join(rng.choice(WORDS) for _ in range(words)), 24 if long else 8))
-    return out
 
 
 def monolith(prompt_set, frames: int, model_dir: Path) -> dict:
@@ -65,46 +52,9 @@ def monolith(prompt_set, frames: int, model_dir: Path) -> dict:
             "rtf": sum(lat) / audio_s, "n": len(prompt_set)}
 
 
-async def staged_level(endpoint: str, prompt_set, frames: int, concurrency: int) -> dict:
-    from omnistage.client import AsyncOmniClient
-
-    ttfp, rtf, tokens = [], [], 0
-    queue = list(prompt_set)
-    async with AsyncOmniClient(endpoint) as client:
-        async def worker():
-            nonlocal tokens
-            while queue:
-                text, max_tokens = queue.pop()
-                t0 = time.perf_counter()
-                r = await client.generate(text, max_tokens=max_tokens, ignore_eos=True, max_codec_frames=frames,
-                                          timeout=600)
-                dt = time.perf_counter() - t0
-                ttfp.append(r.first_audio_s)
-                rtf.append(dt / r.audio_seconds)
-                tokens += len(r.token_ids)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": ttfp,
-            "rtf": sum(rtf) / len(rtf), "n": len(prompt_set)}
-
-
-def staged(levels: dict[int, int], frames: int, model_dir: Path, seed: int) -> dict[int, dict]:
-    from omnistage.local import LocalPipeline
-    from omnistage.spec import load_pipeline
-
-    path = ROOT / "examples" / "qwen3-omni-tiny.yaml"
-    local = LocalPipeline(path, load_pipeline(path), model_dir, progress=lambda m: None)
-    out = {}
-    try:
-        endpoint = local.start()
-        asyncio.run(staged_level(endpoint, prompts(2, seed + 99), frames, 2))  # warm the stages
-        for c, n in levels.items():
-            out[c] = asyncio.run(staged_level(endpoint, prompts(n, seed), frames, c))
-    finally:
-        local.stop()
-    return out
+def staged(levels: dict[int, int], frames: int, models: Path, seed: int) -> dict[int, dict]:
+    with serve_local(models) as endpoint:
+        return {c: asyncio.run(run_level(endpoint, prompts(n, seed), frames, c)) for c, n in levels.items()}
 
 
 def main() -> None:

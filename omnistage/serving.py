@@ -64,6 +64,7 @@ class HttpStatusServer:
                 pass
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = False  # stop() waits for handlers: a /drain caller gets its answer
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="http-status", daemon=True)
 

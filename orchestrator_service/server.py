@@ -56,6 +56,7 @@ class OrchestratorServer:
                               else pipeline.deployment.orchestrator.drain_seconds)
         self.ready = False
         self.stopped = asyncio.Event()
+        self._drain_called = False
         self.http: HttpStatusServer | None = None
         # In a cluster: stage replicas come from the Endpoints of their Services.
         self.discovery = (KubernetesDiscovery(pipeline, namespace, self.router.set_endpoints)
@@ -84,8 +85,10 @@ class OrchestratorServer:
         return self.port
 
     async def drain(self) -> None:
-        if self.servicer.draining:
+        if self._drain_called:  # once; a second SIGTERM or /drain waits for the first to finish
+            await self.stopped.wait()
             return
+        self._drain_called = True
         self.servicer.draining = True
         self.ready = False
         await set_serving(self.health, [SERVICE], False)
@@ -95,9 +98,13 @@ class OrchestratorServer:
             if self.discovery is not None:
                 self.discovery.stop()
             await self.router.close()
-            if self.http:
-                self.http.stop()
-            self.stopped.set()
+            self.stopped.set()  # the HTTP port stays up until close(): a /drain caller gets its answer
+
+    def close(self) -> None:
+        """After `stopped`: close the HTTP port, once a pending /drain has been answered."""
+        if self.http:
+            self.http.stop()
+            self.http = None
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -125,6 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
             f.write(f"{srv.port}\n")
     print(f"orchestrator ready on {args.host}:{srv.port}", flush=True)
     await srv.stopped.wait()
+    srv.close()
     return 0
 
 

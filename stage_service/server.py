@@ -22,6 +22,7 @@ from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .engines.registry import create_engine
+from .data_plane import DataPlane
 from .errors import EngineConfigError
 from .metrics import StageMetrics
 from .servicer import StageServicer
@@ -43,13 +44,15 @@ class StageServer:
         self.engine = create_engine(pipeline, self.stage, model_root)
         self.metrics = StageMetrics(self.stage.name)
         self.engine.bind_metrics(self.metrics)
-        self.servicer = StageServicer(pipeline, self.stage, self.engine, self.metrics)
+        self.data_plane = DataPlane(pipeline, self.stage, self.metrics.registry, host)
+        self.servicer = StageServicer(pipeline, self.stage, self.engine, self.metrics, self.data_plane)
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.stages[self.stage.name].drain_seconds)
         self.server: grpc.aio.Server | None = None
         self.http: HttpStatusServer | None = None
         self.ready = False
         self.stopped = asyncio.Event()
+        self._drain_called = False
         self.exit_code = 0
         self._watcher: asyncio.Task | None = None
         self._setup = asyncio.Lock()
@@ -57,6 +60,7 @@ class StageServer:
     async def start(self) -> int:
         t0 = time.monotonic()
         async with self._setup:  # a drain that comes meanwhile waits for the gRPC server to be up
+            await self.data_plane.start()
             self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
                                                    ("grpc.max_send_message_length", 512 << 20)])
             stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
@@ -67,7 +71,12 @@ class StageServer:
             if self.http_port is not None:
                 self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
                                             blocking_drain(asyncio.get_running_loop(), self.drain)).start()
-        await self.engine.start()  # health stays NOT_SERVING until the model is loaded
+        try:
+            await self.engine.start()  # health stays NOT_SERVING until the model is loaded
+        except BaseException:
+            await self.server.stop(0)  # the model did not load: nothing stays bound or held
+            await self.data_plane.close()
+            raise
         if self.servicer.draining:  # stopped while loading: never SERVING; free what loading built
             await self.engine.shutdown()
             return self.port
@@ -79,14 +88,17 @@ class StageServer:
         return self.port
 
     async def drain(self, exit_code: int = 0) -> None:
-        if self.servicer.draining:
+        if self._drain_called:  # once; a second SIGTERM or /drain waits for the first to finish
+            await self.stopped.wait()
             return
+        self._drain_called = True
         self.exit_code = exit_code
         self.servicer.draining = True
         self.ready = False
         async with self._setup:
             pass
         if self.server is None:  # never started
+            await self.data_plane.close()
             self.stopped.set()
             return
         await set_serving(self.health, [SERVICE], False)
@@ -102,9 +114,14 @@ class StageServer:
             if self._watcher is not None and self._watcher is not asyncio.current_task():
                 self._watcher.cancel()
             await self.engine.shutdown()
-            if self.http:
-                self.http.stop()
-            self.stopped.set()
+            await self.data_plane.close()
+            self.stopped.set()  # the HTTP port stays up until close(): a /drain caller gets its answer
+
+    def close(self) -> None:
+        """After `stopped`: close the HTTP port, once a pending /drain has been answered."""
+        if self.http:
+            self.http.stop()
+            self.http = None
 
     async def _watch_engine(self) -> None:
         """An engine that cannot recover: NOT_SERVING at once, then stop and exit non-zero."""
@@ -133,6 +150,7 @@ async def serve(args: argparse.Namespace) -> int:
                 f.write(f"{srv.port}\n")
         print(f"stage {args.stage} ready on {args.host}:{srv.port}", flush=True)
     await srv.stopped.wait()
+    srv.close()
     return srv.exit_code
 
 

@@ -13,12 +13,14 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from omnistage.chunks import ChunkOrderError
+from omnistage.connector import ChunkTooLarge, ConnectorError, PeerUnreachable, TensorNotFound
 from omnistage.params import InvalidRequest, resolve
 from omnistage.spec import Pipeline, Stage
 from omnistage.tensors import TensorFormatError
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
-from .convert import input_from_proto, output_to_proto
+from .convert import output_to_proto
+from .data_plane import DataPlane
 from .engines.base import Engine, OutputChunk, StageInputs, StageRequest
 from .errors import CallerGone, EngineDead, EngineError, EngineOverloaded, InputError, StageDraining
 from .metrics import StageMetrics
@@ -42,12 +44,18 @@ def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"stage {stage}: engine failed for good ({exc}); the replica is going down"
     if isinstance(exc, EngineError):
         return grpc.StatusCode.INTERNAL, f"stage {stage}: engine failed ({exc})"
+    if isinstance(exc, (TensorNotFound, PeerUnreachable)):  # the producer's data is gone or out of reach
+        return grpc.StatusCode.UNAVAILABLE, f"stage {stage}: input not fetched: {exc}"
+    if isinstance(exc, (ChunkTooLarge, ConnectorError)):
+        return grpc.StatusCode.INTERNAL, f"stage {stage}: data plane: {exc}"
     return grpc.StatusCode.INTERNAL, f"stage {stage}: internal error ({type(exc).__name__})"
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
-    def __init__(self, pipeline: Pipeline, stage: Stage, engine: Engine, metrics: StageMetrics):
+    def __init__(self, pipeline: Pipeline, stage: Stage, engine: Engine, metrics: StageMetrics,
+                 data_plane: DataPlane | None = None):
         self.pipeline = pipeline
+        self.data_plane = data_plane or DataPlane(pipeline, stage)
         self.stage = stage
         self.engine = engine
         self.metrics = metrics
@@ -59,7 +67,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._calls: dict[str, set[asyncio.Task]] = {}  # request id -> its Process calls, for Release
         self._released: set[asyncio.Task] = set()
         # Release also asks these (request id -> bytes freed): the data-plane connector's buffers.
-        self.release_hooks: list[Callable[[str], int]] = []
+        self.release_hooks: list[Callable[[str], int]] = [lambda rid: self.data_plane.release(rid)]
 
     async def Process(self, request_iterator, context) -> AsyncIterator[stage_pb2.StageOutput]:
         name = self.stage.name
@@ -92,7 +100,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 gen = self.engine.generate(req, inputs)
                 try:
                     async for out in gen:
-                        yield stage_pb2.StageOutput(chunk=self._to_proto(out, chunk_id))
+                        yield stage_pb2.StageOutput(chunk=await self._to_proto(h, out, chunk_id))
                         chunk_id += 1
                         if out.last:
                             last = True
@@ -134,6 +142,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 with contextlib.suppress(BaseException):
                     await reader
             self._released.discard(asyncio.current_task())
+            if outcome != "finished" and first is not None and first.header.request_id:
+                self.data_plane.release(first.header.request_id)  # nobody will fetch what it held
             if first is not None and first.header.request_id in self._calls:
                 calls = self._calls[first.header.request_id]
                 calls.discard(asyncio.current_task())
@@ -148,10 +158,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # the engine's frames and request state) into gRPC's call state.
             await context.abort(*status)
 
-    def _to_proto(self, out: OutputChunk, chunk_id: int):
-        msg = output_to_proto(out, self.stage.name, chunk_id, out.last)
+    async def _to_proto(self, header: stage_pb2.StageRequestHeader, out: OutputChunk, chunk_id: int):
+        descriptors = await self.data_plane.outputs(header, chunk_id, out.tensors)
+        msg = output_to_proto(out, self.stage.name, chunk_id, out.last, descriptors)
         self.metrics.chunks.labels(self.stage.name).inc()
-        self.metrics.output_bytes.labels(self.stage.name).inc(sum(len(t.data) for t in msg.tensors))
+        self.metrics.output_bytes.labels(self.stage.name).inc(sum(t.numel() * t.element_size()
+                                                                  for t in out.tensors.values()))
         if out.queue_ms:
             self.metrics.queue_ms.labels(self.stage.name).observe(out.queue_ms)
         return msg
@@ -161,7 +173,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             async for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise InputError("only chunks may follow the header")
-                await inputs.put(input_from_proto(msg.chunk))
+                await inputs.put(await self.data_plane.input_chunk(msg.chunk))
             if context.cancelled():  # the stream ended because the caller went away, not a half-close:
                 inputs.fail(CallerGone())  # the engine must stop, not finish on partial input
                 return
@@ -188,7 +200,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def GetLoad(self, request, context) -> stage_pb2.StageLoad:
         e = self.engine
         return stage_pb2.StageLoad(stage=self.stage.name, running=e.running, queued=e.queued,
-                                   max_running=e.max_running, max_queued=e.max_queued, draining=self.draining)
+                                   max_running=e.max_running, max_queued=e.max_queued, draining=self.draining,
+                                   buffered_bytes=self.data_plane.held_bytes)
 
 
 def _loop_time(deadline: float | None) -> float | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -13,6 +15,9 @@ EXAMPLES = REPO / "examples"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("UCX_TLS", "tcp")
+# In-process stages all run on this host, as under `omnistage serve`: `auto` edges may use shared memory.
+os.environ.setdefault("OMNISTAGE_PEERS_SAME_HOST", "1")
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +27,45 @@ def model_dir() -> Path:
     if not (d / "qwen3-omni-tiny" / "thinker" / "config.json").exists():
         pytest.fail(f"tiny models missing in {d}: run `make models` (or `.venv/bin/omnistage models build {d}`)")
     return d
+
+
+# Every gRPC server a test starts must be stopped by it. One left running outlives the event loop, and
+# at interpreter exit grpc's clean-up of it blocks forever (the whole run then hangs after its last
+# test). So servers are tracked: a leaked one is stopped here and the run fails, naming the test.
+_SERVERS: list[tuple[str, object, dict]] = []
+_CURRENT_TEST = ["(collection)"]
+
+
+def _tracking_server(make):
+    def server(*args, **kwargs):
+        srv = make(*args, **kwargs)
+        state = {"stopped": False}
+        stop = srv.stop
+
+        async def tracked_stop(grace=None):
+            state["stopped"] = True
+            return await stop(grace)
+
+        srv.stop = tracked_stop
+        _SERVERS.append((_CURRENT_TEST[0], srv, state))
+        return srv
+    return server
+
+
+grpc.aio.server = _tracking_server(grpc.aio.server)
+
+
+def pytest_runtest_setup(item):
+    _CURRENT_TEST[0] = item.nodeid
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def _no_leaked_grpc_servers():
+    yield
+    leaked = [test for test, _, state in _SERVERS if not state["stopped"]]
+    for _, srv, state in _SERVERS:
+        if not state["stopped"]:
+            await srv.stop(0)
+    _SERVERS.clear()
+    if leaked:
+        pytest.fail(f"gRPC servers left running by: {', '.join(sorted(set(leaked)))}")

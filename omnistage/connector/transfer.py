@@ -145,8 +145,8 @@ class ChunkReceiver:
         self.max_pending = max_pending
         self._edges: dict[tuple[str, str], EdgeReorderBuffer[ReceivedChunk]] = {}
 
-    async def receive(self, request_id: str, chunk: stage_pb2.Chunk) -> list[ReceivedChunk]:
-        """Fetch one chunk's tensors now; return the chunks of its edge that are now deliverable, in order."""
+    async def fetch(self, chunk: stage_pb2.Chunk) -> ReceivedChunk:
+        """Fetch one chunk's tensors now (for a caller that orders chunks itself)."""
         names = [t.name for t in chunk.tensors]
         if len(set(names)) != len(names):
             raise TensorFormatError(f'chunk {chunk.chunk_id} from "{chunk.stage}" names a tensor twice: {names}')
@@ -158,11 +158,16 @@ class ChunkReceiver:
             self.metrics.bytes.labels(edge, _transport(msg), "in").inc(t.numel() * t.element_size())
         self.metrics.chunks.labels(edge, "in").inc()
         self.metrics.seconds.labels(edge, "in").observe(seconds)
+        return ReceivedChunk(chunk, dict(zip(names, fetched)), seconds * 1e3)
+
+    async def receive(self, request_id: str, chunk: stage_pb2.Chunk) -> list[ReceivedChunk]:
+        """Fetch one chunk's tensors now; return the chunks of its edge that are now deliverable, in order."""
+        received = await self.fetch(chunk)
         order = self._edges.get((request_id, chunk.stage))
         if order is None:
+            edge = f"{chunk.stage}->{self.connector.stage}"
             order = self._edges[(request_id, chunk.stage)] = EdgeReorderBuffer(edge, self.max_pending)
-        ready = order.push(chunk.chunk_id, ReceivedChunk(chunk, dict(zip(names, fetched)), seconds * 1e3),
-                           chunk.end_of_stream)
+        ready = order.push(chunk.chunk_id, received, chunk.end_of_stream)
         if order.finished:
             del self._edges[(request_id, chunk.stage)]
         return ready

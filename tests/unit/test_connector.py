@@ -188,9 +188,10 @@ async def test_bad_input_names_what_is_wrong(shm_pair):
         await make_connector("x", ("tcp",))
 
 
-def test_large_receive_buffers_are_recycled_when_their_last_view_dies():
+def test_large_receive_buffers_are_recycled_when_their_last_view_dies(monkeypatch):
     from omnistage.connector import buffers
-    pool = buffers._POOL
+    pool = buffers._Pool(buffers.POOL_MAX_BYTES)  # a pool of its own: earlier receives left theirs warm
+    monkeypatch.setattr(buffers, "_POOL", pool)
     size, rounded = 5 << 20, 6 << 20  # sizes round up to whole 2 MiB pages
     idle_before = pool.idle_bytes
     t = buffers.empty_bytes(size)

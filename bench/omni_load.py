@@ -1,0 +1,76 @@
+"""Load generation against a local Qwen3-Omni tiny pipeline, shared by the benchmarks that serve it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+OMNI = ROOT / "examples" / "qwen3-omni-tiny.yaml"
+WORDS = ("the sea wind story light city river night song stone bird road morning garden music winter "
+         "Tell me about a quiet village where people build boats and sing").split()
+
+
+def prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """(prompt, max text tokens): half short, half long, seeded."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        long = i % 2 == 1
+        words = rng.randint(30, 60) if long else rng.randint(3, 8)
+        out.append((" ".join(rng.choice(WORDS) for _ in range(words)), 24 if long else 8))
+    return out
+
+
+async def run_level(endpoint: str, prompt_set, frames: int, concurrency: int) -> dict:
+    """Every prompt through the pipeline, `concurrency` at a time: rates, TTFP, latency, real-time factor."""
+    from omnistage.client import AsyncOmniClient
+
+    ttfp, lat, rtf, tokens = [], [], [], 0
+    queue = list(prompt_set)
+    async with AsyncOmniClient(endpoint) as client:
+        async def worker():
+            nonlocal tokens
+            while queue:
+                text, max_tokens = queue.pop()
+                t0 = time.perf_counter()
+                r = await client.generate(text, max_tokens=max_tokens, ignore_eos=True, max_codec_frames=frames,
+                                          timeout=600)
+                dt = time.perf_counter() - t0
+                ttfp.append(r.first_audio_s)
+                lat.append(dt)
+                rtf.append(dt / r.audio_seconds)
+                tokens += len(r.token_ids)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": ttfp, "latency": lat,
+            "rtf": sum(rtf) / len(rtf), "n": len(prompt_set)}
+
+
+@contextlib.contextmanager
+def serve_local(models: Path, edit=None):
+    """`omnistage serve` of the Qwen3-Omni tiny example (edited by `edit(doc)` first), warmed; yields its endpoint."""
+    from omnistage.local import LocalPipeline
+    from omnistage.spec import parse_pipeline
+
+    doc = yaml.safe_load(OMNI.read_text())
+    if edit:
+        edit(doc)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pipeline.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        local = LocalPipeline(path, parse_pipeline(doc), models, progress=lambda m: None)
+        try:
+            endpoint = local.start()
+            asyncio.run(run_level(endpoint, prompts(2, 99), 10, 2))  # warm every stage
+            yield endpoint
+        finally:
+            local.stop()
