@@ -7,7 +7,8 @@ export OMP_NUM_THREADS=1 OMNISTAGE_MODEL_DIR="$PWD/models" UCX_TLS=tcp UCX_WARN_
 args=(-q -ra --timeout=900 tests)
 if [ "${1:-}" = "--e2e" ]; then shift; args=(-q -ra --timeout=1800 e2e); fi
 set +e
-.venv/bin/python -m pytest "${args[@]}" "$@"
+# A bound on the whole run: a process that cannot exit must fail CI, not stall it.
+timeout --kill-after=60 3000 .venv/bin/python -m pytest "${args[@]}" "$@"
 rc=$?
 set -e
 # pytest exit code 5 means no tests were collected: that is a failure here, never a pass.
