@@ -134,12 +134,17 @@ async def test_client_cancel_mid_stream_frees_every_buffer_on_every_stage(served
     await until_nothing_held(served)
 
 
+def for_the_talker(request_id: str, max_tokens: int) -> stage_pb2.StageInput:
+    """A Thinker call whose output is meant for the Talker (held until it fetches, which it never does here)."""
+    first = header(request_id, max_tokens=max_tokens, ignore_eos=True)
+    first.header.consumers.append("talker")
+    return first
+
+
 async def test_a_stage_call_cancelled_with_unfetched_output_frees_it(served):
     """The Thinker's output is held for a Talker that never fetches it; cancelling the call frees it."""
-    first = header("held-1", max_tokens=64, ignore_eos=True)
-    first.header.consumers.append("talker")
     async with grpc.aio.insecure_channel(served.address("thinker")) as ch:
-        call = stage_pb2_grpc.StageServiceStub(ch).Process(iter([first]), timeout=60)
+        call = stage_pb2_grpc.StageServiceStub(ch).Process(iter([for_the_talker("held-1", 64)]), timeout=60)
         got = [await call.read() for _ in range(2)]
         assert all(any(t.WhichOneof("payload") == "ref" and t.ref.backend == "ucx" for t in out.chunk.tensors)
                    for out in got)
@@ -149,11 +154,9 @@ async def test_a_stage_call_cancelled_with_unfetched_output_frees_it(served):
 
 
 async def test_release_frees_a_finished_requests_unfetched_output(served):
-    first = header("held-2", max_tokens=6, ignore_eos=True)
-    first.header.consumers.append("talker")
     async with grpc.aio.insecure_channel(served.address("thinker")) as ch:
         stub = stage_pb2_grpc.StageServiceStub(ch)
-        outs = [o async for o in stub.Process(iter([first]), timeout=60)]
+        outs = [o async for o in stub.Process(iter([for_the_talker("held-2", 6)]), timeout=60)]
         assert outs[-1].chunk.end_of_stream
         held = (await stub.GetLoad(stage_pb2.GetLoadRequest())).buffered_bytes
         assert held > 0
