@@ -132,7 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
             f.write(f"{srv.port}\n")
     print(f"orchestrator ready on {args.host}:{srv.port}", flush=True)
     await srv.stopped.wait()
-    srv.close()
+    await asyncio.to_thread(srv.close)  # off the loop: a pending /drain answer still needs it
     return 0
 
 

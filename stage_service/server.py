@@ -150,7 +150,7 @@ async def serve(args: argparse.Namespace) -> int:
                 f.write(f"{srv.port}\n")
         print(f"stage {args.stage} ready on {args.host}:{srv.port}", flush=True)
     await srv.stopped.wait()
-    srv.close()
+    await asyncio.to_thread(srv.close)  # off the loop: a pending /drain answer still needs it
     return srv.exit_code
 
 

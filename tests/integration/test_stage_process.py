@@ -114,6 +114,40 @@ async def test_sigterm_under_load_finishes_admitted_work_refuses_new_and_exits_0
         stage.kill()
 
 
+async def test_prestop_drain_is_answered_after_admitted_work_then_the_process_exits_0(tmp_path, model_dir):
+    """What a kubelet's preStop hook does: GET /drain blocks until admitted work is done, gets its
+    200 (the HTTP port stays up until then), and the process exits 0 by itself."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:  # a free port for the HTTP status server
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    stage = StageProcess(tmp_path, model_dir, "--http-port", str(http_port))
+    try:
+        port = await stage.start()
+        call = asyncio.create_task(call_stage(port, header("admitted", max_tokens=64, ignore_eos=True)))
+        await poll(lambda: call.done() or stage_running(port), 30, 0.02, "request running")
+
+        def drain():
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/drain", timeout=DRAIN_SECONDS + 10) as r:
+                return r.status, r.read()
+
+        status, body = await asyncio.to_thread(drain)
+        assert (status, body) == (200, b"drained\n")
+        assert call.done() and len(token_ids(call.result())) == 64  # answered only once the work was done
+        assert await stage.exit_code(15) == 0, stage.output()
+    finally:
+        stage.kill()
+
+
+def stage_running(port: int) -> bool:
+    from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return stage_pb2_grpc.StageServiceStub(ch).GetLoad(stage_pb2.GetLoadRequest(), timeout=5).running > 0
+
+
 @pytest.mark.slow
 async def test_a_broken_engine_makes_the_process_exit_non_zero(tmp_path, model_dir):
     # Every step after the third raises, and one failed step is enough to declare the engine dead.
