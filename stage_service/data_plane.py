@@ -47,14 +47,20 @@ def ucx_available() -> bool:
 def wanted_transports(pipeline: Pipeline, stage: Stage, same_host: bool, env: Mapping[str, str]) -> tuple[str, ...]:
     """The stores a stage enables (inline is always on). Pure: decided from the spec and environment.
 
-    Shared memory always (it costs nothing until used). UCX where an edge into or out of this stage
-    asks for it, or where peers may be on other hosts (a cluster) and `auto` would pick it.
+    Shared memory where every stage shares this host (`omnistage serve`), or where an edge asks for it.
+    UCX where an edge into or out of this stage asks for it, or where peers may be on other hosts (a
+    cluster) and `auto` would pick it. Without UCX on a cluster, `auto` sends everything inline.
     """
     if env.get(ENV_TRANSPORTS):
         return tuple(t.strip() for t in env[ENV_TRANSPORTS].split(",") if t.strip())
     edges = [e for s in pipeline.stages for e in s.inputs if s.name == stage.name or e.source == stage.name]
-    need_ucx = any(e.transport == "ucx" for e in edges) or (not same_host and any(e.transport == "auto" for e in edges))
-    return ("shm", "ucx") if need_ucx and ucx_available() else ("shm",)
+    asked = {e.transport for e in edges}
+    stores = []
+    if same_host or "shm" in asked:
+        stores.append("shm")
+    if ("ucx" in asked or (not same_host and "auto" in asked)) and ucx_available():
+        stores.append("ucx")
+    return tuple(stores)
 
 
 def out_transport(pipeline: Pipeline, stage: str, consumers: list[str]) -> str:

@@ -28,8 +28,17 @@ def test_ucx_starts_only_where_an_edge_may_use_it():
     assert stores(p, "code2wav", True) == ("shm",)
     auto = edges()
     assert stores(auto, "talker", True) == ("shm",)           # one host: auto means inline or shared memory
-    assert stores(auto, "talker", False) == ("shm", "ucx")    # peers may be elsewhere: auto may pick UCX
-    assert stores(edges("inline", "inline"), "talker", False) == ("shm",)
+    assert stores(auto, "talker", False) == ("ucx",)          # peers may be elsewhere: auto may pick UCX
+    assert stores(edges("inline", "inline"), "talker", False) == ()
+    assert stores(edges("shm", "inline"), "talker", False) == ("shm",)  # asked for: pods that share /dev/shm
+
+
+def test_without_ucx_a_cluster_stage_sends_everything_inline(monkeypatch):
+    import stage_service.data_plane as dp
+
+    monkeypatch.setattr(dp, "ucx_available", lambda: False)
+    assert stores(edges(), "talker", False) == ()   # no store another pod could read: auto stays inline
+    assert stores(edges(), "talker", True) == ("shm",)
 
 
 def test_environment_overrides_the_stores():
