@@ -9,7 +9,6 @@ process is left behind. A process that dies is reported by name.
 from __future__ import annotations
 
 import os
-import socket
 import signal
 import subprocess
 import sys
@@ -78,8 +77,9 @@ class LocalPipeline:
         env.update({"OMP_NUM_THREADS": "1", "OMNISTAGE_MODEL_DIR": str(self.model_dir),
                     "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": env.get("UCX_TLS", "tcp"),
                     "UCX_WARN_UNUSED_ENV_VARS": "n",
-                    # every stage runs on this host: `auto` edges may use shared memory between them
-                    "OMNISTAGE_PEERS_SAME_HOST": "1", "OMNISTAGE_HOST_ID": env.get("OMNISTAGE_HOST_ID", socket.gethostname())})
+                    # every stage runs on this host (stage_service.data_plane.ENV_SAME_HOST): `auto` edges
+                    # may use shared memory between them
+                    "OMNISTAGE_PEERS_SAME_HOST": "1"})
         env.update(self.extra_env)
         return env
 

@@ -9,6 +9,7 @@ consumer shares this host, else UCX). Where no consumer is named, everything is 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -37,11 +38,7 @@ ENV_TRANSPORTS = "OMNISTAGE_TRANSPORTS"      # override the stores this stage en
 
 
 def ucx_available() -> bool:
-    try:
-        import ucxx  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("ucxx") is not None
 
 
 def wanted_transports(pipeline: Pipeline, stage: Stage, same_host: bool, env: Mapping[str, str]) -> tuple[str, ...]:
@@ -78,7 +75,7 @@ class DataPlane:
         self.same_host = env.get(ENV_SAME_HOST) == "1"
         self.host_id = env.get(ENV_HOST_ID) or default_host_id()
         self.transports = wanted_transports(pipeline, stage, self.same_host, env)
-        self.ucx_host = _reachable(host)
+        self.ucx_host = _reachable(host, env)
         self.settings = pipeline.deployment.stages[stage.name].transfer
         self.metrics = TransferMetrics(registry)
         # Inline only until start(): a stage is usable (for tests of the engine alone) without stores.
@@ -132,8 +129,8 @@ class DataPlane:
         return self.connector.held_bytes
 
 
-def _reachable(host: str) -> str:
+def _reachable(host: str, env: Mapping[str, str]) -> str:
     """The address consumers reach this stage's UCX listener at: its bind address, unless that is a wildcard."""
     if host in ("", "0.0.0.0", "::"):
-        return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+        return env.get("POD_IP") or socket.gethostbyname(socket.gethostname())
     return host

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 import traceback
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import grpc
 
@@ -66,8 +66,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.idle.set()
         self._calls: dict[str, set[asyncio.Task]] = {}  # request id -> its Process calls, for Release
         self._released: set[asyncio.Task] = set()
-        # Release also asks these (request id -> bytes freed): the data-plane connector's buffers.
-        self.release_hooks: list[Callable[[str], int]] = [lambda rid: self.data_plane.release(rid)]
 
     async def Process(self, request_iterator, context) -> AsyncIterator[stage_pb2.StageOutput]:
         name = self.stage.name
@@ -187,14 +185,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Release(self, request, context) -> stage_pb2.ReleaseResponse:
         """Free what this stage holds for a request that ended elsewhere: its calls still running here
-        end (the engine frees their state at the next step boundary), then the release hooks run."""
+        end (the engine frees their state at the next step boundary), and the data plane frees the chunks
+        it holds for the request's consumers."""
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: is required")
         freed = self.engine.held_bytes(request.request_id)
         for task in list(self._calls.get(request.request_id, ())):
             self._released.add(task)
             task.cancel()
-        freed += sum(hook(request.request_id) for hook in self.release_hooks)
+        freed += self.data_plane.release(request.request_id)
         return stage_pb2.ReleaseResponse(bytes_freed=freed)
 
     async def GetLoad(self, request, context) -> stage_pb2.StageLoad:

@@ -24,7 +24,7 @@ from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 
 from ..conftest import EXAMPLES
-from ..harness import example, header, start_stage, wait_until
+from ..harness import example, header, start_stage
 
 STAGES = ("thinker", "talker", "code2wav")
 
@@ -65,7 +65,7 @@ class Served:
         return all(l.buffered_bytes == 0 and l.running == 0 and l.queued == 0 for l in (await self.loads()).values())
 
     def connections(self, stage: str) -> int:
-        """TCP connections of a stage process other than gRPC's to and from the orchestrator."""
+        """Established TCP connections of a stage process: gRPC's (a fixed few) plus its UCX endpoints."""
         proc = psutil.Process(self.stages[stage].popen.pid)
         return len([c for c in proc.net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stage_service.data_plane import ENV_SAME_HOST, ENV_TRANSPORTS, out_transport, ucx_available, wanted_transports
+from stage_service.data_plane import ENV_TRANSPORTS, out_transport, ucx_available, wanted_transports
 
 from ..harness import example
 
@@ -43,7 +43,6 @@ def test_without_ucx_a_cluster_stage_sends_everything_inline(monkeypatch):
 
 def test_environment_overrides_the_stores():
     assert stores(edges(), "talker", False, {ENV_TRANSPORTS: "shm"}) == ("shm",)
-    assert ENV_SAME_HOST == "OMNISTAGE_PEERS_SAME_HOST"
 
 
 def test_output_transport_is_the_consumers_edge_setting_or_auto_when_they_disagree():
