@@ -1,7 +1,9 @@
 # omnistage: two commands do all the set-up on a fresh machine.
 #   make demo   install what is missing, build the tiny models, serve examples/qwen3-omni-tiny.yaml
 #               locally and answer one request (prints the text, writes out/demo.wav)
-#   make test   install what is missing and run the test suite
+#   make test   install what is missing and run every suite: unit, integration, local and the Kubernetes
+#               e2e suite (fetches helm and builds the control plane when they are not cached)
+#   make test-fast  the quick loop (about 3 min): unit and integration tests not marked slow or vllm
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,7 +12,7 @@ PROTO_SRC := $(wildcard protos/omnistage/v1/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup protos models demo demo-image demo-llm test test-unit test-fast e2e bench clean
+.PHONY: setup protos crd models demo demo-image demo-llm test test-unit test-fast e2e bench clean
 
 setup:
 	@scripts/setup.sh
@@ -21,24 +23,31 @@ $(PROTO_OUT) &: $(PROTO_SRC) scripts/gen_protos.sh
 	@echo "[setup] generating protobuf code"
 	@scripts/gen_protos.sh
 
+# The OmniPipeline CRD, generated from the API model (omnistage/spec/model.py), and the chart's copy.
+crd: setup
+	$(VENV)/bin/omnistage crd -o crds/omnipipelines.yaml -o charts/omnistage/crds/omnipipelines.yaml
+
 models: setup
 	@$(VENV)/bin/omnistage models build $(MODELS)
 
 demo: models
 	@mkdir -p out
 	$(VENV)/bin/omnistage run examples/qwen3-omni-tiny.yaml --models $(MODELS) \
-	  --prompt "Tell me a short story about the sea." --out out/demo.wav --trace
+	  --prompt "Tell me a short story about the sea." --out out/demo.wav --return-trace
 
 demo-image: models
 	@mkdir -p out
 	$(VENV)/bin/omnistage run examples/text-to-image-tiny.yaml --models $(MODELS) \
-	  --prompt "a red car on a road" --out out/demo.png --trace
+	  --prompt "a red car on a road" --out out/demo.png --return-trace
 
 demo-llm: models
-	$(VENV)/bin/omnistage run examples/llm-tiny.yaml --models $(MODELS) --prompt "Hello" --trace
+	$(VENV)/bin/omnistage run examples/llm-tiny.yaml --models $(MODELS) --prompt "Hello" --return-trace
 
 test: models
 	@scripts/run_tests.sh
+
+test-fast: models
+	@scripts/run_tests.sh --fast
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -28,6 +28,7 @@ import yaml
 
 from common import figure, percentile, print_table, write_results
 
+from omnistage import launch  # noqa: E402
 from omnistage.client import build_request  # noqa: E402
 from omnistage.v1 import orchestrator_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 
@@ -39,7 +40,8 @@ def pipeline_doc(name: str, stages: dict, max_inflight: int, max_queued: int) ->
     names = list(stages)
     topo = []
     for i, s in enumerate(names):
-        st = {"name": s, "kind": "generation", "engine": "transformers", "model": "modeled", "emits": ["text"]}
+        # Served by bench/modeled_stage.py; declared as a plain LM chain so that validation accepts it.
+        st = {"name": s, "kind": "ar", "engine": "transformers", "model": "modeled", "emits": ["text", "tokens"]}
         if i:
             st["inputs"] = [{"stage": names[i - 1]}]
         topo.append(st)
@@ -64,10 +66,9 @@ class Rig:
         path = self.tmp / "pipeline.yaml"
         path.write_text(yaml.safe_dump(pipeline_doc(name, stages, max_inflight, max_queued)))
         ready = self.tmp / "orc.port"
-        argv = [PY, "-m", "orchestrator_service", "--pipeline", str(path), "--port", "0", "--ready-file",
-                str(ready), "--log-level", "WARNING", "--wait-for-stages", "30"]
-        for s, ports in self.ports.items():
-            argv += ["--stage-endpoint", f"{s}={','.join(f'127.0.0.1:{p}' for p in ports)}"]
+        argv = launch.orchestrator_command(
+            path, port=0, ready_file=ready, log_level="WARNING", wait_for_stages=30,
+            stage_endpoints={s: [f"127.0.0.1:{p}" for p in ports] for s, ports in self.ports.items()})
         pre = (lambda: os.sched_setaffinity(0, {pin_core})) if pin_core is not None else None
         self.orc = subprocess.Popen(argv, cwd=ROOT, preexec_fn=pre, stdout=open(self.tmp / "orc.log", "w"),
                                     stderr=subprocess.STDOUT)

@@ -30,7 +30,7 @@ from common import figure, write_results  # noqa: E402 - bench/common.py, which 
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from omnistage import tensors  # noqa: E402
+from omnistage import launch, tensors  # noqa: E402
 from omnistage.client import build_request  # noqa: E402
 from omnistage.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
 
@@ -78,7 +78,8 @@ def cases(quick: bool) -> list[Case]:
         return sum(len(tensor_of(c, "token_ids")) for c in out)
 
     def denoise(i):
-        return header(i, width=32, height=32, steps=steps, seed=i), [chunk("text-encoder", 0, True, embeddings=emb)]
+        return (header(i, width=32, height=32, num_inference_steps=steps, seed=i),
+                [chunk("text-encoder", 0, True, embeddings=emb)])
 
     def code2wav(i):
         g = torch.Generator().manual_seed(i)
@@ -128,12 +129,10 @@ class StageProcess:
         path.write_text(yaml.safe_dump(doc))
         self.ready = workdir / f"{case.name}-{max_batch}.ready"
         self.log = open(workdir / f"{case.name}-{max_batch}.log", "w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMNISTAGE_MODEL_DIR": str(REPO / "models"),
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "stage_service", "--pipeline", str(path), "--stage",
-                                      case.stage, "--port", "0", "--ready-file", str(self.ready),
-                                      "--log-level", "WARNING"],
-                                     cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**os.environ, **launch.service_env(REPO / "models"), "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "1"}
+        argv = launch.stage_command(path, case.stage, port=0, ready_file=self.ready, log_level="WARNING")
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 300) -> int:
         deadline = time.monotonic() + timeout

@@ -2,7 +2,7 @@
 inline gRPC) from 4 KiB to 256 MiB, against memcpy and ucx_perftest (tcp) in the same run.
 
 Every figure is one hand-off from a producer's tensor to the consumer's tensor: the producer is a
-separate process (`omnistage.connector.peer`) that puts the tensor, this process gets it, and the
+separate process (`tests/connector_peer.py`) that puts the tensor, this process gets it, and the
 time is the producer's put plus the consumer's get. memcpy is a torch copy into an existing buffer
 (`memcpy`) and into new memory (`memcpy_new`: what a receive into a fresh tensor also pays).
 ucx_perftest is UCX's own tag bandwidth test between two processes on 127.0.0.1 with the same UCX
@@ -42,9 +42,9 @@ import torch  # noqa: E402
 from common import figure, write_results  # noqa: E402
 
 from omnistage.connector import TensorKey, make_connector  # noqa: E402
-from omnistage.connector.peer import PeerProcess, decode, make_tensor  # noqa: E402
 from omnistage.connector.ucx import UCX_DEFAULTS  # noqa: E402
 from omnistage.v1 import tensor_pb2  # noqa: E402
+from tests.connector_peer import PeerProcess, decode, make_tensor  # noqa: E402 (common puts the repo on sys.path)
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "1MiB": MiB, "16MiB": 16 * MiB, "64MiB": 64 * MiB,

@@ -17,6 +17,8 @@ from typing import Any, Callable
 import kubernetes
 import yaml
 
+from omnistage.launch import GRPC_PORT
+
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "e2e" / "cluster"
 CACHE = Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
@@ -239,7 +241,7 @@ class Cluster:
         ready = [p for p in pods if p.status.pod_ip and not p.metadata.deletion_timestamp and
                  any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or ())]
         assert ready, f"no ready orchestrator pod for {namespace}/{pipeline}"
-        return f"{ready[0].status.pod_ip}:50051"
+        return f"{ready[0].status.pod_ip}:{GRPC_PORT}"
 
     def audit_writes(self, user: str, since: float) -> list[dict]:
         """Write requests (create/update/patch/delete) `user` made after `since` (epoch seconds)."""

@@ -13,6 +13,7 @@ import wave
 import grpc
 import pytest
 
+from omnistage import launch
 from omnistage.client import OmniClient
 
 from .conftest import NS
@@ -90,7 +91,8 @@ def test_apply_becomes_ready_with_one_deployment_per_stage(pipeline):
     assert sorted(svcs) == sorted(f"{PIPE}-{u}" for u in UNITS)
     for stage in STAGES:
         assert svcs[f"{PIPE}-{stage}"].spec.cluster_ip == "None"
-        assert [(p.name, p.port) for p in svcs[f"{PIPE}-{stage}"].spec.ports] == [("grpc", 50051), ("http", 8080)]
+        assert [(p.name, p.port) for p in svcs[f"{PIPE}-{stage}"].spec.ports] == [
+            (launch.GRPC_PORT_NAME, launch.GRPC_PORT), (launch.HTTP_PORT_NAME, launch.HTTP_PORT)]
     pdbs = c.kubectl("get", "pdb", "-n", NS, "-l", f"omnistage.io/pipeline={PIPE}", "-o", "json").stdout
     assert sorted(p["metadata"]["name"] for p in json.loads(pdbs)["items"]) == sorted(f"{PIPE}-{s}" for s in STAGES)
     cm = c.core.read_namespaced_config_map(f"{PIPE}-pipeline", NS)
@@ -103,7 +105,7 @@ def test_apply_becomes_ready_with_one_deployment_per_stage(pipeline):
     assert st["observedGeneration"] == c.pipeline(NS, PIPE)["metadata"]["generation"]
     assert st["stagesReady"] == "3/3"
     assert st["stages"] == {s: {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1} for s in STAGES}
-    assert st["orchestratorEndpoint"] == f"{PIPE}-orchestrator.{NS}.svc:50051"
+    assert st["orchestratorEndpoint"] == f"{PIPE}-orchestrator.{NS}.svc:{launch.GRPC_PORT}"
     assert c.condition(NS, PIPE, "Degraded")["status"] == "False"
     table = c.kubectl("get", "omnip", "-n", NS, PIPE).stdout.split("\n")[1].split()
     assert table[:4] == [PIPE, "True", "AllStagesReady", "3/3"]
@@ -113,7 +115,7 @@ def test_stage_pods_run_as_the_spec_says(pipeline):
     c = pipeline
     (pod,) = unit_pods(c, "talker")
     (container,) = pod.spec.containers
-    assert container.command[:3] == ["python", "-m", "stage_service"]
+    assert container.command[:3] == ["python", "-m", launch.STAGE_MODULE]
     assert container.security_context.read_only_root_filesystem is True
     assert pod.spec.security_context.run_as_user == 1000
     assert pod.status.pod_ip.startswith("127.")

@@ -1,4 +1,4 @@
-"""The `omnistage` command: validate, serve, generate, run, models build."""
+"""The `omnistage` command: validate, explain, crd, serve, generate, run, models build."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from omnistage.spec import SpecError, load_pipeline
+from omnistage.spec import MODALITIES, SpecError, load_pipeline
 
-DEFAULT_MODEL_DIR = os.environ.get("OMNISTAGE_MODEL_DIR", "models")
+from omnistage.launch import model_root
+
+DEFAULT_MODEL_DIR = str(model_root())
 
 
 def _print_spec_errors(path: str, e: SpecError) -> None:
@@ -33,6 +35,29 @@ def cmd_validate(args) -> int:
         print(f"{path}: ok (pipeline {p.name}: {stages}; outputs "
               f"{', '.join(f'{o.modality} from {o.stage}' for o in p.outputs)})")
     return 1 if bad else 0
+
+
+def cmd_explain(args) -> int:
+    from omnistage.spec.explain import UnknownField, explain
+
+    try:
+        print(explain(args.path, recursive=args.recursive), end="")
+    except UnknownField as e:
+        print(f"omnistage explain: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_crd(args) -> int:
+    from omnistage.spec.crd import crd_yaml
+
+    text = crd_yaml()
+    if not args.output:
+        print(text, end="")
+    for path in args.output or ():
+        Path(path).write_text(text)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
 def _launcher(args):
@@ -92,9 +117,9 @@ def cmd_serve(args) -> int:
 
 
 def _gen_kwargs(args) -> dict:
-    kw = dict(max_tokens=args.max_tokens, seed=args.seed, max_codec_frames=args.audio_frames, width=args.width,
-              height=args.height, steps=args.steps, outputs=args.output or (), return_trace=args.trace,
-              ignore_eos=args.ignore_eos)
+    kw = dict(max_tokens=args.max_tokens, seed=args.seed, max_codec_frames=args.max_codec_frames, width=args.width,
+              height=args.height, num_inference_steps=args.num_inference_steps, outputs=args.output or (),
+              return_trace=args.return_trace, ignore_eos=args.ignore_eos)
     if args.temperature is not None:
         kw["temperature"] = args.temperature
     return kw
@@ -141,7 +166,7 @@ def cmd_generate(args) -> int:
         except ValueError as e:
             print(f"omnistage generate: {e}", file=sys.stderr)
             return 2
-    _print_result(result, args.out, args.trace)
+    _print_result(result, args.out, args.return_trace)
     return 0
 
 
@@ -164,7 +189,7 @@ def cmd_run(args) -> int:
               flush=True)
         with OmniClient(endpoint) as client:
             result = client.generate(args.prompt, timeout=args.timeout, **_gen_kwargs(args))
-        _print_result(result, args.out, args.trace)
+        _print_result(result, args.out, args.return_trace)
         return 0
     except LaunchError as e:
         print(f"omnistage run: {e}", file=sys.stderr)
@@ -210,13 +235,13 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--audio-frames", type=int, default=0, help="max codec frames (0: pipeline default)")
+    p.add_argument("--max-codec-frames", type=int, default=0, help="audio codec frames (0: pipeline default)")
     p.add_argument("--width", type=int, default=0)
     p.add_argument("--height", type=int, default=0)
-    p.add_argument("--steps", type=int, default=0, help="diffusion steps (0: pipeline default)")
-    p.add_argument("--output", action="append", choices=["text", "audio", "image"],
+    p.add_argument("--num-inference-steps", type=int, default=0, help="diffusion steps (0: pipeline default)")
+    p.add_argument("--output", action="append", choices=MODALITIES,
                    help="only these outputs (repeat; default: all of the pipeline's)")
-    p.add_argument("--trace", action="store_true", help="print the per-stage trace")
+    p.add_argument("--return-trace", action="store_true", help="ask for the per-stage trace and print it")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
 
@@ -235,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check OmniPipeline files; every error with its field path")
     p.add_argument("files", nargs="+")
     p.set_defaults(fn=cmd_validate)
+    p = sub.add_parser("explain", help="the fields of the OmniPipeline API at a path (like kubectl explain)")
+    p.add_argument("path", nargs="?", default="", help="e.g. spec.deployment.stages (default: the whole object)")
+    p.add_argument("--recursive", action="store_true", help="every field below the path, names and types only")
+    p.set_defaults(fn=cmd_explain)
+    p = sub.add_parser("crd", help="print the OmniPipeline CustomResourceDefinition generated from the API model")
+    p.add_argument("-o", "--output", action="append", help="write it to this file instead (repeat for copies)")
+    p.set_defaults(fn=cmd_crd)
     p = sub.add_parser("serve", help="run every stage and the orchestrator as local processes")
     _add_launch_args(p)
     p.set_defaults(fn=cmd_serve)

@@ -16,9 +16,9 @@ from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 
+from omnistage.modalities import MODALITY_CODES
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
-_MODALITIES = {"text": orchestrator_pb2.TEXT, "audio": orchestrator_pb2.AUDIO, "image": orchestrator_pb2.IMAGE}
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 << 20)]
 
 
@@ -88,7 +88,7 @@ class GenerateResult:
 def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), max_tokens: int = 0,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, ignore_eos: bool = False, max_codec_frames: int = 0, speaker: str = "",
-                  width: int = 0, height: int = 0, steps: int = 0, guidance_scale: float | None = None,
+                  width: int = 0, height: int = 0, num_inference_steps: int = 0, guidance_scale: float | None = None,
                   negative_prompt: str = "", outputs: Iterable[str] = (), return_trace: bool = False,
                   priority: int = 0, request_id: str = "") -> orchestrator_pb2.GenerateRequest:
     text = common_pb2.TextParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
@@ -98,7 +98,7 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), max
         text.top_p = top_p
     if top_k is not None:
         text.top_k = top_k
-    image = common_pb2.ImageParams(width=width, height=height, num_inference_steps=steps,
+    image = common_pb2.ImageParams(width=width, height=height, num_inference_steps=num_inference_steps,
                                    negative_prompt=negative_prompt)
     if guidance_scale is not None:
         image.guidance_scale = guidance_scale
@@ -107,11 +107,11 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), max
                                                                       speaker=speaker), image=image)
     if seed is not None:
         params.seed = seed
-    unknown = [o for o in outputs if o not in _MODALITIES]
+    unknown = [o for o in outputs if o not in MODALITY_CODES]
     if unknown:
-        raise ValueError(f"unknown output modality {unknown[0]!r} (use text, audio or image)")
+        raise ValueError(f"unknown output modality {unknown[0]!r} (use {', '.join(MODALITY_CODES)})")
     return orchestrator_pb2.GenerateRequest(request_id=request_id, params=params,
-                                            outputs=[_MODALITIES[o] for o in outputs],
+                                            outputs=[MODALITY_CODES[o] for o in outputs],
                                             return_trace=return_trace, priority=priority)
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from omnistage.launch import model_dir, orchestrator_command, service_env, stage_command
 from omnistage.spec import Pipeline
 
 
@@ -64,8 +64,6 @@ class LocalPipeline:
 
     # ------------------------------------------------------------ start
     def check_models(self) -> None:
-        from stage_service.engines.registry import model_dir
-
         missing = [f"{s.name}: {model_dir(s, self.model_dir)}" for s in self.pipeline.stages
                    if not model_dir(s, self.model_dir).exists()]
         if missing:
@@ -74,12 +72,9 @@ class LocalPipeline:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": "1", "OMNISTAGE_MODEL_DIR": str(self.model_dir),
-                    "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": env.get("UCX_TLS", "tcp"),
-                    "UCX_WARN_UNUSED_ENV_VARS": "n",
-                    # every stage runs on this host (stage_service.data_plane.ENV_SAME_HOST): `auto` edges
-                    # may use shared memory between them
-                    "OMNISTAGE_PEERS_SAME_HOST": "1"})
+        # every stage runs on this host: `auto` edges may use shared memory between them
+        env.update(service_env(self.model_dir, same_host=True))
+        env.update({"UCX_TLS": env.get("UCX_TLS", "tcp"), "UCX_WARN_UNUSED_ENV_VARS": "n"})
         env.update(self.extra_env)
         return env
 
@@ -95,16 +90,14 @@ class LocalPipeline:
         """Start everything; returns the orchestrator endpoint. Raises LaunchError naming what failed."""
         self.check_models()
         env = self.env()
-        py = sys.executable
         for st in self.pipeline.stages:
             n = self.replicas.get(st.name, self.pipeline.deployment.stages[st.name].replicas) or 1
             for i in range(n):
                 name = f"stage {st.name}[{i}]"
                 tag = f"{st.name}-{i}"
-                proc = Proc(name, [py, "-m", "stage_service", "--pipeline", str(self.pipeline_file), "--stage",
-                                   st.name, "--host", self.host, "--port", "0", "--model-dir", str(self.model_dir),
-                                   "--ready-file", str(self.log_dir / f"{tag}.port")],
-                            self.log_dir / f"{tag}.log", self.log_dir / f"{tag}.port")
+                argv = stage_command(self.pipeline_file, st.name, host=self.host, port=0,
+                                     model_dir=self.model_dir, ready_file=self.log_dir / f"{tag}.port")
+                proc = Proc(name, argv, self.log_dir / f"{tag}.log", self.log_dir / f"{tag}.port")
                 self._spawn(proc, env)
                 self.stages.append(proc)
         self.progress(f"starting {len(self.stages)} stage process(es) for {self.pipeline.name} "
@@ -114,11 +107,8 @@ class LocalPipeline:
         for p in self.stages:
             stage = p.name.split()[1].split("[")[0]
             endpoints.setdefault(stage, []).append(f"{self.host}:{p.port}")
-        argv = [py, "-m", "orchestrator_service", "--pipeline", str(self.pipeline_file), "--host", self.host,
-                "--port", str(self.port), "--wait-for-stages", "30",
-                "--ready-file", str(self.log_dir / "orchestrator.port")]
-        for stage, addrs in endpoints.items():
-            argv += ["--stage-endpoint", f"{stage}={','.join(addrs)}"]
+        argv = orchestrator_command(self.pipeline_file, host=self.host, port=self.port, stage_endpoints=endpoints,
+                                    wait_for_stages=30, ready_file=self.log_dir / "orchestrator.port")
         self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log",
                                  self.log_dir / "orchestrator.port")
         self._spawn(self.orchestrator, env)

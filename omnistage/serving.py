@@ -16,6 +16,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from omnistage.launch import DRAIN_PATH, LIVE_PATH, METRICS_PATH, READY_PATH
+
 log = logging.getLogger("omnistage")
 
 
@@ -33,8 +35,9 @@ async def set_serving(health: health_aio.HealthServicer, services: list[str], se
 
 
 class HttpStatusServer:
-    """`/metrics` (Prometheus), `/readyz` (200 once serving, 503 while loading or draining), `/livez`,
-    and `/drain` (for a preStop hook: stop taking work, finish what was admitted, answer when done)."""
+    """The HTTP paths of the process contract (`omnistage.launch`): metrics, readiness (200 once
+    serving, 503 while loading or draining), liveness, and drain (for a preStop hook: stop taking
+    work, finish what was admitted, answer when done)."""
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool],
                  drain: Callable[[], None] | None = None):
@@ -42,15 +45,15 @@ class HttpStatusServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
-                if self.path.startswith("/metrics"):
+                if self.path.startswith(METRICS_PATH):
                     body, code, ctype = generate_latest(registry_), 200, CONTENT_TYPE_LATEST
-                elif self.path.startswith("/readyz"):
+                elif self.path.startswith(READY_PATH):
                     ok = ready_()
                     body, code, ctype = (b"ready\n" if ok else b"not ready\n"), (200 if ok else 503), "text/plain"
-                elif self.path.startswith("/drain") and drain_ is not None:
+                elif self.path.startswith(DRAIN_PATH) and drain_ is not None:
                     drain_()  # blocks until admitted work is finished (bounded by the drain setting)
                     body, code, ctype = b"drained\n", 200, "text/plain"
-                elif self.path.startswith("/livez"):
+                elif self.path.startswith(LIVE_PATH):
                     body, code, ctype = b"ok\n", 200, "text/plain"
                 else:
                     body, code, ctype = b"not found\n", 404, "text/plain"

@@ -17,15 +17,11 @@ import os
 import threading
 from typing import Any, Callable
 
+from omnistage.launch import GRPC_PORT_NAME, stage_service_name
 from omnistage.spec import Pipeline
 
 log = logging.getLogger("omnistage.orchestrator")
-GRPC_PORT_NAME = "grpc"
 SERVICE_LABEL = "kubernetes.io/service-name"
-
-
-def service_name(pipeline: str, stage: str) -> str:
-    return f"{pipeline}-{stage}"
 
 
 def _plain(obj: Any) -> dict:
@@ -59,7 +55,7 @@ class KubernetesDiscovery:
 
     def __init__(self, pipeline: Pipeline, namespace: str, apply: Callable[[str, list[str]], None]):
         self.namespace = namespace
-        self.by_service = {service_name(pipeline.name, s.name): s.name for s in pipeline.stages}
+        self.by_service = {stage_service_name(pipeline.name, s.name): s.name for s in pipeline.stages}
         self.apply = apply
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

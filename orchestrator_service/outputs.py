@@ -7,10 +7,6 @@ import struct
 
 from omnistage.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 
-MODALITY_NAMES = {orchestrator_pb2.TEXT: "text", orchestrator_pb2.AUDIO: "audio", orchestrator_pb2.IMAGE: "image"}
-MODALITY_CODES = {v: k for k, v in MODALITY_NAMES.items()}
-
-
 def _tensor(chunk: stage_pb2.Chunk, name: str) -> tensor_pb2.Tensor | None:
     for t in chunk.tensors:
         if t.name == name:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 
 import grpc
 
+from omnistage import launch
 from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
 from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -116,7 +116,7 @@ async def serve(args: argparse.Namespace) -> int:
             print("orchestrator: --stage-endpoint and --discovery kubernetes exclude each other", file=sys.stderr)
             return 2
         endpoints = {}
-        namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
+        namespace = args.namespace
     else:
         try:
             endpoints = parse_endpoints(args.stage_endpoint, pipeline)
@@ -137,24 +137,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m orchestrator_service",
-                                description="Serve the client API of an OmniPipeline.")
-    p.add_argument("--pipeline", required=True, help="OmniPipeline YAML file")
-    p.add_argument("--host", default=os.environ.get("OMNISTAGE_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--http-port", type=int, default=None, help="HTTP port for /metrics, /readyz, /livez")
-    p.add_argument("--stage-endpoint", action="append", default=[], metavar="NAME=HOST:PORT[,HOST:PORT]",
-                   help="static replicas of a stage (repeat per stage)")
-    p.add_argument("--discovery", choices=["static", "kubernetes"], default="static",
-                   help="static: --stage-endpoint flags; kubernetes: watch the Endpoints of the stage Services "
-                        "(<pipeline>-<stage>, port grpc) in --namespace")
-    p.add_argument("--namespace", default=None, help="namespace to watch (default $POD_NAMESPACE or default)")
-    p.add_argument("--wait-for-stages", type=float, default=0.0,
-                   help="seconds to wait at start-up for every stage replica to be SERVING")
-    p.add_argument("--drain-seconds", type=float, default=None)
-    p.add_argument("--ready-file", default=None)
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return launch.orchestrator_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

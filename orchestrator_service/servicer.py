@@ -10,6 +10,7 @@ import uuid
 
 import grpc
 
+from omnistage.modalities import MODALITY_CODES, MODALITY_NAMES
 from omnistage.params import InvalidRequest, resolve
 from omnistage.spec import Pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -17,7 +18,6 @@ from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from . import otel
 from .admission import Admission, Overloaded
 from .metrics import OrchestratorMetrics
-from .outputs import MODALITY_CODES, MODALITY_NAMES
 from .request_run import RequestRun, StageFailed, needed_stages
 from .routing import Router
 

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from omnistage import tensors as tensor_codec
 from omnistage.connector import ChunkReceiver, ChunkSender, Connector, TransferMetrics, make_connector
 from omnistage.connector.connector import default_host_id
+from omnistage.launch import ENV_HOST_ID, ENV_POD_IP, ENV_SAME_HOST, ENV_TRANSPORTS
 from omnistage.spec import Pipeline, Stage
 from omnistage.v1 import stage_pb2, tensor_pb2
 
@@ -31,10 +32,6 @@ log = logging.getLogger("omnistage.stage")
 
 # What the orchestrator reads out of an output stage's chunks for the client.
 CLIENT_TENSORS = frozenset({"token_ids", "prompt_token_ids", "audio", "image"})
-
-ENV_SAME_HOST = "OMNISTAGE_PEERS_SAME_HOST"  # "1": every stage of the pipeline runs on this host (local mode)
-ENV_HOST_ID = "OMNISTAGE_HOST_ID"            # the shared-memory domain's name (default: the host name)
-ENV_TRANSPORTS = "OMNISTAGE_TRANSPORTS"      # override the stores this stage enables, e.g. "shm" or "shm,ucx"
 
 
 def ucx_available() -> bool:
@@ -132,5 +129,5 @@ class DataPlane:
 def _reachable(host: str, env: Mapping[str, str]) -> str:
     """The address consumers reach this stage's UCX listener at: its bind address, unless that is a wildcard."""
     if host in ("", "0.0.0.0", "::"):
-        return env.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+        return env.get(ENV_POD_IP) or socket.gethostbyname(socket.gethostname())
     return host

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import time
 
 import grpc
 
+from omnistage import launch
 from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
 from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -155,20 +155,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m stage_service", description="Serve one stage of an OmniPipeline.")
-    p.add_argument("--pipeline", required=True, help="OmniPipeline YAML file")
-    p.add_argument("--stage", required=True, help="name of the stage to serve")
-    p.add_argument("--host", default=os.environ.get("OMNISTAGE_HOST", "127.0.0.1"),
-                   help="address to bind (default $OMNISTAGE_HOST or 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--http-port", type=int, default=None, help="HTTP port for /metrics, /readyz, /livez")
-    p.add_argument("--model-dir", default=None, help="root of the model store (default $OMNISTAGE_MODEL_DIR or ./models)")
-    p.add_argument("--drain-seconds", type=float, default=None, help="bound on finishing admitted work at SIGTERM")
-    p.add_argument("--ready-file", default=None, help="write the bound port here once serving")
-    p.add_argument("--inject-step-failure", type=int, default=None, metavar="N",
-                   help="fault injection for tests: every engine step after the N-th raises")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return launch.stage_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,21 +9,23 @@ import grpc
 import grpc.aio
 import pytest
 
+from omnistage import launch
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# In-process stages run as a stage process would, all on this host as under `omnistage serve`: `auto`
+# edges may use shared memory. Processes the tests start inherit this.
+for key, value in launch.service_env(REPO / "models", same_host=True).items():
+    os.environ.setdefault(key, value)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_TLS", "tcp")
-# In-process stages all run on this host, as under `omnistage serve`: `auto` edges may use shared memory.
-os.environ.setdefault("OMNISTAGE_PEERS_SAME_HOST", "1")
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The tiny models (`make models` builds them); tests that need models fail loudly without them."""
-    d = Path(os.environ.get("OMNISTAGE_MODEL_DIR", REPO / "models"))
+    d = launch.model_root()
     if not (d / "qwen3-omni-tiny" / "thinker" / "config.json").exists():
         pytest.fail(f"tiny models missing in {d}: run `make models` (or `.venv/bin/omnistage models build {d}`)")
     return d

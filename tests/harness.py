@@ -8,12 +8,14 @@ from pathlib import Path
 import grpc
 import yaml
 
+from omnistage import launch
 from omnistage.client import build_request
 from omnistage.spec import Pipeline, parse_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from stage_service.server import StageServer
 
 from .conftest import EXAMPLES
+from .polling import wait_until_sync
 
 
 def example(name: str, edit=None) -> Pipeline:
@@ -62,30 +64,26 @@ class StageProcess:
     def __init__(self, pipeline_file: Path, stage: str, model_dir: Path, tmp: Path, tag: str = ""):
         import os
         import subprocess
-        import sys
 
         tag = tag or stage
         self.ready_file = tmp / f"{tag}.port"
         self.log = tmp / f"{tag}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stage_service", "--pipeline", str(pipeline_file), "--stage", stage,
-             "--port", "0", "--model-dir", str(model_dir), "--ready-file", str(self.ready_file)],
-            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            launch.stage_command(pipeline_file, stage, port=0, model_dir=model_dir, ready_file=self.ready_file),
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **launch.service_env()},
+            start_new_session=True)
         self.port: int | None = None
 
     def wait_ready(self, timeout: float = 120) -> "StageProcess":
-        import time
-
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.ready_file.exists() and self.ready_file.read_text().strip():
-                self.port = int(self.ready_file.read_text())
-                return self
-            if self.proc.poll() is not None:
+        def port() -> str:
+            text = self.ready_file.read_text().strip() if self.ready_file.exists() else ""
+            if not text and self.proc.poll() is not None:
                 raise AssertionError(f"stage exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            time.sleep(0.05)
-        raise AssertionError(f"stage not ready after {timeout}s:\n{self.log.read_text()}")
+            return text
+
+        self.port = int(wait_until_sync(port, timeout, 0.05, what="stage ready",
+                                        detail=lambda: "\n" + self.log.read_text()))
+        return self
 
     @property
     def address(self) -> str:
@@ -110,20 +108,6 @@ class StageProcess:
                 self.proc.wait(30)
             except Exception:
                 self.kill()
-
-
-async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """Poll `predicate` until it is true (no fixed sleeps in tests)."""
-    import asyncio
-    import time
-
-    end = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 def write_pipeline(pipeline: Pipeline, path: Path) -> Path:

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from omnistage import tensors
+from omnistage.spec import TRANSPORTS
 from omnistage.v1 import tensor_pb2
 
 from .errors import ConnectorError
@@ -23,7 +24,7 @@ from .shm import ShmStore
 from .store import TensorStore
 from .ucx import UcxStore
 
-TRANSPORTS = ("auto", "inline", "shm", "ucx")
+STORES = (ShmStore.backend, UcxStore.backend)  # the transports that hold tensors (inline holds nothing)
 INLINE_THRESHOLD = 64 << 10
 
 
@@ -177,7 +178,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = ("shm", "ucx"), *,
+async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = STORES, *,
                          host_id: str | None = None, inline_threshold: int = INLINE_THRESHOLD,
                          ucx_host: str = "127.0.0.1", ucx_port: int = 0, max_endpoints: int = 64,
                          fragment_bytes: int = 0, get_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
@@ -188,9 +189,10 @@ async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = (
     `ucx_host` is the address consumers reach this stage's UCX listener at (a pod IP on a cluster);
     `ucx_options` are UCX settings without the UCX_ prefix (the environment wins over them).
     """
-    unknown = [t for t in transports if t not in ("shm", "ucx")]
+    unknown = [t for t in transports if t not in STORES]
     if unknown:
-        raise ConnectorError(f"unknown transport(s) {', '.join(unknown)}: choose from shm, ucx (inline is always on)")
+        raise ConnectorError(f"unknown transport(s) {', '.join(unknown)}: choose from {', '.join(STORES)} "
+                             "(inline is always on)")
     host_id = host_id or default_host_id()
     ucx_options = dict(ucx_options or {})
     if _is_loopback(ucx_host):

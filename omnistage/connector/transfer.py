@@ -1,10 +1,10 @@
 """Whole chunks through a stage's connector.
 
 `ChunkSender` (producer side) keeps the bytes its stage holds under a budget: over it, `put_chunk`
-waits (asyncio) instead of growing memory. Held chunks go when their consumer has fetched them
-(or acks them), when their request is cancelled (`release_request`), or after a TTL when the
-consumer vanished (a background sweeper). `ChunkReceiver` (consumer side) fetches a chunk's tensors
-as soon as its descriptor arrives and hands chunks on in chunk-id order per edge.
+waits (asyncio) instead of growing memory. Held chunks go when their consumer has fetched them,
+when their request is cancelled (`release_request`), or after a TTL when the consumer vanished (a
+background sweeper). `ChunkReceiver` (consumer side) fetches a chunk's tensors as soon as its
+descriptor arrives; the consuming engine puts chunks in order per edge (stage_service/engines/base.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Mapping
 
 import torch
 
-from omnistage.chunks import EdgeReorderBuffer
 from omnistage.tensors import TensorFormatError
 from omnistage.v1 import stage_pb2, tensor_pb2
 
@@ -108,10 +107,6 @@ class ChunkSender:
         self.metrics.buffered.labels(self.stage).set(self.connector.held_bytes_known)
         self._room.set()
 
-    def ack(self, request_id: str, chunk_id: int) -> int:
-        """The consumer has the chunk (told through another channel than its fetch): free it."""
-        return self.connector.release_chunk(request_id, chunk_id, "ack")
-
     def release_request(self, request_id: str) -> int:
         """The request is cancelled, failed or done: free every chunk of it this stage still holds."""
         return self.connector.release_request(request_id, "cancel")
@@ -139,14 +134,12 @@ class ReceivedChunk:
 
 
 class ChunkReceiver:
-    def __init__(self, connector: Connector, *, metrics: TransferMetrics | None = None, max_pending: int = 1024):
+    def __init__(self, connector: Connector, *, metrics: TransferMetrics | None = None):
         self.connector = connector
         self.metrics = metrics or TransferMetrics()
-        self.max_pending = max_pending
-        self._edges: dict[tuple[str, str], EdgeReorderBuffer[ReceivedChunk]] = {}
 
     async def fetch(self, chunk: stage_pb2.Chunk) -> ReceivedChunk:
-        """Fetch one chunk's tensors now (for a caller that orders chunks itself)."""
+        """Fetch one chunk's tensors now (the caller orders chunks itself)."""
         names = [t.name for t in chunk.tensors]
         if len(set(names)) != len(names):
             raise TensorFormatError(f'chunk {chunk.chunk_id} from "{chunk.stage}" names a tensor twice: {names}')
@@ -159,23 +152,6 @@ class ChunkReceiver:
         self.metrics.chunks.labels(edge, "in").inc()
         self.metrics.seconds.labels(edge, "in").observe(seconds)
         return ReceivedChunk(chunk, dict(zip(names, fetched)), seconds * 1e3)
-
-    async def receive(self, request_id: str, chunk: stage_pb2.Chunk) -> list[ReceivedChunk]:
-        """Fetch one chunk's tensors now; return the chunks of its edge that are now deliverable, in order."""
-        received = await self.fetch(chunk)
-        order = self._edges.get((request_id, chunk.stage))
-        if order is None:
-            edge = f"{chunk.stage}->{self.connector.stage}"
-            order = self._edges[(request_id, chunk.stage)] = EdgeReorderBuffer(edge, self.max_pending)
-        ready = order.push(chunk.chunk_id, received, chunk.end_of_stream)
-        if order.finished:
-            del self._edges[(request_id, chunk.stage)]
-        return ready
-
-    def forget(self, request_id: str) -> None:
-        """Drop the ordering state of a request that ended (chunks still waiting for earlier ones go too)."""
-        for key in [k for k in self._edges if k[0] == request_id]:
-            del self._edges[key]
 
 
 def _transport(msg: tensor_pb2.Tensor) -> str:

@@ -16,10 +16,11 @@ import os
 
 import kopf
 
-from . import spec as k
 from .config import from_env
 from .kube import Kube
+from .pipeline_object import validation_errors
 from .reconcile import reconcile
+from .vocabulary import GROUP, LABEL_PIPELINE, PLURAL, VERSION
 from .workqueue import WorkQueue, resync, worker
 
 # Children whose changes (or deletion) bring their pipeline back into the queue.
@@ -47,7 +48,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
             addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host or cfg.webhook_addr,
             certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
         if cfg.webhook == "managed":
-            settings.admission.managed = f"{k.PLURAL}.{k.GROUP}"
+            settings.admission.managed = f"{PLURAL}.{GROUP}"
     kube = await asyncio.to_thread(Kube)
     memo.queue = WorkQueue()
     memo.seen = {}
@@ -65,7 +66,7 @@ async def stop(memo: kopf.Memo, **_) -> None:
     await asyncio.gather(*getattr(memo, "tasks", ()), return_exceptions=True)
 
 
-@kopf.on.event(k.GROUP, k.VERSION, k.PLURAL)
+@kopf.on.event(GROUP, VERSION, PLURAL)
 async def pipeline_event(type: str | None, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo,
                          **_) -> None:  # noqa: A002
     key = (namespace, name)
@@ -84,20 +85,20 @@ async def pipeline_event(type: str | None, body: kopf.Body, name: str, namespace
 
 async def child_event(labels: dict, namespace: str, memo: kopf.Memo, **_) -> None:
     # Children change in bursts (16 created at once, pods coming up): one reconcile per burst.
-    memo.queue.add_after((namespace, labels[k.LABEL_PIPELINE]), CHILD_EVENT_DELAY)
+    memo.queue.add_after((namespace, labels[LABEL_PIPELINE]), CHILD_EVENT_DELAY)
 
 
 for _resource in CHILD_RESOURCES:
-    kopf.on.event(**_resource, labels={k.LABEL_PIPELINE: kopf.PRESENT},
+    kopf.on.event(**_resource, labels={LABEL_PIPELINE: kopf.PRESENT},
                   id=f"child-{_resource['plural']}")(child_event)
 
 
 def validate(body: kopf.Body, **_) -> None:
-    errors = k.validation_errors(body)
+    errors = validation_errors(body)
     if errors:
         raise kopf.AdmissionError("\n".join(str(e) for e in errors), code=422)
 
 
 # kopf refuses to start with admission handlers but no webhook server: register only when served.
 if os.environ.get("OMNISTAGE_WEBHOOK", "managed") != "off":
-    kopf.on.validate(k.GROUP, k.VERSION, k.PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
+    kopf.on.validate(GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)

@@ -13,8 +13,8 @@ import kubernetes
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
-from . import spec as k
 from .conditions import now_rfc3339
+from .vocabulary import API_VERSION, LABEL_PIPELINE, MANAGED_BY
 
 log = logging.getLogger("omnistage.operator")
 MERGE_PATCH = "application/merge-patch+json"
@@ -57,7 +57,7 @@ class Kube:
                             ("rbac.authorization.k8s.io/v1", "RoleBinding"))
         # Resolve every resource once, here: discovery caches are not safe to fill from many threads.
         self._resources = {kind: self.dyn.resources.get(api_version=av, kind=kind) for av, kind in self.child_kinds}
-        self._pipelines = self.dyn.resources.get(api_version=k.API_VERSION, kind="OmniPipeline")
+        self._pipelines = self.dyn.resources.get(api_version=API_VERSION, kind="OmniPipeline")
         self._events = self.dyn.resources.get(api_version="v1", kind="Event")
         self._readers = ThreadPoolExecutor(max_workers=len(self.child_kinds), thread_name_prefix="kube-read")
         self._lock = threading.Lock()
@@ -85,7 +85,7 @@ class Kube:
         """Every child carrying the pipeline's label, by (kind, name)."""
         def one_kind(kind: str) -> list[dict]:
             res = self._resources[kind]
-            items = res.get(namespace=namespace, label_selector=f"{k.LABEL_PIPELINE}={pipeline}", **RAW)["items"]
+            items = res.get(namespace=namespace, label_selector=f"{LABEL_PIPELINE}={pipeline}", **RAW)["items"]
             for obj in items:
                 obj.update(apiVersion=res.group_version, kind=kind)   # list items carry neither
             return items
@@ -137,12 +137,12 @@ class Kube:
             self._events.create(namespace=meta["namespace"], body={
                 "apiVersion": "v1", "kind": "Event",
                 "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
-                "involvedObject": {"apiVersion": owner.get("apiVersion", k.API_VERSION), "kind": "OmniPipeline",
+                "involvedObject": {"apiVersion": owner.get("apiVersion", API_VERSION), "kind": "OmniPipeline",
                                    "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid"),
                                    "resourceVersion": meta.get("resourceVersion")},
                 "type": type_, "reason": reason, "message": message[:1024], "count": 1,
                 "firstTimestamp": now, "lastTimestamp": now,
-                "source": {"component": k.MANAGED_BY}, "reportingComponent": k.MANAGED_BY}, **RAW)
+                "source": {"component": MANAGED_BY}, "reportingComponent": MANAGED_BY}, **RAW)
         except kubernetes.client.ApiException as e:   # an Event is best effort; never fail a reconcile on it
             log.warning("could not post event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 

@@ -11,14 +11,15 @@ import kopf
 
 from omnistage.spec import Pipeline, SpecError
 
-from . import spec as k
 from .builders import Children, build_children
 from .compare import matches
 from .conditions import now_rfc3339
 from .config import OperatorConfig
 from .kube import Kube, controller_uid, owned_by
+from .pipeline_object import parse, plain
 from .rollout import UnitState, deployment_rolled_out, plan_rollout, rollout_order
 from .status import build_status, invalid_status, status_patch, unit_counts
+from .vocabulary import ORCHESTRATOR, R_INVALID_SPEC, orchestrator_endpoint
 
 log = logging.getLogger("omnistage.operator")
 # While something rolls, look again this often even if no watch event arrives.
@@ -43,7 +44,7 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
     writes_before = kube.thread_writes()
     generation = body["metadata"].get("generation", 0)
     try:
-        pipeline = k.parse(body)
+        pipeline = parse(body)
     except SpecError as e:
         _refuse(kube, body, [str(x) for x in e.errors])
         raise kopf.PermanentError(f"{namespace}/{name}: invalid spec: {e}") from None
@@ -79,8 +80,8 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
         body.get("status"), generation=generation,
         stages={s.name: unit_counts(pipeline.deployment.stages[s.name].replicas, observed[s.name])
                 for s in pipeline.stages},
-        orchestrator=unit_counts(pipeline.deployment.orchestrator.replicas, observed[k.ORCHESTRATOR]),
-        deployments=observed, plan=plan, endpoint=k.orchestrator_endpoint(pipeline.name, namespace),
+        orchestrator=unit_counts(pipeline.deployment.orchestrator.replicas, observed[ORCHESTRATOR]),
+        deployments=observed, plan=plan, endpoint=orchestrator_endpoint(pipeline.name, namespace),
         now=now_rfc3339())
     _write_status(kube, body, new)
     out.writes = kube.thread_writes() - writes_before
@@ -112,7 +113,7 @@ def _ensure(kube: Kube, desired: dict, live: dict, owner_uid: str, out: Outcome)
 
 def _unit_deployments(p: Pipeline, children: Children) -> dict[str, dict]:
     units = {name: sc.deployment for name, sc in children.stages.items()}
-    units[k.ORCHESTRATOR] = children.orchestrator_deployment
+    units[ORCHESTRATOR] = children.orchestrator_deployment
     return units
 
 
@@ -121,13 +122,13 @@ def _refuse(kube: Kube, body: dict, errors: list[str]) -> None:
     new = invalid_status(body.get("status"), generation=body["metadata"].get("generation", 0), errors=errors,
                          now=now_rfc3339())
     if _write_status(kube, body, new):
-        kube.post_event(body, "Warning", k.R_INVALID_SPEC, "; ".join(errors))
+        kube.post_event(body, "Warning", R_INVALID_SPEC, "; ".join(errors))
     log.warning("%s/%s: invalid spec: %s", body["metadata"]["namespace"], body["metadata"]["name"],
                 "; ".join(errors))
 
 
 def _write_status(kube: Kube, body: dict, new: dict) -> bool:
-    patch = status_patch(k.plain(body.get("status")), new)
+    patch = status_patch(plain(body.get("status")), new)
     if patch is None:
         return False
     kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from omnistage.spec import Pipeline
+from omnistage.spec import ROLLOUT_STRATEGIES, Pipeline
 
-from .spec import ORCHESTRATOR, R_PROGRESS_DEADLINE
+from .vocabulary import ORCHESTRATOR, R_PROGRESS_DEADLINE
 
-ONE_STAGE_AT_A_TIME, PARALLEL = "OneStageAtATime", "Parallel"
+ONE_STAGE_AT_A_TIME, PARALLEL = ROLLOUT_STRATEGIES
 
 
 @dataclass(frozen=True)

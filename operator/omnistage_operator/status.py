@@ -16,9 +16,12 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from . import spec as k
 from .conditions import condition, is_true, set_condition
+from .pipeline_object import plain
 from .rollout import RolloutPlan, deadline_exceeded
+from .vocabulary import (DEGRADED, ORCHESTRATOR, PROGRESSING, READY, R_ALL_READY, R_AS_EXPECTED,
+                         R_INVALID_SPEC, R_NOT_READY, R_PROGRESS_DEADLINE, R_REPLICA_FAILURE, R_ROLLING_OUT,
+                         R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO, R_STAGE_UNAVAILABLE)
 
 MAX_MESSAGE = 1000
 
@@ -34,42 +37,42 @@ def build_status(old: Mapping[str, Any] | None, *, generation: int, stages: Mapp
                  endpoint: str, now: str) -> dict:
     """`stages`/`orchestrator`: unit_counts; `deployments`: live Deployment by unit name."""
     old = dict(old or {})
-    units = {**stages, k.ORCHESTRATOR: orchestrator}
+    units = {**stages, ORCHESTRATOR: orchestrator}
     short = [f"{name} {c['readyReplicas']}/{c['replicas']} ready" for name, c in units.items()
              if c["readyReplicas"] < c["replicas"]]
     zero = [name for name, c in units.items() if c["replicas"] == 0]
     conditions = copy.deepcopy(list(old.get("conditions") or []))
-    was_ready, was_degraded = is_true(conditions, k.READY), is_true(conditions, k.DEGRADED)
+    was_ready, was_degraded = is_true(conditions, READY), is_true(conditions, DEGRADED)
 
     if zero:
-        ready = condition(k.READY, False, k.R_SCALED_TO_ZERO, f"no replicas asked for: {', '.join(zero)}", generation)
+        ready = condition(READY, False, R_SCALED_TO_ZERO, f"no replicas asked for: {', '.join(zero)}", generation)
     elif short:
-        ready = condition(k.READY, False, k.R_NOT_READY, "; ".join(short), generation)
+        ready = condition(READY, False, R_NOT_READY, "; ".join(short), generation)
     else:
-        ready = condition(k.READY, True, k.R_ALL_READY,
+        ready = condition(READY, True, R_ALL_READY,
                           f"{len(stages)} stages and the orchestrator have every replica ready", generation)
 
     if plan.progressing:
         parts = [f"rolling out: {', '.join(plan.in_progress)}"] if plan.in_progress else []
         if plan.waiting:
             parts.append(f"waiting their turn: {', '.join(plan.waiting)}")
-        progressing = condition(k.PROGRESSING, True, k.R_ROLLING_OUT, "; ".join(parts), generation)
+        progressing = condition(PROGRESSING, True, R_ROLLING_OUT, "; ".join(parts), generation)
     else:
-        progressing = condition(k.PROGRESSING, False, k.R_ROLLOUT_COMPLETE, "every Deployment is rolled out",
+        progressing = condition(PROGRESSING, False, R_ROLLOUT_COMPLETE, "every Deployment is rolled out",
                                 generation)
 
     stuck = [n for n, d in deployments.items() if d is not None and deadline_exceeded(d)]
     failing = [n for n, d in deployments.items() if d is not None and _replica_failure(d)]
     if stuck:
-        degraded = condition(k.DEGRADED, True, k.R_PROGRESS_DEADLINE, f"not progressing: {', '.join(stuck)}",
+        degraded = condition(DEGRADED, True, R_PROGRESS_DEADLINE, f"not progressing: {', '.join(stuck)}",
                              generation)
     elif failing:
-        degraded = condition(k.DEGRADED, True, k.R_REPLICA_FAILURE, f"cannot create pods: {', '.join(failing)}",
+        degraded = condition(DEGRADED, True, R_REPLICA_FAILURE, f"cannot create pods: {', '.join(failing)}",
                              generation)
     elif short and (was_ready or was_degraded):
-        degraded = condition(k.DEGRADED, True, k.R_STAGE_UNAVAILABLE, "; ".join(short), generation)
+        degraded = condition(DEGRADED, True, R_STAGE_UNAVAILABLE, "; ".join(short), generation)
     else:
-        degraded = condition(k.DEGRADED, False, k.R_AS_EXPECTED, "no replica missing, no Deployment failing",
+        degraded = condition(DEGRADED, False, R_AS_EXPECTED, "no replica missing, no Deployment failing",
                              generation)
 
     for c in (ready, progressing, degraded):
@@ -86,8 +89,8 @@ def invalid_status(old: Mapping[str, Any] | None, *, generation: int, errors: li
     new = copy.deepcopy(dict(old or {}))
     conditions = new.setdefault("conditions", [])
     message = "; ".join(errors)[:MAX_MESSAGE]
-    set_condition(conditions, condition(k.READY, False, k.R_INVALID_SPEC, message, generation), now)
-    set_condition(conditions, condition(k.PROGRESSING, False, k.R_INVALID_SPEC,
+    set_condition(conditions, condition(READY, False, R_INVALID_SPEC, message, generation), now)
+    set_condition(conditions, condition(PROGRESSING, False, R_INVALID_SPEC,
                                         "nothing is rolled out until the spec is fixed", generation), now)
     new["observedGeneration"] = generation
     return new
@@ -96,7 +99,7 @@ def invalid_status(old: Mapping[str, Any] | None, *, generation: int, errors: li
 def status_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict | None:
     """A merge patch turning `old` into `new`, or None when they are the same (no write)."""
     old = dict(old or {})
-    if k.plain(old) == k.plain(new):
+    if plain(old) == plain(new):
         return None
     patch = dict(new)
     for key in old:            # fields (and stages) that went away are removed explicitly

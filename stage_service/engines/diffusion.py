@@ -17,6 +17,8 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from omnistage.spec import engines
+
 from ..scheduler import StepState
 from .base import InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
 from .invariance import make_batch_invariant
@@ -31,6 +33,7 @@ class PromptState(StepState):
 
 
 class TextEncoderEngine(SteppedEngine):
+    ADAPTER = engines.TEXT_ENCODER
     """prompt (+ negative prompt under classifier-free guidance) -> `embeddings` [1 or 2, tokens, dim]."""
 
     unit = "prompts"
@@ -92,6 +95,7 @@ class DenoiseState(StepState):
 
 
 class DenoiseEngine(SteppedEngine):
+    ADAPTER = engines.DENOISER
     """The denoise-step loop (UNet2DCondition + the pipeline's scheduler): `embeddings` -> `latents`.
 
     A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once.
@@ -196,6 +200,7 @@ class LatentsState(StepState):
 
 
 class VaeDecodeEngine(SteppedEngine):
+    ADAPTER = engines.VAE_DECODER
     """`latents` -> one PNG (tensor `image`: the encoded bytes, uint8); latents of one shape share a decode."""
 
     unit = "images"

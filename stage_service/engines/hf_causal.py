@@ -8,6 +8,7 @@ from typing import AsyncIterator
 import torch
 
 from omnistage.params import InvalidRequest, RequestParams
+from omnistage.spec import engines
 
 from .base import OutputChunk, StageInputs, StageRequest, SteppedEngine
 from .lm_steps import DecoderLm, TokenState
@@ -35,6 +36,7 @@ class TextDeltas:
 
 
 class CausalLmEngine(SteppedEngine):
+    ADAPTER = engines.CAUSAL_LM
     """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk."""
 
     unit = "tokens"

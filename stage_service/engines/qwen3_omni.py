@@ -11,6 +11,7 @@ from typing import AsyncIterator
 import torch
 
 from omnistage.params import RequestParams
+from omnistage.spec import engines
 
 from .base import InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
 from .hf_causal import CausalLmEngine, text_sampling
@@ -20,6 +21,8 @@ from .qwen3_omni_steps import END_OF_TEXT, Code2Wav, Talker, TalkerState, Thinke
 class ThinkerEngine(CausalLmEngine):
     """Emits per chunk: `token_ids` (new tokens), `embeds` and `hidden` (rows of every position fed),
     `prompt_token_ids` on the first chunk, and the text delta."""
+
+    ADAPTER = engines.QWEN3_OMNI_THINKER
 
     def load(self) -> None:
         self.thinker = Thinker(self.model_dir, self.dtype, batch_invariant=self.options.batch_invariant)
@@ -44,6 +47,7 @@ class ThinkerEngine(CausalLmEngine):
 
 
 class TalkerEngine(SteppedEngine):
+    ADAPTER = engines.QWEN3_OMNI_TALKER
     """Consumes the Thinker's rows as they arrive; emits `codes` [groups, frames] per chunk.
 
     A request joins the batch once the Thinker's prompt rows and first token are in; after that a
@@ -155,6 +159,7 @@ class _ThinkerFeed:
 
 
 class Code2WavEngine(SteppedEngine):
+    ADAPTER = engines.QWEN3_OMNI_CODE2WAV
     """Decodes each incoming chunk of codec frames (with left context) into int16 PCM as it arrives;
     chunks of equal length from many requests share one forward, up to `max_batched_frames`.
 

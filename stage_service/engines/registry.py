@@ -6,24 +6,14 @@ import json
 import os
 from pathlib import Path
 
-from omnistage.spec import Pipeline, Stage
+from omnistage.launch import model_dir
+from omnistage.spec import Pipeline, Stage, adapter_for
 
 from .base import Engine, EngineConfigError
 
 
 class UnknownModel(EngineConfigError):
     pass
-
-
-def model_dir(stage: Stage, model_root: str | os.PathLike | None) -> Path:
-    """`model` (+ `component`) resolved against the model root (OMNISTAGE_MODEL_DIR, default ./models)."""
-    root = Path(model_root or os.environ.get("OMNISTAGE_MODEL_DIR", "models"))
-    path = Path(stage.model)
-    if not path.is_absolute():
-        path = root / path
-    if stage.component:
-        path = path / stage.component
-    return path
 
 
 def _architecture(path: Path) -> str:
@@ -63,4 +53,11 @@ def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLik
             raise UnknownModel(f"{path}: the diffusers engine has no adapter for {arch or 'this model'}")
     else:
         raise UnknownModel(f'unknown engine "{stage.engine}"')
+    declared = adapter_for(stage.engine, stage.kind, stage.component)
+    if cls.ADAPTER is not declared:
+        # Validation checked the topology against the declared adapter: a model of another kind would
+        # read or emit something else than the edges carry.
+        raise UnknownModel(f"{path}: holds a {arch}, served by the {cls.ADAPTER.name} adapter, but stage "
+                           f'"{stage.name}" (kind {stage.kind}, component "{stage.component}") declares '
+                           f"{declared.name if declared else 'no adapter'}")
     return cls(pipeline, stage, path)

@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator
 import torch
 
 from omnistage.params import InvalidRequest
+from omnistage.spec import engines
 
 from .base import (Engine, EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputChunk, InputError,
                    OutputChunk, StageInputs, StageRequest)
@@ -39,8 +40,8 @@ def engine_args(model: str, settings, defaults: dict[str, Any] | None = None) ->
         "model": model,
         "tokenizer": model,
         "dtype": "float32" if settings.dtype == "auto" and ON_CPU else settings.dtype,
-        "tensor_parallel_size": settings.tensor_parallel,
-        "pipeline_parallel_size": settings.pipeline_parallel,
+        "tensor_parallel_size": settings.parallelism.tensor,
+        "pipeline_parallel_size": settings.parallelism.pipeline,
         "max_num_seqs": settings.scheduler.max_batch,
         "max_model_len": DEFAULT_MAX_MODEL_LEN,
         "enforce_eager": ON_CPU,
@@ -52,6 +53,8 @@ def engine_args(model: str, settings, defaults: dict[str, Any] | None = None) ->
 
 
 class VllmEngine(Engine):
+    ADAPTER = engines.CAUSAL_LM
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_running = self.settings.scheduler.max_batch

@@ -44,7 +44,7 @@ def vllm_with_upstream():
     def edit(doc):
         stages = doc["spec"]["topology"]["stages"]
         stages.insert(0, {"name": "prefix", "kind": "ar", "engine": "transformers", "model": "qwen2-tiny",
-                          "emits": ["tokens", "hidden"]})
+                          "emits": ["tokens"]})
         stages[1]["inputs"] = [{"stage": "prefix"}]
         doc["spec"]["deployment"]["stages"]["prefix"] = {"replicas": 1}
         doc["spec"]["deployment"]["stages"]["llm"]["scheduler"] = {"maxBatch": 32, "maxQueued": 128}

@@ -3,7 +3,6 @@ processes on 127.0.0.1. Many requests leave no shared-memory segment or UCX endp
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -13,9 +12,9 @@ os.environ.setdefault("UCX_TLS", "tcp")  # before ucxx loads; peer processes inh
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from omnistage.connector import ConnectorError, TensorKey, TensorNotFound, make_connector  # noqa: E402
-from omnistage.connector.peer import DTYPES, PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
 
-from ..harness import wait_until  # noqa: E402
+from ..connector_peer import DTYPES, PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
+from ..polling import wait_until  # noqa: E402
 
 SHM = Path("/dev/shm")
 SHAPES = [(), (1,), (3, 5, 7), (0, 4), (257, 1031)]
@@ -27,10 +26,11 @@ def peer_segments(pid: int) -> list[str]:
 
 
 async def peer_reaches(peer: PeerProcess, want: dict, timeout: float = 20.0) -> None:
-    """Poll the peer's counts (never a fixed sleep) until they are `want`."""
-    async with asyncio.timeout(timeout):
-        while {k: v for k, v in (await peer.call(op="held")).items() if k in want} != want:
-            await asyncio.sleep(0.02)
+    """Wait until the peer's counts are `want`."""
+    async def reached():
+        return {k: v for k, v in (await peer.call(op="held")).items() if k in want} == want
+
+    await wait_until(reached, timeout, what=f"peer counts {want}")
 
 
 async def nothing_held(conn) -> None:

@@ -14,9 +14,9 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from omnistage.connector import (ChunkSender, PeerUnreachable, TensorNotFound,  # noqa: E402
                                  TransferMetrics, make_connector)
-from omnistage.connector.peer import PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
 
-from ..harness import wait_until  # noqa: E402
+from ..connector_peer import PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
+from ..polling import wait_until  # noqa: E402
 from .test_connector_backends import peer_reaches, peer_segments  # noqa: E402
 
 CHUNK_SHAPE = [8 << 20]  # float32: 32 MiB per chunk

@@ -25,6 +25,7 @@ from orchestrator_service.server import OrchestratorServer
 
 from ..conftest import EXAMPLES
 from ..harness import example, header, start_stage
+from ..polling import wait_until
 
 STAGES = ("thinker", "talker", "code2wav")
 
@@ -71,10 +72,7 @@ class Served:
 
 
 async def until_nothing_held(served: Served, timeout: float = 15.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while not await served.nothing_held():
-        assert asyncio.get_running_loop().time() < end, f"still held: {await served.loads()}"
-        await asyncio.sleep(0.05)
+    await wait_until(served.nothing_held, timeout, 0.05, what="nothing held", detail=served.loads)
 
 
 @pytest.fixture(scope="module")

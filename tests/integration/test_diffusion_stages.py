@@ -37,7 +37,7 @@ async def run(servers, **params):
 
 
 async def test_text_to_png_at_the_requested_size(servers):
-    emb, lat, img = await run(servers, prompt="a red car", width=48, height=32, steps=3, seed=1)
+    emb, lat, img = await run(servers, prompt="a red car", width=48, height=32, num_inference_steps=3, seed=1)
     e = tensor_of(emb[0], "embeddings")
     assert e.shape == (2, 77, 32)  # [unconditional, conditional] under classifier-free guidance
     assert tensor_of(lat[-1], "latents").shape == (1, 4, 16, 24)  # the tiny VAE downsamples by 2
@@ -47,9 +47,9 @@ async def test_text_to_png_at_the_requested_size(servers):
 
 
 async def test_same_seed_same_image_different_seed_different_image(servers):
-    a = tensor_of((await run(servers, steps=2, seed=5))[2][0], "image")
-    b = tensor_of((await run(servers, steps=2, seed=5))[2][0], "image")
-    c = tensor_of((await run(servers, steps=2, seed=6))[2][0], "image")
+    a = tensor_of((await run(servers, num_inference_steps=2, seed=5))[2][0], "image")
+    b = tensor_of((await run(servers, num_inference_steps=2, seed=5))[2][0], "image")
+    c = tensor_of((await run(servers, num_inference_steps=2, seed=6))[2][0], "image")
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 

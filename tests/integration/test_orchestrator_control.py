@@ -13,7 +13,8 @@ import pytest
 from omnistage.client import AsyncOmniClient
 from orchestrator_service.server import OrchestratorServer
 
-from ..harness import StageProcess, example, start_stage, wait_until, write_pipeline
+from ..harness import StageProcess, example, start_stage, write_pipeline
+from ..polling import wait_until
 
 
 def llm_hf(doc):

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ..harness import call_stage, example, header, start_stage
+from ..polling import wait_until
 from .test_stage_cancel import codes_chunk, embeddings_chunk, llm_transformers
-from .test_stage_support import Call, assert_nothing_held, poll, scheduler, tensor_of, token_ids
+from .test_stage_support import Call, assert_nothing_held, scheduler, tensor_of, token_ids
 
 
 def batched_steps(srv) -> float:
@@ -28,7 +29,7 @@ async def joins_a_running_batch(srv, probe, fillers, result):
     alone = result(await call_stage(srv.port, *probe))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
         calls = [Call(ch, h, chunks) for h, chunks in fillers]
-        await poll(lambda: srv.engine.running >= len(fillers), 60, what="fillers running")
+        await wait_until(lambda: srv.engine.running >= len(fillers), 60, what="fillers running")
         shared_before = batched_steps(srv)
         joined = result(await call_stage(srv.port, *probe))
         assert all(not c.task.done() for c in calls), "fillers ended before the probe: it ran alone"
@@ -121,8 +122,9 @@ async def test_denoise(model_dir, guidance):
         emb = embeddings_chunk()
         if guidance == 1.0:  # one row of embeddings: it joins a batch of two-row (guided) images
             emb = embeddings_chunk(rows=1)
-        probe = (header("probe", width=32, height=32, steps=6, seed=9, guidance_scale=guidance), [emb])
-        fillers = [(header(f"f{i}", width=32, height=32, steps=100, seed=i), [embeddings_chunk()]) for i in range(3)]
+        probe = (header("probe", width=32, height=32, num_inference_steps=6, seed=9, guidance_scale=guidance), [emb])
+        fillers = [(header(f"f{i}", width=32, height=32, num_inference_steps=100, seed=i), [embeddings_chunk()])
+                   for i in range(3)]
         alone, joined = await joins_a_running_batch(srv, probe, fillers, lambda cs: tensor_of(cs[-1], "latents"))
         assert torch.equal(joined, alone)
     finally:

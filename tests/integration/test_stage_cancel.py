@@ -153,7 +153,8 @@ async def test_denoise_loop(model_dir):
         emb = embeddings_chunk()
 
         def make(ch, i, cancel):
-            return Call(ch, header(f"r{i}", width=32, height=32, steps=60 if cancel else 3, seed=i), [emb])
+            steps = 60 if cancel else 3
+            return Call(ch, header(f"r{i}", width=32, height=32, num_inference_steps=steps, seed=i), [emb])
 
         def check(i, chunks):
             assert len(chunks) == 3 and chunks[-1].end_of_stream

@@ -14,8 +14,9 @@ from stage_service.engines.faults import fail_steps
 from stage_service.server import EXIT_ENGINE_DEAD
 
 from ..harness import call_stage, example, header, start_stage
+from ..polling import wait_until
 from .test_stage_cancel import embeddings_chunk, llm_transformers
-from .test_stage_support import assert_nothing_held, health, poll, scheduler
+from .test_stage_support import assert_nothing_held, health, scheduler
 
 
 def small_batches(pipeline_name: str, stage: str):
@@ -31,7 +32,7 @@ def lm_stage():
 
 def denoise_stage():
     return (small_batches("text-to-image-tiny", "denoise"), "denoise",
-            {"steps": 30, "width": 32, "height": 32}, (embeddings_chunk(),))
+            {"num_inference_steps": 30, "width": 32, "height": 32}, (embeddings_chunk(),))
 
 
 @pytest.mark.parametrize("case", [lm_stage, denoise_stage], ids=["transformers-lm", "denoise"])
@@ -44,7 +45,7 @@ async def test_a_broken_engine_fails_every_request_flips_health_and_stops(model_
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
             calls = [asyncio.create_task(call_stage(srv.port, header(f"r{i}", **params), chunks, timeout=60))
                      for i in range(16)]
-            await poll(lambda: srv.engine.unfinished() == 16, 30, what="16 requests admitted")  # 4 run, 12 wait
+            await wait_until(lambda: srv.engine.unfinished() == 16, 30, what="16 requests admitted")  # 4 run, 12 wait
             fail_steps(srv.engine, after=2)  # from the third step on, every step raises: a device that broke
             results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
             assert all(isinstance(r, grpc.aio.AioRpcError) for r in results), results
@@ -66,7 +67,7 @@ async def test_one_failed_step_fails_its_batch_and_the_engine_serves_on(model_di
     try:
         batch = [asyncio.create_task(call_stage(srv.port, header(f"r{i}", max_tokens=250, ignore_eos=True), timeout=60))
                  for i in range(4)]
-        await poll(lambda: srv.engine.running == 4, 30, what="4 requests running")
+        await wait_until(lambda: srv.engine.running == 4, 30, what="4 requests running")
         fail_steps(srv.engine, after=0, count=1)  # the next step, which all 4 share, raises once
         results = await asyncio.wait_for(asyncio.gather(*batch, return_exceptions=True), 60)
         assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.INTERNAL for r in results)

@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,12 +18,14 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnistage import launch
 from omnistage.spec import parse_pipeline
 from stage_service.server import EXIT_ENGINE_DEAD, StageServer
 
 from ..conftest import EXAMPLES, REPO
 from ..harness import call_stage, header
-from .test_stage_support import load, poll, token_ids
+from ..polling import wait_until
+from .test_stage_support import load, token_ids
 
 DRAIN_SECONDS = 30
 TOKENS = 256
@@ -46,22 +47,21 @@ def lm_pipeline_file(tmp_path: Path, **engine_args) -> Path:
 
 
 class StageProcess:
-    def __init__(self, tmp_path: Path, model_dir: Path, *extra: str, **engine_args):
+    def __init__(self, tmp_path: Path, model_dir: Path, flags: dict | None = None, **engine_args):
         self.ready_file = tmp_path / "ready"
         self.log = open(tmp_path / "stage.log", "w+")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMNISTAGE_MODEL_DIR": str(model_dir)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stage_service", "--pipeline", str(lm_pipeline_file(tmp_path, **engine_args)), "--stage", "llm",
-             "--port", "0", "--ready-file", str(self.ready_file), "--drain-seconds", str(DRAIN_SECONDS), *extra],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        argv = launch.stage_command(lm_pipeline_file(tmp_path, **engine_args), "llm", port=0,
+                                    ready_file=self.ready_file, drain_seconds=DRAIN_SECONDS, **(flags or {}))
+        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **launch.service_env(model_dir)},
+                                     stdout=self.log, stderr=subprocess.STDOUT)
 
     async def start(self) -> int:
-        await poll(lambda: self.ready_file.exists() or self.proc.poll() is not None, 120, 0.1, "stage ready")
+        await wait_until(lambda: self.ready_file.exists() or self.proc.poll() is not None, 120, 0.1, "stage ready")
         assert self.proc.poll() is None, self.output()
         return int(self.ready_file.read_text())
 
     async def exit_code(self, timeout: float) -> int:
-        await poll(lambda: self.proc.poll() is not None, timeout, 0.05, "process exit")
+        await wait_until(lambda: self.proc.poll() is not None, timeout, 0.05, "process exit")
         return self.proc.returncode
 
     def output(self) -> str:
@@ -88,17 +88,13 @@ async def test_sigterm_under_load_finishes_admitted_work_refuses_new_and_exits_0
             loaded["l"] = await load(port)
             return (loaded["l"].running, loaded["l"].queued, loaded["l"].max_running) == (2, 6, 2)
 
-        deadline = time.monotonic() + 60
-        while not await all_admitted():
-            assert time.monotonic() < deadline, loaded
-            await asyncio.sleep(0.02)
+        async def draining():
+            return (await load(port)).draining
 
+        await wait_until(all_admitted, 60, what="all admitted", detail=lambda: loaded)
         stage.proc.send_signal(signal.SIGTERM)
         t_term = time.monotonic()
-        deadline = time.monotonic() + 10
-        while not (await load(port)).draining:
-            assert time.monotonic() < deadline, "never reported draining"
-            await asyncio.sleep(0.02)
+        await wait_until(draining, 10, what="reported draining")
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call_stage(port, header("late", max_tokens=4))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "stage llm is draining" in refused.value.details()
@@ -123,14 +119,15 @@ async def test_prestop_drain_is_answered_after_admitted_work_then_the_process_ex
     with socket.socket() as s:  # a free port for the HTTP status server
         s.bind(("127.0.0.1", 0))
         http_port = s.getsockname()[1]
-    stage = StageProcess(tmp_path, model_dir, "--http-port", str(http_port))
+    stage = StageProcess(tmp_path, model_dir, {"http_port": http_port})
     try:
         port = await stage.start()
         call = asyncio.create_task(call_stage(port, header("admitted", max_tokens=64, ignore_eos=True)))
-        await poll(lambda: call.done() or stage_running(port), 30, 0.02, "request running")
+        await wait_until(lambda: call.done() or stage_running(port), 30, 0.02, "request running")
 
         def drain():
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/drain", timeout=DRAIN_SECONDS + 10) as r:
+            url = f"http://127.0.0.1:{http_port}{launch.DRAIN_PATH}"
+            with urllib.request.urlopen(url, timeout=DRAIN_SECONDS + 10) as r:
                 return r.status, r.read()
 
         status, body = await asyncio.to_thread(drain)
@@ -151,7 +148,7 @@ def stage_running(port: int) -> bool:
 @pytest.mark.slow
 async def test_a_broken_engine_makes_the_process_exit_non_zero(tmp_path, model_dir):
     # Every step after the third raises, and one failed step is enough to declare the engine dead.
-    stage = StageProcess(tmp_path, model_dir, "--inject-step-failure", "3", max_failed_steps=1)
+    stage = StageProcess(tmp_path, model_dir, {"inject_step_failure": 3}, max_failed_steps=1)
     try:
         port = await stage.start()
         with pytest.raises(grpc.aio.AioRpcError) as failed:
@@ -177,7 +174,7 @@ async def test_stop_while_loading_never_serves_and_stops_cleanly(model_dir):
     srv.engine.load = slow_load
     start = asyncio.create_task(srv.start())
     try:
-        await poll(loading.is_set, 30, what="loading")
+        await wait_until(loading.is_set, 30, what="loading")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
             watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
             seen = [(await watch.read()).status]

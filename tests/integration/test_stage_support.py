@@ -1,17 +1,18 @@
 """Helpers the stage runtime tests share (no tests here): calls that can be cancelled mid-stream,
-polling with a timeout, load and health probes, and the leak check after a run."""
+load and health probes, and the leak check after a run."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage import tensors
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+from ..polling import wait_until
 
 
 def tensor_of(chunk, name):
@@ -30,15 +31,6 @@ def scheduler(edit_stage: str, max_batch: int = 16, max_queued: int = 128, max_w
             s["maxWaitMs"] = max_wait_ms
         doc["spec"]["deployment"]["stages"][edit_stage]["scheduler"] = s
     return edit
-
-
-async def poll(condition, timeout: float = 30.0, interval: float = 0.02, what: str = "condition"):
-    """Wait until `condition()` is true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 class Call:
@@ -92,8 +84,8 @@ async def load(port: int) -> stage_pb2.StageLoad:
 async def assert_nothing_held(srv, timeout: float = 30.0) -> None:
     """After a run: no request in flight, none unfinished in the engine, no request state alive."""
     engine = srv.engine
-    await poll(lambda: srv.servicer.inflight == 0, timeout, what="no call in flight")
-    await poll(lambda: engine.unfinished() == 0, timeout, what="no unfinished engine request")
+    await wait_until(lambda: srv.servicer.inflight == 0, timeout, what="no call in flight")
+    await wait_until(lambda: engine.unfinished() == 0, timeout, what="no unfinished engine request")
     assert engine.held_bytes() == 0
     sched = getattr(engine, "scheduler", None)
     if sched is not None:
@@ -101,4 +93,4 @@ async def assert_nothing_held(srv, timeout: float = 30.0) -> None:
         assert sched.live_states() == 0, f"{sched.live_states()} request states still alive"
         assert (sched.running, sched.queued) == (0, 0)
     else:  # vLLM: its KV cache is free again
-        await poll(lambda: engine.kv_cache_usage == 0.0, timeout, what="vLLM KV cache free")
+        await wait_until(lambda: engine.kv_cache_usage == 0.0, timeout, what="vLLM KV cache free")

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from ..conftest import EXAMPLES, REPO
+from ..polling import wait_until_sync
 
 OMNISTAGE = [sys.executable, "-m", "omnistage.cli"]
 
@@ -36,15 +37,13 @@ class Served:
         return self.log.read_text()
 
     def _wait_for(self, pattern: str, timeout: float) -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
+        def found():
             m = re.search(pattern, self.output())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
+            if not m and self.proc.poll() is not None:
                 raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output()}")
-            time.sleep(0.1)
-        raise AssertionError(f"no {pattern!r} after {timeout}s:\n{self.output()}")
+            return m
+
+        return wait_until_sync(found, timeout, 0.1, what=repr(pattern), detail=lambda: "\n" + self.output()).group(1)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -70,8 +69,8 @@ def omni(model_dir, tmp_path_factory):
 
 def test_qwen3_omni_text_and_wav(omni, tmp_path):
     out = tmp_path / "a.wav"
-    r = generate(omni.endpoint, "--prompt", "Hello there", "--max-tokens", "8", "--audio-frames", "30",
-                 "--out", str(out), "--trace")
+    r = generate(omni.endpoint, "--prompt", "Hello there", "--max-tokens", "8", "--max-codec-frames", "30",
+                 "--out", str(out), "--return-trace")
     assert r.returncode == 0, r.stderr
     text = r.stdout.splitlines()[0]
     assert text.strip(), r.stdout
@@ -86,7 +85,7 @@ def test_bad_request_names_the_field_and_serving_continues(omni, tmp_path):
     assert r.returncode == 1 and "INVALID_ARGUMENT: params.text.max_tokens" in r.stderr
     r = generate(omni.endpoint, "--prompt", "hi", "--output", "image")
     assert r.returncode == 1 and "INVALID_ARGUMENT: outputs[0]" in r.stderr
-    r = generate(omni.endpoint, "--prompt", "hi", "--max-tokens", "2", "--audio-frames", "3",
+    r = generate(omni.endpoint, "--prompt", "hi", "--max-tokens", "2", "--max-codec-frames", "3",
                  "--out", str(tmp_path / "b.wav"))
     assert r.returncode == 0, r.stderr
 
@@ -114,8 +113,8 @@ def test_text_to_image_png_at_the_requested_size(model_dir, tmp_path):
     s = Served("text-to-image-tiny", model_dir, tmp_path)
     try:
         out = tmp_path / "img.png"
-        r = generate(s.endpoint, "--prompt", "a red car", "--width", "96", "--height", "64", "--steps", "3",
-                     "--out", str(out))
+        r = generate(s.endpoint, "--prompt", "a red car", "--width", "96", "--height", "64",
+                     "--num-inference-steps", "3", "--out", str(out))
         assert r.returncode == 0, r.stderr
         img = Image.open(io.BytesIO(out.read_bytes()))
         assert img.size == (96, 64)

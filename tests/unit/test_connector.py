@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omnistage.connector import ConnectorError, TensorKey, TensorNotFound, choose_transport, make_connector
-from omnistage.connector.peer import DTYPES, make_tensor
 from omnistage.connector.wire import MAX_DIMS, TensorHeader
 from omnistage.tensors import TensorFormatError
 from omnistage.v1 import tensor_pb2
+
+from ..connector_peer import DTYPES, make_tensor
 
 SHM = Path("/dev/shm")
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from omnistage.connector import (ChunkReceiver, ChunkSender, ChunkTooLarge, TensorNotFound, TransferMetrics,
-                                 make_connector)
+from omnistage.connector import ChunkSender, ChunkTooLarge, TensorNotFound, TransferMetrics, make_connector
 from omnistage.v1 import stage_pb2
 
-from ..harness import wait_until
+from ..connector_support import OrderingReceiver
+from ..polling import wait_until
 
 CHUNK = 256 << 10  # bytes per test chunk: above the inline threshold
 
@@ -34,7 +34,7 @@ async def stage_pair():
     registry = CollectorRegistry()
     metrics = TransferMetrics(registry)  # one per process, as a stage has one registry
     sender = ChunkSender(producer, budget_bytes=2 * CHUNK, ttl_s=30, metrics=metrics)
-    receiver = ChunkReceiver(consumer, metrics=metrics)
+    receiver = OrderingReceiver(consumer, metrics=metrics)
     yield sender, receiver, clock, registry
     await sender.close()
     await consumer.close()
@@ -89,7 +89,7 @@ async def test_ack_wakes_a_waiting_producer_and_inline_tensors_do_not_count(stag
     task = asyncio.create_task(third())
     await asyncio.sleep(0)
     events.append("ack0")
-    assert sender.ack("r1", 0) == CHUNK
+    assert sender.connector.release_chunk("r1", 0, "ack") == CHUNK
     await asyncio.wait_for(task, 5)
     assert events == ["ack0", "put2"]
 

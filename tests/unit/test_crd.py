@@ -1,17 +1,22 @@
-"""The OmniPipeline CRD and omnistage/spec.py describe one API: every example validates against the
-CRD's schema, bad documents are refused by both where a v1.20 schema can say so, and the field names
-and enums of the two are walked side by side so they cannot drift apart."""
+"""The OmniPipeline CRD is generated from the API model (omnistage/spec/model.py): the committed file is
+the generated one, every example validates against its schema, bad documents are refused by both the
+schema and omnistage.spec.validate where a v1.20 schema can say so, and a field added to the model
+reaches validation, defaults, the CRD and `omnistage explain` with no other edit."""
 
 from __future__ import annotations
 
 import copy
-import re
+import dataclasses
 
 import jsonschema
 import pytest
 import yaml
 
 from omnistage import spec as omnispec
+from omnistage.spec import model
+from omnistage.spec.crd import crd_yaml
+from omnistage.spec.explain import UnknownField, explain
+from omnistage.spec.fields import api_field, api_fields
 
 from ..conftest import EXAMPLES, REPO
 
@@ -124,100 +129,72 @@ def test_examples_validate_against_the_crd(path):
     assert omnispec.validate(doc) == []
 
 
-# ------------------------------------------------------------- spec.py and the schema, walked
+# ------------------------------------------------------- generated from the model, never by hand
 
-def maximal_document() -> dict:
-    """The example with every optional field spec.py knows, so validating it visits every mapping."""
-    doc = copy.deepcopy(BASE)
-    topo, dep = doc["spec"]["topology"], doc["spec"]["deployment"]
-    topo["stages"][1]["inputs"] = [{"stage": "thinker", "transport": "ucx"}]
-    topo["limits"] = {k: 4 for k in omnispec._LIMIT_FIELDS}
-    dep["image"] = "example.org/omnistage:1"
-    dep["stages"]["talker"] = {
-        "replicas": 2, "image": "example.org/omnistage:2",
-        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
-        "gpus": 1, "parallelism": {"tensor": 1, "pipeline": 1, "data": 1}, "dtype": "bfloat16",
-        "engineArgs": {"max_model_len": 512}, "scheduler": {"maxBatch": 4, "maxQueued": 8, "maxWaitMs": 1.5},
-        "drainSeconds": 10, "env": {"A": "b"}, "transfer": {"maxBufferedBytes": 64 << 20, "ttlSeconds": 30}}
-    dep["orchestrator"] = {"replicas": 1, "image": "example.org/omnistage:3",
-                           "resources": {"requests": {"cpu": "250m"}, "limits": {"cpu": "1"}}, "maxInflight": 8, "maxQueued": 16,
-                           "maxRetries": 1, "fairness": "ShortestFirst", "drainSeconds": 5}
-    dep["rollout"] = {"strategy": "Parallel", "order": ["talker"]}
-    return doc
+def test_committed_crd_is_the_generated_one():
+    assert CRD_PATH.read_text() == crd_yaml(), "the CRD differs from the model: run `make crd`"
 
 
-def spec_py_mappings(doc: dict) -> dict[str, set[str]]:
-    """Which keys spec.py allows at each mapping it checks, by normalized path."""
-    seen: dict[str, set[str]] = {}
-    original = omnispec._Checker.mapping
-
-    def recording(self, value, path, allowed, required=()):
-        free_form = allowed is value  # engineArgs, env, quantities: spec.py allows the keys it is given
-        allowed = list(allowed)
-        norm = re.sub(r"\[\d+\]", "[]", path)
-        norm = re.sub(r"^spec\.deployment\.stages\.[^.]+", "spec.deployment.stages{}", norm)
-        seen[norm] = {"<free-form>"} if free_form else set(allowed)
-        return original(self, value, path, allowed, required)
-
-    omnispec._Checker.mapping = recording
-    try:
-        assert omnispec.validate(doc) == []
-    finally:
-        omnispec._Checker.mapping = original
-    return seen
-
-
-def schema_mappings() -> dict[str, set[str]]:
-    out = {}
+def test_every_default_satisfies_its_own_schema():
+    """The apiserver refuses a CRD whose defaults do not validate against their own node."""
     for path, node in _walk_schema(SCHEMA):
-        if path.startswith("status") or path.startswith("metadata"):
-            continue
-        if isinstance(node.get("additionalProperties"), dict) and "properties" in node["additionalProperties"]:
-            continue  # a map keyed by data (stage names): its entries are walked on their own
-        if node.get("type") == "object" or "properties" in node:
-            if "properties" in node:
-                out[path] = set(node["properties"])
-            else:
-                out[path] = {"<free-form>"}
-    return out
+        if "default" in node:
+            assert Validator(to_json_schema({k: v for k, v in node.items() if k != "default"})).is_valid(
+                node["default"]), path
 
 
-def test_every_field_spec_py_accepts_is_in_the_schema_and_back():
-    from_spec = spec_py_mappings(maximal_document())
-    from_schema = schema_mappings()
-    from_schema["<root>"] = set(SCHEMA["properties"])
-    assert sorted(from_spec) == sorted(from_schema)
-    for path in from_spec:
-        assert from_spec[path] == from_schema[path], path
+def test_a_new_stage_field_is_one_edit_in_the_model(monkeypatch):
+    """Add `warmupRequests` to spec.deployment.stages.<name> as a later change would: one field in the
+    model. Validation, defaults, the CRD schema and `explain` all follow."""
+    extended = dataclasses.make_dataclass(
+        "StageDeployment", [("warmup_requests", int, api_field("Requests sent before the stage reports ready.",
+                                                                default=2, minimum=0, maximum=64))],
+        bases=(model.StageDeployment,), frozen=True)
+    extended.__module__ = model.__name__
+    monkeypatch.setattr(model, "StageDeployment", extended)
+    api_fields.cache_clear()
+    try:
+        loaded = omnispec.parse_pipeline(BASE)
+        assert loaded.deployment.stages["talker"].warmup_requests == 2          # the default
+        doc = variant(lambda d: dep(d)["stages"]["talker"].update(warmupRequests=5))
+        assert omnispec.parse_pipeline(doc).deployment.stages["talker"].warmup_requests == 5
+        bad = variant(lambda d: dep(d)["stages"]["talker"].update(warmupRequests=65))
+        assert [str(e) for e in omnispec.validate(bad)] == [
+            "spec.deployment.stages.talker.warmupRequests: must be <= 64, got 65"]
+        typo = variant(lambda d: dep(d)["stages"]["talker"].update(warmupRequest=5))
+        assert 'unknown field (did you mean "warmupRequests"?)' in str(omnispec.validate(typo)[0])
+        node = yaml.safe_load(crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        node = node["properties"]["spec"]["properties"]["deployment"]["properties"]["stages"]
+        assert node["additionalProperties"]["properties"]["warmupRequests"] == {
+            "description": "Requests sent before the stage reports ready.", "type": "integer", "minimum": 0,
+            "maximum": 64, "default": 2}
+        assert "warmupRequests\t<integer>" in explain("spec.deployment.stages")
+        assert "Default: 2. Bounds: >= 0, <= 64." in explain("spec.deployment.stages.warmupRequests")
+    finally:
+        monkeypatch.undo()
+        api_fields.cache_clear()
+    assert "warmupRequests" not in crd_yaml()
+
+
+def test_explain_names_a_missing_field_with_a_hint():
+    with pytest.raises(UnknownField, match='field "replica" does not exist in spec.deployment.stages '
+                                           r'\(did you mean "replicas"\?\)'):
+        explain("spec.deployment.stages.replica")
+
+
+def test_explain_walks_lists_and_maps():
+    text = explain("spec.topology.stages.inputs")
+    assert "FIELD:    inputs <[]object>" in text and 'Unique by "stage".' in text
+    assert "transport\t<string>" in text and "One of: auto, inline, shm, ucx." in text
+    tree = explain(recursive=True)
+    assert "      deployment\t<object> -required-" in tree and "            maxBatch\t<integer>" in tree
 
 
 def _schema_at(path: str) -> dict:
     return dict(_walk_schema(SCHEMA))[path]
 
 
-@pytest.mark.parametrize("path, values", [
-    ("spec.topology.stages[].kind", omnispec.STAGE_KINDS),
-    ("spec.topology.stages[].engine", omnispec.ENGINES),
-    ("spec.topology.stages[].emits[]", omnispec.EMITS),
-    ("spec.topology.stages[].inputs[].transport", omnispec.TRANSPORTS),
-    ("spec.topology.outputs[].modality", omnispec.MODALITIES),
-    ("spec.deployment.stages{}.dtype", omnispec.DTYPES),
-    ("spec.deployment.rollout.strategy", omnispec.ROLLOUT_STRATEGIES),
-    ("spec.deployment.orchestrator.fairness", omnispec.FAIRNESS_POLICIES),
-])
-def test_enums_match_spec_py(path, values):
-    assert _schema_at(path)["enum"] == list(values)
-
-
-def test_quantity_pattern_matches_spec_py():
-    pattern = _schema_at("spec.deployment.stages{}.resources.requests{}")["pattern"]
-    assert pattern == omnispec._QUANTITY.pattern
-
-
-def test_name_pattern_matches_spec_py():
-    for path in ("metadata.name", "spec.topology.stages[].name"):
-        node = _schema_at(path)
-        assert node["pattern"] == omnispec._DNS_LABEL.pattern
+def test_stage_and_pipeline_names_fit_service_names():
     # "<pipeline>-orchestrator" and "<pipeline>-<stage>" must fit in a Service name.
     assert _schema_at("metadata.name")["maxLength"] == omnispec.MAX_NAME_LEN - len("-orchestrator")
     assert _schema_at("spec.topology.stages[].name")["maxLength"] == omnispec.MAX_NAME_LEN - 2
@@ -331,3 +308,64 @@ def test_helm_chart_ships_the_same_crd():
     chart_crd = REPO / "charts" / "omnistage" / "crds" / "omnipipelines.yaml"
     assert chart_crd.read_text() == CRD_PATH.read_text(), "copy crds/omnipipelines.yaml into the chart"
 
+
+
+def apply_defaults(node: dict, value):
+    """The apiserver's structural defaulting: a missing field with a default gets it, in every object."""
+    if isinstance(value, dict):
+        for key, sub in node.get("properties", {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                apply_defaults(sub, value[key])
+        if isinstance(node.get("additionalProperties"), dict):
+            for v in value.values():
+                apply_defaults(node["additionalProperties"], v)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for v in value:
+            apply_defaults(node["items"], v)
+    return value
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_defaulting_by_the_apiserver_changes_no_pipeline_and_rolls_no_pod(path):
+    from omnistage_operator.builders import config_hash
+
+    doc = yaml.safe_load(path.read_text())
+    defaulted = apply_defaults(SCHEMA["properties"]["spec"], copy.deepcopy(doc["spec"]))
+    assert defaulted != doc["spec"]                 # the CRD does fill fields in
+    before, after = omnispec.parse_pipeline(doc), omnispec.parse_pipeline({**doc, "spec": defaulted})
+    assert after == before
+    for stage in [s.name for s in before.stages] + [None]:
+        assert config_hash(after, stage) == config_hash(before, stage)
+
+
+def undeclared(node: dict, value, path: str = "status") -> list[str]:
+    """Keys of `value` that the schema node does not declare (the apiserver would prune them)."""
+    out = []
+    if isinstance(value, dict):
+        props, extra = node.get("properties"), node.get("additionalProperties")
+        for key, v in value.items():
+            sub = props.get(key) if props is not None else extra if isinstance(extra, dict) else None
+            if sub is None:
+                out.append(f"{path}.{key}")
+            else:
+                out += undeclared(sub, v, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += undeclared(node["items"], v, f"{path}[{i}]")
+    return out
+
+
+def test_the_status_the_operator_writes_is_the_modelled_one():
+    from omnistage_operator.rollout import RolloutPlan
+    from omnistage_operator.status import build_status, invalid_status, unit_counts
+
+    live = {"status": {"readyReplicas": 1, "updatedReplicas": 1}}
+    status = build_status(None, generation=2, stages={"thinker": unit_counts(1, live), "talker": unit_counts(2, live)},
+                          orchestrator=unit_counts(1, live), deployments={}, plan=RolloutPlan((), (), ()),
+                          endpoint="p-orchestrator.ns:50051", now="2024-01-01T00:00:00Z")
+    node = SCHEMA["properties"]["status"]
+    for st in (status, invalid_status(status, generation=3, errors=["x: bad"], now="2024-01-01T00:01:00Z")):
+        assert list(Validator(to_json_schema(node)).iter_errors(st)) == []
+        assert undeclared(node, st) == []

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stage_service.data_plane import ENV_TRANSPORTS, out_transport, ucx_available, wanted_transports
+from omnistage.launch import ENV_TRANSPORTS
+from stage_service.data_plane import out_transport, ucx_available, wanted_transports
 
 from ..harness import example
 

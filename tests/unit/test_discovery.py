@@ -1,6 +1,7 @@
 """EndpointSlices -> ready stage addresses (pure)."""
 
-from orchestrator_service.discovery import ready_addresses, service_name, slice_addresses
+from omnistage.launch import stage_service_name
+from orchestrator_service.discovery import ready_addresses, slice_addresses
 
 SLICE = {"metadata": {"name": "p-talker-abc", "labels": {"kubernetes.io/service-name": "p-talker"}},
          "ports": [{"name": "http", "port": 8080}, {"name": "grpc", "port": 50051}],
@@ -29,4 +30,4 @@ def test_single_unnamed_port_no_port_and_empty():
 
 
 def test_service_name():
-    assert service_name("qwen3-omni-tiny", "talker") == "qwen3-omni-tiny-talker"
+    assert stage_service_name("qwen3-omni-tiny", "talker") == "qwen3-omni-tiny-talker"

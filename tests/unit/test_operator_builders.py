@@ -7,9 +7,11 @@ import copy
 import pytest
 import yaml
 
-from omnistage_operator import spec as k
+from omnistage import launch
 from omnistage_operator.builders import build_children, config_hash
 from omnistage_operator.config import ModelVolume, OperatorConfig
+from omnistage_operator.pipeline_object import parse
+from omnistage_operator.vocabulary import LABEL_COMPONENT, LABEL_PIPELINE, LABEL_STAGE, selector
 
 from ..conftest import EXAMPLES
 
@@ -22,7 +24,7 @@ def children(edit=None, cfg=CFG, pdb="policy/v1"):
     doc = copy.deepcopy(BASE)
     if edit:
         edit(doc)
-    return build_children(k.parse(doc), cfg, pdb)
+    return build_children(parse(doc), cfg, pdb)
 
 
 def stage_dep(doc_edit=None, stage="talker", **kw):
@@ -45,20 +47,20 @@ def test_one_deployment_service_pdb_per_stage_and_names():
         for obj in (sc.deployment, sc.service, sc.pdb):
             assert obj["metadata"]["name"] == f"qwen3-omni-tiny-{stage}"
             assert obj["metadata"]["namespace"] == "team-a"
-            assert obj["metadata"]["labels"][k.LABEL_STAGE] == stage
+            assert obj["metadata"]["labels"][LABEL_STAGE] == stage
     assert c.orchestrator_deployment["metadata"]["name"] == "qwen3-omni-tiny-orchestrator"
     assert c.orchestrator_service["metadata"]["name"] == "qwen3-omni-tiny-orchestrator"
     assert c.config_map["metadata"]["name"] == "qwen3-omni-tiny-pipeline"
     names = [(o["kind"], o["metadata"]["name"]) for o in c.all()]
     assert len(names) == len(set(names)) == 16
-    assert all(o["metadata"]["labels"][k.LABEL_PIPELINE] == "qwen3-omni-tiny" for o in c.all())
+    assert all(o["metadata"]["labels"][LABEL_PIPELINE] == "qwen3-omni-tiny" for o in c.all())
 
 
 def test_config_map_holds_the_clean_pipeline():
     doc = copy.deepcopy(BASE)
     doc["metadata"].update(uid="u1", resourceVersion="42", generation=3, annotations={"x": "y"})
     doc["status"] = {"observedGeneration": 2}
-    cm = build_children(k.parse(doc), CFG).config_map
+    cm = build_children(parse(doc), CFG).config_map
     rendered = yaml.safe_load(cm["data"]["pipeline.yaml"])
     assert rendered["metadata"] == {"name": "qwen3-omni-tiny", "namespace": "team-a"}
     assert "status" not in rendered
@@ -67,12 +69,14 @@ def test_config_map_holds_the_clean_pipeline():
 
 def test_stage_container_command_ports_and_env():
     c = container(stage_dep())
-    assert c["command"] == ["python", "-m", "stage_service", "--pipeline", "/etc/omnistage/pipeline.yaml",
-                            "--stage", "talker", "--host", "$(POD_IP)", "--port", "50051", "--http-port", "8080"]
+    assert c["command"][:3] == ["python", "-m", launch.STAGE_MODULE]
+    args = launch.stage_parser().parse_args(c["command"][3:])
+    assert (args.pipeline, args.stage, args.host, args.port, args.http_port) == (
+        "/etc/omnistage/pipeline.yaml", "talker", "$(POD_IP)", 50051, 8080)
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", 50051), ("http", 8080)]
     e = env(c)
     assert e["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert e["HOME"] == "/tmp" and e["OMP_NUM_THREADS"] == "1" and e["OMNISTAGE_MODEL_DIR"] == "/models"
+    assert e["HOME"] == "/tmp" and e["OMP_NUM_THREADS"] == "1" and e[launch.ENV_MODEL_DIR] == "/models"
     assert [x["name"] for x in c["env"]][0] == "POD_IP"   # defined before $(POD_IP) is used
 
 
@@ -137,7 +141,7 @@ def test_no_gpus_no_gpu_resource():
 def test_rollout_strategy_keeps_every_replica_serving():
     d = stage_dep()
     assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    assert d["spec"]["selector"]["matchLabels"] == k.selector("qwen3-omni-tiny", "stage", "talker")
+    assert d["spec"]["selector"]["matchLabels"] == selector("qwen3-omni-tiny", "stage", "talker")
     labels = d["spec"]["template"]["metadata"]["labels"]
     assert labels.items() >= d["spec"]["selector"]["matchLabels"].items()
 
@@ -162,16 +166,16 @@ def test_changing_one_stage_changes_only_that_stages_deployment():
 
 def test_config_hash_rolls_on_topology_but_not_on_scaling():
     doc = copy.deepcopy(BASE)
-    base = k.parse(doc)
+    base = parse(doc)
     doc["spec"]["deployment"]["stages"]["talker"]["replicas"] = 4
-    scaled = k.parse(doc)
+    scaled = parse(doc)
     assert config_hash(base, "talker") == config_hash(scaled, "talker")
     doc["spec"]["topology"]["stages"][0]["chunkSize"] = 8
-    changed = k.parse(doc)
+    changed = parse(doc)
     assert all(config_hash(base, s) != config_hash(changed, s) for s in ("thinker", "talker", "code2wav", None))
     doc2 = copy.deepcopy(BASE)
     doc2["spec"]["deployment"]["stages"]["talker"]["dtype"] = "bfloat16"
-    talker_only = k.parse(doc2)
+    talker_only = parse(doc2)
     assert config_hash(base, "talker") != config_hash(talker_only, "talker")
     assert config_hash(base, "thinker") == config_hash(talker_only, "thinker")
 
@@ -179,7 +183,7 @@ def test_config_hash_rolls_on_topology_but_not_on_scaling():
 def test_stage_service_is_headless_with_named_ports():
     svc = children().stages["thinker"].service
     assert svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["selector"] == k.selector("qwen3-omni-tiny", "stage", "thinker")
+    assert svc["spec"]["selector"] == selector("qwen3-omni-tiny", "stage", "thinker")
     assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
         ("grpc", 50051, "grpc"), ("http", 8080, "http")]
 
@@ -189,20 +193,21 @@ def test_pdb_uses_the_served_version(version):
     pdb = children(pdb=version).stages["thinker"].pdb
     assert pdb["apiVersion"] == version
     assert pdb["spec"] == {"maxUnavailable": 1,
-                           "selector": {"matchLabels": k.selector("qwen3-omni-tiny", "stage", "thinker")}}
+                           "selector": {"matchLabels": selector("qwen3-omni-tiny", "stage", "thinker")}}
 
 
 def test_orchestrator_deployment_uses_kubernetes_discovery_and_its_own_account():
     c = children()
     d = c.orchestrator_deployment
     oc = container(d)
-    assert oc["command"] == ["python", "-m", "orchestrator_service", "--pipeline", "/etc/omnistage/pipeline.yaml",
-                             "--host", "$(POD_IP)", "--port", "50051", "--http-port", "8080",
-                             "--discovery", "kubernetes", "--namespace", "team-a"]
+    assert oc["command"][:3] == ["python", "-m", launch.ORCHESTRATOR_MODULE]
+    args = launch.orchestrator_parser().parse_args(oc["command"][3:])
+    assert (args.pipeline, args.host, args.port, args.http_port, args.discovery, args.namespace) == (
+        "/etc/omnistage/pipeline.yaml", "$(POD_IP)", 50051, 8080, "kubernetes", "team-a")
     pod = d["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "qwen3-omni-tiny-orchestrator"
     assert pod["automountServiceAccountToken"] is True
-    assert "OMNISTAGE_MODEL_DIR" not in env(oc)
+    assert launch.ENV_MODEL_DIR not in env(oc)
     assert d["spec"]["replicas"] == 1
     assert c.orchestrator_service["spec"]["type"] == "ClusterIP"
 
@@ -220,10 +225,10 @@ def test_orchestrator_may_only_read_endpoints():
 
 def test_network_policy_admits_only_the_pipeline_pods():
     np = children().network_policy
-    assert np["spec"]["podSelector"]["matchLabels"] == {k.LABEL_PIPELINE: "qwen3-omni-tiny",
-                                                        k.LABEL_COMPONENT: "stage"}
+    assert np["spec"]["podSelector"]["matchLabels"] == {LABEL_PIPELINE: "qwen3-omni-tiny",
+                                                        LABEL_COMPONENT: "stage"}
     assert np["spec"]["policyTypes"] == ["Ingress"]
-    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {k.LABEL_PIPELINE: "qwen3-omni-tiny"}}}]}]
+    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {LABEL_PIPELINE: "qwen3-omni-tiny"}}}]}]
 
 
 def test_network_policy_metrics_scrapers_reach_only_http():

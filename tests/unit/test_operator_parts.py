@@ -10,10 +10,11 @@ import kopf
 import pytest
 import yaml
 
-from omnistage_operator import spec as k
+from omnistage.spec import SpecError
 from omnistage_operator.compare import matches
 from omnistage_operator.config import ConfigError, ModelVolume, from_env
 from omnistage_operator.handlers import validate
+from omnistage_operator.pipeline_object import parse
 from omnistage_operator.workqueue import WorkQueue, worker
 
 from ..conftest import EXAMPLES
@@ -145,8 +146,8 @@ def test_webhook_accepts_examples_and_ignores_status():
 
 def test_parse_reports_every_error():
     doc = doc_with(lambda d: d["spec"]["topology"]["stages"][0].update(kind="x", engine="y"))
-    with pytest.raises(k.SpecError) as err:
-        k.parse(doc)
+    with pytest.raises(SpecError) as err:
+        parse(doc)
     assert len(err.value.errors) == 2
 
 

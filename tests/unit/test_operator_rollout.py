@@ -7,9 +7,10 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnistage_operator import spec as k
+from omnistage_operator.pipeline_object import parse
 from omnistage_operator.rollout import (ONE_STAGE_AT_A_TIME, PARALLEL, RolloutPlan, UnitState,
                                         deployment_rolled_out, plan_rollout, rollout_order)
+from omnistage_operator.vocabulary import ORCHESTRATOR
 
 from ..conftest import EXAMPLES
 
@@ -129,9 +130,9 @@ def test_invariants(states, strategy):
 
 def test_rollout_order_from_the_pipeline():
     doc = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())
-    assert rollout_order(k.parse(doc)) == ("thinker", "talker", "code2wav", k.ORCHESTRATOR)
+    assert rollout_order(parse(doc)) == ("thinker", "talker", "code2wav", ORCHESTRATOR)
     doc["spec"]["deployment"]["rollout"]["order"] = ["code2wav"]
-    assert rollout_order(k.parse(doc)) == ("code2wav", "thinker", "talker", k.ORCHESTRATOR)
+    assert rollout_order(parse(doc)) == ("code2wav", "thinker", "talker", ORCHESTRATOR)
 
 
 def dep(generation=2, observed=2, replicas=2, updated=2, total=2, available=2, conditions=()):

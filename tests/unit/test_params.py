@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from omnistage.client import build_request
+from omnistage.modalities import MODALITY_CODES
 from omnistage.params import InvalidRequest, resolve
-from omnistage.spec import Limits
+from omnistage.spec import MODALITIES, Limits
+from omnistage.v1 import orchestrator_pb2
 
 LIMITS = Limits()
 
@@ -23,8 +25,8 @@ def test_defaults():
 
 
 def test_values_pass_through():
-    p = resolve(params(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, width=128, height=64, steps=4,
-                       guidance_scale=1.0, max_codec_frames=9), LIMITS)
+    p = resolve(params(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, width=128, height=64,
+                       num_inference_steps=4, guidance_scale=1.0, max_codec_frames=9), LIMITS)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, pytest.approx(0.9), 5, 3)
     assert (p.width, p.height, p.num_inference_steps, p.guidance_scale, p.max_codec_frames) == (128, 64, 4, 1.0, 9)
 
@@ -39,7 +41,7 @@ BAD = [
     (dict(top_k=0), "params.text.top_k: must be between 1"),
     (dict(width=100_000), "params.image.width: must be between 8 and 1024, got 100000"),
     (dict(height=100), "params.image.height: must be a multiple of 8, got 100"),
-    (dict(steps=100_000), "params.image.num_inference_steps: must be between 1 and 200"),
+    (dict(num_inference_steps=100_000), "params.image.num_inference_steps: must be between 1 and 200"),
     (dict(guidance_scale=-3.0), "params.image.guidance_scale"),
     (dict(max_codec_frames=999_999), "params.audio.max_codec_frames: must be between 1 and 2048"),
     (dict(speaker="x" * 100), "params.audio.speaker: is longer than 64"),
@@ -63,3 +65,9 @@ def test_negative_prompt_token_ids():
 def test_unknown_output_modality_in_client():
     with pytest.raises(ValueError, match="unknown output modality 'smell'"):
         build_request("hi", outputs=["smell"])
+
+
+def test_every_spec_modality_has_one_api_enum_value():
+    names = [n for n in orchestrator_pb2.Modality.keys() if n != "MODALITY_UNSPECIFIED"]
+    assert sorted(names) == sorted(m.upper() for m in MODALITIES)
+    assert build_request("hi", outputs=list(MODALITIES)).outputs == [MODALITY_CODES[m] for m in MODALITIES]

@@ -17,6 +17,8 @@ from omnistage.spec import SchedulerSettings
 from stage_service.errors import EngineDead, EngineError, EngineOverloaded
 from stage_service.scheduler import StepScheduler, StepState
 
+from ..polling import wait_until
+
 
 @dataclass(eq=False)
 class Count(StepState):
@@ -101,11 +103,10 @@ async def test_requests_join_at_the_next_step_and_leave_when_done():
     sched, rec = make(max_batch=4)
     rec.allowed = threading.Semaphore(2)
     long = asyncio.create_task(run(sched, Count("long", 6)))
-    while len(rec.batches) < 2:
-        await asyncio.sleep(0.001)
+    await wait_until(lambda: len(rec.batches) >= 2, interval=0.001, what="two steps")
     short = asyncio.create_task(run(sched, Count("short", 2)))
-    while sched.unfinished() < 2:  # queued while step 3 waits for its permit
-        await asyncio.sleep(0.001)
+    # queued while step 3 waits for its permit
+    await wait_until(lambda: sched.unfinished() >= 2, interval=0.001, what="short queued")
     for _ in range(10):
         rec.allowed.release()
     assert await short == [1, 2] and await long == [1, 2, 3, 4, 5, 6]
@@ -150,15 +151,13 @@ async def test_cancel_during_a_step_frees_the_state_when_that_step_returns():
     rec.gate = threading.Event()
     state = Count("c", 100)
     task = asyncio.create_task(run(sched, state))
-    while sched.running == 0 or not sched._in_step:
-        await asyncio.sleep(0.001)
+    await wait_until(lambda: sched.running and sched._in_step, interval=0.001, what="a step in flight")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert state.releases == 0 and sched.unfinished() == 1  # the step in flight still uses it
     rec.gate.set()
-    while sched.unfinished():
-        await asyncio.sleep(0.001)
+    await wait_until(lambda: not sched.unfinished(), interval=0.001, what="nothing unfinished")
     assert state.releases == 1 and sched.held_bytes() == 0 and len(rec.batches) == 1
     await sched.shutdown()
 
@@ -169,8 +168,7 @@ async def test_cancel_while_queued_frees_at_once():
     first = asyncio.create_task(run(sched, Count("first", 2)))
     queued = Count("queued", 2)
     second = asyncio.create_task(run(sched, queued))
-    while sched.queued == 0:
-        await asyncio.sleep(0.001)
+    await wait_until(lambda: sched.queued, interval=0.001, what="one queued")
     second.cancel()
     with pytest.raises(asyncio.CancelledError):
         await second
@@ -231,8 +229,7 @@ async def test_shutdown_fails_what_is_held():
     sched, rec = make(max_batch=1)
     rec.gate = threading.Event()
     tasks = [asyncio.create_task(run(sched, Count(f"r{i}", 5))) for i in range(3)]
-    while not sched._in_step:
-        await asyncio.sleep(0.001)
+    await wait_until(lambda: sched._in_step, interval=0.001, what="a step in flight")
     rec.gate.set()
     await sched.shutdown()
     results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -262,8 +259,7 @@ def test_invariants_under_random_load(max_batch, plan):
                 return got
 
         results = await asyncio.gather(*(one(s, c) for s, (_, c, _) in zip(states, plan)))
-        while sched.unfinished():
-            await asyncio.sleep(0.001)
+        await wait_until(lambda: not sched.unfinished(), interval=0.001, what="nothing unfinished")
         for s, (n, cancel_after, _), r in zip(states, plan, results):
             if cancel_after is None or cancel_after >= n:
                 assert r == list(range(1, n + 1))

@@ -46,7 +46,7 @@ def test_model_reads_the_fields():
     assert p.limits.default_max_tokens == 16 and p.limits.max_tokens == 512
     assert p.deployment.orchestrator.max_inflight == 32
     assert p.deployment.rollout.strategy == "OneStageAtATime"
-    assert p.deployment.stages["code2wav"].resources["requests"]["cpu"] == "500m"
+    assert p.deployment.stages["code2wav"].resources.requests["cpu"] == "500m"
 
 
 BAD = [
@@ -148,6 +148,26 @@ BAD = [
     ("stages not a list",
      lambda d: d["spec"]["topology"].__setitem__("stages", {"thinker": {}}),
      ["spec.topology.stages: must be a list, got a mapping"]),
+    ("stage claims to emit what its adapter does not",
+     lambda d: stages(d)[1].__setitem__("emits", ["codes", "audio"]),
+     ['spec.topology.stages[1].emits[1]: the qwen3-omni-talker adapter does not emit "audio" (it emits codes)']),
+    ("edge carries nothing the consumer reads",
+     lambda d: stages(d)[2]["inputs"].__setitem__(0, {"stage": "thinker"}),
+     ['spec.topology.stages[2].inputs[0]: stage "code2wav" (qwen3-omni-code2wav) reads codes, but stage "thinker" '
+      "emits hidden, text, tokens"]),
+    ("consumer without the input it needs",
+     lambda d: stages(d)[1].pop("inputs"),
+     ['spec.topology.stages[1]: stage "talker" (qwen3-omni-talker) needs an input edge carrying hidden']),
+    ("entry adapter given an input",
+     lambda d: stages(d)[0].__setitem__("inputs", [{"stage": "code2wav"}]),
+     ['spec.topology.stages[0].inputs[0]: stage "thinker" (qwen3-omni-thinker) takes no input edges']),
+    ("no adapter for the component",
+     lambda d: stages(d)[1].__setitem__("component", "vocoder"),
+     ['spec.topology.stages[1].component: no transformers adapter serves a "ar" stage with component "vocoder" '
+      "(components: none, thinker, talker)"]),
+    ("duplicate input edge",
+     lambda d: stages(d)[1].__setitem__("inputs", [{"stage": "thinker"}, {"stage": "thinker"}]),
+     ['spec.topology.stages[1].inputs[1].stage: duplicate input stage "thinker"']),
     ("missing required stage fields",
      lambda d: stages(d).__setitem__(0, {"name": "thinker"}),
      ["spec.topology.stages[0].kind: required field is missing",
@@ -200,4 +220,4 @@ def test_defaults_fill_in():
     doc = variant(lambda d: deploy(d).__setitem__("stages", {"thinker": None, "talker": {}, "code2wav": {}}))
     p = parse_pipeline(doc)
     t = p.deployment.stages["thinker"]
-    assert t.replicas == 1 and t.dtype == "auto" and t.scheduler.max_batch == 8 and t.tensor_parallel == 1
+    assert t.replicas == 1 and t.dtype == "auto" and t.scheduler.max_batch == 8 and t.parallelism.tensor == 1

@@ -1,7 +1,8 @@
 """A connector in a process of its own, driven by JSON lines on stdin: for cross-process tests
-and the transport benchmark. Replies are stdout lines starting with "@@ " (UCX may print too).
+and the transport benchmark (bench/transport.py). Replies are stdout lines starting with "@@ " (UCX
+may print too). `PeerProcess` starts and drives one; by hand:
 
-    python -m omnistage.connector.peer --stage thinker --transports shm,ucx --host-id h1
+    python tests/connector_peer.py --stage thinker --transports shm,ucx --host-id h1
 
 ops: put {key, dtype, shape, seed, transport, readers} -> {tensor, sha256, seconds}; get {tensor}
 -> {sha256, seconds, dtype, shape}; held -> {held_bytes, held_tensors, endpoints};
@@ -23,11 +24,9 @@ import time
 
 import torch
 
+from omnistage.connector import Connector, TensorKey, make_connector
+from omnistage.connector.wire import as_bytes
 from omnistage.v1 import tensor_pb2
-
-from .connector import Connector, make_connector
-from .keys import TensorKey
-from .wire import as_bytes
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -120,7 +119,8 @@ class PeerProcess:
 
     def __init__(self, stage: str, transports: str = "shm,ucx", host_id: str | None = None,
                  fragment_bytes: int = 0, env: dict | None = None):
-        self.args = [sys.executable, "-m", "omnistage.connector.peer", "--stage", stage, "--transports", transports,
+        # Run by path: the peer needs only the installed omnistage, whatever the working directory.
+        self.args = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--transports", transports,
                      "--fragment-bytes", str(fragment_bytes)] + (["--host-id", host_id] if host_id else [])
         self.env = {**os.environ, **(env or {})}
         self.proc: asyncio.subprocess.Process | None = None

@@ -1,0 +1,186 @@
+"""The process contract: how a stage or an orchestrator process is started and probed.
+
+Whoever starts one (the operator's builders, `omnistage serve`, the test harness, benchmarks) builds
+its command line with `stage_command` / `orchestrator_command` and its environment with `service_env`;
+the process parses that command line with `stage_parser` / `orchestrator_parser`. Both sides read the
+same flag tables, so a flag one side writes is a flag the other side reads. Also here: the environment
+variable names the services read, the model store's default and layout, ports and probe paths.
+Pure: no imports from the services, nothing read from the environment at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from omnistage.spec import Stage
+
+STAGE_MODULE = "stage_service"
+ORCHESTRATOR_MODULE = "orchestrator_service"
+
+# Environment variables the services read.
+ENV_MODEL_DIR = "OMNISTAGE_MODEL_DIR"        # root of the model store
+ENV_HOST = "OMNISTAGE_HOST"                  # the address to bind when --host is not given
+ENV_SAME_HOST = "OMNISTAGE_PEERS_SAME_HOST"  # "1": every stage of the pipeline runs on this host (local mode)
+ENV_HOST_ID = "OMNISTAGE_HOST_ID"            # the shared-memory domain's name (default: the host name)
+ENV_TRANSPORTS = "OMNISTAGE_TRANSPORTS"      # override the stores a stage enables, e.g. "shm" or "shm,ucx"
+ENV_POD_IP = "POD_IP"                        # on a cluster, from the downward API
+ENV_POD_NAMESPACE = "POD_NAMESPACE"          # on a cluster, from the downward API
+
+DEFAULT_MODEL_DIR = "models"                 # relative to the working directory
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_NAMESPACE = "default"
+
+# Ports and their names on a cluster (the pod IP keeps pods apart); locally every port is 0 (any free).
+GRPC_PORT, HTTP_PORT = 50051, 8080
+GRPC_PORT_NAME, HTTP_PORT_NAME = "grpc", "http"
+# Paths on the HTTP port.
+METRICS_PATH = "/metrics"   # Prometheus
+READY_PATH = "/readyz"      # 200 once serving, 503 while loading or draining
+LIVE_PATH = "/livez"
+DRAIN_PATH = "/drain"       # a preStop hook: answers once admitted work is finished
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: `--name` (underscores as dashes), read back as `args.name`."""
+    name: str
+    help: str
+    type: Callable[[str], Any] = str
+    default: Any = None
+    env: str | None = None          # the default comes from this variable when it is set
+    required: bool = False
+    repeat: bool = False            # may be given several times; the value is a list
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+# Flags both services take.
+_PIPELINE = Flag("pipeline", "OmniPipeline YAML file", required=True)
+_SERVING = (
+    Flag("host", f"address to bind (default ${ENV_HOST} or {DEFAULT_HOST})", default=DEFAULT_HOST, env=ENV_HOST),
+    Flag("port", "gRPC port (0: any free port)", int, default=0),
+    Flag("http_port", f"HTTP port for {METRICS_PATH}, {READY_PATH}, {LIVE_PATH}, {DRAIN_PATH}", int),
+)
+_LIFECYCLE = (
+    Flag("drain_seconds", "bound on finishing admitted work at SIGTERM", float),
+    Flag("ready_file", "write the bound port here once serving"),
+    Flag("log_level", "logging level", default="INFO"),
+)
+STAGE_FLAGS = (
+    _PIPELINE,
+    Flag("stage", "name of the stage to serve", required=True),
+    *_SERVING,
+    Flag("model_dir", f"root of the model store (default ${ENV_MODEL_DIR} or ./{DEFAULT_MODEL_DIR})"),
+    *_LIFECYCLE,
+    Flag("inject_step_failure", "fault injection for tests: every engine step after the N-th raises", int,
+         metavar="N"),
+)
+ORCHESTRATOR_FLAGS = (
+    _PIPELINE,
+    *_SERVING,
+    Flag("stage_endpoint", "static replicas of a stage (repeat per stage)", repeat=True,
+         metavar="NAME=HOST:PORT[,HOST:PORT]"),
+    Flag("discovery", "static: --stage-endpoint flags; kubernetes: watch the endpoints of the stage Services "
+                      f"(<pipeline>-<stage>, port {GRPC_PORT_NAME}) in --namespace",
+         default="static", choices=("static", "kubernetes")),
+    Flag("namespace", f"namespace to watch (default ${ENV_POD_NAMESPACE} or {DEFAULT_NAMESPACE})",
+         default=DEFAULT_NAMESPACE, env=ENV_POD_NAMESPACE),
+    Flag("wait_for_stages", "seconds to wait at start-up for every stage replica to be SERVING", float,
+         default=0.0),
+    *_LIFECYCLE,
+)
+
+
+def stage_service_name(pipeline: str, stage: str) -> str:
+    """The Kubernetes name of one stage's Service (and Deployment, disruption budget): `<pipeline>-<stage>`;
+    the operator creates it and the orchestrator finds the stage's replicas by it."""
+    return f"{pipeline}-{stage}"
+
+
+def stage_command(pipeline: str | os.PathLike, stage: str, *, python: str = sys.executable,
+                  **flags: Any) -> list[str]:
+    """argv of one stage replica; `flags` are STAGE_FLAGS by name (None: left out)."""
+    return _command(python, STAGE_MODULE, STAGE_FLAGS, pipeline=pipeline, stage=stage, **flags)
+
+
+def orchestrator_command(pipeline: str | os.PathLike, *, python: str = sys.executable,
+                         stage_endpoints: Mapping[str, Sequence[str]] | None = None, **flags: Any) -> list[str]:
+    """argv of the orchestrator; `stage_endpoints` maps a stage to its replicas' `host:port`."""
+    endpoints = [f"{stage}={','.join(addrs)}" for stage, addrs in (stage_endpoints or {}).items()] or None
+    return _command(python, ORCHESTRATOR_MODULE, ORCHESTRATOR_FLAGS, pipeline=pipeline,
+                    stage_endpoint=endpoints, **flags)
+
+
+def stage_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    return _parser(STAGE_MODULE, "Serve one stage of an OmniPipeline.", STAGE_FLAGS, env)
+
+
+def orchestrator_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    return _parser(ORCHESTRATOR_MODULE, "Serve the client API of an OmniPipeline.", ORCHESTRATOR_FLAGS, env)
+
+
+def service_env(model_dir: str | os.PathLike | None = None, *, same_host: bool = False) -> dict[str, str]:
+    """What a stage or orchestrator process is started with, on top of what it inherits."""
+    # One torch thread per model process: with two under load, tokens/s fell 12x (DESIGN.md).
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if model_dir is not None:
+        env[ENV_MODEL_DIR] = str(model_dir)
+    if same_host:
+        env[ENV_SAME_HOST] = "1"
+    return env
+
+
+def model_root(root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """The model store: `root` when given, else $OMNISTAGE_MODEL_DIR, else ./models."""
+    env = os.environ if env is None else env
+    return Path(root or env.get(ENV_MODEL_DIR) or DEFAULT_MODEL_DIR)
+
+
+def model_dir(stage: "Stage", root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """Where a stage's checkpoint lies: its `model` (absolute, or under the model store), then its
+    `component` sub-folder when it serves one part of a combined checkpoint."""
+    path = Path(stage.model)
+    if not path.is_absolute():
+        path = model_root(root, env) / path
+    return path / stage.component if stage.component else path
+
+
+def _command(python: str, module: str, table: tuple[Flag, ...], **values: Any) -> list[str]:
+    unknown = set(values) - {f.name for f in table}
+    if unknown:
+        raise TypeError(f"python -m {module} has no flag {', '.join(sorted(unknown))}")
+    argv = [python, "-m", module]
+    for f in table:
+        value = values.get(f.name)
+        if value is None:
+            continue
+        for item in (value if f.repeat else [value]):
+            argv += [f.option, str(item)]
+    return argv
+
+
+def _parser(module: str, description: str, table: tuple[Flag, ...],
+            env: Mapping[str, str] | None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    for f in table:
+        default = (env.get(f.env) or f.default) if f.env else f.default
+        kw: dict[str, Any] = {"help": f.help, "type": f.type, "metavar": f.metavar, "choices": f.choices}
+        if f.repeat:
+            kw.update(action="append", default=[])
+        elif f.required:
+            kw.update(required=True)
+        else:
+            kw.update(default=default)
+        p.add_argument(f.option, **kw)
+    return p

@@ -1,0 +1,292 @@
+"""The OmniPipeline API (omnistage.io/v1alpha1), declared once.
+
+`spec.topology` says which stages exist and how data flows between them; `spec.deployment` says how
+each stage runs; `status` is what the operator reports. Each field's type, default, bounds and
+description live here and nowhere else: validation (`validation.py`), building (`loading.py`), the CRD
+schema (`crd.py`) and `omnistage explain` (`explain.py`) read these declarations (see `fields.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .engines import ENGINE_NAMES
+from .fields import Quantity, api_field
+
+API_GROUP = "omnistage.io"
+API_VERSION = "v1alpha1"
+KIND = "OmniPipeline"
+PLURAL = "omnipipelines"
+
+STAGE_KINDS = ("ar", "diffusion", "generation")
+ENGINES = ENGINE_NAMES
+# What stages emit, and so what their edges carry.
+EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", "image")
+MODALITIES = ("text", "audio", "image")
+TRANSPORTS = ("auto", "inline", "shm", "ucx")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ROLLOUT_STRATEGIES = ("OneStageAtATime", "Parallel")
+FAIRNESS_POLICIES = ("InFlightFirst", "ShortestFirst")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CONDITION_STATUSES = ("True", "False", "Unknown")
+DEFAULT_IMAGE = "ghcr.io/omnistage/omnistage:0.1.0"
+
+# Kubernetes objects are named "<pipeline>-<stage>" and "<pipeline>-orchestrator"; Service names
+# must be DNS-1035 labels: a letter first, at most 63 characters.
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_LABEL_HINT = ('must be lower-case letters, digits and "-", start with a letter and end with a letter or '
+                  "digit (it names Kubernetes Services)")
+MAX_NAME_LEN = 63
+ORCHESTRATOR_SUFFIX = "-orchestrator"
+RESERVED_STAGE_NAMES = ("orchestrator",)
+
+
+# ------------------------------------------------------------------------- topology
+
+@dataclass(frozen=True)
+class Edge:
+    source: str = api_field("The producing stage; its chunks arrive at its chunkSize.", key="stage",
+                            required=True)
+    transport: str = api_field("How tensors cross this edge: auto (shared memory on one host, else UCX), "
+                               "inline (in the gRPC stream), shm or ucx.", default="auto", enum=TRANSPORTS)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str = api_field("Stage name, unique in the pipeline; names the stage's Kubernetes objects.",
+                          required=True, pattern=DNS_LABEL, pattern_hint=DNS_LABEL_HINT,
+                          max_length=MAX_NAME_LEN - 2, length_hint="with the pipeline name it names Services")
+    kind: str = api_field("ar (token loop), diffusion (denoise loop) or generation (one-shot or chunked).",
+                          required=True, enum=STAGE_KINDS)
+    engine: str = api_field("The engine serving the stage.", required=True, enum=ENGINES)
+    model: str = api_field("Model folder: absolute, or relative to the model store.", required=True)
+    emits: tuple[str, ...] = api_field("What the stage emits: what its edges carry and what outputs it can "
+                                       "serve; each must be something its engine produces.",
+                                       required=True, enum=EMITS, non_empty=True)
+    component: str = api_field("Part of a split model this stage runs (thinker, talker, code2wav, "
+                               "text_encoder, unet, vae); selects the engine adapter.", default="")
+    inputs: tuple[Edge, ...] = api_field("Edges from producing stages.", default=(), list_map_key="stage",
+                                         item="input")
+    chunk_size: int = api_field("Units (tokens, frames, steps) per chunk on every edge leaving this stage; "
+                                "0 is the whole result in one chunk.", default=0, minimum=0)
+
+
+@dataclass(frozen=True)
+class Output:
+    modality: str = api_field("What the client receives.", required=True, enum=MODALITIES)
+    stage: str = api_field("The stage whose chunks carry it.", required=True)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on request parameters; beyond them a request is INVALID_ARGUMENT."""
+
+    max_prompt_chars: int = api_field("Longest prompt, in characters (or token ids).", default=8192, minimum=1)
+    max_tokens: int = api_field("Most text tokens a request may ask for.", default=512, minimum=1)
+    default_max_tokens: int = api_field("Text tokens when a request does not say.", default=32, minimum=1)
+    max_codec_frames: int = api_field("Most audio codec frames a request may ask for.", default=2048, minimum=1)
+    default_codec_frames: int = api_field("Audio codec frames when a request does not say.", default=100,
+                                          minimum=1)
+    max_image_side: int = api_field("Largest image width or height, in pixels.", default=1024, minimum=1)
+    default_image_side: int = api_field("Image width and height when a request does not say.", default=64,
+                                        minimum=1)
+    max_inference_steps: int = api_field("Most denoise steps a request may ask for.", default=200, minimum=1)
+    default_inference_steps: int = api_field("Denoise steps when a request does not say.", default=10,
+                                             minimum=1)
+
+
+# Each default must not exceed its maximum (checked by validation).
+LIMIT_DEFAULTS = (("default_max_tokens", "max_tokens"), ("default_codec_frames", "max_codec_frames"),
+                  ("default_image_side", "max_image_side"), ("default_inference_steps", "max_inference_steps"))
+
+
+@dataclass(frozen=True)
+class Topology:
+    stages: tuple[Stage, ...] = api_field("The stages, in any order; edges say the data flow.", required=True,
+                                          non_empty=True, list_map_key="name", item="stage")
+    outputs: tuple[Output, ...] = api_field("What the client receives, and from which stage.", required=True,
+                                            non_empty=True, list_map_key="modality", item="output")
+    limits: Limits = api_field("Bounds on request parameters; beyond them a request is INVALID_ARGUMENT.",
+                               default_factory=Limits)
+
+
+# ----------------------------------------------------------------------- deployment
+
+@dataclass(frozen=True)
+class Resources:
+    requests: Mapping[str, Quantity] = api_field("Resources reserved per replica (cpu, memory, ...).",
+                                                 default_factory=dict)
+    limits: Mapping[str, Quantity] = api_field("Resources a replica may use at most.", default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """As a container's `resources`, without empty parts."""
+        return {part: dict(v) for part, v in (("requests", self.requests), ("limits", self.limits)) if v}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tensor: int = api_field("Tensor-parallel degree.", default=1, minimum=1, maximum=1024)
+    pipeline: int = api_field("Pipeline-parallel degree.", default=1, minimum=1, maximum=1024)
+    data: int = api_field("Data-parallel degree.", default=1, minimum=1, maximum=1024)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    max_batch: int = api_field("Most requests in one engine step.", default=8, minimum=1, maximum=4096)
+    max_queued: int = api_field("Requests waiting for a batch slot at most; beyond it the stage refuses "
+                                "(RESOURCE_EXHAUSTED).", default=64, minimum=0, maximum=1_000_000)
+    max_wait_ms: float = api_field("How long a step waits for more requests to join its batch.", default=2.0,
+                                   minimum=0)
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """The stage's data-plane buffers: bytes it may hold for consumers, and how long unfetched ones live."""
+
+    max_buffered_bytes: int = api_field("Bytes held for consumers at most; over it the stage waits.",
+                                        default=256 << 20, minimum=1 << 20)
+    ttl_seconds: float = api_field("Held chunks nobody fetched are freed after this long.", default=120.0,
+                                   minimum=1)
+
+
+@dataclass(frozen=True)
+class StageDeployment:
+    replicas: int = api_field("Replicas of the stage.", default=1, minimum=0, maximum=1000)
+    image: str = api_field("Container image.", default="", default_from="spec.deployment.image")
+    resources: Resources = api_field("Kubernetes resources per replica.", default_factory=Resources)
+    gpus: int = api_field("GPUs per replica, requested as nvidia.com/gpu.", default=0, minimum=0, maximum=64)
+    parallelism: Parallelism = api_field("Engine parallelism within a replica.", default_factory=Parallelism)
+    dtype: str = api_field("Weights and activations dtype; auto takes the model's.", default="auto",
+                           enum=DTYPES)
+    engine_args: Mapping[str, Any] = api_field("Passed to the engine as is (for vLLM, engine arguments by "
+                                               "name).", default_factory=dict, free_form=True)
+    scheduler: SchedulerSettings = api_field("The stage's step scheduler.", default_factory=SchedulerSettings)
+    drain_seconds: float = api_field("Bound on finishing admitted work when a replica stops.", default=30.0,
+                                     minimum=0)
+    env: Mapping[str, str] = api_field("Extra environment variables of the stage process.", default_factory=dict,
+                                       empty_ok=True)
+    transfer: TransferSettings = api_field("The stage's data-plane buffers for its consumers.",
+                                           default_factory=TransferSettings)
+
+
+@dataclass(frozen=True)
+class OrchestratorDeployment:
+    replicas: int = api_field("Replicas of the orchestrator.", default=1, minimum=0, maximum=1000)
+    image: str = api_field("Container image.", default="", default_from="spec.deployment.image")
+    resources: Resources = api_field("Kubernetes resources per replica.", default_factory=Resources)
+    max_inflight: int = api_field("Requests in flight at once per replica; more wait in the queue.", default=64,
+                                  minimum=1, maximum=1_000_000)
+    max_queued: int = api_field("Requests waiting for admission at most; beyond it RESOURCE_EXHAUSTED.",
+                                default=256, minimum=0, maximum=1_000_000)
+    max_retries: int = api_field("Retries of a stage call on another replica after a lost replica.", default=2,
+                                 minimum=0, maximum=10)
+    fairness: str = api_field("Which waiting request is admitted first.", default="InFlightFirst",
+                              enum=FAIRNESS_POLICIES)
+    drain_seconds: float = api_field("Bound on finishing admitted work when a replica stops.", default=30.0,
+                                     minimum=0)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    strategy: str = api_field("OneStageAtATime rolls a changed stage only once every other is rolled out and "
+                              "ready; Parallel rolls all at once.", default=ROLLOUT_STRATEGIES[0],
+                              enum=ROLLOUT_STRATEGIES)
+    order: tuple[str, ...] = api_field("Stages first in the rollout order; the rest follow in data-flow order.",
+                                       default=(), unique=True)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    stages: Mapping[str, StageDeployment] = api_field("One entry per stage of the topology, by stage name.",
+                                                      required=True, nullable=True)
+    orchestrator: OrchestratorDeployment = api_field("The orchestrator: admission, routing, the client API.",
+                                                     default_factory=OrchestratorDeployment)
+    rollout: Rollout = api_field("How changes roll out.", default_factory=Rollout)
+    image: str = api_field("Default image of every stage and the orchestrator.", default=DEFAULT_IMAGE)
+
+
+@dataclass(frozen=True)
+class Spec:
+    topology: Topology = api_field("Which stages exist and how data flows between them.", required=True)
+    deployment: Deployment = api_field("How each stage runs; changing one entry rolls that stage alone.",
+                                       required=True)
+
+
+@dataclass(frozen=True)
+class Metadata:
+    name: str = api_field("Pipeline name; with a suffix it names every object of the pipeline.",
+                          required=True, pattern=DNS_LABEL, pattern_hint=DNS_LABEL_HINT,
+                          max_length=MAX_NAME_LEN - len(ORCHESTRATOR_SUFFIX),
+                          length_hint=f'"<name>{ORCHESTRATOR_SUFFIX}" names a Service, at most {MAX_NAME_LEN} '
+                                      "characters")
+
+
+# --------------------------------------------------------------------------- status
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    replicas: int = api_field("Replicas that exist.", default=0, int_format="int32")
+    ready_replicas: int = api_field("Replicas ready to serve.", default=0, int_format="int32")
+    updated_replicas: int = api_field("Replicas running the current spec.", default=0, int_format="int32")
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str = api_field("Ready, Progressing or Degraded.", required=True, enum=CONDITION_TYPES)
+    status: str = api_field("True, False or Unknown.", required=True, enum=CONDITION_STATUSES)
+    reason: str = api_field("Why, in CamelCase.", default="")
+    message: str = api_field("Why, for a person.", default="")
+    last_transition_time: str = api_field("When the status last changed (RFC 3339).", default="")
+    observed_generation: int = api_field("The generation the condition describes.", default=0,
+                                         int_format="int64")
+
+
+@dataclass(frozen=True)
+class Status:
+    observed_generation: int = api_field("The generation last reconciled.", default=0, int_format="int64")
+    stages_ready: str = api_field('Stages with every replica ready, out of all stages ("2/3").', default="")
+    orchestrator_endpoint: str = api_field("host:port of the client API (Generate) inside the cluster.",
+                                           default="")
+    stages: Mapping[str, ReplicaStatus] = api_field("Replicas of each stage, by stage name.", default_factory=dict)
+    orchestrator: ReplicaStatus = api_field("Replicas of the orchestrator.", default_factory=ReplicaStatus)
+    conditions: tuple[Condition, ...] = api_field("Ready, Progressing and Degraded.", default=(),
+                                                  list_map_key="type", item="condition")
+
+
+# ------------------------------------------------------------------- the whole object
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One validated OmniPipeline, as every service and the operator read it."""
+
+    name: str
+    namespace: str
+    stages: tuple[Stage, ...]
+    outputs: tuple[Output, ...]
+    limits: Limits
+    deployment: Deployment
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def consumers(self, name: str) -> tuple[Stage, ...]:
+        return tuple(s for s in self.stages if any(e.source == name for e in s.inputs))
+
+    @property
+    def entry_stages(self) -> tuple[Stage, ...]:
+        return tuple(s for s in self.stages if not s.inputs)
+
+    def topo_order(self) -> tuple[Stage, ...]:
+        """Stages with every producer before its consumers (ties: file order)."""
+        from .graph import topo_order
+
+        order = topo_order({s.name: [e.source for e in s.inputs] for s in self.stages})
+        return tuple(self.stage(n) for n in order)
+
+    def outputs_of(self, stage: str) -> tuple[Output, ...]:
+        return tuple(o for o in self.outputs if o.stage == stage)

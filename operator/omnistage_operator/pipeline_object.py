@@ -1,0 +1,44 @@
+"""An OmniPipeline object as the operator receives it (a kopf body or an API object): cleaned down
+to what the user wrote, validated by `omnistage.spec` (never re-validated here) and parsed into the
+typed pipeline."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from omnistage import spec as omnispec
+from omnistage.spec import FieldError, Pipeline, SpecError
+
+from .vocabulary import API_VERSION
+
+
+def clean_document(body: Mapping[str, Any]) -> dict:
+    """The OmniPipeline as the user wrote it: no status, no server-set metadata. This is what the
+    services read from the ConfigMap, so a status update never touches it."""
+    meta = body.get("metadata") or {}
+    return {"apiVersion": body.get("apiVersion", API_VERSION), "kind": body.get("kind", omnispec.KIND),
+            "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace", "default")},
+            "spec": plain(body.get("spec"))}
+
+
+def validation_errors(body: Mapping[str, Any]) -> list[FieldError]:
+    """Every reason this object cannot be served, as field-path errors (the webhook's answer)."""
+    return omnispec.validate(clean_document(body))
+
+
+def parse(body: Mapping[str, Any]) -> Pipeline:
+    """The typed pipeline of an OmniPipeline object; SpecError lists every problem."""
+    doc = clean_document(body)
+    errors = validation_errors(doc)
+    if errors:
+        raise SpecError(errors)
+    return omnispec.parse_pipeline(doc)
+
+
+def plain(value: Any) -> Any:
+    """kopf bodies and API objects hold views and models: copy them into plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value

@@ -1,0 +1,299 @@
+"""One stage's call within a request: the replica serving it, the inputs forwarded to it (kept for a
+replay), the outputs it has delivered, and its retry on another replica.
+
+Two tasks per call, each the only one doing its job. The reader takes the stage's output chunks in
+order, hands each new one to the request (`deliver`) and, when the replica fails, dispatches another.
+The writer is the only task that writes to the stage's stream; it is fed by a queue of attempts (the
+header, then the inputs held so far) and forwarded chunks, so a chunk forwarded during a retry waits
+behind the replay and a new replica sees every input once and in order, without a lock passed
+between tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import grpc
+
+from omnistage.v1 import stage_pb2
+
+from .routing import NoReplica, Replica, Router
+
+# Failures another replica may not repeat. Bad input, deadlines and cancels are the request's own.
+RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS}
+
+
+class StageFailed(Exception):
+    """A stage call ended badly; carries the status the client should get."""
+
+    def __init__(self, stage: str, code: grpc.StatusCode, message: str, replica: str = ""):
+        self.stage, self.code, self.replica = stage, code, replica
+        super().__init__(message)
+
+
+def client_status(stage: str, code: grpc.StatusCode, details: str) -> tuple[grpc.StatusCode, str]:
+    """The one place a stage's status becomes the client's: its own answer for bad input,
+    overload and deadlines; UNAVAILABLE naming the stage for everything else."""
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return code, details
+    return grpc.StatusCode.UNAVAILABLE, f"stage {stage} failed: {details or code.name}"
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left before a time.time() deadline (None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.time())
+
+
+@dataclass
+class StageTiming:
+    replica: str = ""
+    dispatched: float = 0.0
+    first_chunk: float | None = None
+    finished: float | None = None
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    transfer_ms: float = 0.0
+    chunks: int = 0
+    attempts: int = 0
+
+
+class _Incomplete(Exception):
+    """The stream ended without end of stream: the replica went away."""
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """A call just opened on a replica: the writer sends it the header, then `replay`."""
+    call: grpc.aio.StreamStreamCall
+    replay: tuple[stage_pb2.Chunk, ...]
+    inputs_ended: bool  # every input edge has ended within `replay`: half-close after it
+
+
+@dataclass(frozen=True)
+class _Input:
+    """A chunk forwarded from an upstream stage."""
+    chunk: stage_pb2.Chunk
+    inputs_ended: bool  # the end of the last input edge still open: half-close after it
+
+
+class StageCall:
+    """The request's call on one stage, across its attempts on replicas."""
+
+    def __init__(self, stage: str, sources: frozenset[str], header: stage_pb2.StageRequestHeader, *,
+                 router: Router, deadline: float | None,
+                 deliver: Callable[[stage_pb2.Chunk], Awaitable[bool]],
+                 ended: Callable[[StageFailed | None], Awaitable[None]],
+                 max_attempts: int, max_replay_bytes: int):
+        """`deliver(chunk)` hands on each output chunk once, in order, and says whether any of it
+        reached the client; `ended(error)` is awaited once the call is over (error None: finished)."""
+        self.stage, self.sources, self.header = stage, sources, header
+        self.router, self.deadline = router, deadline
+        self._deliver, self._ended = deliver, ended
+        self.max_attempts, self.max_replay_bytes = max_attempts, max_replay_bytes
+        self.tried: set[str] = set()   # replicas called, for Release when the request ends
+        self.timing = StageTiming()
+        self.delivered = 0             # output chunks (ids 0..delivered-1) already handed on
+        self.client_saw = False        # some of this stage's output reached the client
+        self.finished = False
+        self.unfetched = False         # a chunk forwarded here was never sent: its producer may hold it
+        self._log: list[stage_pb2.Chunk] = []  # every input so far while `_replayable`, for a new replica
+        self._log_bytes = 0
+        self._replayable = True
+        self._ended_sources: set[str] = set()
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._replica: Replica | None = None
+        self._writes: asyncio.Queue[_Attempt | _Input] = asyncio.Queue()
+        # Taken only inside open(): a second source forwarding meanwhile waits for the first dispatch.
+        self._opening = asyncio.Lock()
+        self._reader: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        return self._log_bytes
+
+    # ------------------------------------------------------------ request side
+    async def open(self) -> bool:
+        """Dispatch the first attempt and start reading and writing; False when it is open or over."""
+        async with self._opening:
+            if self._reader is not None or self.finished:
+                return False
+            replica = await self._acquire()
+            self._writer = asyncio.create_task(self._write(), name=f"write-{self.stage}")
+            self._attempt(replica)
+            self._reader = asyncio.create_task(self._read(), name=f"read-{self.stage}")
+            return True
+
+    async def forward(self, source: str, chunk: stage_pb2.Chunk) -> None:
+        """Send `chunk` from `source` to the stage. Returns once the writer has sent everything queued,
+        so a stage that reads slowly holds its producer back."""
+        if self.finished:
+            self.unfetched = True  # the stage stopped early: the producer may hold this chunk
+            return
+        self._hold(chunk)
+        if chunk.end_of_stream:
+            self._ended_sources.add(source)
+        self._writes.put_nowait(_Input(chunk, chunk.end_of_stream and self._ended_sources >= self.sources))
+        await self._writes.join()
+
+    def cancel(self) -> None:
+        """Stop the call where it stands (the request failed, or its client went away)."""
+        if self._call is not None and not self.finished:
+            self._call.cancel()
+        for task in (self._reader, self._writer):
+            if task is not None:
+                task.cancel()
+
+    async def stopped(self) -> None:
+        """Wait until both tasks have ended (after `cancel`)."""
+        for task in (self._reader, self._writer):
+            if task is not None:
+                with contextlib.suppress(BaseException):
+                    await task
+
+    # --------------------------------------------------------------- inputs
+    def _hold(self, chunk: stage_pb2.Chunk) -> None:
+        """Keep `chunk` for a replay, or give up replaying when it cannot be kept."""
+        if not self._replayable:
+            return
+        # A chunk by reference lives in the producer's connector, which frees it once fetched: a new
+        # replica could not fetch it again. Past the byte budget the orchestrator will not hold more.
+        size = chunk.ByteSize()
+        if (any(t.WhichOneof("payload") == "ref" for t in chunk.tensors)
+                or self._log_bytes + size > self.max_replay_bytes):
+            self._replayable = False
+            self._log.clear()
+            self._log_bytes = 0
+            return
+        self._log.append(chunk)
+        self._log_bytes += size
+
+    async def _write(self) -> None:
+        call: grpc.aio.StreamStreamCall | None = None
+        while True:
+            item = await self._writes.get()
+            try:
+                if isinstance(item, _Attempt):
+                    call = item.call
+                    messages = [stage_pb2.StageInput(header=self.header),
+                                *(stage_pb2.StageInput(chunk=c) for c in item.replay)]
+                elif self.finished:
+                    self.unfetched = True  # the stage stopped early: the producer may hold this chunk
+                    continue
+                else:
+                    messages = [stage_pb2.StageInput(chunk=item.chunk)]
+                for message in messages:
+                    await call.write(message)
+                if item.inputs_ended:
+                    await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the call failed: the reader sees its status, and the log holds the inputs for a replay
+            finally:
+                self._writes.task_done()
+
+    # -------------------------------------------------------------- outputs
+    async def _read(self) -> None:
+        error: StageFailed | None = None
+        try:
+            while True:
+                call, replica = self._call, self._replica
+                try:
+                    await self._drain(call)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details() or ""
+                except _Incomplete:
+                    code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without end of stream"
+                finally:
+                    self.router.release(replica)
+                await self._retry(replica, code, details)
+            self.finished = True
+            self.timing.finished = time.perf_counter()
+            self._log.clear()
+            self._log_bytes = 0
+        except asyncio.CancelledError:
+            raise
+        except StageFailed as e:
+            error = e
+        except NoReplica as e:
+            error = StageFailed(e.stage, grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:  # noqa: BLE001 - reported to the client as this stage's failure
+            error = StageFailed(self.stage, grpc.StatusCode.UNAVAILABLE,
+                                f"stage {self.stage} failed: {type(e).__name__}: {e}")
+        await self._ended(error)
+
+    async def _drain(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Hand on one attempt's new output chunks until end of stream."""
+        timing = self.timing
+        async for out in call:
+            chunk = out.chunk
+            if chunk.chunk_id < self.delivered:
+                continue  # a retried replica repeating what was already handled
+            if chunk.chunk_id != self.delivered:
+                raise StageFailed(self.stage, grpc.StatusCode.UNAVAILABLE,
+                                  f"stage {self.stage} sent chunk {chunk.chunk_id}, expected {self.delivered}")
+            if timing.first_chunk is None:
+                timing.first_chunk = time.perf_counter()
+            timing.chunks += 1
+            timing.queue_ms += chunk.timing.queue_ms
+            timing.compute_ms += chunk.timing.compute_ms
+            timing.transfer_ms += chunk.timing.transfer_ms
+            if await self._deliver(chunk):
+                self.client_saw = True
+            self.delivered += 1
+            if chunk.end_of_stream:
+                return
+        raise _Incomplete()
+
+    # ------------------------------------------------------------- attempts
+    async def _acquire(self) -> Replica:
+        try:
+            return await self.router.acquire(self.stage, self.tried, remaining(self.deadline))
+        except TimeoutError as e:
+            raise StageFailed(self.stage, grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+
+    def _attempt(self, replica: Replica) -> None:
+        """Open the call on `replica` and queue its header and replay, in one step with nothing
+        forwarded in between: inputs queued after it are not in the replay."""
+        self.tried.add(replica.address)
+        timing = self.timing
+        if not timing.attempts:
+            timing.dispatched = time.perf_counter()
+        timing.replica, timing.attempts = replica.address, timing.attempts + 1
+        self._call = replica.stub.Process(timeout=remaining(self.deadline))
+        self._replica = replica
+        self._writes.put_nowait(_Attempt(self._call, tuple(self._log), self._ended_sources >= self.sources))
+
+    async def _retry(self, failed: Replica, code: grpc.StatusCode, details: str) -> None:
+        """Dispatch another replica after `failed` ended the call, or raise StageFailed saying why not."""
+        self._may_retry(failed, code, details)
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.router.report_failure(failed)
+        try:
+            replica = await self._acquire()
+        except NoReplica:
+            c, message = client_status(self.stage, code, details)
+            raise StageFailed(self.stage, c, f"{message} (replica {failed.address}; no other ready replica)",
+                              failed.address) from None
+        try:
+            self._may_retry(failed, code, details)  # an input forwarded while we waited may not be held
+        except StageFailed:
+            self.router.release(replica)
+            raise
+        self._attempt(replica)
+
+    def _may_retry(self, failed: Replica, code: grpc.StatusCode, details: str) -> None:
+        why = ("its output already reached the client" if self.client_saw else
+               "its inputs are no longer held" if not self._replayable else
+               f"{self.timing.attempts} attempts made" if self.timing.attempts >= self.max_attempts else "")
+        if code not in RETRIABLE or why:
+            c, message = client_status(self.stage, code, details)
+            if c == grpc.StatusCode.UNAVAILABLE and why and code in RETRIABLE:
+                message += f" (replica {failed.address}; not retried: {why})"
+            raise StageFailed(self.stage, c, message, failed.address)

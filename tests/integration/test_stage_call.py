@@ -1,0 +1,214 @@
+"""The orchestrator's call on one stage (orchestrator_service/stage_call.py) against scripted stage
+replicas served in-process over real gRPC (no model): a failed replica is replaced and the new one
+sees every input once and in order, inputs forwarded during a retry included; a call whose inputs
+are no longer held, or whose output reached the client, is not retried; cancel leaves nothing open."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from orchestrator_service.routing import Router
+from orchestrator_service.stage_call import StageCall, StageFailed
+
+from ..harness import example
+from ..polling import wait_until
+
+STAGE, SOURCE = "llm", "up"
+
+
+class ScriptedStage(stage_pb2_grpc.StageServiceServicer):
+    """Answers each input chunk with an output chunk of the same id and text; with no input edge, one
+    end-of-stream chunk once the input half-closes. The first call of the script (on whichever replica
+    gets it) aborts UNAVAILABLE after `fail_first_after` input chunks."""
+
+    def __init__(self, fail_first_after: int | None = None):
+        self.fail_first_after = fail_first_after
+        self.calls: list[list[stage_pb2.StageInput]] = []  # every call's input messages, as received
+        self.open = 0
+
+    async def Process(self, request_iterator, context):
+        got: list[stage_pb2.StageInput] = []
+        first = not self.calls
+        self.calls.append(got)
+        self.open += 1
+        try:
+            async for msg in request_iterator:
+                got.append(msg)
+                if msg.WhichOneof("kind") != "chunk":
+                    continue
+                if first and self.fail_first_after is not None and len(got) - 1 >= self.fail_first_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "replica went down")
+                c = msg.chunk
+                yield stage_pb2.StageOutput(chunk=stage_pb2.Chunk(stage=STAGE, chunk_id=c.chunk_id, text=c.text,
+                                                                  end_of_stream=c.end_of_stream))
+            if len(got) == 1:
+                yield stage_pb2.StageOutput(chunk=stage_pb2.Chunk(stage=STAGE, chunk_id=0, end_of_stream=True))
+        finally:
+            self.open -= 1
+
+
+class Replicas:
+    """Two replicas of the stage running one script, and a router over them."""
+
+    def __init__(self, script: ScriptedStage):
+        self.script = script
+        self.servers: list[grpc.aio.Server] = []
+        self.router = Router(example("llm-tiny"), poll_interval=0)
+
+    async def __aenter__(self) -> Replicas:
+        addresses = []
+        for _ in range(2):
+            server = grpc.aio.server()
+            stage_pb2_grpc.add_StageServiceServicer_to_server(self.script, server)
+            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            self.servers.append(server)
+        self.router.set_endpoints(STAGE, addresses)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.router.close()
+        for server in self.servers:
+            await server.stop(0)
+
+    @property
+    def pool(self):
+        return self.router.pools[STAGE]
+
+    def other_than(self, addresses: set[str]):
+        return next(r for a, r in self.pool.replicas.items() if a not in addresses)
+
+
+class Run:
+    """A StageCall and what it handed on."""
+
+    def __init__(self, replicas: Replicas, sources=frozenset({SOURCE}), client_sees: bool = False,
+                 max_replay_bytes: int = 1 << 20):
+        self.delivered: list[stage_pb2.Chunk] = []
+        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def deliver(chunk):
+            self.delivered.append(chunk)
+            return client_sees
+
+        async def ended(error):
+            self.ended.set_result(error)
+
+        header = stage_pb2.StageRequestHeader(request_id="r1")
+        self.call = StageCall(STAGE, sources, header, router=replicas.router, deadline=None, deliver=deliver,
+                              ended=ended, max_attempts=3, max_replay_bytes=max_replay_bytes)
+
+    async def error(self) -> StageFailed | None:
+        return await asyncio.wait_for(asyncio.shield(self.ended), 30)
+
+
+def chunk(i: int, last: bool = False, ref: bool = False, size: int = 0) -> stage_pb2.Chunk:
+    tensors = [tensor_pb2.Tensor(name="t", ref=tensor_pb2.TensorRef(backend="shm", key=f"r1/up/{i}/t"))] if ref else \
+        [tensor_pb2.Tensor(name="t", data=bytes(size))] if size else []
+    return stage_pb2.Chunk(stage=SOURCE, chunk_id=i, text=f"c{i}", end_of_stream=last, tensors=tensors)
+
+
+def inputs_of(call: list[stage_pb2.StageInput]) -> list[str]:
+    return [m.WhichOneof("kind") if m.WhichOneof("kind") == "header" else m.chunk.text for m in call]
+
+
+async def test_a_failed_replica_is_replaced_and_the_new_one_sees_every_input_once_in_order():
+    script = ScriptedStage(fail_first_after=3)
+    async with Replicas(script) as replicas:
+        run = Run(replicas)
+        assert await run.call.open() and not await run.call.open()  # a second open finds it open
+        first = set(run.call.tried)
+        second = replicas.other_than(first)
+        second.capacity = 0  # full: the retry waits for room, and inputs keep coming meanwhile
+        for i in range(3):
+            await run.call.forward(SOURCE, chunk(i))
+        await wait_until(lambda: replicas.pool.waiting == 1, what="the retry waiting for room")
+        for i in range(3, 5):
+            await run.call.forward(SOURCE, chunk(i))
+        second.capacity = None
+        replicas.pool.room.set()
+        await wait_until(lambda: run.call.timing.attempts == 2, what="the second attempt")
+        await run.call.forward(SOURCE, chunk(5))
+        await run.call.forward(SOURCE, chunk(6, last=True))
+        assert await run.error() is None
+        assert len(script.calls) == 2 and run.call.tried == {*first, second.address}
+        assert inputs_of(script.calls[1]) == ["header", *(f"c{i}" for i in range(7))]
+        # The chunks the first replica answered before it went down reached nobody twice.
+        assert [c.chunk_id for c in run.delivered] == list(range(7)) and run.delivered[-1].end_of_stream
+        assert run.call.finished and run.call.held_bytes == 0 and not run.call.unfetched
+        assert all(r.outstanding == 0 for r in replicas.pool.replicas.values())
+        await run.call.forward(SOURCE, chunk(7))  # a chunk for a stage that has finished
+        assert run.call.unfetched
+        run.call.cancel()
+        await run.call.stopped()
+
+
+@pytest.mark.parametrize("dropped_by", ["a chunk by reference", "the replay budget"])
+async def test_inputs_dropped_while_a_retry_waits_end_the_call_instead_of_a_partial_replay(dropped_by):
+    script = ScriptedStage(fail_first_after=2)
+    async with Replicas(script) as replicas:
+        run = Run(replicas, max_replay_bytes=4096)
+        await run.call.open()
+        second = replicas.other_than(set(run.call.tried))
+        second.capacity = 0
+        for i in range(2):
+            await run.call.forward(SOURCE, chunk(i))
+        await wait_until(lambda: replicas.pool.waiting == 1, what="the retry waiting for room")
+        await run.call.forward(SOURCE, chunk(2, ref=True) if dropped_by == "a chunk by reference"
+                               else chunk(2, size=8192))
+        assert run.call.held_bytes == 0
+        second.capacity = None
+        replicas.pool.room.set()
+        error = await run.error()
+        assert isinstance(error, StageFailed) and error.code == grpc.StatusCode.UNAVAILABLE
+        assert "not retried: its inputs are no longer held" in str(error) and error.stage == STAGE
+        assert len(script.calls) == 1  # the second replica was never called
+        assert all(r.outstanding == 0 for r in replicas.pool.replicas.values())  # its slot handed back
+        run.call.cancel()
+        await run.call.stopped()
+
+
+async def test_a_stage_whose_output_reached_the_client_is_not_retried():
+    script = ScriptedStage(fail_first_after=2)
+    async with Replicas(script) as replicas:
+        run = Run(replicas, client_sees=True)
+        await run.call.open()
+        for i in range(3):
+            await run.call.forward(SOURCE, chunk(i))
+        error = await run.error()
+        assert error.code == grpc.StatusCode.UNAVAILABLE and "its output already reached the client" in str(error)
+        assert f"replica {next(iter(run.call.tried))}" in str(error) and len(script.calls) == 1
+        run.call.cancel()
+        await run.call.stopped()
+
+
+async def test_an_entry_stage_gets_its_header_and_a_half_close():
+    script = ScriptedStage()
+    async with Replicas(script) as replicas:
+        run = Run(replicas, sources=frozenset())
+        await run.call.open()
+        assert await run.error() is None
+        assert inputs_of(script.calls[0]) == ["header"]
+        assert script.calls[0][0].header.request_id == "r1"
+        assert [c.chunk_id for c in run.delivered] == [0] and run.call.timing.chunks == 1
+        run.call.cancel()
+        await run.call.stopped()
+
+
+async def test_cancel_ends_the_call_on_the_replica_and_frees_its_slot():
+    script = ScriptedStage()
+    async with Replicas(script) as replicas:
+        run = Run(replicas)
+        await run.call.open()
+        await run.call.forward(SOURCE, chunk(0))
+        await wait_until(lambda: len(run.delivered) == 1, what="the first output")
+        assert script.open == 1
+        run.call.cancel()
+        await asyncio.wait_for(run.call.stopped(), 10)
+        await wait_until(lambda: script.open == 0, what="the replica seeing the cancel")
+        assert all(r.outstanding == 0 for r in replicas.pool.replicas.values())
+        assert not run.ended.done()  # a cancelled call reports nothing: the request cancelled it
