@@ -134,8 +134,11 @@ def test_llm_on_vllm_streams_tokens(model_dir, tmp_path):
         server_children = psutil.Process(s.proc.pid).children(recursive=True)
     finally:
         assert s.stop() == 0
-    # vLLM's engine-core helper process went down with its stage.
-    assert descendants_alive({p.pid for p in server_children}) == []
+    # vLLM's engine-core helper process goes down with its stage (it notices its parent's exit itself,
+    # so allow it a bounded moment on a loaded machine).
+    children = {p.pid for p in server_children}
+    wait_until_sync(lambda: not descendants_alive(children), timeout=15,
+                    what="vLLM's engine-core helper to exit after its stage", detail=lambda: descendants_alive(children))
 
 
 def test_validate_lists_every_error(tmp_path):
