@@ -29,24 +29,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def monolith(prompt_set, frames: int, model_dir: Path) -> dict:
     import torch
-    from transformers import Qwen3OmniMoeForConditionalGeneration
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
-    from stage_service.engines.qwen3_omni_steps import Thinker
+    from stage_service.engines.chat import chat_prompt_ids, load_chat_template
+    from stage_service.engines.qwen3_omni_steps import SAMPLE_RATE
 
     torch.set_num_threads(1)
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
-    chat = Thinker(model_dir / "thinker")  # the same chat template the Thinker stage applies
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template = load_chat_template(model_dir, tokenizer)  # the chat template the Thinker stage applies
     lat, tokens, audio_s = [], 0, 0.0
     t_all = time.perf_counter()
     for text, max_tokens in prompt_set:
-        ids = torch.tensor([chat.chat_prompt(text)])
+        ids = torch.tensor([chat_prompt_ids(tokenizer, template, text)])
         t0 = time.perf_counter()
         with torch.inference_mode():
             seq, wav = model.generate(input_ids=ids, thinker_max_new_tokens=max_tokens, thinker_eos_token_id=None,
                                       talker_max_new_tokens=frames + 1, talker_do_sample=False)
         lat.append(time.perf_counter() - t0)
         tokens += seq.shape[1] - ids.shape[1]
-        audio_s += wav.shape[-1] / 24000
+        audio_s += wav.shape[-1] / SAMPLE_RATE
     wall = time.perf_counter() - t_all
     return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": lat,  # audio arrives with the result
             "rtf": sum(lat) / audio_s, "n": len(prompt_set)}

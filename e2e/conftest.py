@@ -23,7 +23,7 @@ POD_UID = 1000                # stage pods run as this user (OMNISTAGE_RUN_AS_US
 def _models_readable_by_pods() -> None:
     """Pods run as uid 1000 and read the model store through a read-only hostPath volume: it must be
     world-readable. `omnistage models build` writes safetensors 0600 today, so open them up here."""
-    if not (MODELS / "qwen3-omni-tiny" / "thinker" / "config.json").exists():
+    if not (MODELS / "qwen3-omni-tiny" / "config.json").exists():
         pytest.fail(f"tiny models missing in {MODELS}: run `make models` first")
     closed = [p for p in MODELS.rglob("*") if not p.stat().st_mode & stat.S_IROTH]
     for p in closed:

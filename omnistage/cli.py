@@ -61,9 +61,17 @@ def cmd_crd(args) -> int:
 
 
 def _launcher(args):
+    """The local pipeline of a serve or run; exits 2 before any process starts when a stage's model
+    fails the same check as `omnistage models check`."""
+    from omnistage.checkpoints.check import check_pipeline
     from omnistage.local import LocalPipeline
 
     pipeline = load_pipeline(args.file)
+    _, errors = check_pipeline(pipeline, args.models)
+    for e in errors:
+        print(f"omnistage {args.command}: {args.file}: {e}", file=sys.stderr)
+    if errors:
+        raise SystemExit(2)
     replicas = {}
     for item in args.replicas or []:
         name, _, n = item.partition("=")
@@ -117,8 +125,9 @@ def cmd_serve(args) -> int:
 
 
 def _gen_kwargs(args) -> dict:
-    kw = dict(max_tokens=args.max_tokens, seed=args.seed, max_codec_frames=args.max_codec_frames, width=args.width,
-              height=args.height, num_inference_steps=args.num_inference_steps, outputs=args.output or (),
+    kw = dict(system_prompt=args.system_prompt, raw_prompt=args.raw_prompt, max_tokens=args.max_tokens,
+              seed=args.seed, max_codec_frames=args.max_codec_frames, width=args.width, height=args.height,
+              num_inference_steps=args.num_inference_steps, outputs=args.output or (),
               return_trace=args.return_trace, ignore_eos=args.ignore_eos)
     if args.temperature is not None:
         kw["temperature"] = args.temperature
@@ -216,6 +225,22 @@ def cmd_models_build(args) -> int:
     return 0
 
 
+def cmd_models_check(args) -> int:
+    from omnistage.checkpoints.check import check_pipeline, describe
+
+    try:
+        pipeline = load_pipeline(args.file)
+    except SpecError as e:
+        _print_spec_errors(args.file, e)
+        return 2
+    plans, errors = check_pipeline(pipeline, args.models)
+    if plans:
+        print(describe(plans))
+    for e in errors:
+        print(f"{args.file}: {e}", file=sys.stderr)
+    return 2 if errors else 0
+
+
 def _quiet_model_libraries() -> None:
     import logging
     import warnings
@@ -230,6 +255,8 @@ def _quiet_model_libraries() -> None:
 
 def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
+    p.add_argument("--system-prompt", default="", help="a system turn before the prompt (chat models)")
+    p.add_argument("--raw-prompt", action="store_true", help="send the prompt as written: no chat template")
     p.add_argument("--out", default=None, help="where to write the audio (.wav) or image (.png)")
     p.add_argument("--max-tokens", type=int, default=0, help="text tokens (0: pipeline default)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
@@ -278,13 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     _add_launch_args(p)
     _add_gen_args(p)
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("models", help="tiny local models")
+    p = sub.add_parser("models", help="build the tiny models; check a pipeline's models before serving")
     msub = p.add_subparsers(dest="models_command", required=True)
     b = msub.add_parser("build", help="build the seeded tiny models the examples use")
     b.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)
     b.add_argument("--only", action="append", help="build only this model (repeat)")
     b.add_argument("--force", action="store_true", help="rebuild even when up to date")
     b.set_defaults(fn=cmd_models_build)
+    c = msub.add_parser("check", help="what each stage of a pipeline will load (files, bytes, device), or why not")
+    c.add_argument("file", help="OmniPipeline YAML file")
+    c.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
+    c.set_defaults(fn=cmd_models_check)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -85,7 +85,8 @@ class GenerateResult:
             f.write(self.images[index].png)
 
 
-def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), max_tokens: int = 0,
+def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), system_prompt: str = "",
+                  raw_prompt: bool = False, max_tokens: int = 0,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, ignore_eos: bool = False, max_codec_frames: int = 0, speaker: str = "",
                   width: int = 0, height: int = 0, num_inference_steps: int = 0, guidance_scale: float | None = None,
@@ -104,7 +105,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), max
         image.guidance_scale = guidance_scale
     params = common_pb2.GenerationParams(prompt=prompt, prompt_token_ids=list(prompt_token_ids), text=text,
                                          audio=common_pb2.AudioParams(max_codec_frames=max_codec_frames,
-                                                                      speaker=speaker), image=image)
+                                                                      speaker=speaker), image=image,
+                                         system_prompt=system_prompt, raw_prompt=raw_prompt)
     if seed is not None:
         params.seed = seed
     unknown = [o for o in outputs if o not in MODALITY_CODES]

@@ -44,6 +44,9 @@ METRICS_PATH = "/metrics"   # Prometheus
 READY_PATH = "/readyz"      # 200 once serving, 503 while loading or draining
 LIVE_PATH = "/livez"
 DRAIN_PATH = "/drain"       # a preStop hook: answers once admitted work is finished
+# Where a process that refuses to start writes its one-line reason (Kubernetes' default terminationMessagePath;
+# the kubelet shows it as the container's last termination message).
+TERMINATION_LOG = "/dev/termination-log"
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,17 @@ def service_env(model_dir: str | os.PathLike | None = None, *, same_host: bool =
     return env
 
 
+def report_exit(message: str, path: str = TERMINATION_LOG) -> None:
+    """Say why this process exits: on stderr, and in the termination log where the container has one."""
+    print(message, file=sys.stderr, flush=True)
+    if os.path.exists(path):
+        try:
+            with open(path, "w") as f:
+                f.write(message[:4096])
+        except OSError:
+            pass
+
+
 def model_root(root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
     """The model store: `root` when given, else $OMNISTAGE_MODEL_DIR, else ./models."""
     env = os.environ if env is None else env
@@ -147,12 +161,15 @@ def model_root(root: str | os.PathLike | None = None, env: Mapping[str, str] | N
 
 
 def model_dir(stage: "Stage", root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
-    """Where a stage's checkpoint lies: its `model` (absolute, or under the model store), then its
-    `component` sub-folder when it serves one part of a combined checkpoint."""
+    """Where a stage's weights lie: its `model` (absolute, or under the model store); for a diffusers
+    pipeline (`model_index.json`) the `component` sub-folder. A combined transformers checkpoint
+    (Qwen-Omni) keeps every component in one set of shards, so its stages get the root."""
     path = Path(stage.model)
     if not path.is_absolute():
         path = model_root(root, env) / path
-    return path / stage.component if stage.component else path
+    if stage.component and (path / "model_index.json").exists():
+        return path / stage.component
+    return path
 
 
 def _command(python: str, module: str, table: tuple[Flag, ...], **values: Any) -> list[str]:

@@ -38,6 +38,9 @@ class RequestParams:
     num_inference_steps: int
     guidance_scale: float
     negative_prompt: str
+    # Chat: a system turn before the prompt, or the prompt sent as written (no chat template applied).
+    system_prompt: str = ""
+    raw_prompt: bool = False
 
 
 def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
@@ -79,13 +82,18 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         raise InvalidRequest("params.image.guidance_scale", f"must be between 0 and 100, got {guidance}")
     if len(img.negative_prompt) > limits.max_prompt_chars:
         raise InvalidRequest("params.image.negative_prompt", f"is longer than {limits.max_prompt_chars} characters")
+    if len(p.system_prompt) > limits.max_prompt_chars:
+        raise InvalidRequest("params.system_prompt", f"is longer than {limits.max_prompt_chars} characters")
+    if p.system_prompt and p.raw_prompt:
+        raise InvalidRequest("params.system_prompt", "cannot be used with params.raw_prompt (no chat template is applied)")
     if len(p.audio.speaker) > 64:
         raise InvalidRequest("params.audio.speaker", "is longer than 64 characters")
     return RequestParams(
         prompt=p.prompt, prompt_token_ids=tuple(p.prompt_token_ids), seed=p.seed if p.HasField("seed") else 0,
         max_tokens=max_tokens, temperature=temperature or None, top_p=top_p, top_k=top_k, ignore_eos=t.ignore_eos,
         max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
-        num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt)
+        num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
+        system_prompt=p.system_prompt, raw_prompt=p.raw_prompt)
 
 
 def _bound(field: str, value: int, lo: int, hi: int) -> None:

@@ -17,6 +17,8 @@ import time
 import grpc
 
 from omnistage import launch
+from omnistage.checkpoints.check import StageCheckError, check_stage
+from omnistage.checkpoints.shards import CheckpointError
 from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
 from omnistage.spec import Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -136,6 +138,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f'{args.pipeline}: no stage named "{args.stage}" (stages: '
               f'{", ".join(s.name for s in pipeline.stages)})', file=sys.stderr)
         return 2
+    check_stage(pipeline, pipeline.stage(args.stage), args.model_dir)  # before any weights are read
     srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
                       args.drain_seconds)
     if args.inject_step_failure is not None:
@@ -164,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(serve(args))
     except SpecError as e:
-        print(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors), file=sys.stderr)
+        launch.report_exit(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors))
         return 2
-    except EngineConfigError as e:
-        print(f"{args.pipeline}: stage {args.stage}: {e}", file=sys.stderr)
+    except StageCheckError as e:
+        launch.report_exit(f"{args.pipeline}: {e}")
+        return 2
+    except (EngineConfigError, CheckpointError) as e:
+        launch.report_exit(f"{args.pipeline}: stage {args.stage}: {e}")
         return 2

@@ -25,9 +25,13 @@ os.environ.setdefault("UCX_TLS", "tcp")
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The tiny models (`make models` builds them); tests that need models fail loudly without them."""
+    from omnistage.tiny_models.build import MODELS, is_current
+
     d = launch.model_root()
-    if not (d / "qwen3-omni-tiny" / "thinker" / "config.json").exists():
-        pytest.fail(f"tiny models missing in {d}: run `make models` (or `.venv/bin/omnistage models build {d}`)")
+    stale = [name for name in MODELS if not is_current(d / name)]
+    if stale:
+        pytest.fail(f"tiny models missing or stale in {d} ({', '.join(stale)}): run `make models` "
+                    f"(or `.venv/bin/omnistage models build {d}`)")
     return d
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
+from typing import AsyncIterator
 
 import grpc
 import yaml
@@ -12,6 +14,7 @@ from omnistage import launch
 from omnistage.client import build_request
 from omnistage.spec import Pipeline, parse_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from orchestrator_service.server import OrchestratorServer
 from stage_service.server import StageServer
 
 from .conftest import EXAMPLES
@@ -30,6 +33,33 @@ async def start_stage(pipeline: Pipeline, stage: str, model_dir: Path, **kw) -> 
     srv = StageServer(pipeline, stage, "127.0.0.1", 0, model_root=str(model_dir), **kw)
     await srv.start()
     return srv
+
+
+@contextlib.asynccontextmanager
+async def stage_servers(pipeline: Pipeline, model_dir: Path,
+                        names: tuple[str, ...] | None = None) -> AsyncIterator[dict[str, StageServer]]:
+    """A server for each named stage (every stage of the pipeline by default), by name; all drained on the
+    way out, those already started too when a later one fails to start."""
+    servers: dict[str, StageServer] = {}
+    try:
+        for name in names or [s.name for s in pipeline.stages]:
+            servers[name] = await start_stage(pipeline, name, model_dir)
+        yield servers
+    finally:
+        for srv in servers.values():
+            await srv.drain()
+
+
+@contextlib.asynccontextmanager
+async def served_pipeline(pipeline: Pipeline, model_dir: Path):
+    """Every stage of the pipeline and an orchestrator over them: yields (orchestrator, stage servers by name)."""
+    async with stage_servers(pipeline, model_dir) as stages:
+        orc = OrchestratorServer(pipeline, {n: [f"127.0.0.1:{s.port}"] for n, s in stages.items()})
+        await orc.start(wait_for_stages=30)
+        try:
+            yield orc, stages
+        finally:
+            await orc.drain()
 
 
 def header(request_id: str = "r1", deadline_unix_ms: int = 0, **params) -> stage_pb2.StageInput:

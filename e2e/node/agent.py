@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kubernetes import client, config, watch
 
-from .pod import PodWorker, ensure_dir
+from .pod import PodWorker, ensure_mountpoint
 from .podspec import PodSpecError
 
 log = logging.getLogger("e2e.node")
@@ -62,7 +62,7 @@ class Agent:
         self.apiserver_port = int(port or 443)
         self.ips = PodIPs()
         self.workers: dict[str, PodWorker] = {}
-        self.created_dirs: list[str] = []
+        self.created_mountpoints: list[str] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.exposed = self._hidden_interpreter_dirs()
@@ -143,9 +143,9 @@ class Agent:
             raise
         return client.ApiClient().sanitize_for_serialization(obj)
 
-    def mountpoint(self, path: str) -> None:
+    def mountpoint(self, path: str, file: bool = False) -> None:
         with self.lock:
-            self.created_dirs += ensure_dir(path)
+            self.created_mountpoints += ensure_mountpoint(path, file)
 
     def patch_pod_status(self, namespace: str, name: str, status: dict) -> None:
         try:
@@ -236,9 +236,9 @@ class Agent:
             w.kill_now()
         for w in workers:
             w.finished.wait(15)
-        for d in reversed(self.created_dirs):
+        for path in reversed(self.created_mountpoints):
             try:
-                os.rmdir(d)
+                os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
             except OSError:
                 pass
 

@@ -1,8 +1,10 @@
 """One pod on the e2e node, run as a kubelet would run it, minus images and cgroups: its container's
 command becomes a local process in a private mount namespace (volumes bind-mounted at their
 mountPaths, root read-only when asked, the pod's uid/gid, no new privileges), bound to the pod's own
-loopback IP. Status follows the process and the pod's own readiness probe; deletion runs the preStop
-hook, then SIGTERM, then SIGKILL when the grace period is over."""
+loopback IP. Status follows the process and the pod's own readiness probe; an exited container's
+termination message is read as the kubelet reads it (terminationMessagePath, then the log tail under
+FallbackToLogsOnError); deletion runs the preStop hook, then SIGTERM, then SIGKILL when the grace
+period is over."""
 
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ if TYPE_CHECKING:   # pragma: no cover
 
 log = logging.getLogger("e2e.node")
 BACKOFF_START, BACKOFF_MAX = 10.0, 300.0   # the kubelet's crash-loop back-off
+# The kubelet's bounds on a termination message (pkg/kubelet/container): the end of the file the
+# container wrote, else (FallbackToLogsOnError, non-zero exit) the end of its last log lines.
+MAX_TERMINATION_MESSAGE_BYTES = 4096
+MAX_TERMINATION_LOG_BYTES, MAX_TERMINATION_LOG_LINES = 2048, 80
 
 
 def now() -> str:
@@ -68,6 +74,8 @@ class PodWorker(threading.Thread):
         self.container = self._the_container()
         self.proc: subprocess.Popen | None = None
         self.started_at = ""
+        self.termination_file: Path | None = None   # host side of terminationMessagePath, this run's
+        self.log_from = 0                            # where this run's output starts in the log
         self.restarts = 0
         self.last_state: dict = {}
         self.ready = False
@@ -143,8 +151,8 @@ class PodWorker(threading.Thread):
         try:
             env = container_env(self.pod, self.container, self.agent.lookup, self._base_env())
             argv = command_line(self.container, env, self.agent.python)
-            mounts = self._mounts()
-            launcher = self._launcher(mounts, argv)
+            mounts = self._mounts() + self._termination_mount()
+            launcher = self._launcher(sorted(mounts, key=lambda m: m[1].count("/")), argv)
         except PodSpecError as e:
             self._status("Pending", ready=False, state={"waiting": {"reason": "CreateContainerConfigError",
                                                                    "message": str(e)}})
@@ -154,6 +162,7 @@ class PodWorker(threading.Thread):
         out = open(self.dir / f"{self.container['name']}.log", "ab")
         out.write(f"--- {now()} start: {shlex.join(argv)}\n".encode())
         out.flush()
+        self.log_from = out.tell()
         self.proc = subprocess.Popen(launcher, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      cwd=self.container.get("workingDir") or "/", start_new_session=True)
         out.close()
@@ -184,7 +193,20 @@ class PodWorker(threading.Thread):
                 raise PodSpecError(f"volumeMount {m['name']!r}: no such volume")
             source = materialize(self.pod, volumes[m["name"]], self.dir, self.agent.lookup)
             out.append((source, m["mountPath"], bool(m.get("readOnly"))))
-        return sorted(out, key=lambda x: x[1].count("/"))
+        return out
+
+    def _termination_mount(self) -> list[tuple[str, str, bool]]:
+        """As the kubelet: a fresh empty file per container run, writable by any pod user, mounted at
+        terminationMessagePath (the apiserver defaults it to /dev/termination-log)."""
+        path = self.container.get("terminationMessagePath")
+        if not path:
+            self.termination_file = None
+            return []
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.termination_file = self.dir / f"{self.container['name']}.termination-log.{self.restarts}"
+        self.termination_file.write_bytes(b"")
+        os.chmod(self.termination_file, 0o666)
+        return [(str(self.termination_file), path, False)]
 
     def _launcher(self, mounts: list[tuple[str, str, bool]], argv: list[str]) -> list[str]:
         pod_sc = self.pod["spec"].get("securityContext") or {}
@@ -201,7 +223,7 @@ class PodWorker(threading.Thread):
                       f"mkdir -p {shlex.quote(child)}",
                       f"mount --bind {shlex.quote(staging)} {shlex.quote(child)}"]
         for source, target, read_only in mounts:
-            self.agent.mountpoint(target)
+            self.agent.mountpoint(target, file=os.path.isfile(source))
             lines.append(f"mount --bind {shlex.quote(source)} {shlex.quote(target)}")
             if read_only:
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
@@ -313,12 +335,40 @@ class PodWorker(threading.Thread):
     def _exited(self, code: int | None) -> None:
         if self.proc is None:
             return
-        self.last_state = {"terminated": {"exitCode": code if code is not None else -1, "startedAt": self.started_at,
-                                          "finishedAt": now(), "reason": "Completed" if code == 0 else "Error"}}
+        # A signal is reported as 128 + its number, as container runtimes do (SIGKILL: 137).
+        code = -1 if code is None else code if code >= 0 else 128 - code
+        ended = {"exitCode": code, "startedAt": self.started_at, "finishedAt": now(),
+                 "reason": "Completed" if code == 0 else "Error"}
+        message = self._termination_message(code)
+        if message:
+            ended["message"] = message
+        self.last_state = {"terminated": ended}
         log.info("pod %s/%s: container exited with %s", self.ns, self.name, code)
         self.proc = None
         self.restarts += 1
         self.ready = False
+
+    def _termination_message(self, code: int) -> str:
+        """The kubelet's rule: the end of the termination file; when that is empty, the policy is
+        FallbackToLogsOnError and the exit code is not 0, the end of this run's last log lines."""
+        fallback = self.container.get("terminationMessagePolicy") == "FallbackToLogsOnError" and code != 0
+        data = b""
+        if self.termination_file is not None:
+            try:
+                data = _read_end(self.termination_file, MAX_TERMINATION_MESSAGE_BYTES)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                return f"Error on reading termination log {self.termination_file}: {e}"
+        if not data and fallback:
+            try:
+                with open(self.dir / f"{self.container['name']}.log", "rb") as f:
+                    f.seek(self.log_from)
+                    lines = f.read().splitlines(keepends=True)[-MAX_TERMINATION_LOG_LINES:]
+                data = b"".join(lines)[-MAX_TERMINATION_LOG_BYTES:]
+            except OSError as e:
+                return f"Error on reading termination message from logs: {e}"
+        return data.decode("utf-8", errors="replace")
 
     def _delete_from_api(self) -> None:
         """The kubelet's last word: the containers are gone, remove the pod object now."""
@@ -355,12 +405,22 @@ class PodWorker(threading.Thread):
         return containers[0]
 
 
-def ensure_dir(path: str) -> list[str]:
-    """Create a mount point on the host; return the folders created (to remove them afterwards)."""
+def ensure_mountpoint(path: str, file: bool = False) -> list[str]:
+    """Create a mount point on the host (a folder, or an empty file to bind a file onto); return the
+    paths created, parents first (to remove them afterwards)."""
     created = []
     p = Path(path)
-    for parent in reversed([p, *p.parents]):
+    for parent in reversed(p.parents):
         if not parent.exists():
             parent.mkdir()
             created.append(str(parent))
+    if not p.exists():
+        p.touch() if file else p.mkdir()
+        created.append(str(p))
     return created
+
+
+def _read_end(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(max(os.fstat(f.fileno()).st_size - limit, 0))
+        return f.read(limit)

@@ -3,8 +3,11 @@
 A stage is served by the adapter of its `engine`, `kind` and `component`. Each adapter reads some of
 what its producers emit (the `emits` vocabulary is what edges carry) and emits a fixed set; validation
 refuses a topology that no adapter can serve, a stage that claims to emit what its adapter does not,
-and an edge whose producer emits nothing the consumer reads. The stage service's adapters name their
-entry here (`ADAPTER`), and the engine registry checks that the model it loads agrees.
+and an edge whose producer emits nothing the consumer reads. Several families may serve the same
+(engine, kind, component) (the Thinker of Qwen3-Omni and of Qwen2.5-Omni): their entries must read and
+emit the same, since validation cannot see the checkpoint. The stage service's engine classes name
+their entry here (`ADAPTER`, or `ADAPTERS` for a class serving several, like the denoise loop for UNets
+and DiTs), and the engine registry checks that the model it loads agrees with the stage.
 """
 
 from __future__ import annotations
@@ -29,20 +32,34 @@ class Adapter:
 
 CAUSAL_LM = Adapter("causal-lm", ("vllm", "transformers"), "ar", "", frozenset({"text", "tokens"}),
                     reads=frozenset({"tokens", "hidden"}))
-QWEN3_OMNI_THINKER = Adapter("qwen3-omni-thinker", ("transformers",), "ar", "thinker",
-                             frozenset({"text", "tokens", "hidden"}))
-QWEN3_OMNI_TALKER = Adapter("qwen3-omni-talker", ("transformers",), "ar", "talker", frozenset({"codes"}),
-                            reads=frozenset({"hidden"}), needs=frozenset({"hidden"}))
-QWEN3_OMNI_CODE2WAV = Adapter("qwen3-omni-code2wav", ("transformers",), "generation", "code2wav",
-                              frozenset({"audio"}), reads=frozenset({"codes"}), needs=frozenset({"codes"}))
+
+
+def _omni(family: str, decoder: str) -> tuple[Adapter, Adapter, Adapter]:
+    """An omni family's Thinker, Talker and audio decoder (the `decoder` component). Every family's
+    Thinker and Talker share (engine, kind, component) and so read and emit the same: validation cannot
+    see the checkpoint, the engine registry picks the family by its architecture."""
+    return (Adapter(f"{family}-thinker", ("transformers",), "ar", "thinker", frozenset({"text", "tokens", "hidden"})),
+            Adapter(f"{family}-talker", ("transformers",), "ar", "talker", frozenset({"codes"}),
+                    reads=frozenset({"hidden"}), needs=frozenset({"hidden"})),
+            Adapter(f"{family}-{decoder}", ("transformers",), "generation", decoder, frozenset({"audio"}),
+                    reads=frozenset({"codes"}), needs=frozenset({"codes"})))
+
+
+QWEN3_OMNI_THINKER, QWEN3_OMNI_TALKER, QWEN3_OMNI_CODE2WAV = _omni("qwen3-omni", "code2wav")
+QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI_TALKER, QWEN2_5_OMNI_TOKEN2WAV = _omni("qwen2.5-omni", "token2wav")
+
+# Diffusers: `component` is the pipeline's sub-folder. The text-encoder stage also reads the other text
+# encoders and tokenizers its pipeline class uses (SD3: text_encoder_2, and text_encoder_3 when present).
 TEXT_ENCODER = Adapter("text-encoder", ("diffusers",), "generation", "text_encoder", frozenset({"embeddings"}))
 DENOISER = Adapter("denoiser", ("diffusers",), "diffusion", "unet", frozenset({"latents"}),
                    reads=frozenset({"embeddings"}), needs=frozenset({"embeddings"}))
+DIT_DENOISER = Adapter("dit-denoiser", ("diffusers",), "diffusion", "transformer", frozenset({"latents"}),
+                       reads=frozenset({"embeddings"}), needs=frozenset({"embeddings"}))
 VAE_DECODER = Adapter("vae-decoder", ("diffusers",), "generation", "vae", frozenset({"image"}),
                       reads=frozenset({"latents"}), needs=frozenset({"latents"}))
 
 ADAPTERS = (CAUSAL_LM, QWEN3_OMNI_THINKER, QWEN3_OMNI_TALKER, QWEN3_OMNI_CODE2WAV, TEXT_ENCODER, DENOISER,
-            VAE_DECODER)
+            DIT_DENOISER, VAE_DECODER, QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI_TALKER, QWEN2_5_OMNI_TOKEN2WAV)
 
 
 ENGINE_NAMES = tuple(dict.fromkeys(e for a in ADAPTERS for e in a.engines))
@@ -58,11 +75,27 @@ def engines_for_kind(kind: str) -> tuple[str, ...]:
 
 
 def components_for(engine: str, kind: str) -> tuple[str, ...]:
-    return tuple(a.component for a in ADAPTERS if a.kind == kind and engine in a.engines)
+    return tuple(dict.fromkeys(a.component for a in ADAPTERS if a.kind == kind and engine in a.engines))
+
+
+def adapters_for(engine: str, kind: str, component: str) -> tuple[Adapter, ...]:
+    """Every adapter that may serve such a stage (one per model family), in catalog order."""
+    return tuple(a for a in ADAPTERS if engine in a.engines and a.kind == kind and a.component == component)
 
 
 def adapter_for(engine: str, kind: str, component: str) -> Adapter | None:
+    """The contract validation checks such a stage against (every adapter of `adapters_for` agrees on it)."""
+    found = adapters_for(engine, kind, component)
+    return found[0] if found else None
+
+
+def _check_catalog() -> None:
     for a in ADAPTERS:
-        if engine in a.engines and a.kind == kind and a.component == component:
-            return a
-    return None
+        for e in a.engines:
+            first = adapter_for(e, a.kind, a.component)
+            if (a.emits, a.reads, a.needs) != (first.emits, first.reads, first.needs):
+                raise AssertionError(f"adapters {first.name} and {a.name} serve the same stages but read or emit "
+                                     "different things: validation could not tell which one a stage gets")
+
+
+_check_catalog()

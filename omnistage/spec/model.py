@@ -64,8 +64,9 @@ class Stage:
     emits: tuple[str, ...] = api_field("What the stage emits: what its edges carry and what outputs it can "
                                        "serve; each must be something its engine produces.",
                                        required=True, enum=EMITS, non_empty=True)
-    component: str = api_field("Part of a split model this stage runs (thinker, talker, code2wav, "
-                               "text_encoder, unet, vae); selects the engine adapter.", default="")
+    component: str = api_field("Part of a combined checkpoint this stage runs (thinker, talker, code2wav, "
+                               "token2wav; a diffusers sub-folder: text_encoder, unet, transformer, vae); "
+                               "selects the engine adapter.", default="")
     inputs: tuple[Edge, ...] = api_field("Edges from producing stages.", default=(), list_map_key="stage",
                                          item="input")
     chunk_size: int = api_field("Units (tokens, frames, steps) per chunk on every edge leaving this stage; "
@@ -225,10 +226,26 @@ class Metadata:
 # --------------------------------------------------------------------------- status
 
 @dataclass(frozen=True)
+class ContainerFailure:
+    pod: str = api_field("The pod whose container failed.", default="")
+    container: str = api_field("The container that failed.", default="")
+    exit_code: int = api_field("How the container last exited (absent when it never ran).", default=0,
+                               int_format="int32")
+    reason: str = api_field("Why it is not running: the kubelet's waiting reason (CrashLoopBackOff, "
+                            "ImagePullBackOff) or how it ended (Error, OOMKilled).", default="")
+    message: str = api_field("Its termination message (what a stage that refuses to start writes to "
+                             "/dev/termination-log, else its last log lines), or the waiting message.", default="")
+    finished_at: str = api_field("When it last exited (RFC 3339).", default="")
+
+
+@dataclass(frozen=True)
 class ReplicaStatus:
     replicas: int = api_field("Replicas that exist.", default=0, int_format="int32")
     ready_replicas: int = api_field("Replicas ready to serve.", default=0, int_format="int32")
     updated_replicas: int = api_field("Replicas running the current spec.", default=0, int_format="int32")
+    last_failure: ContainerFailure = api_field(
+        "While replicas are missing: the newest failure of a pod that is not ready (absent otherwise).",
+        default_factory=ContainerFailure)
 
 
 @dataclass(frozen=True)

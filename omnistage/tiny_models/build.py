@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
-from . import diffusion, lm, qwen3_omni
+from . import diffusion, lm, qwen2_5_omni, qwen3_omni, sd3
 
 # Bump when a builder changes, so stale models get rebuilt.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 MODELS: dict[str, Callable[[Path, int], None]] = {
     "qwen3-omni-tiny": qwen3_omni.build,
+    "qwen2.5-omni-tiny": qwen2_5_omni.build,
     "qwen2-tiny": lm.build,
     "sd-tiny": diffusion.build,
+    "sd3-tiny": sd3.build,
 }
+
+
+STAMP = ".omnistage-build.json"
+
+
+def is_current(out: Path) -> bool:
+    """`out` holds a model built by this version of its builder."""
+    stamp = Path(out) / STAMP
+    return stamp.exists() and json.loads(stamp.read_text()).get("version") == BUILD_VERSION
 
 
 def build_models(root: str | Path, names: list[str] | None = None, *, force: bool = False,
@@ -27,15 +39,15 @@ def build_models(root: str | Path, names: list[str] | None = None, *, force: boo
         if name not in MODELS:
             raise KeyError(f'unknown model "{name}" (known: {", ".join(MODELS)})')
         out = root / name
-        stamp = out / ".omnistage-build.json"
-        if not force and stamp.exists() and json.loads(stamp.read_text()).get("version") == BUILD_VERSION:
+        if not force and is_current(out):
             progress(f"  {name}: up to date ({out})")
             built.append(out)
             continue
         t0 = time.monotonic()
         progress(f"  {name}: building ...")
+        shutil.rmtree(out, ignore_errors=True)  # no file of an older layout may survive a rebuild
         MODELS[name](out, 0)
-        stamp.write_text(json.dumps({"version": BUILD_VERSION, "seed": 0}))
+        (out / STAMP).write_text(json.dumps({"version": BUILD_VERSION, "seed": 0}))
         _readable_by_all(out)  # stage pods run as non-root users
         progress(f"  {name}: built in {time.monotonic() - t0:.1f}s ({out})")
         built.append(out)

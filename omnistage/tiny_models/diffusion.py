@@ -1,11 +1,25 @@
 """A tiny Stable-Diffusion-style pipeline: CLIP text encoder, UNet2DCondition, AutoencoderKL, DDIM.
 
-Saved in the standard diffusers layout, so each stage loads its own component folder.
+Saved in the standard diffusers layout, so each stage loads its own component folder; the denoiser is
+sharded with an index, as large published denoisers are. `save_sharded` is shared with the SD3 builder.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX = WEIGHTS + ".index.json"
+
+
+def save_sharded(model, folder: Path, shards: int = 2) -> None:
+    """Re-save a diffusers model into `folder` as at least `shards` safetensors files plus their index,
+    replacing the single file `save_pretrained` wrote there."""
+    total = sum(t.nbytes for t in model.state_dict().values())
+    (folder / WEIGHTS).unlink(missing_ok=True)
+    model.save_pretrained(folder, max_shard_size=total // shards + 1)
+    if not (folder / WEIGHTS_INDEX).exists():
+        raise RuntimeError(f"{folder}: saving in {shards} shards wrote no {WEIGHTS_INDEX}")
 
 
 def build(out: Path, seed: int = 0) -> None:
@@ -34,3 +48,4 @@ def build(out: Path, seed: int = 0) -> None:
                                    feature_extractor=None, requires_safety_checker=False)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out)
+    save_sharded(unet, out / "unet")

@@ -1,8 +1,13 @@
-"""A tiny Qwen2 causal LM with a locally trained tokenizer: vLLM and transformers both serve it."""
+"""A tiny Qwen2 causal LM with a locally trained tokenizer: vLLM and transformers both serve it.
+
+Saved as Qwen2 checkpoints are published: config.json, generation_config.json, the weights in two
+shards with `model.safetensors.index.json`, a fast tokenizer with its chat template."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+SHARD_BYTES = 6_000_000  # ~9.5 MB of weights: two shards, as published checkpoints are split
 
 
 def build(out: Path, seed: int = 0) -> None:
@@ -22,5 +27,5 @@ def build(out: Path, seed: int = 0) -> None:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size=SHARD_BYTES)
     hf_tok.save_pretrained(out)

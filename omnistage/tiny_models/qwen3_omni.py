@@ -1,32 +1,74 @@
-"""Tiny Qwen3-Omni (Thinker -> Talker -> Code2Wav) with the real transformers classes.
+"""Tiny Qwen3-Omni (Thinker -> Talker -> Code2Wav), written as Qwen/Qwen3-Omni-30B-A3B-Instruct is published.
 
-The combined `Qwen3OmniMoeForConditionalGeneration` is saved at the root of the
-model directory and each stage's sub-model in its own folder, all from the same
-weights, so the staged pipeline and the monolithic model compute the same thing.
+One combined `Qwen3OmniMoeForConditionalGeneration` checkpoint: `config.json` with the upstream keys and
+token ids, `generation_config.json`, the weights sharded (`model-0000N-of-0000M.safetensors` plus
+`model.safetensors.index.json`, the names as transformers writes them for the whole model), a fast
+Qwen2 tokenizer (tokenizer.json, tokenizer_config.json, vocab.json, merges.txt), the chat template in
+`chat_template.json` and the audio feature extractor in `preprocessor_config.json`. Each stage reads its
+own part of the one checkpoint, so the staged pipeline and the monolithic model share every weight.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-SAMPLE_RATE = 24000
 HIDDEN = 64
-VOCAB = 151936
-# Ids the Qwen3-Omni config uses for its chat roles and special tokens.
-SPECIAL_TOKENS = {
-    151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>", 151646: "<|AUDIO|>",
-    151647: "<|audio_start|>", 151648: "<|audio_end|>", 151652: "<|vision_start|>", 151653: "<|vision_end|>",
-    151655: "<|IMAGE|>", 151656: "<|VIDEO|>", 151669: "<|audio_bos|>", 151671: "<|tts_pad|>",
-    151672: "<|tts_bos|>", 151673: "<|tts_eos|>",
-}
-ROLE_TOKENS = {872: "user", 77091: "assistant", 8948: "system"}
-# Codec ids must lie inside the talker's vocabulary and above its 2048 codebook entries.
+VOCAB = 152064          # the Thinker's embedding rows, as upstream (more than the tokenizer's ids)
+REGULAR_IDS = 151643    # byte-level BPE ids; the added tokens follow
+# Upstream's added tokens, in id order from REGULAR_IDS (Qwen3's, then the Omni audio / speech ones).
+ADDED_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+    "<tts_text_bos_single>", "<|audio_pad|>",
+]
+NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                         "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+                         "<think>", "</think>"})
+TOKEN_IDS = {t: REGULAR_IDS + i for i, t in enumerate(ADDED_TOKENS)}
+# The chat roles are plain vocabulary words, at the ids the config names.
+ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
+TOKENIZER_ROLES = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", image_token="<|image_pad|>",
+                       video_token="<|video_pad|>", audio_token="<|audio_pad|>", vision_bos_token="<|vision_start|>",
+                       vision_eos_token="<|vision_end|>", audio_bos_token="<|audio_start|>",
+                       audio_eos_token="<|audio_end|>")
+MULTIMODAL_IDS = dict(audio_token_id=TOKEN_IDS["<|audio_pad|>"], image_token_id=TOKEN_IDS["<|image_pad|>"],
+                      video_token_id=TOKEN_IDS["<|video_pad|>"], audio_start_token_id=TOKEN_IDS["<|audio_start|>"],
+                      audio_end_token_id=TOKEN_IDS["<|audio_end|>"],
+                      vision_start_token_id=TOKEN_IDS["<|vision_start|>"])
+# Codec ids as upstream: inside the talker's vocabulary, above its 2048 codebook entries.
 CODEC_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_nothink_id=2155,
                  codec_think_bos_id=2156, codec_think_eos_id=2157)
-SPEAKERS = {"ethan": 2200, "chelsie": 2201}
+SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+# The Thinker's hidden-states index (0 = embeddings, i = after decoder layer i) the Talker conditions
+# multimodal positions on: upstream takes 24 of 48 layers, the tiny one 1 of 2.
+ACCEPT_HIDDEN_LAYER = 1
+# With transformers' alphabetical tensor order this keeps code2wav, most of the talker and the thinker's
+# large embedding and output matrices in shards of their own (one shard mixes talker and thinker tensors).
+MAX_SHARD_SIZE = 1_600_000
+
+# The chat template, as the model's processor applies it: an optional system turn, user and assistant
+# turns (text, or a list of text / audio / image / video parts), then the assistant generation prompt.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'audio' or 'audio' in part -%}{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
+    "{%- elif part['type'] == 'image' or 'image' in part -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in part -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
-def config():
+def config(accept_hidden_layer: int = ACCEPT_HIDDEN_LAYER):
     from transformers import Qwen3OmniMoeConfig
 
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True,
@@ -34,15 +76,16 @@ def config():
     moe = dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, rope_parameters=rope)
     thinker = dict(
-        text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, **moe),
-        vision_start_token_id=151652, vision_end_token_id=151653, audio_end_token_id=151648,
+        text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, **moe), user_token_id=ROLE_IDS["user"],
+        vision_end_token_id=TOKEN_IDS["<|vision_end|>"], position_id_per_seconds=13, seconds_per_chunk=2,
+        **MULTIMODAL_IDS,
         audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
                           d_model=32, output_dim=HIDDEN, downsample_hidden_size=16, n_window=50),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
                            deepstack_visual_indexes=[0], num_position_embeddings=64))
     talker = dict(
-        thinker_hidden_size=HIDDEN, spatial_merge_size=2, accept_hidden_layer=1, num_code_groups=4,
-        speaker_id=SPEAKERS, **CODEC_IDS,
+        thinker_hidden_size=HIDDEN, spatial_merge_size=2, accept_hidden_layer=accept_hidden_layer, num_code_groups=4,
+        speaker_id=SPEAKERS, position_id_per_seconds=13, seconds_per_chunk=2, **MULTIMODAL_IDS, **CODEC_IDS,
         text_config=dict(vocab_size=3072, hidden_size=HIDDEN, shared_expert_intermediate_size=64, **moe),
         code_predictor_config=dict(vocab_size=2048, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_code_groups=4))
@@ -50,34 +93,44 @@ def config():
     code2wav = dict(codebook_size=2048, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                     num_hidden_layers=1, intermediate_size=64, num_quantizers=4, upsample_rates=[8, 5, 4, 3],
                     upsampling_ratios=[2, 2], decoder_dim=64, sliding_window=8)
-    return Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
-                              enable_audio_output=True)
+    return Qwen3OmniMoeConfig(
+        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav, enable_audio_output=True,
+        im_start_token_id=TOKEN_IDS["<|im_start|>"], im_end_token_id=TOKEN_IDS["<|im_end|>"],
+        tts_pad_token_id=TOKEN_IDS["<tts_pad>"], tts_bos_token_id=TOKEN_IDS["<tts_text_bos>"],
+        tts_eos_token_id=TOKEN_IDS["<tts_text_eod>"],
+        **{f"{role}_token_id": i for role, i in ROLE_IDS.items()})
 
 
-def build(out: Path, seed: int = 0) -> None:
+def tokenizer():
+    from .tokenizers_local import qwen_tokenizer
+
+    return qwen_tokenizer(REGULAR_IDS, {i: role for role, i in ROLE_IDS.items()}, {i: t for t, i in TOKEN_IDS.items()},
+                          NOT_SPECIAL, **TOKENIZER_ROLES)
+
+
+def build(out: Path, seed: int = 0, accept_hidden_layer: int = ACCEPT_HIDDEN_LAYER) -> None:
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeForConditionalGeneration
+    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
 
-    from .tokenizers_local import pad_vocab, train_bpe
+    from .tokenizers_local import save_qwen_tokenizer
 
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(config()).eval()
-    tok = pad_vocab(train_bpe(800, ["<unk>"]), VOCAB, ROLE_TOKENS, SPECIAL_TOKENS)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                     pad_token="<|endoftext|>")
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    hf_tok.save_pretrained(out)
-    for name in ("thinker", "talker", "code2wav"):
-        getattr(model, name).save_pretrained(out / name)
-    hf_tok.save_pretrained(out / "thinker")
-    (out / "code2wav" / "sample_rate").write_text(f"{SAMPLE_RATE}\n")
-    # The Talker's conditioning for "speech starts / ends / pause" is the Thinker's embedding of
-    # tts_bos / tts_eos / tts_pad: ship those three rows with the Talker so it needs no Thinker weights.
-    from safetensors.torch import save_file
-
-    cfg = model.config
-    ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
+    model = Qwen3OmniMoeForConditionalGeneration(config(accept_hidden_layer)).eval()
+    # transformers' init leaves the Talker's fused MoE experts as allocated (torch.empty): without this they
+    # are whatever the memory held, so two builds would differ.
     with torch.no_grad():
-        rows = model.thinker.get_input_embeddings()(ids).contiguous()
-    save_file({"embeds": rows}, str(out / "talker" / "tts_special_embeds.safetensors"))
+        for name, param in model.talker.named_parameters():
+            if ".mlp.experts." in name:
+                param.normal_(0.0, model.config.talker_config.initializer_range)
+    model.generation_config = GenerationConfig(
+        bos_token_id=TOKEN_IDS["<|endoftext|>"], pad_token_id=TOKEN_IDS["<|endoftext|>"],
+        eos_token_id=[TOKEN_IDS["<|im_end|>"], TOKEN_IDS["<|endoftext|>"]])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
+    save_qwen_tokenizer(tokenizer(), out)
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    # The audio encoder's input features: 128 mel bins of 16 kHz audio (Whisper's extractor, as upstream).
+    # The full processor (Qwen3OmniMoeProcessor) also needs a video processor, which needs torchvision.
+    features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
+    features.processor_class = "Qwen3OmniMoeProcessor"
+    features.save_pretrained(out)

@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 
 from omnistage.launch import (DRAIN_PATH, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT,
-                              HTTP_PORT_NAME, LIVE_PATH, READY_PATH, orchestrator_command, service_env,
-                              stage_command)
+                              HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG, orchestrator_command,
+                              service_env, stage_command)
 from omnistage.spec import Pipeline, StageDeployment
 
 from .config import OperatorConfig
@@ -226,6 +226,8 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
                            "timeoutSeconds": 5, "failureThreshold": 6},
          # /drain returns once admitted work is finished (bounded by drainSeconds); SIGTERM follows.
          "lifecycle": {"preStop": {"httpGet": {"path": DRAIN_PATH, "port": HTTP_PORT_NAME}}},
+         # A process that refuses to start (a broken checkpoint) writes one line there; else its last log lines.
+         "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
          "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                              "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}}
     if resources:

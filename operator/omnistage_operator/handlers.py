@@ -1,5 +1,5 @@
-"""kopf wiring, nothing else: watch OmniPipelines and their children into the work queue, serve the
-validating webhook, start and stop the reconcile workers.
+"""kopf wiring, nothing else: watch OmniPipelines, their children and their failing pods into the work
+queue, serve the validating webhook, start and stop the reconcile workers.
 
 Run: `python -m kopf run -m omnistage_operator.handlers --all-namespaces` (or `--namespace=NS`).
 Watch events only enqueue; the reconcile is level-based (reconcile.py), so kopf keeps no per-object
@@ -20,6 +20,7 @@ from .config import from_env
 from .kube import Kube
 from .pipeline_object import validation_errors
 from .reconcile import reconcile
+from .status import last_failure
 from .vocabulary import GROUP, LABEL_PIPELINE, PLURAL, VERSION
 from .workqueue import WorkQueue, resync, worker
 
@@ -34,6 +35,10 @@ CHILD_RESOURCES = (
     dict(group="rbac.authorization.k8s.io", version="v1", plural="roles"),
     dict(group="rbac.authorization.k8s.io", version="v1", plural="rolebindings"),
 )
+# Pods are not children (their Deployments own them) and are only read, but a container that exits
+# before it was ever ready changes no Deployment: its pod's event is what brings its termination
+# message into the status. Only pods with a failing container enqueue (a pod coming up does not).
+POD_RESOURCE = dict(group="", version="v1", plural="pods")
 WEBHOOK_ID = "validate-omnipipeline"   # the webhook path is /validate-omnipipeline
 CHILD_EVENT_DELAY = 0.5
 
@@ -91,6 +96,13 @@ async def child_event(labels: dict, namespace: str, memo: kopf.Memo, **_) -> Non
 for _resource in CHILD_RESOURCES:
     kopf.on.event(**_resource, labels={LABEL_PIPELINE: kopf.PRESENT},
                   id=f"child-{_resource['plural']}")(child_event)
+
+
+def pod_failing(body: kopf.Body, **_) -> bool:
+    return last_failure([body]) is not None
+
+
+kopf.on.event(**POD_RESOURCE, labels={LABEL_PIPELINE: kopf.PRESENT}, when=pod_failing, id="pod-failing")(child_event)
 
 
 def validate(body: kopf.Body, **_) -> None:

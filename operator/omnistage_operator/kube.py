@@ -1,5 +1,5 @@
 """The operator's one door to the API server (blocking calls, run in worker threads): read an
-OmniPipeline and its children, create / merge-patch / delete children, patch status, post Events.
+OmniPipeline, its children and its pods, create / merge-patch / delete children, patch status, post Events.
 Every write goes through here, so writes can be counted."""
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class Kube:
         self._resources = {kind: self.dyn.resources.get(api_version=av, kind=kind) for av, kind in self.child_kinds}
         self._pipelines = self.dyn.resources.get(api_version=API_VERSION, kind="OmniPipeline")
         self._events = self.dyn.resources.get(api_version="v1", kind="Event")
+        self._pods = self.dyn.resources.get(api_version="v1", kind="Pod")
         self._readers = ThreadPoolExecutor(max_workers=len(self.child_kinds), thread_name_prefix="kube-read")
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -93,6 +94,11 @@ class Kube:
         # Eight small lists, one round trip of waiting: the latency of a reconcile is mostly these.
         lists = list(self._readers.map(one_kind, self._resources))
         return {(kind, obj["metadata"]["name"]): obj for kind, items in zip(self._resources, lists) for obj in items}
+
+    def list_pods(self, namespace: str, pipeline: str) -> list[dict]:
+        """The pods of every stage and of the orchestrator (read, never written: they are the
+        Deployments' own)."""
+        return self._pods.get(namespace=namespace, label_selector=f"{LABEL_PIPELINE}={pipeline}", **RAW)["items"]
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
         try:

@@ -1,6 +1,7 @@
 """One reconcile of one OmniPipeline, as a short narrative: read -> parse -> build -> adopt ->
-apply (rollout-gated for Deployments) -> prune -> status. Level-based and idempotent: a pass with
-nothing to change makes no API writes at all."""
+apply (rollout-gated for Deployments) -> prune -> status (with the pods' own account of why replicas
+are missing, when some are). Level-based and idempotent: a pass with nothing to change makes no API
+writes at all."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from .config import OperatorConfig
 from .kube import Kube, controller_uid, owned_by
 from .pipeline_object import parse, plain
 from .rollout import UnitState, deployment_rolled_out, plan_rollout, rollout_order
-from .status import build_status, invalid_status, status_patch, unit_counts
-from .vocabulary import ORCHESTRATOR, R_INVALID_SPEC, orchestrator_endpoint
+from .status import build_status, invalid_status, new_failures, pods_by_unit, status_patch, unit_counts
+from .vocabulary import ORCHESTRATOR, R_INVALID_SPEC, R_STAGE_FAILING, orchestrator_endpoint
 
 log = logging.getLogger("omnistage.operator")
 # While something rolls, look again this often even if no watch event arrives.
@@ -76,14 +77,14 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
 
     if out.created or out.updated or out.deleted:
         kube.post_event(body, "Normal", "ChildrenApplied", _summary(out))
+    counts = _unit_counts(kube, pipeline, observed)
     new = build_status(
-        body.get("status"), generation=generation,
-        stages={s.name: unit_counts(pipeline.deployment.stages[s.name].replicas, observed[s.name])
-                for s in pipeline.stages},
-        orchestrator=unit_counts(pipeline.deployment.orchestrator.replicas, observed[ORCHESTRATOR]),
-        deployments=observed, plan=plan, endpoint=orchestrator_endpoint(pipeline.name, namespace),
-        now=now_rfc3339())
-    _write_status(kube, body, new)
+        body.get("status"), generation=generation, stages={s.name: counts[s.name] for s in pipeline.stages},
+        orchestrator=counts[ORCHESTRATOR], deployments=observed, plan=plan,
+        endpoint=orchestrator_endpoint(pipeline.name, namespace), now=now_rfc3339())
+    if _write_status(kube, body, new):
+        for failure in new_failures(body.get("status"), new):   # once per new message, not per restart
+            kube.post_event(body, "Warning", R_STAGE_FAILING, failure)
     out.writes = kube.thread_writes() - writes_before
     out.requeue_after = PROGRESS_REQUEUE_SECONDS if plan.progressing else None
     return out
@@ -109,6 +110,18 @@ def _ensure(kube: Kube, desired: dict, live: dict, owner_uid: str, out: Outcome)
         return current
     out.updated.append("/".join(key))
     return kube.patch(desired)
+
+
+def _unit_counts(kube: Kube, p: Pipeline, observed: dict[str, dict | None]) -> dict[str, dict]:
+    """Each unit's status entry; when any is short of ready replicas, its pods say why (one list of
+    the pipeline's pods, only then: a settled pipeline costs no pod reads)."""
+    desired = {s.name: p.deployment.stages[s.name].replicas for s in p.stages}
+    desired[ORCHESTRATOR] = p.deployment.orchestrator.replicas
+    counts = {unit: unit_counts(want, observed[unit]) for unit, want in desired.items()}
+    if all(c["readyReplicas"] >= c["replicas"] for c in counts.values()):
+        return counts
+    pods = pods_by_unit(kube.list_pods(p.namespace, p.name))
+    return {unit: unit_counts(want, observed[unit], pods.get(unit, ())) for unit, want in desired.items()}
 
 
 def _unit_deployments(p: Pipeline, children: Children) -> dict[str, dict]:

@@ -1,35 +1,128 @@
 """Pure status: the OmniPipeline's `status` from what its Deployments report and the rollout plan.
 
 `stages.<name>` / `orchestrator`: `replicas` is the count the spec asks for, `readyReplicas` and
-`updatedReplicas` come from the Deployment. Conditions:
+`updatedReplicas` come from the Deployment; while replicas are missing, `lastFailure` says why from the
+unit's pods (the newest termination message, exit code and reason of a container that is not ready).
+Conditions:
   Ready        True/AllStagesReady when every stage and the orchestrator have all replicas ready;
                False/StagesNotReady, False/ScaledToZero, False/InvalidSpec
   Progressing  True/RollingOut while a Deployment is written, rolling or waiting its turn;
                False/RolloutComplete; False/InvalidSpec
-  Degraded     True/StageUnavailable when replicas went missing after the pipeline was ready (or stay
-               missing since), True/ProgressDeadlineExceeded or True/ReplicaFailure from a Deployment;
-               False/AsExpected
+  Degraded     True/StageFailing when a unit short of replicas has a failing container (the message
+               names the unit and carries its termination message), True/ProgressDeadlineExceeded or
+               True/ReplicaFailure from a Deployment, True/StageUnavailable when replicas went missing
+               after the pipeline was ready (or stay missing since); False/AsExpected
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .conditions import condition, is_true, set_condition
 from .pipeline_object import plain
 from .rollout import RolloutPlan, deadline_exceeded
-from .vocabulary import (DEGRADED, ORCHESTRATOR, PROGRESSING, READY, R_ALL_READY, R_AS_EXPECTED,
-                         R_INVALID_SPEC, R_NOT_READY, R_PROGRESS_DEADLINE, R_REPLICA_FAILURE, R_ROLLING_OUT,
-                         R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO, R_STAGE_UNAVAILABLE)
+from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, DEGRADED, LABEL_COMPONENT, LABEL_STAGE,
+                         ORCHESTRATOR, PROGRESSING, READY, R_ALL_READY, R_AS_EXPECTED, R_INVALID_SPEC, R_NOT_READY,
+                         R_PROGRESS_DEADLINE, R_REPLICA_FAILURE, R_ROLLING_OUT, R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO,
+                         R_STAGE_FAILING, R_STAGE_UNAVAILABLE)
 
 MAX_MESSAGE = 1000
+# The kubelet's own bound on one container's termination message (it keeps the end, as we do).
+MAX_TERMINATION_MESSAGE = 4096
+# Waiting reasons of a container on its way up; any other says why it cannot start (ImagePullBackOff,
+# CreateContainerConfigError, CrashLoopBackOff).
+STARTING = frozenset({"ContainerCreating", "PodInitializing"})
 
 
-def unit_counts(desired_replicas: int, live: Mapping[str, Any] | None) -> dict[str, int]:
+def unit_counts(desired_replicas: int, live: Mapping[str, Any] | None,
+                pods: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """A unit's entry in the status: counts from its Deployment, and while replicas are missing, the
+    last failure of its `pods` (when there is one)."""
     st = (live or {}).get("status") or {}
-    return {"replicas": desired_replicas, "readyReplicas": st.get("readyReplicas", 0) or 0,
-            "updatedReplicas": st.get("updatedReplicas", 0) or 0}
+    entry: dict[str, Any] = {"replicas": desired_replicas, "readyReplicas": st.get("readyReplicas", 0) or 0,
+                             "updatedReplicas": st.get("updatedReplicas", 0) or 0}
+    if entry["readyReplicas"] < desired_replicas:
+        failure = last_failure(pods)
+        if failure is not None:
+            entry["lastFailure"] = failure
+    return entry
+
+
+def pods_by_unit(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """A pipeline's pods by unit (stage name, or ORCHESTRATOR), from the labels the builders put on them."""
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        component = labels.get(LABEL_COMPONENT)
+        if component == COMPONENT_ORCHESTRATOR:
+            unit = ORCHESTRATOR
+        elif component == COMPONENT_STAGE:
+            unit = labels.get(LABEL_STAGE)
+        else:
+            continue
+        if unit:
+            out.setdefault(unit, []).append(pod)
+    return out
+
+
+def last_failure(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The newest failure of a container that is not ready, among pods not being deleted: its last
+    non-zero exit (`state` or `lastState`, with the kubelet's termination message), else a waiting
+    reason that is not part of starting up. A ready container's old crash is not why replicas are
+    missing, so it is never reported. Ties go to the pod name, so the same pods give the same answer."""
+    found = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+            if not cs.get("ready"):
+                failure = _container_failure(meta.get("name", ""), cs)
+                if failure is not None:
+                    found.append(failure)
+    return max(found, key=lambda f: (f.get("finishedAt", ""), f["pod"], f["container"]), default=None)
+
+
+def _container_failure(pod: str, cs: Mapping[str, Any]) -> dict[str, Any] | None:
+    state, last = cs.get("state") or {}, cs.get("lastState") or {}
+    waiting = state.get("waiting") or {}
+    waiting_reason = waiting.get("reason") if waiting.get("reason") not in STARTING else None
+    ended = next((t for t in (state.get("terminated"), last.get("terminated")) if t and t.get("exitCode")), None)
+    if ended is not None:
+        failure = {"exitCode": ended["exitCode"], "reason": waiting_reason or ended.get("reason"),
+                   "message": _tail(ended.get("message") or "", MAX_TERMINATION_MESSAGE),
+                   "finishedAt": ended.get("finishedAt")}
+    elif waiting_reason:
+        failure = {"reason": waiting_reason, "message": _tail(waiting.get("message") or "", MAX_TERMINATION_MESSAGE)}
+    else:
+        return None
+    failure = {"pod": pod, "container": cs.get("name", ""), **failure}
+    return {k: v for k, v in failure.items() if v not in (None, "")}
+
+
+def failure_summary(unit: str, failure: Mapping[str, Any], limit: int = MAX_MESSAGE) -> str:
+    """One line naming the unit, how its container failed and (the end of) its message, within `limit`."""
+    how = ", ".join(x for x in (f"exit code {failure['exitCode']}" if "exitCode" in failure else "",
+                                failure.get("reason", "")) if x)
+    head = f"{unit}: {how}"
+    text = " | ".join(line.strip() for line in str(failure.get("message", "")).splitlines() if line.strip())
+    if not text:
+        return head[:limit]
+    return f"{head}: {_tail(text, max(limit - len(head) - 2, 1))}"[:limit]
+
+
+def new_failures(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
+    """Summaries of the container terminations in `new` whose exit code and message `old` did not
+    have: one Event each, not one per restart of a crash loop."""
+    old_units, new_units = _units(old or {}), _units(new)
+    out = []
+    for unit, entry in new_units.items():
+        failure = entry.get("lastFailure") or {}
+        before = (old_units.get(unit) or {}).get("lastFailure") or {}
+        if "exitCode" in failure and _key(failure) != _key(before):
+            out.append(failure_summary(unit, failure))
+    return out
 
 
 def build_status(old: Mapping[str, Any] | None, *, generation: int, stages: Mapping[str, dict],
@@ -61,9 +154,14 @@ def build_status(old: Mapping[str, Any] | None, *, generation: int, stages: Mapp
         progressing = condition(PROGRESSING, False, R_ROLLOUT_COMPLETE, "every Deployment is rolled out",
                                 generation)
 
+    crashing = {name: c["lastFailure"] for name, c in units.items() if c.get("lastFailure")}
     stuck = [n for n, d in deployments.items() if d is not None and deadline_exceeded(d)]
     failing = [n for n, d in deployments.items() if d is not None and _replica_failure(d)]
-    if stuck:
+    if crashing:   # the most useful answer: what the failing container said
+        share = (MAX_MESSAGE - 2 * (len(crashing) - 1)) // len(crashing)
+        degraded = condition(DEGRADED, True, R_STAGE_FAILING,
+                             "; ".join(failure_summary(n, f, share) for n, f in crashing.items()), generation)
+    elif stuck:
         degraded = condition(DEGRADED, True, R_PROGRESS_DEADLINE, f"not progressing: {', '.join(stuck)}",
                              generation)
     elif failing:
@@ -98,18 +196,36 @@ def invalid_status(old: Mapping[str, Any] | None, *, generation: int, errors: li
 
 def status_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict | None:
     """A merge patch turning `old` into `new`, or None when they are the same (no write)."""
-    old = dict(old or {})
-    if plain(old) == plain(new):
+    old = plain(dict(old or {}))
+    if old == plain(new):
         return None
-    patch = dict(new)
-    for key in old:            # fields (and stages) that went away are removed explicitly
-        if key not in new:
-            patch[key] = None
-    if isinstance(old.get("stages"), Mapping) and isinstance(new.get("stages"), Mapping):
-        patch["stages"] = {**{s: None for s in old["stages"] if s not in new["stages"]}, **new["stages"]}
-    return patch
+    return _with_removals(old, new)
 
 
 def _replica_failure(dep: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "ReplicaFailure" and c.get("status") == "True"
                for c in (dep.get("status") or {}).get("conditions") or ())
+
+
+def _with_removals(old: Any, new: Any) -> Any:
+    """`new`, with null for every key (a field, a stage, a stage's lastFailure) that `old` has at any
+    depth and `new` lacks: a merge patch leaves out-of-patch keys alone. Lists are replaced whole."""
+    if not (isinstance(old, Mapping) and isinstance(new, Mapping)):
+        return new
+    out = {key: _with_removals(old.get(key), value) for key, value in new.items()}
+    out.update({key: None for key in old if key not in new})
+    return out
+
+
+def _units(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {**(status.get("stages") or {}), ORCHESTRATOR: status.get("orchestrator") or {}}
+
+
+def _key(failure: Mapping[str, Any]) -> tuple:
+    return failure.get("exitCode"), failure.get("message", "")
+
+
+def _tail(text: str, limit: int) -> str:
+    """At most `limit` characters, keeping the end: the error comes last in a checkpoint complaint
+    ("...: no config.json") and in a traceback alike (the kubelet keeps the end too)."""
+    return text if len(text) <= limit else "…" + text[len(text) - limit + 1:]

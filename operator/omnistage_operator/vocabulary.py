@@ -33,6 +33,7 @@ R_ROLLING_OUT = "RollingOut"
 R_ROLLOUT_COMPLETE = "RolloutComplete"
 R_AS_EXPECTED = "AsExpected"
 R_STAGE_UNAVAILABLE = "StageUnavailable"
+R_STAGE_FAILING = "StageFailing"          # a unit short of replicas has a failing container
 R_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 R_REPLICA_FAILURE = "ReplicaFailure"
 

@@ -1,26 +1,33 @@
 """Diffusion stages on diffusers components: text encoding, the denoise loop, VAE decoding.
 
-Each stage loads one component folder of a diffusers pipeline directory
-(`model: sd-tiny`, `component: text_encoder | unet | vae`). All three run on
-the shared step scheduler: the denoise loop batches one UNet call per step over
-every image with the same latent shape, whatever step each is at (requests join
-and leave between steps); the text encoder and the VAE batch what is queued.
+Each stage loads one component folder of a diffusers pipeline directory as published
+(`model: sd-tiny`, `component: text_encoder | unet | vae`; an SD3-style DiT pipeline:
+`text_encoder | transformer | vae`). What differs between pipeline families is configuration, not
+engines: the text stage's prompt encoding by pipeline class (diffusion_text.py), the denoiser's call by
+model class (diffusion_denoisers.py), the scheduler class by `scheduler_config.json`, the VAE's latent
+shift and scale by its config. All three run on the shared step scheduler: the denoise loop batches one
+model call per step over every image with the same latent and text shapes, whatever step each is at
+(requests join and leave between steps); the text encoder and the VAE batch what is queued.
 """
 
 from __future__ import annotations
 
 import inspect
 import io
-import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import torch
 
+from omnistage.params import InvalidRequest
 from omnistage.spec import engines
 
 from ..scheduler import StepState
-from .base import InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
+from .base import (EngineConfigError, InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine,
+                   tensor)
+from .diffusion_denoisers import DENOISERS
+from .diffusion_layout import PipelineDir
+from .diffusion_text import prompt_encoder
 from .invariance import make_batch_invariant
 
 
@@ -33,29 +40,23 @@ class PromptState(StepState):
 
 
 class TextEncoderEngine(SteppedEngine):
+    """prompt (+ negative prompt under classifier-free guidance) -> `embeddings` [1 or 2, tokens, dim], and
+    what else the pipeline's denoiser takes (SD3: `pooled_embeddings` [1 or 2, dim])."""
+
     ADAPTER = engines.TEXT_ENCODER
-    """prompt (+ negative prompt under classifier-free guidance) -> `embeddings` [1 or 2, tokens, dim]."""
 
     unit = "prompts"
 
     def load(self) -> None:
-        from transformers import CLIPTextModel, PreTrainedTokenizerFast
+        self.encoder = prompt_encoder(PipelineDir(self.model_dir), self.dtype, self.options.batch_invariant)
 
-        root = self.model_dir.parent
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(root / "tokenizer")
-        self.encoder = CLIPTextModel.from_pretrained(self.model_dir, dtype=self.dtype).eval()
-        if self.options.batch_invariant:
-            make_batch_invariant(self.encoder)
-
-    def step(self, states: list[PromptState]) -> list[torch.Tensor]:
+    def step(self, states: list[PromptState]) -> list[dict[str, torch.Tensor]]:
         prompts = [q for st in states for q in st.prompts]  # every prompt is padded to the model length
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                             truncation=True, return_tensors="pt").input_ids
         with torch.inference_mode():
-            emb = self.encoder(ids)[0]
+            encoded = self.encoder.encode(prompts)
         out, i = [], 0
         for st in states:
-            out.append(emb[i:i + len(st.prompts)].clone())
+            out.append({name: t[i:i + len(st.prompts)].clone() for name, t in encoded.items()})
             i += len(st.prompts)
             st.finished = True
         return out
@@ -64,9 +65,8 @@ class TextEncoderEngine(SteppedEngine):
         p = req.params
         prompts = [p.prompt] if p.guidance_scale <= 1.0 else [p.negative_prompt, p.prompt]
         async with self.scheduler.submit(req.request_id, PromptState(prompts)) as stream:
-            emb = await stream.next()
-        yield OutputChunk(tensors={"embeddings": emb}, last=True, queue_ms=stream.queue_ms,
-                          compute_ms=stream.compute_ms)
+            encoded = await stream.next()
+        yield OutputChunk(tensors=encoded, last=True, queue_ms=stream.queue_ms, compute_ms=stream.compute_ms)
 
 
 # ------------------------------------------------------------- denoise loop
@@ -75,7 +75,7 @@ class TextEncoderEngine(SteppedEngine):
 class DenoiseState(StepState):
     scheduler: Any                 # the diffusers scheduler object: it holds per-image state
     latents: torch.Tensor          # [1, C, h, w]
-    embeddings: torch.Tensor       # [1 or 2, tokens, dim]
+    text: dict[str, torch.Tensor]  # forward argument -> [1 or 2 rows, ...]: [unconditional, conditional]
     guidance: float
     generator: torch.Generator
     timesteps: list[torch.Tensor] = field(default_factory=list)
@@ -83,67 +83,98 @@ class DenoiseState(StepState):
     finished: bool = False
 
     @property
-    def key(self):  # images share a UNet call when their latents and text shapes agree
-        return tuple(self.latents.shape[1:]), tuple(self.embeddings.shape[1:])
+    def rows(self) -> int:
+        return len(next(iter(self.text.values())))
+
+    @property
+    def key(self):  # images share a model call when their latents and text shapes agree
+        return tuple(self.latents.shape[1:]), tuple((k, tuple(t.shape[1:])) for k, t in self.text.items())
 
     def held_bytes(self) -> int:
-        return self.latents.nbytes + self.embeddings.nbytes
+        return self.latents.nbytes + sum(t.nbytes for t in self.text.values())
 
     def release(self) -> None:
-        self.latents = self.embeddings = torch.empty(0)  # a [:0] view would keep the storage alive
+        self.latents = torch.empty(0)  # a [:0] view would keep the storage alive
+        self.text = {}
         self.scheduler = None
 
 
 class DenoiseEngine(SteppedEngine):
-    ADAPTER = engines.DENOISER
-    """The denoise-step loop (UNet2DCondition + the pipeline's scheduler): `embeddings` -> `latents`.
+    """The denoise-step loop (a UNet or a DiT, called as its `DENOISERS` entry says, with the pipeline's own
+    scheduler): the text stage's `embeddings` (and pooled embeddings where the model takes them) -> `latents`.
 
     A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once.
     """
 
+    ADAPTERS = tuple(dict.fromkeys(call.adapter for call in DENOISERS.values()))  # unet, transformer
+
     unit = "steps"
 
     def load(self) -> None:
-        import diffusers
-        from diffusers import SchedulerMixin, UNet2DConditionModel
-
-        root = self.model_dir.parent
-        self.unet = UNet2DConditionModel.from_pretrained(self.model_dir, dtype=self.dtype).eval()
+        pipe = PipelineDir(self.model_dir)
+        cfg = pipe.config(pipe.component)
+        self.arch = cfg.get("_class_name", "")
+        if self.arch not in DENOISERS:
+            raise EngineConfigError(f"{self.model_dir / 'config.json'}: no denoise loop for a {self.arch or 'model'} "
+                                    f"(known: {', '.join(DENOISERS)})")
+        self.call = DENOISERS[self.arch]
+        self.model = pipe.load(pipe.component, dtype=self.dtype)
         if self.options.batch_invariant:
-            make_batch_invariant(self.unet)
-        sched_cfg = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
-        self.scheduler_cls: type[SchedulerMixin] = getattr(diffusers, sched_cfg["_class_name"])
-        self.scheduler_cfg = sched_cfg
+            make_batch_invariant(self.model)
+        self.config = dict(self.model.config)
+        self.scheduler_cls = pipe.scheduler_class()
+        self.scheduler_cfg = pipe.config("scheduler")
         self.step_takes_generator = "generator" in inspect.signature(self.scheduler_cls.step).parameters
-        vae_cfg = json.loads((root / "vae" / "config.json").read_text())
+        vae_cfg = pipe.config("vae")
+        if "block_out_channels" not in vae_cfg:
+            raise EngineConfigError(f"{pipe.root / 'vae' / 'config.json'}: no block_out_channels "
+                                    "(the VAE's downsampling, which sets the latent size)")
         self.vae_scale = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
-        self.latent_channels = self.unet.config.in_channels
+        self.latent_channels = self.config["in_channels"]
 
-    def new_state(self, req: StageRequest, emb: torch.Tensor) -> DenoiseState:
+    def new_state(self, req: StageRequest, text: dict[str, torch.Tensor]) -> DenoiseState:
         p = req.params
-        sched = self.scheduler_cls.from_config(self.scheduler_cfg)  # schedulers hold per-request state
-        sched.set_timesteps(p.num_inference_steps)
-        g = torch.Generator().manual_seed(p.seed)
         shape = (1, self.latent_channels, p.height // self.vae_scale, p.width // self.vae_scale)
-        latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.dtype) * sched.init_noise_sigma
-        return DenoiseState(scheduler=sched, latents=latents, embeddings=emb, guidance=p.guidance_scale,
-                            generator=g, timesteps=list(sched.timesteps))
+        sched = self.scheduler_cls.from_config(self.scheduler_cfg)  # schedulers hold per-request state
+        patch = self.call.patch(self.config)
+        image_tokens = (shape[2] // patch) * (shape[3] // patch)
+        sched.set_timesteps(p.num_inference_steps,
+                            **self.call.schedule(p.num_inference_steps, image_tokens, self.scheduler_cfg))
+        g = torch.Generator().manual_seed(p.seed)
+        latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.dtype)
+        if hasattr(sched, "init_noise_sigma"):  # flow-matching schedulers start from plain noise
+            latents = latents * sched.init_noise_sigma
+        return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
+                            timesteps=list(sched.timesteps))
 
     def step(self, states: list[DenoiseState]) -> list[torch.Tensor]:
-        """One denoise step of every image in the batch, each at its own timestep, in one UNet call."""
+        """One denoise step of every image in the batch, each at its own timestep, in one model call."""
+        call = self.call
         with torch.inference_mode():
-            model_in, ts, emb = [], [], []
+            model_in, ts, text = [], [], {k: [] for k in states[0].text}
             for st in states:
                 t = st.timesteps[st.done_steps]
-                x = torch.cat([st.latents] * len(st.embeddings))  # two rows under classifier-free guidance
-                model_in.append(st.scheduler.scale_model_input(x, t))
+                x = torch.cat([st.latents] * st.rows)  # two rows under classifier-free guidance
+                if hasattr(st.scheduler, "scale_model_input"):
+                    x = st.scheduler.scale_model_input(x, t)
+                model_in.append(x)
                 ts.append(t.expand(len(x)))
-                emb.append(st.embeddings)
-            noise = self.unet(torch.cat(model_in), torch.cat(ts), encoder_hidden_states=torch.cat(emb)).sample
+                for k, v in st.text.items():
+                    text[k].append(v)
+            x = torch.cat(model_in)
+            timestep = torch.cat(ts)
+            if call.timestep_scale != 1.0:
+                timestep = timestep * call.timestep_scale
+            text = {k: torch.cat(v) for k, v in text.items()}
+            guidance = torch.tensor([st.guidance for st in states for _ in range(st.rows)])
+            packed = call.pack(x, self.config)
+            pred_all = self.model(**{call.latents_kwarg: packed}, timestep=timestep, **text,
+                                  **call.extra(packed, text, guidance, self.config), return_dict=False)[0]
+            pred_all = call.unpack(pred_all, x.shape, self.config)
             out, i = [], 0
             for st in states:
-                n = len(st.embeddings)
-                pred = noise[i:i + n]
+                n = st.rows
+                pred = pred_all[i:i + n]
                 i += n
                 if n == 2:
                     uncond, cond = pred.chunk(2)
@@ -156,18 +187,45 @@ class DenoiseEngine(SteppedEngine):
                 out.append(st.latents)
         return out
 
+    def text_inputs(self, chunk) -> dict[str, torch.Tensor]:
+        """The text stage's tensors as the model's forward arguments, each checked against its config width."""
+        text: dict[str, torch.Tensor] = {}
+        rows = 0  # of the first (per-token) tensor; the others must agree
+        for ti in self.call.text:
+            t = tensor(chunk, ti.tensor).to(self.dtype)
+            width = self.config[ti.width]
+            if ti.per_token:
+                ok, want = t.dim() == 3 and t.shape[0] in (1, 2) and t.shape[2] == width, f"[1 or 2, tokens, {width}]"
+                rows = rows or (t.shape[0] if ok else 0)
+            else:
+                ok, want = t.dim() == 2 and t.shape[0] == rows and t.shape[1] == width, f"[{rows}, {width}]"
+            if not ok:
+                raise InputError(f"{ti.tensor} must be {want}, got {list(t.shape)}")
+            text[ti.kwarg] = t
+        return text
+
+    def check_size(self, req: StageRequest) -> None:
+        """Image sides this model can take: whole patches of latents, within its position embedding."""
+        side = self.vae_scale * self.call.patch(self.config)
+        most = self.call.max_latent_side(self.config)
+        for name, value in (("width", req.params.width), ("height", req.params.height)):
+            if value % side:
+                raise InvalidRequest(f"params.image.{name}", f"must be a multiple of {side} for this {self.arch}, "
+                                                              f"got {value}")
+            if most is not None and value // self.vae_scale > most:
+                raise InvalidRequest(f"params.image.{name}", f"must be at most {most * self.vae_scale} for this "
+                                                              f"{self.arch}, got {value}")
+
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        self.check_size(req)
         chunks = await inputs.collect()
         if not chunks:
             raise InputError("no embeddings arrived from the text encoder")
-        emb = tensor(chunks[-1], "embeddings").to(self.dtype)
-        if emb.dim() != 3 or emb.shape[0] not in (1, 2) or emb.shape[2] != self.unet.config.cross_attention_dim:
-            raise InputError(f"embeddings must be [1 or 2, tokens, {self.unet.config.cross_attention_dim}], "
-                             f"got {list(emb.shape)}")
+        text = self.text_inputs(chunks[-1])
         transfer_ms = sum(c.transfer_ms for c in chunks)
         del chunks
         every = self.stage.chunk_size
-        st = self.new_state(req, emb)
+        st = self.new_state(req, text)
         first, done_steps, compute_before = True, 0, 0.0
         async with self.scheduler.submit(req.request_id, st) as stream:
             async for latents in stream:
@@ -200,8 +258,13 @@ class LatentsState(StepState):
 
 
 class VaeDecodeEngine(SteppedEngine):
+    """`latents` -> one PNG (tensor `image`: the encoded bytes, uint8); latents of one shape share a decode.
+
+    The denoiser's latents are scaled and shifted as the VAE's config says (`scaling_factor`, and
+    `shift_factor` where it has one, as SD3's does) before decoding.
+    """
+
     ADAPTER = engines.VAE_DECODER
-    """`latents` -> one PNG (tensor `image`: the encoded bytes, uint8); latents of one shape share a decode."""
 
     unit = "images"
 
@@ -211,13 +274,17 @@ class VaeDecodeEngine(SteppedEngine):
         self.vae = AutoencoderKL.from_pretrained(self.model_dir, dtype=self.dtype).eval()
         if self.options.batch_invariant:
             make_batch_invariant(self.vae)
+        self.scaling = self.vae.config.scaling_factor
+        self.shift = getattr(self.vae.config, "shift_factor", None)
 
     def step(self, states: list[LatentsState]) -> list[torch.Tensor]:
         from PIL import Image
 
         with torch.inference_mode():
-            latents = torch.cat([st.latents for st in states]).to(self.dtype)
-            images = self.vae.decode(latents / self.vae.config.scaling_factor).sample
+            latents = torch.cat([st.latents for st in states]).to(self.dtype) / self.scaling
+            if self.shift is not None:
+                latents = latents + self.shift
+            images = self.vae.decode(latents).sample
         out = []
         for st, img in zip(states, images):
             arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()

@@ -11,6 +11,7 @@ from omnistage.params import InvalidRequest, RequestParams
 from omnistage.spec import engines
 
 from .base import OutputChunk, StageInputs, StageRequest, SteppedEngine
+from .chat import load_chat_template, prompt_ids
 from .lm_steps import DecoderLm, TokenState
 from .sampling import SamplingSettings
 
@@ -36,9 +37,12 @@ class TextDeltas:
 
 
 class CausalLmEngine(SteppedEngine):
-    ADAPTER = engines.CAUSAL_LM
-    """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk."""
+    """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk.
+    The prompt becomes token ids by the one prompt policy (`chat.prompt_ids`): `load` sets `tokenizer`
+    and `chat_template` (None: the checkpoint has none)."""
 
+    ADAPTER = engines.CAUSAL_LM
+    DEFAULT_SYSTEM_PROMPT = ""  # the system turn the model needs when a request has none ("": none)
     unit = "tokens"
 
     def load(self) -> None:
@@ -47,6 +51,7 @@ class CausalLmEngine(SteppedEngine):
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.lm = DecoderLm(model, batch_invariant=self.options.batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
         self.vocab = model.config.vocab_size
         self.max_len = min(x for x in (getattr(model.config, "max_position_embeddings", None),
                                        self.options.max_model_len, 1 << 62) if x)
@@ -57,7 +62,7 @@ class CausalLmEngine(SteppedEngine):
         return self.lm.step_batch(states)
 
     def prompt_ids(self, p: RequestParams) -> list[int]:
-        return list(p.prompt_token_ids) or self.tokenizer(p.prompt)["input_ids"]
+        return prompt_ids(p, self.tokenizer, self.chat_template, self.DEFAULT_SYSTEM_PROMPT)
 
     def new_state(self, ids: list[int], p: RequestParams) -> TokenState:
         return self.lm.new_state(ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids)

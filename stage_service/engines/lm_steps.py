@@ -75,12 +75,17 @@ class DecoderLm:
         logits = self.head(last)
         out = []
         for i, st in enumerate(states):
-            token = choose(logits[i], st.sampling, st.generator)
-            st.generated.append(token)
-            if token in st.stop_ids:
-                st.finish_reason = "stop"
-            elif len(st.generated) >= st.max_tokens:
-                st.finish_reason = "length"
-            st.finished = st.finish_reason is not None
+            token = next_token(st, logits[i], st.generated, st.stop_ids, st.max_tokens)
             out.append(TokenStep(token, st.finish_reason, rows[i] if rows else None))
         return out
+
+
+def next_token(st, logits: torch.Tensor, tokens: list[int], stop_ids, limit: int) -> int:
+    """Choose the next token of `st` (a state with `sampling`, `generator` and `finish_reason`) from
+    `logits` and append it to `tokens`; the state finishes on a stop id ("stop") or once `tokens` holds
+    `limit` ("length")."""
+    token = choose(logits, st.sampling, st.generator)
+    tokens.append(token)
+    st.finish_reason = "stop" if token in stop_ids else "length" if len(tokens) >= limit else None
+    st.finished = st.finish_reason is not None
+    return token

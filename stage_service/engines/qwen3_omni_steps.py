@@ -9,28 +9,70 @@ Thinker has finished. Each request keeps its own KV cache and sampling
 generator; with batch invariance on (`invariance.py`) a request's numbers do
 not depend on what shares its step. Blocking torch code only; the async engine
 adapters run it on their worker thread.
+
+Each part loads from the combined checkpoint as published (one `config.json`, one set of shards): it
+reads only the tensors under its own prefix (`THINKER`, `TALKER`, `CODE2WAV`), plus, for the Talker,
+three rows of the Thinker's embedding matrix; `REQUIRED` lists the config keys each part reads.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 from omnistage.params import InvalidRequest
 
+from ..errors import InputError
 from ..scheduler import StepState
+from .chat import load_chat_template
+from .components import load_component, read_config
 from .invariance import MIN_MATMUL_ROWS, MOE_EXPERTS, make_batch_invariant
-from .lm_steps import DecoderLm, TokenState
-from .packed import SequenceKV, packed_forward, use_packed_attention
+from .lm_steps import DecoderLm, TokenState, next_token
+from .omni_talker import FedTalkerState
+from .packed import packed_forward, use_packed_attention
 from .sampling import SamplingSettings, apply_repetition_penalty, choose, new_generator
+
+THINKER, TALKER, CODE2WAV = "thinker.", "talker.", "code2wav."
+# The Talker's "speech starts / ends / pause" conditioning is the Thinker's embedding of tts_bos / tts_eos /
+# tts_pad: three rows of this matrix, read on their own.
+THINKER_EMBED = "thinker.model.embed_tokens.weight"
+# Qwen3-Omni's Code2Wav outputs 24 kHz audio (1920 samples per 12.5 Hz codec frame); no config key says so.
+SAMPLE_RATE = 24000
+_TOKEN_IDS = ("im_start_token_id", "im_end_token_id", "user_token_id", "assistant_token_id")
+# The keys of config.json each part reads beyond its own sub-config (which must be there as a whole).
+REQUIRED = {
+    "thinker": ("thinker_config", "talker_config.accept_hidden_layer", "im_end_token_id"),
+    "talker": ("talker_config", "tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id", *_TOKEN_IDS,
+               "thinker_config.audio_token_id", "thinker_config.image_token_id", "thinker_config.video_token_id"),
+    "code2wav": ("code2wav_config",),
+}
 
 
 def _moe_kwargs(batch_invariant: bool) -> dict:
     return {"experts_implementation": MOE_EXPERTS} if batch_invariant else {}
+
+
+def _config(root: Path, part: str):
+    from transformers import Qwen3OmniMoeConfig
+
+    return read_config(root, Qwen3OmniMoeConfig, REQUIRED[part])
+
+
+def _generation_eos(root: Path) -> list[int]:
+    """The end-of-sequence ids of the checkpoint's generation_config.json (none without one)."""
+    file = Path(root) / "generation_config.json"
+    if not file.exists():
+        return []
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError):
+        raise CheckpointError(f"{file}: not a JSON object") from None
+    return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
 
 
 # ------------------------------------------------------------------ Thinker
@@ -46,32 +88,29 @@ class ThinkerStep:
 class Thinker(DecoderLm):
     ROPE_AXES = 3  # multimodal RoPE: text positions are equal on every axis
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
-        from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeThinkerForConditionalGeneration
+    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
+        from transformers import AutoTokenizer, Qwen3OmniMoeThinkerForConditionalGeneration
 
-        model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-            model_dir, dtype=dtype, **_moe_kwargs(batch_invariant))
+        cfg = _config(root, "thinker")
+        # The hidden-states index (0 = embeddings, i = after decoder layer i) generate() hands the Talker.
+        self.accept_layer = cfg.talker_config.accept_hidden_layer
+        layers = cfg.thinker_config.text_config.num_hidden_layers
+        if not 0 <= self.accept_layer <= layers:
+            raise CheckpointError(f"{Path(root) / 'config.json'}: talker_config.accept_hidden_layer is "
+                                  f"{self.accept_layer}, but the Thinker has {layers} layers")
+        self.checkpoint = ShardedCheckpoint(root)
+        model = load_component(self.checkpoint, THINKER, Qwen3OmniMoeThinkerForConditionalGeneration,
+                               cfg.thinker_config, dtype, cfg.model_type, **_moe_kwargs(batch_invariant))
         super().__init__(model, rope_axes=self.ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-        cfg = model.config
-        self.accept_layer = 1  # overwritten by the Talker's config where known
-        self.im_start = 151644
-        self.im_end = 151645
-        self.user_id = cfg.user_token_id if hasattr(cfg, "user_token_id") else 872
-        self.assistant_id = 77091
-        self.newline = self.tokenizer.convert_tokens_to_ids("\u010a")
-        self.vocab = cfg.text_config.vocab_size
-
-    def chat_prompt(self, text: str) -> list[int]:
-        """`<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n` as token ids."""
-        body = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ([self.im_start, self.user_id, self.newline] + body +
-                [self.im_end, self.newline, self.im_start, self.assistant_id, self.newline])
+        self.tokenizer = AutoTokenizer.from_pretrained(root)
+        self.chat_template = load_chat_template(root, self.tokenizer)
+        self.im_end = cfg.im_end_token_id
+        self.stop_ids = frozenset({self.im_end, *_generation_eos(root)})
+        self.vocab = cfg.thinker_config.text_config.vocab_size
 
     def new_thinker_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
                           ignore_eos: bool = False) -> TokenState:
-        stop = frozenset() if ignore_eos else frozenset({self.im_end, 151643})
-        return self.new_state(prompt_ids, sampling, max_tokens, stop)
+        return self.new_state(prompt_ids, sampling, max_tokens, frozenset() if ignore_eos else self.stop_ids)
 
     def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep]:
         return [ThinkerStep(s.token, s.finish_reason, s.rows[0], s.rows[self.accept_layer])
@@ -84,50 +123,17 @@ class Thinker(DecoderLm):
 
 # ------------------------------------------------------------------- Talker
 
-END_OF_TEXT = None  # in a TalkerState inbox: the Thinker's stream has ended
+@dataclass(eq=False, kw_only=True)
+class TalkerState(FedTalkerState):
+    """`prompt`: (prompt ids, prompt embeds, prompt hidden, first generated token's embed row), from which
+    the first step builds the prefill. The inbox holds the Thinker's embedding rows; `trailing`, their
+    text projection."""
 
-
-@dataclass(eq=False)
-class TalkerState(StepState):
-    sampling: SamplingSettings
-    max_frames: int
-    generator: torch.Generator | None
-    speaker: str
-    # (prompt ids, prompt embeds, prompt hidden, first generated token's embed row): the first step builds the prefill
-    prompt: tuple | None
-    # Thinker embedding rows [n, H] of later tokens, appended by the engine as they arrive (END_OF_TEXT last);
-    # a deque, because the engine appends while a step on the worker thread may be draining it
-    inbox: deque = field(default_factory=deque)
-    kv: SequenceKV = field(default_factory=SequenceKV)
-    trailing: list[torch.Tensor] = field(default_factory=list)  # projected text rows still to be spoken
-    text_done: bool = False
-    eos_sent: bool = False
-    tokens: list[int] = field(default_factory=list)
-    past_hidden: torch.Tensor | None = None
-    steps: int = 0
-    finish_reason: str | None = None
-    finished: bool = False
-
-    def ready(self) -> bool:
-        """The next step can run: it is the first, or the text row it speaks (or the end of text) is in."""
-        if self.steps == 0 or self.text_done or self.text_ended():
-            return True
-        arrived = sum(len(x) for x in list(self.inbox) if x is not END_OF_TEXT)
-        return self.steps - 1 < len(self.trailing) + arrived
-
-    def text_ended(self) -> bool:
-        """The end of the Thinker's stream is in the inbox (compared by identity: the rest are tensors)."""
-        return any(x is END_OF_TEXT for x in list(self.inbox))
-
-    def held_bytes(self) -> int:
-        rows = [*self.trailing, *(x for x in list(self.inbox) if x is not END_OF_TEXT)]
-        return self.kv.nbytes + sum(t.nbytes for t in rows)
+    past_hidden: torch.Tensor | None = None  # the last step's hidden row: the code predictor starts from it
 
     def release(self) -> None:
-        self.kv.clear()
-        self.trailing.clear()
-        self.inbox.clear()
-        self.prompt = self.past_hidden = None
+        super().release()
+        self.past_hidden = None
 
 
 @dataclass
@@ -140,12 +146,13 @@ class Talker:
     """Codec-token generation conditioned on the Thinker's rows (first code group by the talker,
     the residual groups by its code predictor), as transformers' generate does it, over a batch."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
-        from safetensors.torch import load_file
+    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
 
-        self.model = Qwen3OmniMoeTalkerForConditionalGeneration.from_pretrained(
-            model_dir, dtype=dtype, **_moe_kwargs(batch_invariant)).eval()
+        combined = _config(root, "talker")
+        self.checkpoint = ShardedCheckpoint(root)
+        self.model = load_component(self.checkpoint, TALKER, Qwen3OmniMoeTalkerForConditionalGeneration,
+                                    combined.talker_config, dtype, combined.model_type, **_moe_kwargs(batch_invariant))
         use_packed_attention(self.model.model)
         if batch_invariant:
             make_batch_invariant(self.model)
@@ -156,42 +163,57 @@ class Talker:
         self.eos = cfg.codec_eos_token_id
         vocab = cfg.text_config.vocab_size
         self.suppress = torch.tensor([i for i in range(vocab - 1024, vocab) if i != self.eos], dtype=torch.long)
-        # The Thinker's embeddings of tts_bos / tts_eos / tts_pad, saved beside the talker at build time.
-        special = load_file(str(Path(model_dir) / "tts_special_embeds.safetensors"))["embeds"].to(dtype)
+        special = self.checkpoint.rows(THINKER_EMBED, [combined.tts_bos_token_id, combined.tts_eos_token_id,
+                                                       combined.tts_pad_token_id]).to(dtype)
         with torch.inference_mode():
             self.tts_bos, self.tts_eos, self.tts_pad = self.model.text_projection(special[None])[0].unbind(0)
         self.speakers = dict(cfg.speaker_id or {})
+        self.im_start, self.user_id, self.assistant_id = (combined.im_start_token_id, combined.user_token_id,
+                                                          combined.assistant_token_id)
+        t = combined.thinker_config  # generate() marks multimodal positions by the Thinker's ids
+        self.multimodal_ids = torch.tensor([t.audio_token_id, t.image_token_id, t.video_token_id])
 
     def check_speaker(self, speaker: str) -> None:
         if speaker.lower() not in self.speakers:
             raise InvalidRequest("params.audio.speaker",
                                  f'unknown speaker "{speaker}" (known: {", ".join(sorted(self.speakers))})')
 
-    def new_state(self, prompt_ids: list[int], prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor,
-                  first_token_embed: torch.Tensor, sampling: SamplingSettings, max_frames: int,
-                  speaker: str = "ethan") -> TalkerState:
+    def new_state(self, prompt_ids: list[int], embeds: torch.Tensor, hidden: torch.Tensor,
+                  sampling: SamplingSettings, max_frames: int, speaker: str = "ethan") -> TalkerState:
         """A state whose first step builds the talker prompt from the Thinker's prompt rows and its first
-        generated token's row."""
+        generated token's row (`embeds`/`hidden` [P or P + 1, H]; P alone when it generated one token)."""
         self.check_speaker(speaker)
+        self.assistant_start(prompt_ids)
+        n = len(prompt_ids)
+        first = embeds[n] if len(embeds) > n else torch.zeros_like(embeds[0])  # one token: nothing fed back
         return TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(),
                            generator=None if sampling.greedy else new_generator(sampling.seed),
-                           prompt=(list(prompt_ids), prompt_embeds, prompt_hidden, first_token_embed))
+                           prompt=(list(prompt_ids), embeds[:n], hidden[:n], first))
+
+    def assistant_start(self, prompt_ids: list[int]) -> int:
+        """Where the prompt's last assistant turn starts: the Talker speaks from there, as generate() does."""
+        starts = [i for i in range(len(prompt_ids) - 1)
+                  if prompt_ids[i] == self.im_start and prompt_ids[i + 1] == self.assistant_id]
+        if not starts:
+            raise InputError("the Thinker's prompt has no assistant turn to speak (the Talker needs the chat "
+                             "template's assistant prompt; a raw prompt must end with one)")
+        return starts[-1]
 
     def _prefill(self, prompt_ids: list[int], prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor,
                  first_token_embed: torch.Tensor, speaker: str) -> torch.Tensor:
         """The talker prompt rows [P, H], as generate() builds them."""
         ids = torch.tensor(prompt_ids)
-        starts = [i for i, t in enumerate(prompt_ids) if t == 151644]
+        starts = [i for i, t in enumerate(prompt_ids) if t == self.im_start]
         user = torch.zeros(len(prompt_ids), dtype=torch.bool)
         for s in starts:  # mark every position of each user turn, as generate() does
-            if s + 1 < len(prompt_ids) and prompt_ids[s + 1] == 872:
+            if s + 1 < len(prompt_ids) and prompt_ids[s + 1] == self.user_id:
                 end = next((e for e in starts if e > s), len(prompt_ids))
                 user[s:end] = True
-        multimodal = (ids == 151646) | (ids == 151655) | (ids == 151656)
+        multimodal = torch.isin(ids, self.multimodal_ids)
         proj = self.model.text_projection
         user_rows = torch.where(multimodal[:, None], self.model.hidden_projection(prompt_hidden), proj(prompt_embeds))
         user_part = user_rows[user]
-        a = max(i for i in range(len(prompt_ids) - 1) if prompt_ids[i] == 151644 and prompt_ids[i + 1] == 77091)
+        a = self.assistant_start(prompt_ids)
         assistant = proj(torch.cat([prompt_embeds[a:a + 3], first_token_embed[None]]))
         pad, bos = self.tts_pad, self.tts_bos
         text_rows = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
@@ -202,24 +224,12 @@ class Talker:
                                 self.model.get_input_embeddings()(codec_ids)])
         return torch.cat([user_part, text_rows + codec_rows])
 
-    def _take_inbox(self, st: TalkerState) -> None:
-        """Project the Thinker rows that arrived since the last step into rows to be spoken."""
-        rows = []
-        while st.inbox:
-            x = st.inbox.popleft()
-            if x is END_OF_TEXT:
-                st.text_done = True
-            elif len(x):
-                rows.append(x)
-        if rows:
-            st.trailing.extend(self.model.text_projection(torch.cat(rows)).unbind(0))
-
     @torch.inference_mode()
     def step_batch(self, states: list[TalkerState]) -> list[TalkerStep]:
         """One talker step of every state. A state's first step prefills its prompt; each later one
         completes the previous frame's residual codes and feeds that frame plus one text row."""
         for st in states:
-            self._take_inbox(st)
+            st.take_inbox(self.model.text_projection)
         decoding = [st for st in states if st.prompt is None]
         residual = dict(zip(map(id, decoding), self._residual_codes(decoding))) if decoding else {}
         inputs, frames = [], []
@@ -234,15 +244,7 @@ class Talker:
             frames.append([last] + codes)
             embs = [self.model.get_input_embeddings()(torch.tensor(last))] + [
                 self.model.code_predictor.get_input_embeddings()[i](torch.tensor(code)) for i, code in enumerate(codes)]
-            emb = torch.stack(embs).sum(0)
-            k = st.steps - 1
-            if k < len(st.trailing):
-                emb = emb + st.trailing[k]
-            elif st.text_done and not st.eos_sent and k == len(st.trailing):
-                emb = emb + self.tts_eos
-                st.eos_sent = True
-            else:
-                emb = emb + self.tts_pad
+            emb = torch.stack(embs).sum(0) + st.text_row(self.tts_eos, self.tts_pad)
             inputs.append(emb[None])
         last_hidden, _ = packed_forward(self.model.model, inputs, [st.kv for st in states], rope_axes=3,
                                         min_rows=self.min_rows)
@@ -253,13 +255,9 @@ class Talker:
             st.past_hidden = last_hidden[i].view(1, 1, -1)
             logits = apply_repetition_penalty(logits_all[i], st.tokens, st.sampling.repetition_penalty)
             logits[self.suppress] = float("-inf")
-            token = choose(logits, st.sampling, st.generator)
-            st.tokens.append(token)
-            if token == self.eos:
-                st.finish_reason = "stop"
-            elif len(st.tokens) >= st.max_frames + 1:
-                st.finish_reason = "length"
-            st.finished = st.finish_reason is not None
+            # max_frames + 1 tokens: each step completes the previous token's frame, so the last token
+            # chosen is never spoken.
+            next_token(st, logits, st.tokens, (self.eos,), st.max_frames + 1)
             out.append(TalkerStep(frames[i], st.finish_reason))
         return out
 
@@ -311,18 +309,16 @@ class Code2Wav:
 
     LEFT_CONTEXT = 25
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
+    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
         from transformers import Qwen3OmniMoeCode2Wav
-        from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
-        # Code2Wav's class declares the combined config; load its own sub-config explicitly.
-        config = Qwen3OmniMoeCode2WavConfig.from_pretrained(model_dir)
-        self.model = Qwen3OmniMoeCode2Wav.from_pretrained(model_dir, config=config, dtype=dtype).eval()
+        combined = _config(root, "code2wav")
+        self.checkpoint = ShardedCheckpoint(root)
+        self.model = load_component(self.checkpoint, CODE2WAV, Qwen3OmniMoeCode2Wav, combined.code2wav_config, dtype)
         if batch_invariant:
             make_batch_invariant(self.model)
         self.upsample = int(self.model.total_upsample)
-        rate_file = Path(model_dir) / "sample_rate"
-        self.sample_rate = int(rate_file.read_text()) if rate_file.exists() else 24000
+        self.sample_rate = SAMPLE_RATE
         self.groups = self.model.config.num_quantizers
 
     def chunk_state(self, history: torch.Tensor, new: torch.Tensor) -> AudioChunkState:
@@ -337,7 +333,3 @@ class Code2Wav:
         for st in states:
             st.finished = True
         return [w[st.context * self.upsample:] for w, st in zip(wav, states)]
-
-
-def to_pcm16(wav: torch.Tensor) -> torch.Tensor:
-    return (wav.float().clamp(-1, 1) * 32767).round().to(torch.int16)

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
 
+from omnistage.checkpoints.families import family_of
 from omnistage.launch import model_dir
-from omnistage.spec import Pipeline, Stage, adapter_for
+from omnistage.spec import Pipeline, Stage
+from omnistage.spec.engines import adapters_for
 
 from .base import Engine, EngineConfigError
 
 
 class UnknownModel(EngineConfigError):
     pass
+
+
+# Combined-checkpoint families (omnistage/checkpoints/families.py: which class names, aliases included)
+# and the module whose ENGINES serve their parts.
+FAMILY_ENGINES = {"qwen3_omni": ".qwen3_omni", "qwen2_5_omni": ".qwen2_5_omni"}
 
 
 def _architecture(path: Path) -> str:
@@ -32,20 +40,23 @@ def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLik
         return VllmEngine(pipeline, stage, path)
     arch = _architecture(path)
     if stage.engine == "transformers":
-        if arch == "Qwen3OmniMoeThinkerForConditionalGeneration":
-            from .qwen3_omni import ThinkerEngine as cls
-        elif arch == "Qwen3OmniMoeTalkerForConditionalGeneration":
-            from .qwen3_omni import TalkerEngine as cls
-        elif arch == "Qwen3OmniMoeCode2Wav":
-            from .qwen3_omni import Code2WavEngine as cls
+        family = family_of(arch)
+        if family is not None and family.name in FAMILY_ENGINES:  # one combined checkpoint: the stage's part
+            ENGINES = importlib.import_module(FAMILY_ENGINES[family.name], __package__).ENGINES
+            cls = ENGINES.get(stage.component)
+            if cls is None:
+                raise UnknownModel(f'{path}: a {arch} has the components {", ".join(ENGINES)}; stage '
+                                   f'"{stage.name}" asks for component "{stage.component}"')
         elif arch.endswith("ForCausalLM"):
             from .hf_causal import CausalLmEngine as cls
         else:
             raise UnknownModel(f"{path}: the transformers engine has no adapter for {arch or 'this model'}")
     elif stage.engine == "diffusers":
+        from .diffusion_denoisers import DENOISERS
+
         if arch in ("CLIPTextModel", "CLIPTextModelWithProjection"):
             from .diffusion import TextEncoderEngine as cls
-        elif arch == "UNet2DConditionModel":
+        elif arch in DENOISERS:  # UNet or DiT: one denoise loop, a table entry per class
             from .diffusion import DenoiseEngine as cls
         elif arch == "AutoencoderKL":
             from .diffusion import VaeDecodeEngine as cls
@@ -53,11 +64,14 @@ def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLik
             raise UnknownModel(f"{path}: the diffusers engine has no adapter for {arch or 'this model'}")
     else:
         raise UnknownModel(f'unknown engine "{stage.engine}"')
-    declared = adapter_for(stage.engine, stage.kind, stage.component)
-    if cls.ADAPTER is not declared:
+    # Every family's adapter for such a stage (Qwen3- and Qwen2.5-Omni share thinker and talker stages).
+    declared = adapters_for(stage.engine, stage.kind, stage.component)
+    served = getattr(cls, "ADAPTERS", None) or (cls.ADAPTER,)  # a class may serve several catalog entries
+    if not set(declared) & set(served):
         # Validation checked the topology against the declared adapter: a model of another kind would
         # read or emit something else than the edges carry.
-        raise UnknownModel(f"{path}: holds a {arch}, served by the {cls.ADAPTER.name} adapter, but stage "
+        names = " or ".join(a.name for a in served)
+        raise UnknownModel(f"{path}: holds a {arch}, served by the {names} adapter, but stage "
                            f'"{stage.name}" (kind {stage.kind}, component "{stage.component}") declares '
-                           f"{declared.name if declared else 'no adapter'}")
+                           f"{' or '.join(a.name for a in declared) or 'no adapter'}")
     return cls(pipeline, stage, path)

@@ -6,7 +6,9 @@ pipeline parallel size, scheduler.maxBatch (max_num_seqs) and `engineArgs`
 (any AsyncEngineArgs field, snake_case, e.g. max_model_len). A stage with an
 input edge takes its prompt from the upstream chunks: `prompt_embeds` (or
 `embeds`) rows [n, hidden] as vLLM prompt embeddings, else `token_ids`; when
-the edge carries neither, the header's prompt.
+the edge carries neither, the header's prompt, made token ids here by the one
+prompt policy of every text-in engine (`chat.prompt_ids`: the checkpoint's
+chat template unless the request asks for the raw prompt), so vLLM gets ids.
 
 vLLM schedules, batches and frees on its own; this adapter bounds what it
 admits (maxBatch + maxQueued), aborts the vLLM request when the call ends
@@ -29,6 +31,7 @@ from omnistage.spec import engines
 
 from .base import (Engine, EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputChunk, InputError,
                    OutputChunk, StageInputs, StageRequest)
+from .chat import load_chat_template, prompt_ids
 
 ON_CPU = not torch.cuda.is_available()
 DEFAULT_MAX_MODEL_LEN = 512
@@ -86,6 +89,7 @@ class VllmEngine(Engine):
                              f"argument(s) {', '.join(unknown)}")
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger()])
         self.tokenizer = self.llm.tokenizer
+        self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
         self.vocab = len(self.tokenizer)
         self.max_model_len = kwargs["max_model_len"]
         self.hidden_size = self.llm.model_config.get_hidden_size()
@@ -153,7 +157,7 @@ class VllmEngine(Engine):
             upstream = self._upstream_prompt(chunks)
             if upstream is not None:
                 return upstream
-        ids = list(p.prompt_token_ids) or self.tokenizer.encode(p.prompt)
+        ids = prompt_ids(p, self.tokenizer, self.chat_template)
         if not ids:
             raise InvalidRequest("params.prompt", "encodes to no tokens")
         if any(t >= self.vocab for t in ids):

@@ -32,6 +32,46 @@ def tensor_of(chunk, name):
     return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
 
 
+def templated(*turns: str) -> str:
+    """qwen2-tiny's chat template rendered (omnistage/tiny_models/lm.py): each turn's content, then a newline."""
+    return "".join(f"{t}\n" for t in turns)
+
+
+async def prompt_ids_sent(stage, request_id: str, prompt: str = "Hello there", max_tokens: int = 2,
+                          **params) -> list[int]:
+    """The prompt token ids the stage fed its model for a request (its first chunk reports them)."""
+    out = await call_stage(stage.port, header(request_id, prompt=prompt, max_tokens=max_tokens, **params))
+    return tensor_of(out[0], "prompt_token_ids").tolist()
+
+
+async def check_the_prompt_policy(stage, tokenizer) -> None:
+    """The chat template by default, with the request's system turn when it has one; raw_prompt sends the
+    text as written."""
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    assert templated("Hello there") != "Hello there"  # the template shows in the ids
+    assert await prompt_ids_sent(stage, "chat") == ids(templated("Hello there"))
+    assert await prompt_ids_sent(stage, "system", system_prompt="Be brief.") == ids(templated("Be brief.",
+                                                                                               "Hello there"))
+    assert await prompt_ids_sent(stage, "raw", raw_prompt=True) == tokenizer("Hello there")["input_ids"]
+
+
+async def check_the_length_bound_counts_the_templated_prompt(stage, tokenizer, max_len: int) -> None:
+    """A prompt that, as written, exactly fills the model with max_tokens does not fit once templated."""
+    text = "word"
+    while len(tokenizer(text)["input_ids"]) < max_len - 200:
+        text += " word"
+    written = await prompt_ids_sent(stage, "fills", text, max_tokens=max_len - len(tokenizer(text)["input_ids"]),
+                                    raw_prompt=True)
+    fed = tokenizer(templated(text), add_special_tokens=False)["input_ids"]
+    assert len(fed) > len(written)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await prompt_ids_sent(stage, "too-long", text, max_tokens=max_len - len(written))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"prompt ({len(fed)} tokens) plus max_tokens" in e.value.details()
+
+
 @pytest.fixture(scope="module")
 async def hf_stage(model_dir):
     srv = await start_stage(with_engine("transformers"), "llm", model_dir)
@@ -62,6 +102,30 @@ async def test_transformers_engine_streams_tokens(hf_stage):
     out = await call_stage(hf_stage.port, header(max_tokens=10, ignore_eos=True))
     assert [len(tensor_of(c, "token_ids")) for c in out] == [4, 4, 2]
     assert out[-1].end_of_stream and out[-1].finish_reason == "length"
+
+
+async def test_transformers_engine_applies_the_chat_template_unless_the_prompt_is_raw(hf_stage):
+    await check_the_prompt_policy(hf_stage, hf_stage.engine.tokenizer)
+    await check_the_length_bound_counts_the_templated_prompt(hf_stage, hf_stage.engine.tokenizer,
+                                                             hf_stage.engine.max_len)
+
+
+async def test_a_system_prompt_on_a_model_without_a_chat_template_is_refused(hf_stage, monkeypatch):
+    monkeypatch.setattr(hf_stage.engine, "chat_template", None)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await prompt_ids_sent(hf_stage, "no-template", system_prompt="Be brief.")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.system_prompt" in e.value.details()
+    assert await prompt_ids_sent(hf_stage, "as-written") == hf_stage.engine.tokenizer("Hello there")["input_ids"]
+
+
+@pytest.mark.vllm
+async def test_vllm_engine_applies_the_chat_template_unless_the_prompt_is_raw(vllm_stage, hf_stage):
+    await check_the_prompt_policy(vllm_stage, vllm_stage.engine.tokenizer)
+    await check_the_length_bound_counts_the_templated_prompt(vllm_stage, vllm_stage.engine.tokenizer,
+                                                             vllm_stage.engine.max_model_len)
+    # Both engines feed their model the same ids for the same request.
+    for params in ({}, {"system_prompt": "Be brief."}, {"raw_prompt": True}):
+        assert await prompt_ids_sent(vllm_stage, "v", **params) == await prompt_ids_sent(hf_stage, "t", **params)
 
 
 @pytest.mark.vllm

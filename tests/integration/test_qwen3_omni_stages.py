@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage import tensors
+from omnistage.client import build_request
+from omnistage.params import InvalidRequest, resolve
 from omnistage.v1 import stage_pb2
-from stage_service.engines.qwen3_omni_steps import to_pcm16
+from stage_service.engines.audio import to_pcm16
 
-from ..harness import call_stage, example, header, start_stage
+from ..harness import call_stage, example, header, stage_servers
 
 PIPELINE = example("qwen3-omni-tiny")
 
 
 @pytest.fixture(scope="module")
 async def servers(model_dir):
-    srvs = {name: await start_stage(PIPELINE, name, model_dir) for name in ("thinker", "talker", "code2wav")}
-    yield srvs
-    for s in srvs.values():
-        await s.drain()
+    async with stage_servers(PIPELINE, model_dir) as srvs:
+        yield srvs
 
 
 def tensor_of(chunk, name):
@@ -97,6 +100,39 @@ async def test_bad_input_is_invalid_argument_and_the_stage_keeps_serving(servers
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
     out = await call_stage(servers["thinker"].port, header(max_tokens=2))
     assert out[-1].end_of_stream
+
+
+def params(prompt: str, **chat):
+    return dataclasses.replace(resolve(build_request(prompt).params, PIPELINE.limits), **chat)
+
+
+def test_the_thinker_applies_the_checkpoints_chat_template(servers):
+    """System turn, user turn, assistant generation prompt, with the role words and markers at the ids the
+    checkpoint's config names (the Talker finds the turns by them); raw mode sends the prompt as written."""
+    engine = servers["thinker"].engine
+    cfg = json.loads((engine.model_dir / "config.json").read_text())
+
+    def words(text):
+        return engine.thinker.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def turn(role, body=None):
+        head = [cfg["im_start_token_id"], cfg[f"{role}_token_id"], *words("\n")]
+        return head if body is None else head + words(body) + [cfg["im_end_token_id"], *words("\n")]
+
+    assert engine.prompt_ids(params("Hello there")) == turn("user", "Hello there") + turn("assistant")
+    with_system = engine.prompt_ids(params("Hello there", system_prompt="Answer briefly."))
+    assert with_system == turn("system", "Answer briefly.") + turn("user", "Hello there") + turn("assistant")
+    assert engine.prompt_ids(params("Hello there", raw_prompt=True)) == words("Hello there")
+    with pytest.raises(InvalidRequest, match="params.system_prompt"):
+        engine.prompt_ids(params("Hello there", raw_prompt=True, system_prompt="Answer briefly."))
+
+
+async def test_the_talker_refuses_a_prompt_without_an_assistant_turn(servers):
+    raw = servers["thinker"].engine.prompt_ids(params("Hello there", raw_prompt=True))
+    thinker_out = await call_stage(servers["thinker"].port, header(prompt_token_ids=raw, max_tokens=3))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call_stage(servers["talker"].port, header(prompt_token_ids=raw), thinker_out)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no assistant turn" in e.value.details()
 
 
 async def test_health_is_not_serving_until_the_model_is_loaded(model_dir):

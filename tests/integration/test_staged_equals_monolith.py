@@ -1,66 +1,136 @@
 """The staged pipeline computes what the monolithic model computes: for a fixed prompt and greedy
 decoding, the same text tokens and the same codec codes as transformers'
-Qwen3OmniMoeForConditionalGeneration.generate on the very same weights."""
+Qwen3OmniMoeForConditionalGeneration.generate on the very same checkpoint (one published-layout
+directory, each stage reading its own part of it).
+
+The prompt ids the monolith gets are rendered here from the checkpoint's own chat template with the
+checkpoint's tokenizer, as a transformers user would; the Thinker stage must have used the same."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from omnistage import tensors
 from omnistage.client import AsyncOmniClient
-from orchestrator_service.server import OrchestratorServer
+from omnistage.tiny_models import qwen3_omni
 
-from ..harness import call_stage, example, header, start_stage
+from ..harness import call_stage, example, header, served_pipeline, stage_servers
 
 PIPELINE = example("qwen3-omni-tiny")
+MODEL = "qwen3-omni-tiny"
+
+
+def chat_ids(root: Path, content) -> list[int]:
+    """The user turn `content` in the checkpoint's chat template, with the assistant generation prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    template = json.loads((root / "chat_template.json").read_text())["chat_template"]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], chat_template=template,
+                                         tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_monolith(root: Path):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(root).eval()
+
+
+def generate(monolith, prompt_ids: list[int], max_tokens: int, frames: int, stop_at_eos: bool = False):
+    with torch.inference_mode():
+        return monolith.generate(input_ids=torch.tensor([prompt_ids]), thinker_max_new_tokens=max_tokens,
+                                 thinker_eos_token_id=monolith.config.im_end_token_id if stop_at_eos else None,
+                                 talker_max_new_tokens=frames + 1, talker_do_sample=False)
+
+
+def tensor_of(chunk, name):
+    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
+
+
+def decoded(monolith, talker_out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Talker stage's codes, and their audio decoded the way generate() decodes."""
+    codes = torch.cat([tensors.from_proto(t) for c in talker_out for t in c.tensors if t.name == "codes"], 1)
+    with torch.inference_mode():
+        return codes, monolith.code2wav.chunked_decode(codes[None], chunk_size=300, left_context_size=25)
 
 
 @pytest.fixture(scope="module")
 async def staged(model_dir):
-    stages = {n: await start_stage(PIPELINE, n, model_dir) for n in ("thinker", "talker", "code2wav")}
-    orc = OrchestratorServer(PIPELINE, {n: [f"127.0.0.1:{s.port}"] for n, s in stages.items()})
-    await orc.start(wait_for_stages=30)
-    yield orc, stages
-    await orc.drain()
-    for s in stages.values():
-        await s.drain()
+    async with served_pipeline(PIPELINE, model_dir) as (orc, stages):
+        yield orc, stages
 
 
 @pytest.fixture(scope="module")
 def monolith(model_dir):
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir / "qwen3-omni-tiny").eval()
+    return load_monolith(model_dir / MODEL)
 
 
 @pytest.mark.parametrize("prompt,max_tokens,frames,stop_at_eos", [
     ("Hello there", 10, 30, False),
     ("Tell me a short story about the sea and the wind, please.", 6, 60, True),
 ])
-async def test_same_text_tokens_and_codec_codes(staged, monolith, prompt, max_tokens, frames, stop_at_eos):
+async def test_same_text_tokens_and_codec_codes(staged, monolith, model_dir, prompt, max_tokens, frames, stop_at_eos):
     orc, stages = staged
-    prompt_ids = stages["thinker"].engine.thinker.chat_prompt(prompt)
-    with torch.inference_mode():
-        seq, wav = monolith.generate(input_ids=torch.tensor([prompt_ids]), thinker_max_new_tokens=max_tokens,
-                                     thinker_eos_token_id=151645 if stop_at_eos else None,
-                                     talker_max_new_tokens=frames + 1, talker_do_sample=False)
+    im_end = monolith.config.im_end_token_id
+    prompt_ids = chat_ids(model_dir / MODEL, prompt)
+    seq, wav = generate(monolith, prompt_ids, max_tokens, frames, stop_at_eos)
     mono_tokens = seq[0, len(prompt_ids):].tolist()
-    if stop_at_eos and mono_tokens[-1] == 151645:
+    if stop_at_eos and mono_tokens[-1] == im_end:
         mono_tokens = mono_tokens[:-1]
 
     # Text tokens, through the orchestrator as a client sees them.
     async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
         r = await client.generate(prompt, max_tokens=max_tokens, ignore_eos=not stop_at_eos,
                                   max_codec_frames=frames, timeout=120)
-    staged_tokens = [t for t in r.token_ids if t != 151645]
+    staged_tokens = [t for t in r.token_ids if t != im_end]
     assert staged_tokens == mono_tokens
 
     # Codec codes: the Talker stage's output, decoded the way generate() decodes, equals generate()'s audio.
     params = dict(prompt=prompt, max_tokens=max_tokens, ignore_eos=not stop_at_eos, max_codec_frames=frames)
     thinker_out = await call_stage(stages["thinker"].port, header(**params))
+    assert tensor_of(thinker_out[0], "prompt_token_ids").tolist() == prompt_ids  # the template, as the monolith's
     talker_out = await call_stage(stages["talker"].port, header(**params), thinker_out)
-    codes = torch.cat([tensors.from_proto(t) for c in talker_out for t in c.tensors if t.name == "codes"], 1)
-    with torch.inference_mode():
-        from_staged_codes = monolith.code2wav.chunked_decode(codes[None], chunk_size=300, left_context_size=25)
+    codes, from_staged_codes = decoded(monolith, talker_out)
     assert codes.shape[1] > 0 and torch.equal(from_staged_codes.float(), wav.float())
+
+
+# ------------------------------------------------------------ the Talker's hidden layer comes from the config
+
+ACCEPT_LAYER = 2  # the tiny Thinker's last layer; the default tiny model takes layer 1
+
+
+@pytest.fixture(scope="module")
+async def other_layer(tmp_path_factory):
+    """A tiny model whose talker_config.accept_hidden_layer is ACCEPT_LAYER, served by Thinker and Talker."""
+    root = tmp_path_factory.mktemp("accept-layer")
+    qwen3_omni.build(root / MODEL, accept_hidden_layer=ACCEPT_LAYER)
+    async with stage_servers(PIPELINE, root, ("thinker", "talker")) as stages:
+        yield root / MODEL, stages
+
+
+async def test_the_thinker_sends_the_hidden_layer_the_checkpoint_names(other_layer):
+    root, stages = other_layer
+    monolith = load_monolith(root)
+    assert monolith.config.talker_config.accept_hidden_layer == ACCEPT_LAYER
+    assert stages["thinker"].engine.thinker.accept_layer == ACCEPT_LAYER
+    # An audio placeholder in the user turn: the Talker conditions that position on the accepted hidden
+    # layer (text positions use the embeddings), so the layer shows in the codes.
+    prompt_ids = chat_ids(root, [{"type": "audio"}, {"type": "text", "text": "Hello there"}])
+    assert monolith.config.thinker_config.audio_token_id in prompt_ids
+    _, wav = generate(monolith, prompt_ids, max_tokens=5, frames=20)
+
+    params = dict(prompt_token_ids=prompt_ids, max_tokens=5, ignore_eos=True, max_codec_frames=20)
+    thinker_out = await call_stage(stages["thinker"].port, header(**params))
+    talker_out = await call_stage(stages["talker"].port, header(**params), thinker_out)
+    codes, from_staged_codes = decoded(monolith, talker_out)
+    assert codes.shape[1] > 0 and torch.equal(from_staged_codes.float(), wav.float())
+
+    # The case tells layers apart: with the default layer the monolith speaks otherwise.
+    monolith.config.talker_config.accept_hidden_layer = qwen3_omni.ACCEPT_HIDDEN_LAYER
+    _, wav_default_layer = generate(monolith, prompt_ids, max_tokens=5, frames=20)
+    assert not torch.equal(wav_default_layer.float(), wav.float())

@@ -109,19 +109,25 @@ def test_a_stage_dying_mid_request_is_unavailable_naming_it_and_reported(omni):
     assert descendants_alive(omni.pids) == []
 
 
-def test_text_to_image_png_at_the_requested_size(model_dir, tmp_path):
-    s = Served("text-to-image-tiny", model_dir, tmp_path)
+def serves_a_png(example: str, model_dir: Path, tmp: Path) -> None:
+    """`omnistage serve` of an image example answers `generate` with an RGB PNG of the requested size,
+    then stops cleanly with every process it started."""
+    s = Served(example, model_dir, tmp)
     try:
-        out = tmp_path / "img.png"
+        out = tmp / "img.png"
         r = generate(s.endpoint, "--prompt", "a red car", "--width", "96", "--height", "64",
                      "--num-inference-steps", "3", "--out", str(out))
         assert r.returncode == 0, r.stderr
         img = Image.open(io.BytesIO(out.read_bytes()))
-        assert img.size == (96, 64)
+        assert img.size == (96, 64) and img.mode == "RGB"
         assert "image: 96x64" in r.stdout
     finally:
         assert s.stop() == 0
     assert descendants_alive(s.pids) == []
+
+
+def test_text_to_image_png_at_the_requested_size(model_dir, tmp_path):
+    serves_a_png("text-to-image-tiny", model_dir, tmp_path)
 
 
 @pytest.mark.vllm
@@ -151,7 +157,7 @@ def test_validate_lists_every_error(tmp_path):
     assert "spec.deployment.orchestrator.replicas: must be >= 0, got -1" in r.stderr
     good = subprocess.run([*OMNISTAGE, "validate", *map(str, sorted(EXAMPLES.glob("*.yaml")))],
                           capture_output=True, text=True, cwd=REPO)
-    assert good.returncode == 0 and good.stdout.count(": ok") == 3
+    assert good.returncode == 0 and good.stdout.count(": ok") == len(list(EXAMPLES.glob("*.yaml")))
 
 
 def test_serve_refuses_an_invalid_file_before_starting_anything(tmp_path):

@@ -99,12 +99,18 @@ def test_service_env(kw, expected):
 
 
 @pytest.mark.parametrize("model, component, root, env, expected", [
-    ("qwen3-omni-tiny", "talker", "/m", {}, "/m/qwen3-omni-tiny/talker"),
+    ("qwen3-omni-tiny", "talker", "/m", {}, "/m/qwen3-omni-tiny"),      # combined checkpoint: the root
     ("qwen2-tiny", None, None, {launch.ENV_MODEL_DIR: "/store"}, "/store/qwen2-tiny"),
     ("qwen2-tiny", None, "/given", {launch.ENV_MODEL_DIR: "/store"}, "/given/qwen2-tiny"),   # flag beats env
     ("qwen2-tiny", None, None, {}, "models/qwen2-tiny"),
-    ("/abs/ckpt", "vae", "/m", {}, "/abs/ckpt/vae"),
 ])
 def test_model_dir(model, component, root, env, expected):
     stage = SimpleNamespace(model=model, component=component)
     assert launch.model_dir(stage, root, env) == Path(expected)
+
+
+def test_model_dir_of_a_diffusers_component(tmp_path):
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "model_index.json").write_text("{}")
+    stage = SimpleNamespace(model=str(tmp_path / "sd"), component="vae")
+    assert launch.model_dir(stage, "/elsewhere", {}) == tmp_path / "sd" / "vae"

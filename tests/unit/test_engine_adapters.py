@@ -17,6 +17,9 @@ ENGINE_CLASSES = [("stage_service.engines.vllm_ar", "VllmEngine"),
                   ("stage_service.engines.qwen3_omni", "ThinkerEngine"),
                   ("stage_service.engines.qwen3_omni", "TalkerEngine"),
                   ("stage_service.engines.qwen3_omni", "Code2WavEngine"),
+                  ("stage_service.engines.qwen2_5_omni", "ThinkerEngine"),
+                  ("stage_service.engines.qwen2_5_omni", "TalkerEngine"),
+                  ("stage_service.engines.qwen2_5_omni", "Token2WavEngine"),
                   ("stage_service.engines.diffusion", "TextEncoderEngine"),
                   ("stage_service.engines.diffusion", "DenoiseEngine"),
                   ("stage_service.engines.diffusion", "VaeDecodeEngine")]
@@ -25,7 +28,8 @@ ENGINE_CLASSES = [("stage_service.engines.vllm_ar", "VllmEngine"),
 def test_every_adapter_class_names_a_catalog_entry_and_every_entry_has_one():
     import importlib
 
-    named = {getattr(importlib.import_module(m), c).ADAPTER for m, c in ENGINE_CLASSES}
+    classes = [getattr(importlib.import_module(m), c) for m, c in ENGINE_CLASSES]
+    named = {a for cls in classes for a in (getattr(cls, "ADAPTERS", None) or (cls.ADAPTER,))}
     assert named == set(ADAPTERS)
 
 
@@ -40,8 +44,8 @@ def test_registry_refuses_a_model_served_by_another_adapter(tmp_path):
 
     pipeline = example("qwen3-omni-tiny")
     talker = pipeline.stage("talker")
-    (tmp_path / "qwen3-omni-tiny" / "talker").mkdir(parents=True)
-    (tmp_path / "qwen3-omni-tiny" / "talker" / "config.json").write_text(
+    (tmp_path / "qwen3-omni-tiny").mkdir(parents=True)
+    (tmp_path / "qwen3-omni-tiny" / "config.json").write_text(
         json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     with pytest.raises(UnknownModel, match='served by the causal-lm adapter, but stage "talker" .* declares '
                                            "qwen3-omni-talker"):

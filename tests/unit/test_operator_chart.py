@@ -154,6 +154,15 @@ def test_rendered_rbac_covers_every_child_kind_the_operator_writes():
 
 
 @needs_helm
+def test_rendered_rbac_lets_the_operator_read_pods_and_nothing_more():
+    from omnistage_operator.handlers import POD_RESOURCE
+    rules = render()[("ClusterRole", "omnistage")]["rules"]
+    verbs = {v for r in rules if POD_RESOURCE["plural"] in r["resources"] and POD_RESOURCE["group"] in r["apiGroups"]
+             for v in r["verbs"]}
+    assert verbs == {"get", "list", "watch"}   # status only: the Deployments own the pods
+
+
+@needs_helm
 def test_values_change_what_renders():
     objs = render("models.hostPath=/srv/models", "watchNamespaces={a,b}", "webhook.enabled=false")
     (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]

@@ -1,5 +1,6 @@
 """Conditions and status: transitions are recorded only on flips, and an unchanged world gives an
-unchanged status (so the operator writes nothing)."""
+unchanged status (so the operator writes nothing); a unit short of replicas carries its pods' last
+failure (termination message, exit code, reason) and Degraded names it, bounded."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import pytest
 
 from omnistage_operator.conditions import condition, get_condition, set_condition
 from omnistage_operator.rollout import RolloutPlan
-from omnistage_operator.status import build_status, invalid_status, status_patch, unit_counts
+from omnistage_operator.status import (MAX_MESSAGE, MAX_TERMINATION_MESSAGE, build_status, failure_summary,
+                                       invalid_status, last_failure, new_failures, pods_by_unit, status_patch,
+                                       unit_counts)
 from omnistage_operator.vocabulary import (R_ALL_READY, R_AS_EXPECTED, R_INVALID_SPEC, R_NOT_READY,
                                            R_PROGRESS_DEADLINE, R_REPLICA_FAILURE, R_ROLLING_OUT,
-                                           R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO, R_STAGE_UNAVAILABLE)
+                                           R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO, R_STAGE_FAILING,
+                                           R_STAGE_UNAVAILABLE)
 
 T0, T1 = "2024-01-01T00:00:00Z", "2024-01-01T00:05:00Z"
 IDLE = RolloutPlan((), (), ())
@@ -159,3 +163,159 @@ def test_invalid_status_on_a_new_object():
 def test_long_messages_are_cut():
     st = invalid_status(None, generation=1, errors=["x" * 5000], now=T0)
     assert len(cond(st, "Ready")["message"]) == 1000
+
+
+# ------------------------------------------------------------------ why replicas are missing
+
+LINE = ("/etc/omnistage/pipeline.yaml: spec.topology.stages[0].model (llm): /models/qwen2-tiny: "
+        "no config.json (not a checkpoint)")
+
+
+def pod(name, *, stage="talker", ready=False, state=None, last=None, deleting=False, component="stage"):
+    labels = {"omnistage.io/pipeline": "p", "omnistage.io/component": component}
+    if component == "stage":
+        labels["omnistage.io/stage"] = stage
+    meta = {"name": name, "labels": labels, **({"deletionTimestamp": T1} if deleting else {})}
+    cs = {"name": component, "ready": ready, "restartCount": 1 if last else 0,
+          "state": state or {"running": {"startedAt": T0}}, "lastState": last or {}}
+    return {"metadata": meta, "status": {"containerStatuses": [cs]}}
+
+
+def ended(code=2, message=LINE, at=T0, reason="Error"):
+    return {"terminated": {"exitCode": code, "reason": reason, "message": message, "startedAt": T0,
+                           "finishedAt": at}}
+
+
+CRASH_LOOP = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}}
+
+
+def failing_status(pods, counts=None, old=None):
+    counts = counts or {"thinker": (1, 1), "talker": (1, 0), "code2wav": (1, 1)}
+    by_unit = pods_by_unit(pods)
+    stages = {s: unit_counts(want, live(have), by_unit.get(s, ())) for s, (want, have) in counts.items()}
+    return build_status(old, generation=3, stages=stages,
+                        orchestrator=unit_counts(1, live(1), by_unit.get("orchestrator", ())),
+                        deployments={}, plan=IDLE, endpoint="e", now=T0)
+
+
+def test_a_terminated_container_gives_the_stage_its_last_failure_and_degraded_names_it():
+    st = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended())])
+    assert st["stages"]["talker"]["lastFailure"] == {
+        "pod": "p-talker-1", "container": "stage", "exitCode": 2, "reason": "CrashLoopBackOff",
+        "message": LINE, "finishedAt": T0}
+    d = cond(st, "Degraded")
+    assert (d["status"], d["reason"]) == ("True", R_STAGE_FAILING)
+    assert d["message"] == f"talker: exit code 2, CrashLoopBackOff: {LINE}"
+    assert "lastFailure" not in st["stages"]["thinker"]
+    assert cond(st, "Ready")["reason"] == R_NOT_READY
+
+
+@pytest.mark.parametrize("cs_state, last, want", [
+    (ended(), {}, {"exitCode": 2, "reason": "Error"}),                                  # just exited
+    ({"running": {"startedAt": T1}}, ended(), {"exitCode": 2, "reason": "Error"}),     # restarted, loading
+    (ended(0, "", reason="Completed"), ended(137, "", reason="OOMKilled"),             # the last non-zero exit
+     {"exitCode": 137, "reason": "OOMKilled"}),
+    ({"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image \"x\""}}, {},
+     {"reason": "ImagePullBackOff", "message": "Back-off pulling image \"x\""}),       # never ran
+])
+def test_what_counts_as_a_failure(cs_state, last, want):
+    (failure,) = [f for f in [last_failure([pod("a", state=cs_state, last=last)])] if f]
+    assert {k: failure[k] for k in want} == want
+    if "exitCode" not in want:
+        assert "exitCode" not in failure and "finishedAt" not in failure
+
+
+@pytest.mark.parametrize("pods", [
+    [pod("a")],                                                                  # running, not ready yet
+    [pod("a", state={"waiting": {"reason": "ContainerCreating"}})],              # on its way up
+    [pod("a", ready=True, last=ended())],                                        # crashed once, serves now
+    [pod("a", state=CRASH_LOOP, last=ended(), deleting=True)],                   # on its way out
+    [pod("a", state=ended(0, "", reason="Completed"))],                          # a clean exit
+])
+def test_no_failure(pods):
+    assert last_failure(pods) is None
+
+
+def test_the_newest_failure_wins_and_ties_are_stable():
+    older = pod("a", state=CRASH_LOOP, last=ended(message="old news", at=T0))
+    newer = pod("b", state=CRASH_LOOP, last=ended(message=LINE, at=T1))
+    assert last_failure([older, newer])["message"] == LINE == last_failure([newer, older])["message"]
+    same = [pod(n, state=CRASH_LOOP, last=ended(at=T0)) for n in ("b", "a", "c")]
+    assert last_failure(same)["pod"] == last_failure(list(reversed(same)))["pod"] == "c"
+
+
+def test_no_failure_is_looked_for_when_every_replica_is_ready():
+    st = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended())],
+                        counts={"thinker": (1, 1), "talker": (1, 1), "code2wav": (1, 1)})
+    assert st["stages"]["talker"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    assert (cond(st, "Degraded")["status"], cond(st, "Ready")["status"]) == ("False", "True")
+
+
+def test_pods_go_to_their_unit():
+    pods = [pod("t", stage="talker"), pod("o", component="orchestrator"), pod("c", stage="code2wav")]
+    assert {u: [p["metadata"]["name"] for p in ps] for u, ps in pods_by_unit(pods).items()} == {
+        "talker": ["t"], "orchestrator": ["o"], "code2wav": ["c"]}
+
+
+def test_the_orchestrator_failing_is_reported_too():
+    st = build_status(None, generation=1, stages={}, deployments={}, plan=IDLE, endpoint="e", now=T0,
+                      orchestrator=unit_counts(1, live(0), [pod("o", component="orchestrator", state=CRASH_LOOP,
+                                                                 last=ended(1, "boom"))]))
+    assert cond(st, "Degraded")["message"] == "orchestrator: exit code 1, CrashLoopBackOff: boom"
+
+
+def test_long_and_many_line_messages_are_bounded_keeping_the_end():
+    tail = "ValueError: the real reason"
+    log_tail = "\n".join(["Traceback (most recent call last):"] + [f'  File "x.py", line {i}' for i in range(80)]
+                         + [tail])
+    pods = [pod(f"{s}-1", stage=s, state=CRASH_LOOP, last=ended(1, log_tail + "x" * 6000 + "\n" + tail))
+            for s in ("thinker", "talker", "code2wav")]
+    st = failing_status(pods, counts={"thinker": (1, 0), "talker": (1, 0), "code2wav": (1, 0)})
+    failure = st["stages"]["talker"]["lastFailure"]
+    assert len(failure["message"]) == MAX_TERMINATION_MESSAGE and failure["message"].endswith(tail)
+    message = cond(st, "Degraded")["message"]
+    assert len(message) <= MAX_MESSAGE and "\n" not in message
+    parts = message.split("; ")
+    assert [p.split(":")[0] for p in parts] == ["thinker", "talker", "code2wav"]   # every stage is named
+    assert all(p.endswith(f"| {tail}") for p in parts)
+
+
+def test_failure_summary_within_a_tiny_limit():
+    s = failure_summary("talker", {"exitCode": 2, "reason": "Error", "message": "x" * 500}, limit=40)
+    assert len(s) == 40 and s.startswith("talker: exit code 2, Error: …")
+
+
+def test_a_failure_comes_and_goes_with_patches_that_remove_it():
+    ok = status(counts={"thinker": (1, 1), "talker": (1, 0), "code2wav": (1, 1)})
+    crashing = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended())], old=ok)
+    assert status_patch(ok, crashing)["stages"]["talker"]["lastFailure"]["message"] == LINE
+    # Waiting for an image now: the old exit code and time must not linger in the merged object.
+    pulling = failing_status([pod("p-talker-2", state={"waiting": {"reason": "ImagePullBackOff"}})], old=crashing)
+    patch = status_patch(crashing, pulling)["stages"]["talker"]["lastFailure"]
+    assert patch["exitCode"] is None and patch["finishedAt"] is None and patch["message"] is None
+    assert patch["reason"] == "ImagePullBackOff"
+    back = status(old=pulling, now=T1)
+    assert status_patch(pulling, back)["stages"]["talker"]["lastFailure"] is None
+    assert cond(back, "Degraded")["status"] == "False"
+
+
+def test_one_event_per_new_failure_message_not_per_restart():
+    first = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended(at=T0))])
+    assert new_failures(None, first) == [f"talker: exit code 2, CrashLoopBackOff: {LINE}"]
+    restarted = failing_status([pod("p-talker-1", state={"running": {"startedAt": T1}}, last=ended(at=T1))],
+                               old=first)
+    assert status_patch(first, restarted) is not None and new_failures(first, restarted) == []
+    other = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended(message="something else"))],
+                           old=restarted)
+    assert new_failures(restarted, other) == ["talker: exit code 2, CrashLoopBackOff: something else"]
+    waiting = failing_status([pod("p-talker-2", state={"waiting": {"reason": "ImagePullBackOff"}})])
+    assert new_failures(None, waiting) == []   # the kubelet's own Events say that one
+
+
+def test_a_status_with_a_failure_is_the_modelled_one():
+    from .test_crd import SCHEMA, Validator, to_json_schema, undeclared
+    st = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended()),
+                         pod("o", component="orchestrator", state={"waiting": {"reason": "ErrImagePull"}})])
+    node = SCHEMA["properties"]["status"]
+    assert "lastFailure" in st["stages"]["talker"]
+    assert list(Validator(to_json_schema(node)).iter_errors(st)) == [] and undeclared(node, st) == []

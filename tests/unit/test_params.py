@@ -29,6 +29,8 @@ def test_values_pass_through():
                        num_inference_steps=4, guidance_scale=1.0, max_codec_frames=9), LIMITS)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, pytest.approx(0.9), 5, 3)
     assert (p.width, p.height, p.num_inference_steps, p.guidance_scale, p.max_codec_frames) == (128, 64, 4, 1.0, 9)
+    assert resolve(params(system_prompt="Be brief."), LIMITS).system_prompt == "Be brief."
+    assert resolve(params(raw_prompt=True), LIMITS).raw_prompt is True
 
 
 BAD = [
@@ -45,6 +47,8 @@ BAD = [
     (dict(guidance_scale=-3.0), "params.image.guidance_scale"),
     (dict(max_codec_frames=999_999), "params.audio.max_codec_frames: must be between 1 and 2048"),
     (dict(speaker="x" * 100), "params.audio.speaker: is longer than 64"),
+    (dict(system_prompt="x" * 9000), "params.system_prompt: is longer than 8192"),
+    (dict(system_prompt="Be brief.", raw_prompt=True), "params.system_prompt: cannot be used with params.raw_prompt"),
 ]
 
 

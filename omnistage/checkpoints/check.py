@@ -1,0 +1,200 @@
+"""`omnistage models check`: what each stage of a pipeline will load, or why it cannot.
+
+For every stage: which directory, which files and how many bytes of weights it reads, on which
+device; or one line naming the stage (by field path), the file or config key, and what is wrong.
+Only headers and configs are read. `serve` and the stage service run the same check before any
+weights are loaded, so a broken checkpoint is refused before a process starts (or, on Kubernetes,
+in the stage container's exit message).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omnistage.launch import model_root
+from omnistage.spec import Pipeline, Stage
+
+from .configs import read_json, require_keys
+from .families import DIFFUSERS_PIPELINES, Part, family_of, served_architectures
+from .shards import CheckpointError, ShardedCheckpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    stage: str
+    family: str                          # e.g. qwen3_omni/talker, sd3/transformer
+    directory: Path
+    weights: tuple[tuple[str, int], ...]  # (file relative to directory, bytes of this stage's tensors in it)
+    other_files: tuple[str, ...]         # configs, tokenizers, speaker files read besides the weights
+    device: str
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(n for _, n in self.weights)
+
+
+class StageCheckError(Exception):
+    """One stage's model cannot be served: `field` is the stage's path in the pipeline file."""
+
+    def __init__(self, field: str, stage: str, message: str):
+        super().__init__(f"{field} ({stage}): {message}")
+        self.field, self.stage, self.message = field, stage, message
+
+
+def check_pipeline(pipeline: Pipeline, root: str | os.PathLike | None = None
+                   ) -> tuple[list[LoadPlan], list[StageCheckError]]:
+    plans, errors = [], []
+    for stage in pipeline.stages:
+        try:
+            plans.append(check_stage(pipeline, stage, root))
+        except StageCheckError as e:
+            errors.append(e)
+    return plans, errors
+
+
+def check_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None = None) -> LoadPlan:
+    i = next(i for i, s in enumerate(pipeline.stages) if s.name == stage.name)
+    field = f"spec.topology.stages[{i}]"
+    path = Path(stage.model)
+    if not path.is_absolute():
+        path = model_root(root) / path
+    dep = pipeline.deployment.stages.get(stage.name)
+    device = "cuda" if dep is not None and dep.gpus > 0 else "cpu"
+    try:
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such model directory")
+        if (path / "model_index.json").exists():
+            family, weights, others = _diffusers(path, stage.component)
+        else:
+            family, weights, others = _transformers(path, stage.component)
+    except CheckpointError as e:
+        raise StageCheckError(f"{field}.model", stage.name, str(e)) from None
+    return LoadPlan(stage.name, family, path, weights, others, device)
+
+
+# ------------------------------------------------------------------ transformers checkpoints
+
+def _transformers(path: Path, component: str):
+    config = read_json(path / "config.json")
+    architecture = (config.get("architectures") or [""])[0]
+    family = family_of(architecture)
+    if family is None:
+        raise CheckpointError(f"{path / 'config.json'}: architecture {architecture or '(none)'} is not one "
+                              f"omnistage serves ({served_architectures()})")
+    part = family.parts.get(component)
+    if part is None:
+        parts = ", ".join(p or '""' for p in family.parts)
+        what = f'component "{component}"' if component else "the whole model"
+        raise CheckpointError(f"{path}: {architecture} has no {what} to serve (components: {parts})")
+    require_keys(path / "config.json", config, part.config_keys)
+    ckpt = ShardedCheckpoint(path)
+    if not ckpt.keys(part.prefix):
+        raise CheckpointError(f"{ckpt.index_file if ckpt.index_file.exists() else path}: no tensors under "
+                              f"{part.prefix!r} (the checkpoint lacks its {component} part)")
+    ckpt.verify(part.prefix)
+    for key in part.borrows:
+        ckpt.info(key)
+    weights: dict[str, int] = {}
+    for key in ckpt.keys(part.prefix):
+        info = ckpt.info(key)
+        weights[info.file.name] = weights.get(info.file.name, 0) + info.nbytes
+    others = ["config.json", *_files(path, part)]
+    return f"{family.name}/{component or 'model'}", tuple(sorted(weights.items())), tuple(others)
+
+
+def _files(path: Path, part: Part) -> list[str]:
+    found = []
+    if part.tokenizer:
+        present = [f for f in TOKENIZER_FILES if (path / f).exists()]
+        if not present:
+            raise CheckpointError(f"{path}: no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+        found += present
+    for name in part.files:
+        if not (path / name).exists():
+            raise CheckpointError(f"{path / name}: missing")
+        found.append(name)
+    found += [name for name in part.optional_files if (path / name).exists()]
+    found += [f"rows of {key}" for key in part.borrows]
+    return found
+
+
+# ------------------------------------------------------------------ diffusers pipelines
+
+def _diffusers(path: Path, component: str):
+    index = read_json(path / "model_index.json")
+    cls = index.get("_class_name", "")
+    if cls not in DIFFUSERS_PIPELINES:
+        raise CheckpointError(f"{path / 'model_index.json'}: pipeline {cls or '(none)'} is not one omnistage serves "
+                              f"({served_architectures()})")
+    name, stages = DIFFUSERS_PIPELINES[cls]
+    if component not in stages:
+        raise CheckpointError(f"{path}: a {cls} has no stage component \"{component}\" "
+                              f"(components: {', '.join(stages)})")
+    weights: list[tuple[str, int]] = []
+    others: list[str] = ["model_index.json"]
+    reads = stages[component]
+    for sub, with_weights in [*((w, True) for w in reads.weights), *((c, False) for c in reads.configs)]:
+        folder = _sub_folder(path, index, sub)
+        if folder is None:
+            continue
+        if not with_weights:   # a model's config.json only, or a tokenizer's / scheduler's files
+            if (folder / "config.json").exists():
+                others.append(f"{folder.name}/config.json")
+            else:
+                others += [f"{folder.name}/{f.name}" for f in sorted(folder.iterdir())
+                           if f.suffix in (".json", ".txt", ".model")]
+            continue
+        others.append(f"{folder.name}/config.json")
+        read_json(folder / "config.json")
+        stem = next((s for s in ("diffusion_pytorch_model", "model")
+                     if (folder / f"{s}.safetensors").exists() or (folder / f"{s}.safetensors.index.json").exists()),
+                    None)
+        if stem is None:
+            raise CheckpointError(f"{folder}: no weights (diffusion_pytorch_model.safetensors or model.safetensors)")
+        ckpt = ShardedCheckpoint(folder, stem)
+        ckpt.verify()
+        per_file: dict[str, int] = {}
+        for key in ckpt.keys():
+            info = ckpt.info(key)
+            per_file[f"{folder.name}/{info.file.name}"] = per_file.get(f"{folder.name}/{info.file.name}", 0) + info.nbytes
+        weights += sorted(per_file.items())
+    return f"{name}/{component}", tuple(weights), tuple(others)
+
+
+def _sub_folder(path: Path, index: dict, sub: str) -> Path | None:
+    """A component sub-folder the stage reads; None for an optional one the pipeline leaves out."""
+    optional = sub.endswith("?")
+    sub = sub.rstrip("?")
+    entry = index.get(sub)
+    if not isinstance(entry, list) or not entry or entry[0] is None:
+        if optional:
+            return None
+        raise CheckpointError(f"{path / 'model_index.json'}: no component {sub}")
+    folder = path / sub
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise CheckpointError(f"{folder}: missing (model_index.json lists {sub})")
+    return folder
+
+
+# ------------------------------------------------------------------ report
+
+def describe(plans: list[LoadPlan]) -> str:
+    lines = []
+    for p in plans:
+        lines.append(f"{p.stage}: {p.family} from {p.directory} on {p.device}: "
+                     f"{_size(p.weight_bytes)} of weights in {len(p.weights)} file{'s' * (len(p.weights) != 1)}")
+        lines += [f"    {name}  {_size(n)}" for name, n in p.weights]
+        lines.append(f"    also reads: {', '.join(p.other_files)}")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,4 @@
+"""File names inside published checkpoints that several parts of omnistage read or write (the tiny-model
+builders, the stage engines, the checkpoint table): one home each. Torch-free, so anything may import it."""
+
+QWEN2_5_OMNI_SPEAKERS = "spk_dict.pt"  # Qwen2.5-Omni's speakers (conditioning, reference mel, bos token), at the root
