@@ -25,6 +25,7 @@ from .pod import PodWorker, ensure_mountpoint
 from .podspec import PodSpecError
 
 log = logging.getLogger("e2e.node")
+REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_SECONDS = 10
 
 
@@ -66,6 +67,11 @@ class Agent:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.exposed = self._hidden_interpreter_dirs()
+        # The host as it is, seen from inside a pod's mount namespace before its volumes are mounted, and
+        # what plays the pod's image here: this checkout (code and virtual environment).
+        self.host_view = f"/run/omnistage-node-{os.getpid()}"
+        venv = Path(python).absolute().parent.parent
+        self.image_dirs = [str(REPO)] + ([] if venv.is_relative_to(REPO) else [str(venv)])
 
     def _hidden_interpreter_dirs(self) -> list[tuple[str, str, str]]:
         """(folder others may not enter, its child holding the interpreter, a staging mount point)."""

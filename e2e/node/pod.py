@@ -222,11 +222,21 @@ class PodWorker(threading.Thread):
                       f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(hidden)}",
                       f"mkdir -p {shlex.quote(child)}",
                       f"mount --bind {shlex.quote(staging)} {shlex.quote(child)}"]
+        # Volume sources (and this checkout, the pod's "image") may lie below another volume's mountPath:
+        # a checkout under /tmp is hidden once the pod's own /tmp is mounted. A kubelet never meets this
+        # (images and volumes are separate file systems), so bind from a view of the host taken before
+        # any volume is mounted, and show the image again where a volume covers it.
+        host = self.agent.host_view
+        self.agent.mountpoint(host)
+        lines.append(f"mount --rbind / {shlex.quote(host)}")
         for source, target, read_only in mounts:
             self.agent.mountpoint(target, file=os.path.isfile(source))
-            lines.append(f"mount --bind {shlex.quote(source)} {shlex.quote(target)}")
+            lines.append(f"mount --bind {shlex.quote(host + source)} {shlex.quote(target)}")
             if read_only:
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+        for path in self.agent.image_dirs:
+            if any(path == t or path.startswith(t.rstrip("/") + "/") for _, t, _ in mounts):
+                lines += [f"mkdir -p {shlex.quote(path)}", f"mount --rbind {shlex.quote(host + path)} {shlex.quote(path)}"]
         if sc.get("readOnlyRootFilesystem"):
             lines.append("mount -o remount,bind,ro /")
         priv = ["setpriv"]
