@@ -160,13 +160,18 @@ def model_root(root: str | os.PathLike | None = None, env: Mapping[str, str] | N
     return Path(root or env.get(ENV_MODEL_DIR) or DEFAULT_MODEL_DIR)
 
 
+def checkpoint_dir(stage: "Stage", root: str | os.PathLike | None = None,
+                   env: Mapping[str, str] | None = None) -> Path:
+    """The directory a stage's `model` names: absolute, or under the model store."""
+    path = Path(stage.model)
+    return path if path.is_absolute() else model_root(root, env) / path
+
+
 def model_dir(stage: "Stage", root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
     """Where a stage's weights lie: its `model` (absolute, or under the model store); for a diffusers
     pipeline (`model_index.json`) the `component` sub-folder. A combined transformers checkpoint
     (Qwen-Omni) keeps every component in one set of shards, so its stages get the root."""
-    path = Path(stage.model)
-    if not path.is_absolute():
-        path = model_root(root, env) / path
+    path = checkpoint_dir(stage, root, env)
     if stage.component and (path / "model_index.json").exists():
         return path / stage.component
     return path

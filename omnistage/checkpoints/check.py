@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnistage.launch import model_root
+from omnistage.launch import checkpoint_dir
 from omnistage.spec import Pipeline, Stage
 
 from .configs import read_json, require_keys
@@ -59,9 +59,7 @@ def check_pipeline(pipeline: Pipeline, root: str | os.PathLike | None = None
 def check_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None = None) -> LoadPlan:
     i = next(i for i, s in enumerate(pipeline.stages) if s.name == stage.name)
     field = f"spec.topology.stages[{i}]"
-    path = Path(stage.model)
-    if not path.is_absolute():
-        path = model_root(root) / path
+    path = checkpoint_dir(stage, root)
     dep = pipeline.deployment.stages.get(stage.name)
     device = "cuda" if dep is not None and dep.gpus > 0 else "cpu"
     try:
@@ -95,15 +93,10 @@ def _transformers(path: Path, component: str):
     if not ckpt.keys(part.prefix):
         raise CheckpointError(f"{ckpt.index_file if ckpt.index_file.exists() else path}: no tensors under "
                               f"{part.prefix!r} (the checkpoint lacks its {component} part)")
-    ckpt.verify(part.prefix)
     for key in part.borrows:
         ckpt.info(key)
-    weights: dict[str, int] = {}
-    for key in ckpt.keys(part.prefix):
-        info = ckpt.info(key)
-        weights[info.file.name] = weights.get(info.file.name, 0) + info.nbytes
     others = ["config.json", *_files(path, part)]
-    return f"{family.name}/{component or 'model'}", tuple(sorted(weights.items())), tuple(others)
+    return f"{family.name}/{component or 'model'}", ckpt.bytes_by_file(part.prefix), tuple(others)
 
 
 def _files(path: Path, part: Part) -> list[str]:
@@ -155,13 +148,7 @@ def _diffusers(path: Path, component: str):
                     None)
         if stem is None:
             raise CheckpointError(f"{folder}: no weights (diffusion_pytorch_model.safetensors or model.safetensors)")
-        ckpt = ShardedCheckpoint(folder, stem)
-        ckpt.verify()
-        per_file: dict[str, int] = {}
-        for key in ckpt.keys():
-            info = ckpt.info(key)
-            per_file[f"{folder.name}/{info.file.name}"] = per_file.get(f"{folder.name}/{info.file.name}", 0) + info.nbytes
-        weights += sorted(per_file.items())
+        weights += [(f"{folder.name}/{name}", n) for name, n in ShardedCheckpoint(folder, stem).bytes_by_file()]
     return f"{name}/{component}", tuple(weights), tuple(others)
 
 

@@ -104,6 +104,14 @@ class ShardedCheckpoint:
     def nbytes(self, prefix: str = "") -> int:
         return sum(self.info(k).nbytes for k in self.keys(prefix))
 
+    def bytes_by_file(self, prefix: str = "") -> tuple[tuple[str, int], ...]:
+        """(shard name, bytes of the tensors under `prefix` in it), in shard order; verifies as it goes."""
+        out: dict[str, int] = {}
+        for key in self.keys(prefix):
+            info = self.info(key)
+            out[info.file.name] = out.get(info.file.name, 0) + info.nbytes
+        return tuple(sorted(out.items()))
+
     def verify(self, prefix: str = "") -> None:
         """Every shard holding `prefix` exists, is whole and holds what the index says (headers only)."""
         for k in self.keys(prefix):

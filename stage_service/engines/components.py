@@ -23,7 +23,6 @@ def load_component(ckpt: ShardedCheckpoint, prefix: str, cls, config, dtype: tor
     if not ckpt.keys(prefix):
         raise CheckpointError(f"{ckpt.index_file if ckpt.index_file.exists() else ckpt.root}: "
                               f"no tensors under {prefix!r} (the checkpoint has no {prefix.rstrip('.')} part)")
-    ckpt.verify(prefix)
     if combined_model_type:
         _borrow_conversions(cls, combined_model_type)
     model, info = cls.from_pretrained(None, config=config, state_dict=ckpt.state_dict(prefix), dtype=dtype,

@@ -32,8 +32,6 @@ SD3_T5_TOKENS = 256
 class PromptEncoder(ABC):
     """Loads a pipeline's text encoders; `encode(prompts)` gives each output tensor, one row per prompt."""
 
-    outputs: tuple[str, ...]
-
     def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool):
         self.pipe, self.dtype, self.batch_invariant = pipe, dtype, batch_invariant
 
@@ -54,8 +52,6 @@ class PromptEncoder(ABC):
 class ClipPromptEncoder(PromptEncoder):
     """StableDiffusionPipeline: `embeddings` [n, 77, width] from one CLIP text encoder."""
 
-    outputs = ("embeddings",)
-
     def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool):
         super().__init__(pipe, dtype, batch_invariant)
         self.tokenizer = pipe.load("tokenizer")
@@ -68,8 +64,6 @@ class ClipPromptEncoder(PromptEncoder):
 
 class Sd3PromptEncoder(PromptEncoder):
     """StableDiffusion3Pipeline: `embeddings` [n, 77 + 256, joint width] and `pooled_embeddings` [n, pooled width]."""
-
-    outputs = ("embeddings", "pooled_embeddings")
 
     def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool):
         super().__init__(pipe, dtype, batch_invariant)

@@ -12,7 +12,7 @@ adapters run it on their worker thread.
 
 Each part loads from the combined checkpoint as published (one `config.json`, one set of shards): it
 reads only the tensors under its own prefix (`THINKER`, `TALKER`, `CODE2WAV`), plus, for the Talker,
-three rows of the Thinker's embedding matrix; `REQUIRED` lists the config keys each part reads.
+three rows of the Thinker's embedding matrix; the config keys each part reads are the family table's (omnistage/checkpoints/families.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
+from omnistage.checkpoints.families import QWEN3_OMNI
 from omnistage.params import InvalidRequest
 
 from ..errors import InputError
@@ -43,16 +44,6 @@ THINKER, TALKER, CODE2WAV = "thinker.", "talker.", "code2wav."
 THINKER_EMBED = "thinker.model.embed_tokens.weight"
 # Qwen3-Omni's Code2Wav outputs 24 kHz audio (1920 samples per 12.5 Hz codec frame); no config key says so.
 SAMPLE_RATE = 24000
-_TOKEN_IDS = ("im_start_token_id", "im_end_token_id", "user_token_id", "assistant_token_id")
-# The keys of config.json each part reads beyond its own sub-config (which must be there as a whole).
-REQUIRED = {
-    "thinker": ("thinker_config", "talker_config.accept_hidden_layer", "im_end_token_id"),
-    "talker": ("talker_config", "tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id", *_TOKEN_IDS,
-               "thinker_config.audio_token_id", "thinker_config.image_token_id", "thinker_config.video_token_id"),
-    "code2wav": ("code2wav_config",),
-}
-
-
 def _moe_kwargs(batch_invariant: bool) -> dict:
     return {"experts_implementation": MOE_EXPERTS} if batch_invariant else {}
 
@@ -60,7 +51,7 @@ def _moe_kwargs(batch_invariant: bool) -> dict:
 def _config(root: Path, part: str):
     from transformers import Qwen3OmniMoeConfig
 
-    return read_config(root, Qwen3OmniMoeConfig, REQUIRED[part])
+    return read_config(root, Qwen3OmniMoeConfig, QWEN3_OMNI.parts[part].config_keys)
 
 
 def _generation_eos(root: Path) -> list[int]:

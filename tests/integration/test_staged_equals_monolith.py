@@ -19,6 +19,7 @@ from omnistage.client import AsyncOmniClient
 from omnistage.tiny_models import qwen3_omni
 
 from ..harness import call_stage, example, header, served_pipeline, stage_servers
+from .test_stage_support import tensor_of
 
 PIPELINE = example("qwen3-omni-tiny")
 MODEL = "qwen3-omni-tiny"
@@ -46,10 +47,6 @@ def generate(monolith, prompt_ids: list[int], max_tokens: int, frames: int, stop
         return monolith.generate(input_ids=torch.tensor([prompt_ids]), thinker_max_new_tokens=max_tokens,
                                  thinker_eos_token_id=monolith.config.im_end_token_id if stop_at_eos else None,
                                  talker_max_new_tokens=frames + 1, talker_do_sample=False)
-
-
-def tensor_of(chunk, name):
-    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
 
 
 def decoded(monolith, talker_out) -> tuple[torch.Tensor, torch.Tensor]:
