@@ -125,13 +125,48 @@ def cmd_serve(args) -> int:
 
 
 def _gen_kwargs(args) -> dict:
+    """The request's keyword arguments for OmniClient.generate; ValueError says what is wrong with them."""
     kw = dict(system_prompt=args.system_prompt, raw_prompt=args.raw_prompt, max_tokens=args.max_tokens,
               seed=args.seed, max_codec_frames=args.max_codec_frames, width=args.width, height=args.height,
               num_inference_steps=args.num_inference_steps, outputs=args.output or (),
               return_trace=args.return_trace, ignore_eos=args.ignore_eos)
     if args.temperature is not None:
         kw["temperature"] = args.temperature
+    if args.media:  # the prompt is the last part, after the media in command-line order
+        kw["parts"] = [_media_part(kind, path, args.video_fps) for kind, path in args.media]
+        kw["parts"] += [args.prompt] if args.prompt else []
+    elif not args.prompt:
+        raise ValueError("--prompt is required (or --image, --audio or --video)")
+    else:
+        kw["prompt"] = args.prompt
     return kw
+
+
+def _media_part(kind: str, path: str, fps: float):
+    from omnistage import client
+
+    try:
+        if kind == "image":
+            return client.image_part(path)
+        if kind == "audio":
+            return client.audio_part(path)
+        if not Path(path).is_dir():
+            return client.video_file_part(path)
+        if not fps > 0:
+            raise ValueError(f"--video-fps must be > 0, got {fps}")
+        frames = sorted(f for f in Path(path).iterdir() if f.is_file() and not f.name.startswith("."))
+        if not frames:
+            raise ValueError(f"--video {path}: the folder has no frame files")
+        return client.video_part(frames, [j / fps for j in range(len(frames))])
+    except OSError as e:
+        raise ValueError(f"--{kind} {path}: cannot read it ({e.strerror or e})") from None
+
+
+class _AppendMedia(argparse.Action):
+    """--image, --audio and --video FILE into one list of (kind, path), in command-line order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), (self.const, values)])
 
 
 def _print_result(result, out: str | None, trace: bool) -> None:
@@ -152,6 +187,11 @@ def _print_result(result, out: str | None, trace: bool) -> None:
               f"{u.completion_tokens}; first event after {1e3 * (result.first_event_s or 0):.0f} ms")
         if trace and result.final.HasField("trace"):
             t = result.final.trace
+            if t.media_decode_ms:
+                print(f"media decode: {t.media_decode_ms:.1f} ms (orchestrator admission check)")
+            for s in t.stages:
+                if s.encode_ms:
+                    print(f"media encode: {s.encode_ms:.1f} ms in stage {s.stage}")
             print(f"trace: admission {t.admission_wait_ms:.1f} ms, first output {t.first_output_ms:.1f} ms, "
                   f"total {t.total_ms:.1f} ms")
             print(f"  {'stage':<14}{'replica':<18}{'queue':>8}{'compute':>9}{'transfer':>9}{'first':>8}"
@@ -166,15 +206,16 @@ def cmd_generate(args) -> int:
 
     from omnistage.client import OmniClient
 
-    with OmniClient(args.endpoint) as client:
-        try:
-            result = client.generate(args.prompt, timeout=args.timeout, **_gen_kwargs(args))
-        except grpc.RpcError as e:
-            print(f"omnistage generate: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-        except ValueError as e:
-            print(f"omnistage generate: {e}", file=sys.stderr)
-            return 2
+    try:
+        kw = _gen_kwargs(args)
+        with OmniClient(args.endpoint) as client:
+            result = client.generate(timeout=args.timeout, **kw)
+    except grpc.RpcError as e:
+        print(f"omnistage generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"omnistage generate: {e}", file=sys.stderr)
+        return 2
     _print_result(result, args.out, args.return_trace)
     return 0
 
@@ -187,9 +228,13 @@ def cmd_run(args) -> int:
     from omnistage.local import LaunchError
 
     try:
+        kw = _gen_kwargs(args)
         local = _launcher(args)
     except SpecError as e:
         _print_spec_errors(args.file, e)
+        return 2
+    except ValueError as e:
+        print(f"omnistage run: {e}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     try:
@@ -197,7 +242,7 @@ def cmd_run(args) -> int:
         print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)",
               flush=True)
         with OmniClient(endpoint) as client:
-            result = client.generate(args.prompt, timeout=args.timeout, **_gen_kwargs(args))
+            result = client.generate(timeout=args.timeout, **kw)
         _print_result(result, args.out, args.return_trace)
         return 0
     except LaunchError as e:
@@ -254,7 +299,12 @@ def _quiet_model_libraries() -> None:
 
 
 def _add_gen_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", default="", help="the request's text; with media, the last part after them")
+    for kind, what in (("image", "a PNG, JPEG or WebP file"), ("audio", "a WAV, FLAC, MP3 or OGG file"),
+                       ("video", "a folder of frame images, sorted by name, or a video file")):
+        p.add_argument(f"--{kind}", dest="media", action=_AppendMedia, const=kind, metavar="FILE",
+                       help=f"{what}, sent as one part; repeat: parts keep the command-line order")
+    p.add_argument("--video-fps", type=float, default=2.0, help="frames per second of a --video folder")
     p.add_argument("--system-prompt", default="", help="a system turn before the prompt (chat models)")
     p.add_argument("--raw-prompt", action="store_true", help="send the prompt as written: no chat template")
     p.add_argument("--out", default=None, help="where to write the audio (.wav) or image (.png)")
@@ -281,7 +331,7 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", action="append", metavar="STAGE=N", help="override a stage's replica count")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check OmniPipeline files; every error with its field path")
@@ -316,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("file", help="OmniPipeline YAML file")
     c.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
     c.set_defaults(fn=cmd_models_check)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.fn(args)
 
 

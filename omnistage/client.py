@@ -1,20 +1,24 @@
-"""A small client for the orchestrator's API, sync and async.
+"""A small client for the orchestrator's API, sync and async, and the content parts a request carries.
 
-    from omnistage.client import OmniClient
+    from omnistage.client import OmniClient, image_part
     with OmniClient("127.0.0.1:50051") as c:
         r = c.generate("Hello", max_tokens=16)
         print(r.text); r.save_audio("out.wav")
+        r = c.generate(parts=[image_part("cat.png"), "What is in this picture?"])
 """
 
 from __future__ import annotations
 
 import io
+import os
 import time
 import wave
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, Iterator
+from pathlib import Path
+from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
+import numpy as np
 
 from omnistage.modalities import MODALITY_CODES
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -85,13 +89,90 @@ class GenerateResult:
             f.write(self.images[index].png)
 
 
+# ------------------------------------------------------------------- content parts
+
+Media = str | os.PathLike | bytes  # a file to read, or its bytes
+
+
+def _read(media: Media) -> bytes:
+    return bytes(media) if isinstance(media, (bytes, bytearray, memoryview)) else Path(media).read_bytes()
+
+
+def text_part(text: str) -> common_pb2.ContentPart:
+    return common_pb2.ContentPart(text=text)
+
+
+def image_part(image: Media) -> common_pb2.ContentPart:
+    """An encoded image (PNG, JPEG or WebP): a file, or its bytes."""
+    return common_pb2.ContentPart(image=_encoded_image(image))
+
+
+def raw_image_part(pixels: np.ndarray) -> common_pb2.ContentPart:
+    """Pixels as they are: [H, W, 3] uint8 RGB."""
+    return common_pb2.ContentPart(image=_raw_image(pixels))
+
+
+def audio_part(audio: Media) -> common_pb2.ContentPart:
+    """An encoded audio file (WAV, FLAC, MP3 or OGG): a file, or its bytes."""
+    return common_pb2.ContentPart(audio=common_pb2.AudioPart(data=_read(audio)))
+
+
+def pcm_part(samples: np.ndarray | bytes, sample_rate: int, channels: int = 1) -> common_pb2.ContentPart:
+    """Raw audio: 16-bit little-endian PCM bytes (`channels` interleaved), or an array of samples ([n], or
+    [n, channels]; floats in [-1, 1] or int16)."""
+    if isinstance(samples, np.ndarray):
+        if samples.ndim == 2:
+            channels = samples.shape[1]
+        elif samples.ndim != 1:
+            raise ValueError(f"samples must be [n] or [n, channels], got shape {samples.shape}")
+        if samples.dtype != np.int16:
+            samples = np.round(np.clip(samples.astype(np.float64), -1.0, 1.0) * 32767).astype(np.int16)
+        samples = samples.astype("<i2").tobytes()
+    return common_pb2.ContentPart(audio=common_pb2.AudioPart(data=bytes(samples), sample_rate=sample_rate,
+                                                             channels=channels))
+
+
+def video_part(frames: Sequence[np.ndarray | Media], timestamps: Sequence[float]) -> common_pb2.ContentPart:
+    """A video as frames, each [H, W, 3] uint8 RGB pixels or an encoded image (a file, or its bytes), with
+    each frame's time in seconds (increasing)."""
+    if len(frames) != len(timestamps):
+        raise ValueError(f"{len(frames)} frames and {len(timestamps)} timestamps: each frame needs one")
+    images = [_raw_image(f) if isinstance(f, np.ndarray) else _encoded_image(f) for f in frames]
+    return common_pb2.ContentPart(video=common_pb2.VideoPart(frames=images, timestamps=list(timestamps)))
+
+
+def video_file_part(video: Media) -> common_pb2.ContentPart:
+    """An encoded video file (a file, or its bytes), for a server with a video decoder installed."""
+    return common_pb2.ContentPart(video=common_pb2.VideoPart(data=_read(video)))
+
+
+def _encoded_image(image: Media) -> common_pb2.ImagePart:
+    return common_pb2.ImagePart(data=_read(image))
+
+
+def _raw_image(pixels: np.ndarray) -> common_pb2.ImagePart:
+    if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8:
+        raise ValueError(f"pixels must be [H, W, 3] uint8 RGB, got shape {pixels.shape} of {pixels.dtype}")
+    h, w, _ = pixels.shape
+    return common_pb2.ImagePart(data=np.ascontiguousarray(pixels).tobytes(), width=w, height=h)
+
+
+def _part(p: common_pb2.ContentPart | str) -> common_pb2.ContentPart:
+    return text_part(p) if isinstance(p, str) else p
+
+
+# ------------------------------------------------------------------------ requests
+
 def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), system_prompt: str = "",
                   raw_prompt: bool = False, max_tokens: int = 0,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, ignore_eos: bool = False, max_codec_frames: int = 0, speaker: str = "",
                   width: int = 0, height: int = 0, num_inference_steps: int = 0, guidance_scale: float | None = None,
                   negative_prompt: str = "", outputs: Iterable[str] = (), return_trace: bool = False,
-                  priority: int = 0, request_id: str = "") -> orchestrator_pb2.GenerateRequest:
+                  priority: int = 0, request_id: str = "",
+                  parts: Iterable[common_pb2.ContentPart | str] = ()) -> orchestrator_pb2.GenerateRequest:
+    """One Generate request. `parts`: the user turn as ordered content parts (a str is a text part); a
+    `prompt` with them is one more text part after them."""
     text = common_pb2.TextParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     if temperature is not None:
         text.temperature = temperature
@@ -106,7 +187,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
     params = common_pb2.GenerationParams(prompt=prompt, prompt_token_ids=list(prompt_token_ids), text=text,
                                          audio=common_pb2.AudioParams(max_codec_frames=max_codec_frames,
                                                                       speaker=speaker), image=image,
-                                         system_prompt=system_prompt, raw_prompt=raw_prompt)
+                                         system_prompt=system_prompt, raw_prompt=raw_prompt,
+                                         parts=[_part(p) for p in parts])
     if seed is not None:
         params.seed = seed
     unknown = [o for o in outputs if o not in MODALITY_CODES]

@@ -2,6 +2,8 @@
 
 Pure functions over the GenerationParams message; the orchestrator checks at
 admission and every stage checks again, so a bad request never reaches an engine.
+Content parts are checked here for structure only (count, bytes, text length);
+decoding them is the costlier check of `omnistage.media`.
 """
 
 from __future__ import annotations
@@ -41,14 +43,38 @@ class RequestParams:
     # Chat: a system turn before the prompt, or the prompt sent as written (no chat template applied).
     system_prompt: str = ""
     raw_prompt: bool = False
+    # The user turn as ordered content parts (the ContentPart messages as given); `prompt`, when also set,
+    # is one more text part after them (see `content`).
+    parts: tuple[common_pb2.ContentPart, ...] = ()
+
+    @property
+    def content(self) -> tuple[common_pb2.ContentPart, ...]:
+        """The user turn in order: `parts`, then `prompt` as a last text part when there is one."""
+        return self.parts + ((common_pb2.ContentPart(text=self.prompt),) if self.prompt else ())
+
+    @property
+    def text(self) -> str:
+        """The user turn's text, for stages that read text only: its text parts and the prompt, in order,
+        as written (no separator added)."""
+        if not self.parts:
+            return self.prompt
+        return "".join(x.text for x in self.content if x.WhichOneof("part") == "text")
 
 
 def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
-    """Defaults filled in; InvalidRequest names the first field out of bounds."""
-    if not p.prompt and not p.prompt_token_ids:
-        raise InvalidRequest("params.prompt", "is required (or params.prompt_token_ids)")
+    """Defaults filled in; InvalidRequest names the first field out of bounds.
+
+    A request says what to answer with `prompt`, `prompt_token_ids` or `parts`. With `parts`, `prompt`
+    (when set) is one more text part after them, and their text and the prompt together count against
+    max_prompt_chars; `parts` do not go with `prompt_token_ids`, and media parts not with `raw_prompt`
+    (media is placed by the chat template)."""
+    parts = tuple(p.parts)
+    if not p.prompt and not p.prompt_token_ids and not parts:
+        raise InvalidRequest("params.prompt", "is required (or params.prompt_token_ids, or params.parts)")
     if len(p.prompt) > limits.max_prompt_chars:
         raise InvalidRequest("params.prompt", f"is {len(p.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    if parts:
+        _check_request_parts(p, parts, limits)
     if len(p.prompt_token_ids) > limits.max_prompt_chars:
         raise InvalidRequest("params.prompt_token_ids",
                              f"has {len(p.prompt_token_ids)} tokens; the limit is {limits.max_prompt_chars}")
@@ -93,7 +119,42 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         max_tokens=max_tokens, temperature=temperature or None, top_p=top_p, top_k=top_k, ignore_eos=t.ignore_eos,
         max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
-        system_prompt=p.system_prompt, raw_prompt=p.raw_prompt)
+        system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts)
+
+
+def check_parts(parts, limits: Limits) -> None:
+    """The cheap checks of content parts: how many, each one set, each within the byte limit, no empty
+    text. Decoding them (`omnistage.media.decode_parts`) is the costly check."""
+    if len(parts) > limits.max_parts:
+        raise InvalidRequest("params.parts", f"has {len(parts)} parts; the limit is {limits.max_parts}")
+    for i, part in enumerate(parts):
+        kind = part.WhichOneof("part")
+        if kind is None:
+            raise InvalidRequest(f"params.parts[{i}]", "empty part (set text, image, audio or video)")
+        size = part.ByteSize()
+        if size > limits.max_part_bytes:
+            raise InvalidRequest(f"params.parts[{i}].{kind}", f"is {size} bytes; the limit is {limits.max_part_bytes}")
+        if kind == "text" and not part.text:
+            raise InvalidRequest(f"params.parts[{i}].text", "is empty")
+
+
+def has_media(parts) -> bool:
+    """Some part is an image, audio or video."""
+    return any(x.WhichOneof("part") not in ("text", None) for x in parts)
+
+
+def _check_request_parts(p: common_pb2.GenerationParams, parts, limits: Limits) -> None:
+    if p.prompt_token_ids:
+        raise InvalidRequest("params.parts", "cannot be used with params.prompt_token_ids (parts go through the "
+                                             "chat template)")
+    check_parts(parts, limits)
+    chars = len(p.prompt) + sum(len(x.text) for x in parts if x.WhichOneof("part") == "text")
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest("params.parts", f"text parts and prompt are {chars} characters together; the limit "
+                                             f"is {limits.max_prompt_chars}")
+    if p.raw_prompt and has_media(parts):
+        raise InvalidRequest("params.raw_prompt", "cannot be used with media parts (media is placed by the chat "
+                                                  "template)")
 
 
 def _bound(field: str, value: int, lo: int, hi: int) -> None:

@@ -16,6 +16,8 @@ class OrchestratorMetrics:
         self.waiting = Gauge("omnistage_admission_queue", "Requests waiting for admission", registry=r)
         self.admission_wait_ms = Histogram("omnistage_admission_wait_ms", "Time waited for admission (ms)",
                                            buckets=_MS, registry=r)
+        self.media_decode_ms = Histogram("omnistage_media_decode_ms", "Time to decode a request's media parts "
+                                         "at admission (ms)", buckets=_MS, registry=r)
         self.latency_ms = Histogram("omnistage_request_latency_ms", "End-to-end request latency (ms)",
                                     buckets=_MS, registry=r)
         self.first_output_ms = Histogram("omnistage_first_output_ms", "Time to the first output event (ms)",

@@ -51,7 +51,8 @@ def emit(request_id: str, pipeline: str, trace, outcome: str) -> None:
     start_ns = end_ns - int(trace.total_ms * 1e6)
     root = _tracer.start_span("omnistage.request", start_time=start_ns, attributes={
         "omnistage.request_id": request_id, "omnistage.pipeline": pipeline, "omnistage.outcome": outcome,
-        "omnistage.admission_wait_ms": trace.admission_wait_ms, "omnistage.first_output_ms": trace.first_output_ms})
+        "omnistage.admission_wait_ms": trace.admission_wait_ms, "omnistage.first_output_ms": trace.first_output_ms,
+        "omnistage.media_decode_ms": trace.media_decode_ms})
     from opentelemetry import trace as otel_trace
 
     ctx = otel_trace.set_span_in_context(root)
@@ -60,6 +61,7 @@ def emit(request_id: str, pipeline: str, trace, outcome: str) -> None:
         span = _tracer.start_span(f"omnistage.stage.{st.stage}", context=ctx, start_time=s_start, attributes={
             "omnistage.stage": st.stage, "omnistage.replica": st.replica, "omnistage.queue_ms": st.queue_ms,
             "omnistage.compute_ms": st.compute_ms, "omnistage.transfer_ms": st.transfer_ms,
+            "omnistage.encode_ms": st.encode_ms,
             "omnistage.first_chunk_ms": st.first_chunk_ms, "omnistage.chunks": st.chunks,
             "omnistage.attempts": st.attempts})
         span.end(end_time=s_start + int(st.total_ms * 1e6))

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from omnistage.spec import Pipeline
+from omnistage.spec import Pipeline, stage_inputs
 from omnistage.v1 import common_pb2, orchestrator_pb2, stage_pb2
 
 from .outputs import OutputAssembler
@@ -61,6 +61,13 @@ class RequestRun:
                   for s in self.pipeline.stages if s.name in self.needed}
         self._consumers = {s: [c for c, srcs in inputs.items() if s in srcs] for s in self.needed}
         self._entry = [s.name for s in self.pipeline.stages if s.name in self.needed and not inputs[s.name]]
+        self._params: dict[str, common_pb2.GenerationParams] = {}
+        by_reads: dict[frozenset[str], common_pb2.GenerationParams] = {}  # one copy per set of parts read
+        for s in self.needed:
+            reads = stage_inputs(self.pipeline.stage(s))
+            if reads not in by_reads:
+                by_reads[reads] = stage_params(self.params, reads)
+            self._params[s] = by_reads[reads]
         self._calls = {s: StageCall(s, frozenset(inputs[s]), self._header(s), router=self.router,
                                     deadline=self.deadline, deliver=functools.partial(self._deliver, s),
                                     ended=functools.partial(self._ended, s), max_attempts=self.max_attempts,
@@ -125,7 +132,7 @@ class RequestRun:
     # ----------------------------------------------------------- stage calls
     def _header(self, stage: str) -> stage_pb2.StageRequestHeader:
         return stage_pb2.StageRequestHeader(
-            request_id=self.request_id, params=self.params, inline_outputs=stage in self.outputs,
+            request_id=self.request_id, params=self._params[stage], inline_outputs=stage in self.outputs,
             consumers=self._consumers[stage], deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0)
 
     async def _open(self, stage: str) -> None:
@@ -157,7 +164,7 @@ class RequestRun:
         await self._events.put(_PumpDone(stage, error))
 
     # -------------------------------------------------------------- trace
-    def trace(self, admission_wait_ms: float = 0.0) -> common_pb2.RequestTrace:
+    def trace(self, admission_wait_ms: float = 0.0, media_decode_ms: float = 0.0) -> common_pb2.RequestTrace:
         end = time.perf_counter()
         stages = []
         for st in self.pipeline.stages:
@@ -166,9 +173,9 @@ class RequestRun:
                 continue
             stages.append(common_pb2.StageTrace(
                 stage=st.name, replica=t.replica, queue_ms=t.queue_ms, compute_ms=t.compute_ms,
-                transfer_ms=t.transfer_ms, first_chunk_ms=((t.first_chunk or end) - t.dispatched) * 1e3,
+                transfer_ms=t.transfer_ms, encode_ms=t.encode_ms, first_chunk_ms=((t.first_chunk or end) - t.dispatched) * 1e3,
                 total_ms=((t.finished or end) - t.dispatched) * 1e3, chunks=t.chunks, attempts=t.attempts))
-        return common_pb2.RequestTrace(admission_wait_ms=admission_wait_ms,
+        return common_pb2.RequestTrace(admission_wait_ms=admission_wait_ms, media_decode_ms=media_decode_ms,
                                        first_output_ms=((self.first_output or end) - self.started) * 1e3,
                                        total_ms=(end - self.started) * 1e3, stages=stages)
 
@@ -181,6 +188,28 @@ def _background(coro) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
+
+
+def stage_params(params: common_pb2.GenerationParams, inputs: frozenset[str]) -> common_pb2.GenerationParams:
+    """`params` as sent to a stage whose adapter reads the content parts `inputs`: each media part it does
+    not read becomes an empty message of its kind, so the stage is not sent megabytes it ignores and part
+    indices still match the request. `params` itself when the stage reads every part it has."""
+    keep = [p.WhichOneof("part") in inputs | {"text", None} for p in params.parts]
+    if all(keep):
+        return params
+    out = common_pb2.GenerationParams()
+    for fd, value in params.ListFields():  # every field but the parts, without copying the parts' bytes
+        if fd.name == "parts":
+            continue
+        if fd.is_repeated:
+            getattr(out, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(out, fd.name).CopyFrom(value)
+        else:
+            setattr(out, fd.name, value)
+    for part, kept in zip(params.parts, keep):
+        out.parts.append(part if kept else common_pb2.ContentPart(**{part.WhichOneof("part"): {}}))
+    return out
 
 
 def needed_stages(pipeline: Pipeline, output_stages: set[str]) -> set[str]:

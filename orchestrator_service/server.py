@@ -16,12 +16,15 @@ from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
 from .discovery import KubernetesDiscovery
+from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .routing import Router
 from .servicer import OrchestratorServicer
 
 log = logging.getLogger("omnistage.orchestrator")
 SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+MIN_RECEIVE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's limit: a signed 32-bit length
 
 
 def parse_endpoints(specs: list[str], pipeline: Pipeline) -> dict[str, list[str]]:
@@ -50,7 +53,8 @@ class OrchestratorServer:
         for stage, addrs in endpoints.items():
             self.router.set_endpoints(stage, addrs)
         self.metrics = OrchestratorMetrics()
-        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics)
+        self.media = MediaCheck(pipeline)
+        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media)
         self.host, self.port, self.http_port = host, port, http_port
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.orchestrator.drain_seconds)
@@ -63,7 +67,9 @@ class OrchestratorServer:
                           if namespace is not None else None)
 
     async def start(self, wait_for_stages: float | None = None) -> int:
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+        # Room for every request the limits admit (a larger message gets gRPC's RESOURCE_EXHAUSTED).
+        receive = min(max(MIN_RECEIVE_BYTES, self.pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", receive),
                                                ("grpc.max_send_message_length", 512 << 20)])
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE])
@@ -98,6 +104,7 @@ class OrchestratorServer:
             if self.discovery is not None:
                 self.discovery.stop()
             await self.router.close()
+            self.media.close()
             self.stopped.set()  # the HTTP port stays up until close(): a /drain caller gets its answer
 
     def close(self) -> None:

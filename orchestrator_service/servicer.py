@@ -11,12 +11,13 @@ import uuid
 import grpc
 
 from omnistage.modalities import MODALITY_CODES, MODALITY_NAMES
-from omnistage.params import InvalidRequest, resolve
+from omnistage.params import InvalidRequest, has_media, resolve
 from omnistage.spec import Pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
 from .admission import Admission, Overloaded
+from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .request_run import RequestRun, StageFailed, needed_stages
 from .routing import Router
@@ -49,10 +50,11 @@ def estimated_cost(p) -> float:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, pipeline: Pipeline, router: Router, metrics: OrchestratorMetrics):
+    def __init__(self, pipeline: Pipeline, router: Router, metrics: OrchestratorMetrics, media: MediaCheck):
         self.pipeline = pipeline
         self.router = router
         self.metrics = metrics
+        self.media = media
         orc = pipeline.deployment.orchestrator
         self.max_attempts = 1 + orc.max_retries
         self.admission = Admission(orc.max_inflight, orc.max_queued, capacity=router.capacity,
@@ -69,8 +71,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         try:
             if len(request.request_id) > MAX_REQUEST_ID:
                 raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID} characters")
-            resolve(request.params, self.pipeline.limits)
+            params = resolve(request.params, self.pipeline.limits)
             outputs = requested_outputs(self.pipeline, request)
+            media_decode_ms = 0.0
+            if has_media(params.parts):
+                media_decode_ms = await self.media.check(params.parts)
+                m.media_decode_ms.observe(media_decode_ms)
         except InvalidRequest as e:
             m.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -105,9 +111,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     first = False
                 yield ev
             final = orchestrator_pb2.Final(finish_reason=run.finish_reason or "stop", usage=run.assembler.usage)
-            trace = run.trace(ticket.wait_ms)
+            trace = run.trace(ticket.wait_ms, media_decode_ms)
             for st in trace.stages:
-                for part in ("queue_ms", "compute_ms", "transfer_ms", "first_chunk_ms", "total_ms"):
+                for part in ("queue_ms", "compute_ms", "transfer_ms", "encode_ms", "first_chunk_ms", "total_ms"):
                     m.stage_ms.labels(st.stage, part[:-3]).observe(getattr(st, part))
                 if st.attempts > 1:
                     m.retries.labels(st.stage).inc(st.attempts - 1)

@@ -59,6 +59,7 @@ class StageTiming:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     transfer_ms: float = 0.0
+    encode_ms: float = 0.0
     chunks: int = 0
     attempts: int = 0
 
@@ -244,6 +245,7 @@ class StageCall:
             timing.queue_ms += chunk.timing.queue_ms
             timing.compute_ms += chunk.timing.compute_ms
             timing.transfer_ms += chunk.timing.transfer_ms
+            timing.encode_ms += chunk.timing.encode_ms
             if await self._deliver(chunk):
                 self.client_saw = True
             self.delivered += 1

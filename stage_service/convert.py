@@ -27,4 +27,5 @@ def output_to_proto(out: OutputChunk, stage: str, chunk_id: int, end_of_stream: 
     return stage_pb2.Chunk(
         stage=stage, chunk_id=chunk_id, text=out.text, end_of_stream=end_of_stream,
         sample_rate=out.sample_rate, finish_reason=out.finish_reason, tensors=descriptors,
-        timing=stage_pb2.ChunkTiming(queue_ms=out.queue_ms, compute_ms=out.compute_ms, transfer_ms=out.transfer_ms))
+        timing=stage_pb2.ChunkTiming(queue_ms=out.queue_ms, compute_ms=out.compute_ms, transfer_ms=out.transfer_ms,
+                                   encode_ms=out.encode_ms))

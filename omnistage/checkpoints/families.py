@@ -19,7 +19,7 @@ from .names import QWEN2_5_OMNI_SPEAKERS
 @dataclass(frozen=True)
 class Part:
     """One component of a combined checkpoint (prefix "" for a whole model)."""
-    prefix: str
+    prefix: str | tuple[str, ...]          # the name prefix of its tensors (or several)
     config: str = ""                       # the part's sub-config key in config.json ("" = the root)
     config_keys: tuple[str, ...] = ()      # dotted keys of config.json the engine reads
     borrows: tuple[str, ...] = ()          # tensors of another part it reads rows of
@@ -43,12 +43,20 @@ class Family:
 
 
 _CHAT = ("chat_template.jinja", "chat_template.json", "generation_config.json")
+_PROCESSOR = "preprocessor_config.json"  # the processor's image, video and audio settings
 _TEXT = ("text_config.vocab_size", "text_config.hidden_size", "text_config.num_hidden_layers")
 
+# The Thinker's encoders served on their own (`kind: encoder`): the towers, the tokenizer, the chat template
+# and the processor's settings.
+_ENCODERS = ("thinker.visual.", "thinker.audio_tower.")
+_ENCODER_KEYS = ("thinker_config.vision_config", "thinker_config.audio_config")
+
 QWEN3_OMNI = Family("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", {
+    "encoder": Part(_ENCODERS, "thinker_config", _ENCODER_KEYS, tokenizer=True, files=(_PROCESSOR,),
+                    optional_files=_CHAT),
     "thinker": Part("thinker.", "thinker_config", tuple(f"thinker_config.{k}" for k in _TEXT) +
                     ("talker_config.accept_hidden_layer", "im_end_token_id"), tokenizer=True,
-                    optional_files=_CHAT),
+                    optional_files=_CHAT + (_PROCESSOR,)),
     "talker": Part("talker.", "talker_config",
                    ("talker_config.accept_hidden_layer", "talker_config.num_code_groups", "talker_config.codec_bos_id",
                     "talker_config.codec_eos_token_id", "talker_config.codec_pad_id", "talker_config.speaker_id",
@@ -61,8 +69,11 @@ QWEN3_OMNI = Family("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", {
 })
 
 QWEN2_5_OMNI = Family("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", {
+    "encoder": Part(_ENCODERS, "thinker_config", _ENCODER_KEYS, tokenizer=True, files=(_PROCESSOR,),
+                    optional_files=_CHAT),
     "thinker": Part("thinker.", "thinker_config", tuple(f"thinker_config.{k}" for k in _TEXT) +
-                    ("thinker_config.text_config.max_position_embeddings",), tokenizer=True, optional_files=_CHAT),
+                    ("thinker_config.text_config.max_position_embeddings",), tokenizer=True,
+                    optional_files=_CHAT + (_PROCESSOR,)),
     "talker": Part("talker.", "talker_config",
                    tuple(f"talker_config.{k}" for k in (
                        "tts_codec_start_token_id", "tts_codec_end_token_id", "tts_codec_pad_token_id",

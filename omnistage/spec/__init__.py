@@ -9,7 +9,7 @@ from .model import (API_GROUP, API_VERSION, CONDITION_STATUSES, CONDITION_TYPES,
                     EMITS, ENGINES, FAIRNESS_POLICIES, KIND, MAX_NAME_LEN, MODALITIES, PLURAL, ROLLOUT_STRATEGIES,
                     STAGE_KINDS, TRANSPORTS, Condition, Deployment, Edge, Limits, Metadata, OrchestratorDeployment,
                     Output, Parallelism, Pipeline, ReplicaStatus, Resources, Rollout, SchedulerSettings, Spec, Stage,
-                    StageDeployment, Status, Topology, TransferSettings)
+                    StageDeployment, Status, Topology, TransferSettings, accepted_inputs, stage_inputs)
 from .validation import FieldError, SpecError, validate
 
 __all__ = [
@@ -18,6 +18,6 @@ __all__ = [
     "QUANTITY_PATTERN", "ROLLOUT_STRATEGIES", "STAGE_KINDS", "TRANSPORTS", "Adapter", "Condition", "Deployment",
     "Edge", "FieldError", "Limits", "Metadata", "OrchestratorDeployment", "Output", "Parallelism", "Pipeline",
     "ReplicaStatus", "Resources", "Rollout", "SchedulerSettings", "Spec", "SpecError", "Stage", "StageDeployment",
-    "Status", "Topology", "TransferSettings", "adapter_for", "dump_pipeline", "load_pipeline", "parse_pipeline",
-    "parse_pipeline_yaml", "validate",
+    "Status", "Topology", "TransferSettings", "accepted_inputs", "adapter_for", "dump_pipeline", "load_pipeline",
+    "parse_pipeline", "parse_pipeline_yaml", "stage_inputs", "validate",
 ]

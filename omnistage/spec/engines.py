@@ -24,6 +24,7 @@ class Adapter:
     emits: frozenset[str]
     reads: frozenset[str] = frozenset()      # what it can take from a producer's edge
     needs: frozenset[str] = frozenset()      # what some input edge must carry (a subset of reads)
+    inputs: frozenset[str] = frozenset({"text"})  # the request's content parts it reads (text, image, ...)
 
     @property
     def is_entry(self) -> bool:
@@ -34,19 +35,27 @@ CAUSAL_LM = Adapter("causal-lm", ("vllm", "transformers"), "ar", "", frozenset({
                     reads=frozenset({"tokens", "hidden"}))
 
 
-def _omni(family: str, decoder: str) -> tuple[Adapter, Adapter, Adapter]:
-    """An omni family's Thinker, Talker and audio decoder (the `decoder` component). Every family's
-    Thinker and Talker share (engine, kind, component) and so read and emit the same: validation cannot
-    see the checkpoint, the engine registry picks the family by its architecture."""
-    return (Adapter(f"{family}-thinker", ("transformers",), "ar", "thinker", frozenset({"text", "tokens", "hidden"})),
+MEDIA_INPUTS = frozenset({"text", "image", "audio", "video"})
+
+
+def _omni(family: str, decoder: str) -> tuple[Adapter, Adapter, Adapter, Adapter]:
+    """An omni family's Thinker, Talker, audio decoder (the `decoder` component) and the Thinker's encoders
+    as a stage of their own (`kind: encoder`, opt-in: without one the Thinker runs them inline). Every
+    family's parts share (engine, kind, component) and so read and emit the same: validation cannot see
+    the checkpoint, the engine registry picks the family by its architecture."""
+    return (Adapter(f"{family}-thinker", ("transformers",), "ar", "thinker", frozenset({"text", "tokens", "hidden"}),
+                    reads=frozenset({"media"}), inputs=MEDIA_INPUTS),
             Adapter(f"{family}-talker", ("transformers",), "ar", "talker", frozenset({"codes"}),
                     reads=frozenset({"hidden"}), needs=frozenset({"hidden"})),
             Adapter(f"{family}-{decoder}", ("transformers",), "generation", decoder, frozenset({"audio"}),
-                    reads=frozenset({"codes"}), needs=frozenset({"codes"})))
+                    reads=frozenset({"codes"}), needs=frozenset({"codes"})),
+            Adapter(f"{family}-encoder", ("transformers",), "encoder", "encoder", frozenset({"media"}),
+                    inputs=MEDIA_INPUTS))
 
 
-QWEN3_OMNI_THINKER, QWEN3_OMNI_TALKER, QWEN3_OMNI_CODE2WAV = _omni("qwen3-omni", "code2wav")
-QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI_TALKER, QWEN2_5_OMNI_TOKEN2WAV = _omni("qwen2.5-omni", "token2wav")
+QWEN3_OMNI_THINKER, QWEN3_OMNI_TALKER, QWEN3_OMNI_CODE2WAV, QWEN3_OMNI_ENCODER = _omni("qwen3-omni", "code2wav")
+QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI_TALKER, QWEN2_5_OMNI_TOKEN2WAV, QWEN2_5_OMNI_ENCODER = _omni("qwen2.5-omni",
+                                                                                            "token2wav")
 
 # Diffusers: `component` is the pipeline's sub-folder. The text-encoder stage also reads the other text
 # encoders and tokenizers its pipeline class uses (SD3: text_encoder_2, and text_encoder_3 when present).
@@ -59,7 +68,8 @@ VAE_DECODER = Adapter("vae-decoder", ("diffusers",), "generation", "vae", frozen
                       reads=frozenset({"latents"}), needs=frozenset({"latents"}))
 
 ADAPTERS = (CAUSAL_LM, QWEN3_OMNI_THINKER, QWEN3_OMNI_TALKER, QWEN3_OMNI_CODE2WAV, TEXT_ENCODER, DENOISER,
-            DIT_DENOISER, VAE_DECODER, QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI_TALKER, QWEN2_5_OMNI_TOKEN2WAV)
+            DIT_DENOISER, VAE_DECODER, QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI_TALKER, QWEN2_5_OMNI_TOKEN2WAV,
+            QWEN3_OMNI_ENCODER, QWEN2_5_OMNI_ENCODER)
 
 
 ENGINE_NAMES = tuple(dict.fromkeys(e for a in ADAPTERS for e in a.engines))
@@ -93,7 +103,7 @@ def _check_catalog() -> None:
     for a in ADAPTERS:
         for e in a.engines:
             first = adapter_for(e, a.kind, a.component)
-            if (a.emits, a.reads, a.needs) != (first.emits, first.reads, first.needs):
+            if (a.emits, a.reads, a.needs, a.inputs) != (first.emits, first.reads, first.needs, first.inputs):
                 raise AssertionError(f"adapters {first.name} and {a.name} serve the same stages but read or emit "
                                      "different things: validation could not tell which one a stage gets")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .engines import ENGINE_NAMES
+from .engines import ENGINE_NAMES, adapter_for
 from .fields import Quantity, api_field
 
 API_GROUP = "omnistage.io"
@@ -19,10 +19,11 @@ API_VERSION = "v1alpha1"
 KIND = "OmniPipeline"
 PLURAL = "omnipipelines"
 
-STAGE_KINDS = ("ar", "diffusion", "generation")
+STAGE_KINDS = ("ar", "diffusion", "generation", "encoder")
 ENGINES = ENGINE_NAMES
 # What stages emit, and so what their edges carry.
-EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", "image")
+# `media`: an encoder stage's prompt ids and encoder rows, for the Thinker it feeds.
+EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", "image", "media")
 MODALITIES = ("text", "audio", "image")
 TRANSPORTS = ("auto", "inline", "shm", "ucx")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -95,6 +96,26 @@ class Limits:
     max_inference_steps: int = api_field("Most denoise steps a request may ask for.", default=200, minimum=1)
     default_inference_steps: int = api_field("Denoise steps when a request does not say.", default=10,
                                              minimum=1)
+    max_parts: int = api_field("Most content parts (text, image, audio, video) in one request.", default=16,
+                               minimum=1, maximum=1024)
+    max_part_bytes: int = api_field("Largest content part, in bytes as sent (encoded).", default=16 << 20,
+                                    minimum=1, maximum=1 << 30)
+    max_image_pixels: int = api_field("Most pixels (width x height) of an image or video frame; read from its "
+                                      "header, before it is decoded.", default=12845056, minimum=1)
+    max_image_aspect_ratio: float = api_field("Most the longer side of an image or video frame may be over its "
+                                              "shorter side (the Qwen-VL processors' bound).", default=200.0,
+                                              minimum=1.0)
+    max_audio_seconds: float = api_field("Longest audio part, in seconds.", default=300.0, minimum=0.001)
+    max_video_frames: int = api_field("Most frames in a video part.", default=128, minimum=1)
+    max_video_pixels: int = api_field("Most pixels in all frames of a video part together.", default=90316800,
+                                      minimum=1)
+    media_decode_seconds: float = api_field("Bound on decoding a request's media parts at admission; beyond it "
+                                            "the request is INVALID_ARGUMENT.", default=10.0, minimum=0.001)
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest request these limits admit: every part at its largest, and 1 MiB for the rest."""
+        return self.max_parts * self.max_part_bytes + (1 << 20)
 
 
 # Each default must not exceed its maximum (checked by validation).
@@ -307,3 +328,18 @@ class Pipeline:
 
     def outputs_of(self, stage: str) -> tuple[Output, ...]:
         return tuple(o for o in self.outputs if o.stage == stage)
+
+
+def stage_inputs(stage: Stage) -> frozenset[str]:
+    """The request's content parts (text, image, audio, video) that the stage's engine adapter reads. A
+    stage fed `media` by an encoder stage (a Thinker with its encoders split out) reads their text only:
+    the encoder read the rest."""
+    adapter = adapter_for(stage.engine, stage.kind, stage.component)
+    if "media" in adapter.reads and stage.inputs:
+        return frozenset({"text"})
+    return adapter.inputs
+
+
+def accepted_inputs(pipeline: Pipeline) -> frozenset[str]:
+    """The content parts some stage of the pipeline reads: the ones a request may carry."""
+    return frozenset().union(*(stage_inputs(s) for s in pipeline.stages))

@@ -4,7 +4,8 @@ One combined `Qwen3OmniMoeForConditionalGeneration` checkpoint: `config.json` wi
 token ids, `generation_config.json`, the weights sharded (`model-0000N-of-0000M.safetensors` plus
 `model.safetensors.index.json`, the names as transformers writes them for the whole model), a fast
 Qwen2 tokenizer (tokenizer.json, tokenizer_config.json, vocab.json, merges.txt), the chat template in
-`chat_template.json` and the audio feature extractor in `preprocessor_config.json`. Each stage reads its
+`chat_template.json` and the processor settings (audio features, image and video patches) in
+`preprocessor_config.json`. Each stage reads its
 own part of the one checkpoint, so the staged pipeline and the monolithic model share every weight.
 """
 
@@ -68,6 +69,11 @@ CHAT_TEMPLATE = (
 )
 
 
+# The image (and video) processor keys of upstream's preprocessor_config.json.
+IMAGE_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2,
+                   "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056, "return_attention_mask": True}
+
+
 def config(accept_hidden_layer: int = ACCEPT_HIDDEN_LAYER):
     from transformers import Qwen3OmniMoeConfig
 
@@ -129,8 +135,13 @@ def build(out: Path, seed: int = 0, accept_hidden_layer: int = ACCEPT_HIDDEN_LAY
     model.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
     save_qwen_tokenizer(tokenizer(), out)
     (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
-    # The audio encoder's input features: 128 mel bins of 16 kHz audio (Whisper's extractor, as upstream).
-    # The full processor (Qwen3OmniMoeProcessor) also needs a video processor, which needs torchvision.
-    features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
+    # The processor's settings as upstream publishes them, in one preprocessor_config.json: Whisper's audio
+    # feature extractor (128 mel bins of 16 kHz audio) and the Qwen2-VL image processor (16-pixel patches,
+    # 2x2 merge, 2-frame temporal patches); the video processor reads the same file (upstream ships no
+    # video_preprocessor_config.json).
+    features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, n_samples=4800000, chunk_length=300)
     features.processor_class = "Qwen3OmniMoeProcessor"
     features.save_pretrained(out)
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    pre.update(IMAGE_PROCESSOR)
+    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")

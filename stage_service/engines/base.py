@@ -46,6 +46,7 @@ class OutputChunk:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     transfer_ms: float = 0.0
+    encode_ms: float = 0.0       # media decoding, processing and encoders behind this chunk
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Which token ids a request's text prompt becomes: the one prompt policy of every text-in engine.
 
+The prompt is the request's text: `prompt`, or its text parts and then `prompt` (`RequestParams.text`).
 `prompt_token_ids` are taken as given; `raw_prompt` tokenizes the prompt as written (with the special
 tokens the tokenizer adds to any text, as vLLM and transformers' pipelines do); otherwise the prompt is
 the user turn of the checkpoint's chat template, after a system turn (the request's `system_prompt`, or
@@ -54,5 +55,5 @@ def prompt_ids(p: RequestParams, tokenizer, template: str | None, default_system
         if p.system_prompt:
             why = "raw_prompt is set" if p.raw_prompt else "this model has no chat template"
             raise InvalidRequest("params.system_prompt", f"needs the chat template ({why})")
-        return tokenizer(p.prompt)["input_ids"]
-    return chat_prompt_ids(tokenizer, template, p.prompt, p.system_prompt or default_system)
+        return tokenizer(p.text)["input_ids"]
+    return chat_prompt_ids(tokenizer, template, p.text, p.system_prompt or default_system)

@@ -18,16 +18,23 @@ from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 
 
 def load_component(ckpt: ShardedCheckpoint, prefix: str, cls, config, dtype: torch.dtype,
-                   combined_model_type: str | None = None, **kwargs):
-    """`cls` with the tensors under `prefix`; refuses a missing tensor by name (never random-fills)."""
+                   combined_model_type: str | None = None, without: tuple[str, ...] = (), **kwargs):
+    """`cls` with the tensors under `prefix`; refuses a missing tensor by name (never random-fills).
+    `without` names sub-modules (`visual`) left out: none of their tensors is read, and the sub-module
+    is removed from the model once built."""
     if not ckpt.keys(prefix):
         raise CheckpointError(f"{ckpt.index_file if ckpt.index_file.exists() else ckpt.root}: "
                               f"no tensors under {prefix!r} (the checkpoint has no {prefix.rstrip('.')} part)")
     if combined_model_type:
         _borrow_conversions(cls, combined_model_type)
-    model, info = cls.from_pretrained(None, config=config, state_dict=ckpt.state_dict(prefix), dtype=dtype,
+    skip = tuple(f"{name}." for name in without)
+    state = {k: v for k, v in ckpt.state_dict(prefix).items() if not k.startswith(skip)} if skip else \
+        ckpt.state_dict(prefix)
+    model, info = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
                                       output_loading_info=True, **kwargs)
-    missing = sorted(info.get("missing_keys") or ())
+    for name in without:
+        setattr(model, name, None)
+    missing = sorted(k for k in info.get("missing_keys") or () if not (skip and k.startswith(skip)))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         where = ckpt.index_file if ckpt.index_file.exists() else ckpt.root

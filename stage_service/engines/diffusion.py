@@ -63,7 +63,7 @@ class TextEncoderEngine(SteppedEngine):
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         p = req.params
-        prompts = [p.prompt] if p.guidance_scale <= 1.0 else [p.negative_prompt, p.prompt]
+        prompts = [p.text] if p.guidance_scale <= 1.0 else [p.negative_prompt, p.text]
         async with self.scheduler.submit(req.request_id, PromptState(prompts)) as stream:
             encoded = await stream.next()
         yield OutputChunk(tensors=encoded, last=True, queue_ms=stream.queue_ms, compute_ms=stream.compute_ms)

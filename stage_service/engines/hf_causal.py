@@ -74,9 +74,14 @@ class CausalLmEngine(SteppedEngine):
         """Tensors a step adds to the chunk beside its token (rows, for the Thinker)."""
         return {}
 
+    async def prompt(self, req: StageRequest, inputs: StageInputs) -> tuple[list[int], object | None, float]:
+        """The request's prompt token ids, its input rows where they are not the ids' embeddings (media), and
+        the milliseconds spent making them beyond tokenizing."""
+        return self.prompt_ids(req.params), None, 0.0
+
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         p = req.params
-        ids = self.prompt_ids(p)
+        ids, rows, encode_ms = await self.prompt(req, inputs)
         if not ids:
             raise InvalidRequest("params.prompt", "encodes to no tokens")
         if any(t >= self.vocab for t in ids):
@@ -85,6 +90,7 @@ class CausalLmEngine(SteppedEngine):
             raise InvalidRequest("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
                                  f"({p.max_tokens}) exceeds the model's length {self.max_len}")
         st = self.new_state(ids, p)
+        st.prompt_rows = rows
         deltas = TextDeltas(self.decode)
         every = self.stage.chunk_size
         generated: list[int] = []
@@ -106,5 +112,6 @@ class CausalLmEngine(SteppedEngine):
                     yield OutputChunk(tensors=out, text=deltas.delta(generated, done), last=done,
                                       finish_reason=step.finish_reason or "",
                                       queue_ms=stream.queue_ms if first else 0.0,
-                                      compute_ms=stream.compute_ms - compute_before)
+                                      compute_ms=stream.compute_ms - compute_before,
+                                      encode_ms=encode_ms if first else 0.0)
                     first, tokens, extra, compute_before = False, [], {}, stream.compute_ms

@@ -15,7 +15,7 @@ import torch
 
 from ..scheduler import StepState
 from .invariance import MIN_MATMUL_ROWS, make_batch_invariant
-from .packed import SequenceKV, packed_forward, use_packed_attention
+from .packed import SequenceKV, packed_forward, positions, use_packed_attention
 from .sampling import SamplingSettings, choose, new_generator
 
 
@@ -27,6 +27,10 @@ class TokenState(StepState):
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     kv: SequenceKV = field(default_factory=SequenceKV)
+    # A prompt with media: its input rows and M-RoPE positions (omni_media.PromptRows), dropped once fed;
+    # every later position is offset by its `rope_delta` (as the model's generate does).
+    prompt_rows: object | None = None
+    rope_delta: int = 0
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     finished: bool = False
@@ -36,6 +40,7 @@ class TokenState(StepState):
 
     def release(self) -> None:
         self.kv.clear()
+        self.prompt_rows = None
 
 
 @dataclass
@@ -69,9 +74,21 @@ class DecoderLm:
     @torch.inference_mode()
     def step_batch(self, states: list[TokenState]) -> list[TokenStep]:
         """One step of every state: the prompt of those that just joined, the last token of the others."""
-        inputs = [torch.tensor(st.generated[-1:] if st.generated else st.prompt_ids) for st in states]
-        last, rows = packed_forward(self.decoder, inputs, [st.kv for st in states], self.rope_axes, self.embed,
-                                    hidden_states=self.keep_rows, min_rows=self.min_rows)
+        inputs, pos, deep = [], [], []
+        for st in states:
+            mm, st.prompt_rows = st.prompt_rows, None
+            if mm is None:
+                inputs.append(self.embed(torch.tensor(st.generated[-1:] if st.generated else st.prompt_ids)))
+                pos.append(positions(st.kv.length() + st.rope_delta, 1, self.rope_axes) if st.rope_delta else None)
+                deep.append(None)
+            else:
+                inputs.append(mm.embeds)
+                pos.append(mm.positions)
+                deep.append((mm.visual_mask, mm.deepstack) if mm.deepstack else None)
+                st.rope_delta = mm.rope_delta
+        last, rows = packed_forward(self.decoder, inputs, [st.kv for st in states], self.rope_axes,
+                                    hidden_states=self.keep_rows, min_rows=self.min_rows, position_ids=pos,
+                                    deepstack=deep)
         logits = self.head(last)
         out = []
         for i, st in enumerate(states):

@@ -1,29 +1,74 @@
 """What every omni Thinker stage shares: a causal LM stage that also emits, per chunk, the rows the
-Talker is conditioned on (`embeds` and `hidden` of every position fed).
+Talker is conditioned on (`embeds` and `hidden` of every position fed), and takes media in.
 
-A family's `load` hands `use_thinker` a `DecoderLm` with `tokenizer`, `chat_template`, `stop_ids`,
+A family's `load` hands `use_thinker` a `DecoderLm` with `model` (the family's
+`...ThinkerForConditionalGeneration`, encoders included), `tokenizer`, `chat_template`, `stop_ids`,
 `vocab`, `new_thinker_state(ids, sampling, max_tokens, ignore_eos)` and `step_thinker(states)` (each
 result with `token`, `finish_reason`, `embeds`, `hidden`), and sets `max_len`.
+
+Media (`params.parts`) go through the checkpoint's processor and the Thinker's own encoders
+(`omni_media`), on a worker thread beside the step loop, so a request with an image shares decode steps
+with text-only ones while its encoders run; or, where the topology gives the Thinker an encoder stage,
+the encoder's chunk carries the prompt ids and encoder rows, and only the merge happens here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import torch
 
-from omnistage.params import RequestParams
+from omnistage import media
+from omnistage.params import InvalidRequest, RequestParams, has_media
+from omnistage.spec import accepted_inputs
 
+from .base import InputError, StageInputs, StageRequest
 from .hf_causal import CausalLmEngine, text_sampling
+from .omni_media import PROCESSOR_CONFIG, QWEN3_OMNI, EncodedPrompt, Family, OmniProcessor, encode, prompt_rows
 
 
 class OmniThinkerEngine(CausalLmEngine):
     """Emits per chunk: `token_ids` (new tokens), `embeds` and `hidden` (rows of every position fed),
-    `prompt_token_ids` on the first chunk, and the text delta. The prompt goes through the checkpoint's
-    chat template unless the request gives token ids or asks for the raw prompt (`chat.prompt_ids`)."""
+    `prompt_token_ids` on the first chunk, and the text delta. A text prompt goes through the checkpoint's
+    chat template unless the request gives token ids or asks for the raw prompt (`chat.prompt_ids`); a
+    request with parts becomes one user turn of them (the prompt, if any, as a last text part)."""
+
+    MEDIA_FAMILY: Family = QWEN3_OMNI
 
     def use_thinker(self, thinker) -> None:
         self.thinker = thinker
         self.tokenizer, self.chat_template = thinker.tokenizer, thinker.chat_template
         self.vocab, self.stop_ids = thinker.vocab, thinker.stop_ids
+        # A checkpoint without the processor's settings serves text only.
+        self.processor = (OmniProcessor(self.model_dir, self.MEDIA_FAMILY, self.tokenizer, self.chat_template)
+                          if (self.model_dir / PROCESSOR_CONFIG).exists() else None)
+
+    async def prompt(self, req: StageRequest, inputs: StageInputs):
+        p = req.params
+        if inputs.sources:  # an encoder stage made the prompt
+            started = time.perf_counter()
+            chunk = await inputs.next()
+            if chunk is None:
+                raise InputError("the encoder stage sent nothing")
+            enc = EncodedPrompt.from_tensors(chunk.tensors)
+            rows = await asyncio.to_thread(prompt_rows, self.thinker.model, enc) if _has_media(enc) else None
+            return enc.ids.tolist(), rows, (time.perf_counter() - started) * 1e3
+        if not has_media(p.parts):  # text only: the one prompt policy (chat.prompt_ids)
+            return self.prompt_ids(p), None, 0.0
+        return await asyncio.to_thread(self.encode_inline, p)
+
+    def encode_inline(self, p: RequestParams) -> tuple[list[int], object | None, float]:
+        """Decode, process and encode a request's parts (on a worker thread: not the event loop, not the
+        step loop); the prompt ids, the decoder's rows (None without media) and the milliseconds taken."""
+        started = time.perf_counter()
+        if self.processor is None:
+            raise InvalidRequest("params.parts", f"this model has no {PROCESSOR_CONFIG}: it takes text prompts only")
+        inputs = self.processor.prepare(request_parts(p, self.pipeline), p.system_prompt or self.DEFAULT_SYSTEM_PROMPT)
+        rows = None
+        if inputs.has_media:
+            rows = prompt_rows(self.thinker.model, encode(self.thinker.model, inputs))
+        return inputs.ids, rows, (time.perf_counter() - started) * 1e3
 
     def step(self, states) -> list:
         return self.thinker.step_thinker(states)
@@ -36,3 +81,13 @@ class OmniThinkerEngine(CausalLmEngine):
 
     def step_tensors(self, step) -> dict[str, torch.Tensor]:
         return {"embeds": step.embeds, "hidden": step.hidden}
+
+
+def request_parts(p: RequestParams, pipeline) -> list:
+    """A request's user turn: its parts, then the prompt as a last text part, decoded (checked against the
+    pipeline's limits and inputs, as the orchestrator checked them)."""
+    return media.decode_parts(p.content, pipeline.limits, accepted_inputs(pipeline))
+
+
+def _has_media(enc: EncodedPrompt) -> bool:
+    return any(x is not None for x in (enc.image, enc.video, enc.audio))

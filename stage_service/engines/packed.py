@@ -99,15 +99,21 @@ def positions(past: int, n: int, rope_axes: int) -> torch.Tensor:
 
 def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], caches: Sequence[SequenceKV],
                    rope_axes: int = 0, embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   hidden_states: bool = False, min_rows: int = MIN_MATMUL_ROWS):
+                   hidden_states: bool = False, min_rows: int = MIN_MATMUL_ROWS,
+                   position_ids: Sequence[torch.Tensor | None] | None = None,
+                   deepstack: Sequence[tuple[torch.Tensor, list[torch.Tensor]] | None] | None = None):
     """One forward of a transformers decoder (`...Model`, not `...ForCausalLM`) over several sequences.
 
     `inputs[i]` are sequence i's new rows: token ids [n] when `embed` is given, else embeddings [n, H].
+    `position_ids[i]`, where given, are its rows' positions ([rope_axes, n]; by default they follow its
+    cache). `deepstack[i]`, where given, is (mask [n] of its visual rows, per decoder layer the rows
+    added there): the model's deepstack inputs, laid out over the packed step.
     Each cache grows by its sequence's rows. Returns (last hidden rows [k, H] per sequence, and when asked
     every layer's hidden rows per sequence: a list of tuples of [n_i, H]).
     """
     rows = [embed(x) if embed is not None else x for x in inputs]
-    pos = [positions(c.length(), len(x), rope_axes) for x, c in zip(rows, caches)]
+    given = position_ids or [None] * len(rows)
+    pos = [g if g is not None else positions(c.length(), len(x), rope_axes) for x, c, g in zip(rows, caches, given)]
     segments, start = [], 0
     for x, c in zip(rows, caches):
         segments.append(_Segment(start, len(x), c))
@@ -120,10 +126,11 @@ def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cache
     flat = torch.cat(rows)[None]
     position_ids = torch.cat(pos, dim=-1)
     position_ids = position_ids[None] if rope_axes == 0 else position_ids[:, None]
+    extra = _deepstack_inputs(deepstack, segments) if deepstack and any(d is not None for d in deepstack) else {}
     _step.segments = segments
     try:
         out = model(inputs_embeds=flat, position_ids=position_ids, use_cache=False,
-                    output_hidden_states=hidden_states)
+                    output_hidden_states=hidden_states, **extra)
     finally:
         _step.segments = ()
     real = segments[:len(inputs)]
@@ -132,3 +139,19 @@ def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cache
         return last, None
     per_seq = [tuple(h[0, s.start:s.start + s.length] for h in out.hidden_states) for s in real]
     return last, per_seq
+
+
+def _deepstack_inputs(deepstack, segments: list[_Segment]) -> dict:
+    """The model's `visual_pos_masks` [1, step rows] and `deepstack_visual_embeds` (per layer, the visual
+    rows of every sequence in step order) for the sequences that carry some."""
+    mask = torch.zeros(1, sum(s.length for s in segments), dtype=torch.bool)
+    layers: list[list[torch.Tensor]] = []
+    for d, seg in zip(deepstack, segments):
+        if d is None:
+            continue
+        seq_mask, rows = d
+        mask[0, seg.start:seg.start + seg.length] = seq_mask
+        layers = layers or [[] for _ in rows]
+        for acc, r in zip(layers, rows):
+            acc.append(r)
+    return {"visual_pos_masks": mask, "deepstack_visual_embeds": [torch.cat(acc) for acc in layers]}

@@ -15,6 +15,8 @@ from .audio import AudioDecoderEngine, to_pcm16
 from .base import InputError, OutputChunk, StageInputs, StageRequest, tensor
 from .components import read_config
 from .omni_talker import FedTalkerEngine
+from .omni_encoder import OmniEncoderEngine
+from .omni_media import QWEN2_5_OMNI
 from .omni_thinker import OmniThinkerEngine
 from .qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT, Talker, Thinker
 from .qwen2_5_omni_token2wav import SpeechChunkState, Token2Wav
@@ -33,10 +35,12 @@ class _Checkpoint:
 class ThinkerEngine(_Checkpoint, OmniThinkerEngine):
     ADAPTER = engines.QWEN2_5_OMNI_THINKER
     DEFAULT_SYSTEM_PROMPT = SPEECH_SYSTEM_PROMPT
+    MEDIA_FAMILY = QWEN2_5_OMNI
 
     def load(self) -> None:
         config = self.open_checkpoint()
-        self.use_thinker(Thinker(self.checkpoint, config, self.dtype, batch_invariant=self.options.batch_invariant))
+        self.use_thinker(Thinker(self.checkpoint, config, self.dtype, batch_invariant=self.options.batch_invariant,
+                                 encoders=not self.stage.inputs))
         text = config.thinker_config.text_config
         self.max_len = min(x for x in (text.max_position_embeddings, self.options.max_model_len) if x)
 
@@ -103,4 +107,22 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
                 return
 
 
-ENGINES = {"thinker": ThinkerEngine, "talker": TalkerEngine, "token2wav": Token2WavEngine}  # by stage component
+class EncoderEngine(OmniEncoderEngine):
+    """The Thinker's vision and audio encoders as their own stage."""
+
+    ADAPTER = engines.QWEN2_5_OMNI_ENCODER
+    MEDIA_FAMILY = QWEN2_5_OMNI
+    DEFAULT_SYSTEM_PROMPT = SPEECH_SYSTEM_PROMPT
+
+    @staticmethod
+    def classes():
+        from transformers import Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGeneration
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniAudioEncoder,
+                                                                            Qwen2_5OmniVisionEncoder)
+
+        return (Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGeneration, Qwen2_5OmniVisionEncoder,
+                Qwen2_5OmniAudioEncoder)
+
+
+ENGINES = {"encoder": EncoderEngine, "thinker": ThinkerEngine, "talker": TalkerEngine,
+           "token2wav": Token2WavEngine}  # by stage component

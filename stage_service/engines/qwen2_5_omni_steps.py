@@ -33,6 +33,7 @@ from .chat import load_chat_template
 from .components import load_component
 from .invariance import MIN_MATMUL_ROWS, make_batch_invariant
 from .lm_steps import DecoderLm, TokenState, next_token
+from .omni_media import TOWERS
 from .omni_talker import FedTalkerState
 from .packed import packed_forward, use_packed_attention
 from .sampling import SamplingSettings, apply_repetition_penalty, new_generator
@@ -87,11 +88,14 @@ class Thinker(DecoderLm):
     """The Thinker's text model stepped in packed batches, with the checkpoint's chat template."""
 
     def __init__(self, ckpt: ShardedCheckpoint, config, dtype: torch.dtype = torch.float32,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, encoders: bool = True):
+        """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
+        them)."""
         from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
 
         model = load_component(ckpt, "thinker.", Qwen2_5OmniThinkerForConditionalGeneration,
-                               config.thinker_config, dtype, config.model_type)
+                               config.thinker_config, dtype, config.model_type,
+                               without=() if encoders else TOWERS)
         super().__init__(model, rope_axes=ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
         root = ckpt.root
         self.tokenizer = AutoTokenizer.from_pretrained(root)

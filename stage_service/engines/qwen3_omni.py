@@ -14,6 +14,8 @@ from omnistage.spec import engines
 
 from .audio import AudioDecoderEngine, to_pcm16
 from .base import InputError, OutputChunk, StageInputs, StageRequest, tensor
+from .omni_encoder import OmniEncoderEngine
+from .omni_media import QWEN3_OMNI
 from .omni_talker import FedTalkerEngine
 from .omni_thinker import OmniThinkerEngine
 from .qwen3_omni_steps import Code2Wav, Talker, Thinker
@@ -23,7 +25,9 @@ class ThinkerEngine(OmniThinkerEngine):
     ADAPTER = engines.QWEN3_OMNI_THINKER
 
     def load(self) -> None:
-        self.use_thinker(Thinker(self.model_dir, self.dtype, batch_invariant=self.options.batch_invariant))
+        # Fed by an encoder stage, the Thinker neither reads nor keeps the encoders.
+        self.use_thinker(Thinker(self.model_dir, self.dtype, batch_invariant=self.options.batch_invariant,
+                                 encoders=not self.stage.inputs))
         self.checkpoint = self.thinker.checkpoint
         self.max_len = self.options.max_model_len
 
@@ -84,5 +88,21 @@ class Code2WavEngine(AudioDecoderEngine):
                           sample_rate=self.c2w.sample_rate, last=True)
 
 
+class EncoderEngine(OmniEncoderEngine):
+    """The Thinker's vision and audio encoders as their own stage."""
+
+    ADAPTER = engines.QWEN3_OMNI_ENCODER
+    MEDIA_FAMILY = QWEN3_OMNI
+
+    @staticmethod
+    def classes():
+        from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3OmniMoeAudioEncoder,
+                                                                                Qwen3OmniMoeVisionEncoder)
+
+        return (Qwen3OmniMoeConfig, Qwen3OmniMoeThinkerForConditionalGeneration, Qwen3OmniMoeVisionEncoder,
+                Qwen3OmniMoeAudioEncoder)
+
+
 # The engine of each component of a combined Qwen3-Omni checkpoint (a stage's `component`).
-ENGINES = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
+ENGINES = {"encoder": EncoderEngine, "thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}

@@ -34,6 +34,7 @@ from .chat import load_chat_template
 from .components import load_component, read_config
 from .invariance import MIN_MATMUL_ROWS, MOE_EXPERTS, make_batch_invariant
 from .lm_steps import DecoderLm, TokenState, next_token
+from .omni_media import TOWERS
 from .omni_talker import FedTalkerState
 from .packed import packed_forward, use_packed_attention
 from .sampling import SamplingSettings, apply_repetition_penalty, choose, new_generator
@@ -79,7 +80,10 @@ class ThinkerStep:
 class Thinker(DecoderLm):
     ROPE_AXES = 3  # multimodal RoPE: text positions are equal on every axis
 
-    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
+    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
+                 encoders: bool = True):
+        """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
+        them)."""
         from transformers import AutoTokenizer, Qwen3OmniMoeThinkerForConditionalGeneration
 
         cfg = _config(root, "thinker")
@@ -91,7 +95,8 @@ class Thinker(DecoderLm):
                                   f"{self.accept_layer}, but the Thinker has {layers} layers")
         self.checkpoint = ShardedCheckpoint(root)
         model = load_component(self.checkpoint, THINKER, Qwen3OmniMoeThinkerForConditionalGeneration,
-                               cfg.thinker_config, dtype, cfg.model_type, **_moe_kwargs(batch_invariant))
+                               cfg.thinker_config, dtype, cfg.model_type,
+                               without=() if encoders else TOWERS, **_moe_kwargs(batch_invariant))
         super().__init__(model, rope_axes=self.ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.chat_template = load_chat_template(root, self.tokenizer)

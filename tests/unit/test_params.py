@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from omnistage.client import build_request
+from omnistage.client import build_request, image_part, text_part
 from omnistage.modalities import MODALITY_CODES
 from omnistage.params import InvalidRequest, resolve
 from omnistage.spec import MODALITIES, Limits
-from omnistage.v1 import orchestrator_pb2
+from omnistage.v1 import common_pb2, orchestrator_pb2
 
 LIMITS = Limits()
 
@@ -49,6 +49,16 @@ BAD = [
     (dict(speaker="x" * 100), "params.audio.speaker: is longer than 64"),
     (dict(system_prompt="x" * 9000), "params.system_prompt: is longer than 8192"),
     (dict(system_prompt="Be brief.", raw_prompt=True), "params.system_prompt: cannot be used with params.raw_prompt"),
+    # Content parts: structure only (decoding is omnistage.media's).
+    (dict(prompt="", parts=["a"] * 17), "params.parts: has 17 parts; the limit is 16"),
+    (dict(parts=["a", common_pb2.ContentPart()]), "params.parts[1]: empty part (set text, image, audio or video)"),
+    (dict(parts=[""]), "params.parts[0].text: is empty"),
+    (dict(parts=[image_part(bytes(17 << 20))]), "params.parts[0].image: is 17825802 bytes; the limit is 16777216"),
+    (dict(prompt="x" * 8000, parts=["y" * 100, "z" * 100]), "params.parts: text parts and prompt are 8200 "
+                                                            "characters together; the limit is 8192"),
+    (dict(prompt="", prompt_token_ids=[1, 2], parts=["a"]), "params.parts: cannot be used with "
+                                                            "params.prompt_token_ids"),
+    (dict(raw_prompt=True, parts=[image_part(b"png")]), "params.raw_prompt: cannot be used with media parts"),
 ]
 
 
@@ -58,6 +68,19 @@ def test_bad_values_name_the_field(kw, message):
         resolve(params(**kw), LIMITS)
     assert str(e.value).startswith(message)
     assert e.value.field == message.split(":")[0]
+
+
+def test_parts_are_kept_as_given_and_the_prompt_is_the_last_text_part():
+    parts = [text_part("Look:"), image_part(b"\x89PNG..."), "and say what you see"]
+    p = resolve(params(prompt="Briefly.", parts=parts), LIMITS)
+    assert [x.WhichOneof("part") for x in p.parts] == ["text", "image", "text"]
+    assert p.parts[1].image.data == b"\x89PNG..." and p.parts[2].text == "and say what you see"
+    assert [x.WhichOneof("part") for x in p.content] == ["text", "image", "text", "text"]
+    assert p.content[-1].text == "Briefly."
+    only_parts = resolve(params(prompt="", parts=[image_part(b"png")]), LIMITS)
+    assert only_parts.prompt == "" and only_parts.content == only_parts.parts
+    assert resolve(params(raw_prompt=True, parts=["text only"]), LIMITS).raw_prompt  # no media: no template needed
+    assert resolve(params(), LIMITS).parts == ()
 
 
 def test_negative_prompt_token_ids():
@@ -75,3 +98,17 @@ def test_every_spec_modality_has_one_api_enum_value():
     names = [n for n in orchestrator_pb2.Modality.keys() if n != "MODALITY_UNSPECIFIED"]
     assert sorted(names) == sorted(m.upper() for m in MODALITIES)
     assert build_request("hi", outputs=list(MODALITIES)).outputs == [MODALITY_CODES[m] for m in MODALITIES]
+
+
+def test_the_text_of_a_turn_is_its_text_parts_then_the_prompt():
+    from omnistage.v1 import common_pb2
+
+    def params(prompt, *texts, image=False):
+        parts = [common_pb2.ContentPart(text=t) for t in texts]
+        if image:
+            parts.insert(1, common_pb2.ContentPart(image=common_pb2.ImagePart(data=b"x")))
+        return resolve(common_pb2.GenerationParams(prompt=prompt, parts=parts), Limits())
+
+    assert params("Hello").text == "Hello"
+    assert params("", "Look ", "here").text == "Look here"
+    assert params("now?", "Look ", "and ", image=True).text == "Look and now?"

@@ -158,9 +158,15 @@ BAD = [
     ("consumer without the input it needs",
      lambda d: stages(d)[1].pop("inputs"),
      ['spec.topology.stages[1]: stage "talker" (qwen3-omni-talker) needs an input edge carrying hidden']),
-    ("entry adapter given an input",
+    ("thinker given an edge it cannot read",
      lambda d: stages(d)[0].__setitem__("inputs", [{"stage": "code2wav"}]),
-     ['spec.topology.stages[0].inputs[0]: stage "thinker" (qwen3-omni-thinker) takes no input edges']),
+     ['spec.topology.stages[0].inputs[0]: stage "thinker" (qwen3-omni-thinker) reads media, but stage "code2wav" '
+      'emits audio']),
+    ("entry adapter given an input",
+     lambda d: stages(d).append({"name": "encoder", "kind": "encoder", "engine": "transformers",
+                                 "model": "qwen3-omni-tiny", "component": "encoder", "emits": ["media"],
+                                 "inputs": [{"stage": "code2wav"}]}),
+     ['spec.topology.stages[3].inputs[0]: stage "encoder" (qwen3-omni-encoder) takes no input edges']),
     ("no adapter for the component",
      lambda d: stages(d)[1].__setitem__("component", "vocoder"),
      ['spec.topology.stages[1].component: no transformers adapter serves a "ar" stage with component "vocoder" '
