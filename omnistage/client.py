@@ -21,9 +21,11 @@ import grpc
 import numpy as np
 
 from omnistage.modalities import MODALITY_CODES
+from omnistage.spec import MAX_MESSAGE_BYTES
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 << 20)]
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 @dataclass

@@ -68,9 +68,11 @@ Part = Text | Image | Audio | Video
 MODALITY = {cls: cls.modality for cls in (Text, Image, Audio, Video)}
 
 
-def decode_parts(parts: Sequence[common_pb2.ContentPart], limits: Limits, accepts: frozenset[str] = ALL) -> list[Part]:
+def decode_parts(parts: Sequence[common_pb2.ContentPart], limits: Limits, accepts: frozenset[str] = ALL,
+                 keep: bool = True) -> list[Part]:
     """Every part decoded, in order; InvalidRequest names the first part that is refused and why.
-    `accepts`: the modalities the pipeline reads (`omnistage.spec.accepted_inputs`)."""
+    `accepts`: the modalities the pipeline reads (`omnistage.spec.accepted_inputs`). `keep=False` checks
+    only: each part is dropped once decoded (one part's pixels at a time in memory), and none is returned."""
     check_parts(parts, limits)
     out: list[Part] = []
     for i, part in enumerate(parts):
@@ -78,7 +80,9 @@ def decode_parts(parts: Sequence[common_pb2.ContentPart], limits: Limits, accept
         path = f"params.parts[{i}].{kind}"
         if kind not in accepts:
             raise InvalidRequest(path, f"this pipeline reads no {kind} (it reads {', '.join(sorted(accepts))})")
-        out.append(_DECODERS[kind](getattr(part, kind), path, limits))
+        decoded = _DECODERS[kind](getattr(part, kind), path, limits)
+        if keep:
+            out.append(decoded)
     return out
 
 

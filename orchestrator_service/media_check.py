@@ -2,9 +2,10 @@
 stage could read is INVALID_ARGUMENT naming it rather than a failure deep in a stage.
 
 Decoding runs off the event loop in a few threads the server owns, within the pipeline's
-media_decode_seconds. A decode that outlives its bound keeps its thread until it ends (a thread cannot be
-stopped), and keeps its slot: at most `workers` decodes run at once, and a request waits for a free slot
-before its own bound starts.
+media_decode_seconds, and keeps one part's pixels at a time (the check keeps nothing it decoded). A decode
+that outlives its bound keeps its thread until it ends (a thread cannot be stopped), and keeps its slot:
+at most `workers` decodes run at once. A request waits for a free slot at most media_decode_seconds;
+then it is refused as overload (RESOURCE_EXHAUSTED, retry after that long), not queued without bound.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from omnistage.media import decode_parts
 from omnistage.params import InvalidRequest
 from omnistage.spec import Pipeline, accepted_inputs
 from omnistage.v1 import common_pb2
+
+from .admission import Overloaded
 
 DECODE_WORKERS = 4
 
@@ -33,11 +36,14 @@ class MediaCheck:
         """Decode `parts`; InvalidRequest when one is refused or decoding takes too long. Returns the
         milliseconds it took, waiting for a slot included."""
         t0 = time.perf_counter()
-        await self._slots.acquire()
-        decoding = asyncio.get_running_loop().run_in_executor(self._pool, decode_parts, parts, self.limits,
-                                                              self.accepts)
-        decoding.add_done_callback(self._decoded)
         bound = self.limits.media_decode_seconds
+        try:
+            await asyncio.wait_for(self._slots.acquire(), bound)
+        except TimeoutError:
+            raise Overloaded(f"every media decoder was busy for {bound:g} s", retry_after_s=bound) from None
+        decoding = asyncio.get_running_loop().run_in_executor(self._pool, decode_parts, parts, self.limits,
+                                                              self.accepts, False)
+        decoding.add_done_callback(self._decoded)
         try:
             await asyncio.wait_for(asyncio.shield(decoding), bound)  # shielded: the slot is freed by the thread's end
         except TimeoutError:

@@ -18,12 +18,13 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage.spec import Pipeline
+from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.orchestrator")
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 << 20), ("grpc.max_send_message_length", 512 << 20),
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 10_000)]
 
 

@@ -11,7 +11,7 @@ import grpc
 
 from omnistage import launch
 from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
-from omnistage.spec import Pipeline, SpecError, load_pipeline
+from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
@@ -24,7 +24,6 @@ from .servicer import OrchestratorServicer
 log = logging.getLogger("omnistage.orchestrator")
 SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 MIN_RECEIVE_BYTES = 64 << 20
-MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's limit: a signed 32-bit length
 
 
 def parse_endpoints(specs: list[str], pipeline: Pipeline) -> dict[str, list[str]]:
@@ -67,10 +66,11 @@ class OrchestratorServer:
                           if namespace is not None else None)
 
     async def start(self, wait_for_stages: float | None = None) -> int:
-        # Room for every request the limits admit (a larger message gets gRPC's RESOURCE_EXHAUSTED).
+        # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
+        # message gets gRPC's RESOURCE_EXHAUSTED).
         receive = min(max(MIN_RECEIVE_BYTES, self.pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", receive),
-                                               ("grpc.max_send_message_length", 512 << 20)])
+                                               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE])
         await set_serving(self.health, [SERVICE], False)

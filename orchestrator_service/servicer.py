@@ -80,6 +80,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         except InvalidRequest as e:
             m.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:  # the media decoders stayed busy
+            m.requests.labels("rejected").inc()
+            context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s")
         stages = needed_stages(self.pipeline, set(outputs))
         missing = sorted(s for s in stages if not self.router.pools[s].replicas)
         if missing:  # nothing to wait for: say so now rather than hold the request

@@ -20,7 +20,7 @@ from omnistage import launch
 from omnistage.checkpoints.check import StageCheckError, check_stage
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
-from omnistage.spec import Pipeline, SpecError, load_pipeline
+from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .engines.registry import create_engine
@@ -63,8 +63,8 @@ class StageServer:
         t0 = time.monotonic()
         async with self._setup:  # a drain that comes meanwhile waits for the gRPC server to be up
             await self.data_plane.start()
-            self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
-                                                   ("grpc.max_send_message_length", 512 << 20)])
+            self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
             stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
             self.health = add_health_and_reflection(self.server, [SERVICE])
             await set_serving(self.health, [SERVICE], False)

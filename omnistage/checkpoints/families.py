@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .names import QWEN2_5_OMNI_SPEAKERS
+from .names import PROCESSOR_CONFIG, QWEN2_5_OMNI_SPEAKERS, THINKER_TOWERS
 
 
 
@@ -43,20 +43,18 @@ class Family:
 
 
 _CHAT = ("chat_template.jinja", "chat_template.json", "generation_config.json")
-_PROCESSOR = "preprocessor_config.json"  # the processor's image, video and audio settings
 _TEXT = ("text_config.vocab_size", "text_config.hidden_size", "text_config.num_hidden_layers")
 
 # The Thinker's encoders served on their own (`kind: encoder`): the towers, the tokenizer, the chat template
 # and the processor's settings.
-_ENCODERS = ("thinker.visual.", "thinker.audio_tower.")
 _ENCODER_KEYS = ("thinker_config.vision_config", "thinker_config.audio_config")
 
 QWEN3_OMNI = Family("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", {
-    "encoder": Part(_ENCODERS, "thinker_config", _ENCODER_KEYS, tokenizer=True, files=(_PROCESSOR,),
+    "encoder": Part(THINKER_TOWERS, "thinker_config", _ENCODER_KEYS, tokenizer=True, files=(PROCESSOR_CONFIG,),
                     optional_files=_CHAT),
     "thinker": Part("thinker.", "thinker_config", tuple(f"thinker_config.{k}" for k in _TEXT) +
                     ("talker_config.accept_hidden_layer", "im_end_token_id"), tokenizer=True,
-                    optional_files=_CHAT + (_PROCESSOR,)),
+                    optional_files=_CHAT + (PROCESSOR_CONFIG,)),
     "talker": Part("talker.", "talker_config",
                    ("talker_config.accept_hidden_layer", "talker_config.num_code_groups", "talker_config.codec_bos_id",
                     "talker_config.codec_eos_token_id", "talker_config.codec_pad_id", "talker_config.speaker_id",
@@ -69,11 +67,11 @@ QWEN3_OMNI = Family("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", {
 })
 
 QWEN2_5_OMNI = Family("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", {
-    "encoder": Part(_ENCODERS, "thinker_config", _ENCODER_KEYS, tokenizer=True, files=(_PROCESSOR,),
+    "encoder": Part(THINKER_TOWERS, "thinker_config", _ENCODER_KEYS, tokenizer=True, files=(PROCESSOR_CONFIG,),
                     optional_files=_CHAT),
     "thinker": Part("thinker.", "thinker_config", tuple(f"thinker_config.{k}" for k in _TEXT) +
                     ("thinker_config.text_config.max_position_embeddings",), tokenizer=True,
-                    optional_files=_CHAT + (_PROCESSOR,)),
+                    optional_files=_CHAT + (PROCESSOR_CONFIG,)),
     "talker": Part("talker.", "talker_config",
                    tuple(f"talker_config.{k}" for k in (
                        "tts_codec_start_token_id", "tts_codec_end_token_id", "tts_codec_pad_token_id",

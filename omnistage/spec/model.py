@@ -118,6 +118,10 @@ class Limits:
         return self.max_parts * self.max_part_bytes + (1 << 20)
 
 
+# The largest gRPC message any omnistage service sends or takes (client, orchestrator, stages): a request's
+# parts at their limits must fit in one (checked by validation).
+MAX_MESSAGE_BYTES = 512 << 20
+
 # Each default must not exceed its maximum (checked by validation).
 LIMIT_DEFAULTS = (("default_max_tokens", "max_tokens"), ("default_codec_frames", "max_codec_frames"),
                   ("default_image_side", "max_image_side"), ("default_inference_steps", "max_inference_steps"))

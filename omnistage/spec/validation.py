@@ -17,7 +17,7 @@ from typing import Any, Iterable
 from . import engines
 from .fields import QUANTITY_PATTERN, ApiField, FreeForm, ListOf, MapOf, Obj, Quantity, Scalar, Shape, api_fields
 from .graph import ancestors, find_cycle
-from .model import (API_GROUP, API_VERSION, ENGINES, KIND, LIMIT_DEFAULTS, MAX_NAME_LEN, RESERVED_STAGE_NAMES, Limits,
+from .model import (API_GROUP, API_VERSION, ENGINES, KIND, LIMIT_DEFAULTS, MAX_MESSAGE_BYTES, MAX_NAME_LEN, RESERVED_STAGE_NAMES, Limits,
                     Metadata, Spec)
 
 
@@ -285,6 +285,11 @@ class _Relations:
             m = limits.get(mkey, getattr(Limits(), mx))
             if type(d) is int and type(m) is int and d > m:
                 self.w.err(f"spec.topology.limits.{dkey}", f"must be <= {mkey} ({m}), got {d}")
+        parts, size = (limits.get(_key(Limits, k), getattr(Limits(), k)) for k in ("max_parts", "max_part_bytes"))
+        if type(parts) is int and type(size) is int and parts * size + (1 << 20) > MAX_MESSAGE_BYTES:
+            self.w.err(f"spec.topology.limits.{_key(Limits, 'max_part_bytes')}",
+                       f"{_key(Limits, 'max_parts')} x {_key(Limits, 'max_part_bytes')} is {parts * size} bytes; a "
+                       f"request must fit the {MAX_MESSAGE_BYTES >> 20} MiB one message between services may carry")
 
     def stage_deployments(self) -> None:
         entries = self.deployment.get("stages")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omnistage.checkpoints.names import QWEN2_5_OMNI_SPEAKERS
+from omnistage.checkpoints.names import PROCESSOR_CONFIG, QWEN2_5_OMNI_SPEAKERS
 
 HIDDEN = 32          # the Thinker's width, which is also the Talker's embedding size
 TEXT_VOCAB = 152064  # the Thinker's output vocabulary, as upstream (the tokenizer has fewer entries)
@@ -197,5 +197,5 @@ def build(out: Path, seed: int = 0) -> None:
     tok_config.update(chat_template=CHAT_TEMPLATE, model_max_length=32768, errors="replace",
                       clean_up_tokenization_spaces=False, split_special_tokens=False)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+    (out / PROCESSOR_CONFIG).write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     torch.save(speakers(cfg, torch.Generator().manual_seed(seed)), out / QWEN2_5_OMNI_SPEAKERS)

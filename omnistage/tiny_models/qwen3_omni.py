@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from omnistage.checkpoints.names import PROCESSOR_CONFIG
+
 HIDDEN = 64
 VOCAB = 152064          # the Thinker's embedding rows, as upstream (more than the tokenizer's ids)
 REGULAR_IDS = 151643    # byte-level BPE ids; the added tokens follow
@@ -142,6 +144,6 @@ def build(out: Path, seed: int = 0, accept_hidden_layer: int = ACCEPT_HIDDEN_LAY
     features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, n_samples=4800000, chunk_length=300)
     features.processor_class = "Qwen3OmniMoeProcessor"
     features.save_pretrained(out)
-    pre = json.loads((out / "preprocessor_config.json").read_text())
+    pre = json.loads((out / PROCESSOR_CONFIG).read_text())
     pre.update(IMAGE_PROCESSOR)
-    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")
+    (out / PROCESSOR_CONFIG).write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")

@@ -90,7 +90,7 @@ class CausalLmEngine(SteppedEngine):
             raise InvalidRequest("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
                                  f"({p.max_tokens}) exceeds the model's length {self.max_len}")
         st = self.new_state(ids, p)
-        st.prompt_rows = rows
+        st.prompt_rows, rows = rows, None  # the state drops them once fed
         deltas = TextDeltas(self.decode)
         every = self.stage.chunk_size
         generated: list[int] = []

@@ -36,7 +36,8 @@ class TokenState(StepState):
     finished: bool = False
 
     def held_bytes(self) -> int:
-        return self.kv.nbytes
+        rows = self.prompt_rows
+        return self.kv.nbytes + (0 if rows is None else rows.nbytes)
 
     def release(self) -> None:
         self.kv.clear()

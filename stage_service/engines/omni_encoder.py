@@ -5,18 +5,18 @@ The stage reads only the towers' tensors of the combined checkpoint (`thinker.vi
 `thinker.audio_tower.`), plus the tokenizer, chat template and processor settings. Per request it runs
 the same processor and encoders the Thinker runs inline (`omni_media`) and emits one chunk: the prompt's
 token ids and the encoders' rows (`EncodedPrompt.to_tensors`); the Thinker merges them into its prompt.
-A request without media gets its prompt ids only. Decoding and processing run on a worker thread; the
-towers run on the stage's step scheduler, every request of a step in one call per tower
-(`encode_batch`).
+A request without media gets its prompt ids only. Decoding and processing run on the stage's media
+threads (`media_work`: bounded, refused when full); the towers run on the stage's step scheduler, every
+request of a step in one call per tower (`encode_batch`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from types import SimpleNamespace
 from typing import AsyncIterator
 
+from omnistage.checkpoints.names import THINKER_TOWERS
 from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.params import InvalidRequest, RequestParams, has_media
 
@@ -24,10 +24,11 @@ from ..scheduler import StepState
 from .base import OutputChunk, StageInputs, StageRequest, SteppedEngine
 from .chat import load_chat_template, prompt_ids
 from .components import load_component
-from .omni_media import TOWERS, EncodedPrompt, Family, MediaInputs, OmniProcessor, encode, encode_batch
-from .omni_thinker import request_parts
+from .media_work import MediaStage
+from .omni_media import EncodedPrompt, Family, MediaInputs, OmniProcessor, encode, encode_batch
+from .omni_thinker import prepare_turn
 
-VISUAL, AUDIO = (f"thinker.{tower}." for tower in TOWERS)
+VISUAL, AUDIO = THINKER_TOWERS
 
 
 class Towers(SimpleNamespace):
@@ -62,7 +63,7 @@ class EncodeState(StepState):
         self.inputs = None
 
 
-class OmniEncoderEngine(SteppedEngine):
+class OmniEncoderEngine(MediaStage, SteppedEngine):
     """Subclasses set `ADAPTER`, `MEDIA_FAMILY`, `DEFAULT_SYSTEM_PROMPT` and `classes()`: the family's
     config, Thinker, vision encoder and audio encoder classes."""
 
@@ -98,11 +99,11 @@ class OmniEncoderEngine(SteppedEngine):
     def prepare(self, p: RequestParams) -> MediaInputs:
         if not has_media(p.parts):
             return MediaInputs(ids=prompt_ids(p, self.tokenizer, self.chat_template, self.DEFAULT_SYSTEM_PROMPT))
-        return self.processor.prepare(request_parts(p, self.pipeline), p.system_prompt or self.DEFAULT_SYSTEM_PROMPT)
+        return prepare_turn(self.processor, p, self.pipeline, self.DEFAULT_SYSTEM_PROMPT)
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         started = time.perf_counter()
-        prepared = await asyncio.to_thread(self.prepare, req.params)
+        prepared = await self.media.run(self.prepare, req.params)
         if not prepared.ids:
             raise InvalidRequest("params.prompt", "encodes to no tokens")
         queue_ms = compute_ms = 0.0

@@ -33,13 +33,17 @@ import numpy as np
 import torch
 
 from omnistage import media
+from omnistage.checkpoints.names import PROCESSOR_CONFIG, THINKER_TOWERS
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.params import InvalidRequest
 
 from ..errors import InputError
 
-PROCESSOR_CONFIG = "preprocessor_config.json"
-TOWERS = ("visual", "audio_tower")  # the encoders: sub-modules of every omni Thinker's model
+# The encoders: sub-modules of every omni Thinker's model (`thinker.visual.*` -> `visual`).
+TOWERS = tuple(prefix.split(".")[1] for prefix in THINKER_TOWERS)
+# What processing raises on input it cannot take (StopIteration must not cross a thread into asyncio:
+# it would never be delivered).
+PROCESSING_ERRORS = (ValueError, StopIteration, IndexError, RuntimeError, TypeError)
 IMAGE_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean",
               "image_std")
 
@@ -107,6 +111,10 @@ class EncodedPrompt:
     video_second_per_grid: torch.Tensor | None = None
     audio_seqlens: torch.Tensor | None = None       # mel frames of each clip
 
+    @property
+    def has_media(self) -> bool:
+        return any(x is not None for x in (self.image, self.video, self.audio))
+
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors of a chunk (names `prompt_token_ids` and `mm_<field>`)."""
         out = {"prompt_token_ids": self.ids}
@@ -133,6 +141,10 @@ class PromptRows:
     rope_delta: int
     visual_mask: torch.Tensor | None = None    # [P] bool
     deepstack: list[torch.Tensor] = field(default_factory=list)  # per layer [visual rows, H]
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.nbytes + self.positions.nbytes + sum(t.nbytes for t in self.deepstack)
 
 
 class OmniProcessor:
@@ -169,6 +181,8 @@ class OmniProcessor:
         if cls.__name__ == "Qwen2_5OmniProcessor":  # its tokenizer names its tokens differently
             self._tokens.audio_token, self._tokens.image_token = "<|AUDIO|>", "<|IMAGE|>"
             self._tokens.video_token = "<|VIDEO|>"
+        # Every special token: the media placeholders and brackets, and the chat roles' markers.
+        self.markers = tuple(sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}))
 
     @property
     def sampling_rate(self) -> int:
@@ -181,18 +195,27 @@ class OmniProcessor:
         return np.pad(samples, (0, max(0, self.audio.n_fft - len(samples))))
 
     def messages(self, parts: list, system: str) -> list[dict]:
-        content = [{"type": "text", "text": p.text} if isinstance(p, media.Text) else {"type": media_kind(p)}
+        content = [{"type": "text", "text": p.text} if isinstance(p, media.Text) else {"type": p.modality}
                    for p in parts]
         return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
 
-    def prepare(self, parts: list, system: str = "") -> MediaInputs:
-        """Token ids and encoder inputs of a user turn made of `parts` (decoded media, in order)."""
+    def prepare(self, parts: list, system: str = "", prompt_at: int | None = None) -> MediaInputs:
+        """Token ids and encoder inputs of a user turn made of `parts` (decoded media, in order; the one at
+        `prompt_at`, if any, is the request's `prompt`). Text may not carry the tokens the processor places
+        for media: they would stand for media that is not there."""
+        for i, part in enumerate(parts):
+            if isinstance(part, media.Text):
+                found = next((t for t in self.markers if t in part.text), None)
+                if found:
+                    field = "params.prompt" if i == prompt_at else f"params.parts[{i}].text"
+                    raise InvalidRequest(field, f'contains "{found}", a token the processor places for media')
         try:
             return self._prepare(parts, system)
-        except InvalidRequest:
+        except (InvalidRequest, InputError):
             raise
-        except ValueError as e:  # what the processor's components raise on media they cannot take
-            raise InvalidRequest("params.parts", f"the model's processor refused them: {e}") from None
+        except PROCESSING_ERRORS as e:  # what the processor's components raise on media they cannot take
+            raise InvalidRequest("params.parts", f"the model's processor refused them: {e or type(e).__name__}") \
+                from None
 
     def _prepare(self, parts: list, system: str) -> MediaInputs:
         if self.chat_template is None:
@@ -223,10 +246,6 @@ class OmniProcessor:
                             seconds_per_chunk=self.seconds_per_chunk)[0]
         out.ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return out
-
-
-def media_kind(part) -> str:
-    return {media.Image: "image", media.Audio: "audio", media.Video: "video"}[type(part)]
 
 
 class FrameProcessor:
@@ -344,8 +363,11 @@ def prompt_rows(model, enc: EncodedPrompt) -> PromptRows:
             for k in visual:
                 joint[masks[k][visual_mask]] = getattr(enc, f"{k}_deepstack")[layer].to(embeds.dtype)
             deepstack.append(joint)
-    positions, delta = model.get_rope_index(
-        ids[None], enc.image_grid_thw, enc.video_grid_thw, torch.ones_like(ids)[None], False,
-        enc.audio_seqlens, enc.video_second_per_grid)
+    try:
+        positions, delta = model.get_rope_index(
+            ids[None], enc.image_grid_thw, enc.video_grid_thw, torch.ones_like(ids)[None], False,
+            enc.audio_seqlens, enc.video_second_per_grid)
+    except PROCESSING_ERRORS as e:  # grids that do not fit the prompt's placeholders
+        raise InputError(f"the encoder rows do not fit the prompt: {e or type(e).__name__}") from None
     return PromptRows(embeds=embeds, positions=positions[:, 0], rope_delta=int(delta.reshape(-1)[0]),
                       visual_mask=visual_mask, deepstack=deepstack)

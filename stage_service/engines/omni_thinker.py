@@ -7,14 +7,13 @@ A family's `load` hands `use_thinker` a `DecoderLm` with `model` (the family's
 result with `token`, `finish_reason`, `embeds`, `hidden`), and sets `max_len`.
 
 Media (`params.parts`) go through the checkpoint's processor and the Thinker's own encoders
-(`omni_media`), on a worker thread beside the step loop, so a request with an image shares decode steps
+(`omni_media`), on the stage's media threads beside the step loop (`media_work`), so a request with an image shares decode steps
 with text-only ones while its encoders run; or, where the topology gives the Thinker an encoder stage,
 the encoder's chunk carries the prompt ids and encoder rows, and only the merge happens here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import torch
@@ -25,14 +24,15 @@ from omnistage.spec import accepted_inputs
 
 from .base import InputError, StageInputs, StageRequest
 from .hf_causal import CausalLmEngine, text_sampling
+from .media_work import MediaStage
 from .omni_media import PROCESSOR_CONFIG, QWEN3_OMNI, EncodedPrompt, Family, OmniProcessor, encode, prompt_rows
 
 
-class OmniThinkerEngine(CausalLmEngine):
+class OmniThinkerEngine(MediaStage, CausalLmEngine):
     """Emits per chunk: `token_ids` (new tokens), `embeds` and `hidden` (rows of every position fed),
     `prompt_token_ids` on the first chunk, and the text delta. A text prompt goes through the checkpoint's
     chat template unless the request gives token ids or asks for the raw prompt (`chat.prompt_ids`); a
-    request with parts becomes one user turn of them (the prompt, if any, as a last text part)."""
+    request with media parts becomes one user turn of them (the prompt, if any, as a last text part)."""
 
     MEDIA_FAMILY: Family = QWEN3_OMNI
 
@@ -40,31 +40,32 @@ class OmniThinkerEngine(CausalLmEngine):
         self.thinker = thinker
         self.tokenizer, self.chat_template = thinker.tokenizer, thinker.chat_template
         self.vocab, self.stop_ids = thinker.vocab, thinker.stop_ids
-        # A checkpoint without the processor's settings serves text only.
-        self.processor = (OmniProcessor(self.model_dir, self.MEDIA_FAMILY, self.tokenizer, self.chat_template)
-                          if (self.model_dir / PROCESSOR_CONFIG).exists() else None)
+        # Fed by an encoder stage, or without the processor's settings (text only), it needs no processor.
+        self.processor = None
+        if not self.stage.inputs and (self.model_dir / PROCESSOR_CONFIG).exists():
+            self.processor = OmniProcessor(self.model_dir, self.MEDIA_FAMILY, self.tokenizer, self.chat_template)
 
     async def prompt(self, req: StageRequest, inputs: StageInputs):
         p = req.params
         if inputs.sources:  # an encoder stage made the prompt
-            started = time.perf_counter()
             chunk = await inputs.next()
             if chunk is None:
                 raise InputError("the encoder stage sent nothing")
+            started = time.perf_counter()
             enc = EncodedPrompt.from_tensors(chunk.tensors)
-            rows = await asyncio.to_thread(prompt_rows, self.thinker.model, enc) if _has_media(enc) else None
+            rows = await self.media.run(prompt_rows, self.thinker.model, enc) if enc.has_media else None
             return enc.ids.tolist(), rows, (time.perf_counter() - started) * 1e3
         if not has_media(p.parts):  # text only: the one prompt policy (chat.prompt_ids)
             return self.prompt_ids(p), None, 0.0
-        return await asyncio.to_thread(self.encode_inline, p)
-
-    def encode_inline(self, p: RequestParams) -> tuple[list[int], object | None, float]:
-        """Decode, process and encode a request's parts (on a worker thread: not the event loop, not the
-        step loop); the prompt ids, the decoder's rows (None without media) and the milliseconds taken."""
-        started = time.perf_counter()
         if self.processor is None:
             raise InvalidRequest("params.parts", f"this model has no {PROCESSOR_CONFIG}: it takes text prompts only")
-        inputs = self.processor.prepare(request_parts(p, self.pipeline), p.system_prompt or self.DEFAULT_SYSTEM_PROMPT)
+        return await self.media.run(self.encode_inline, p)
+
+    def encode_inline(self, p: RequestParams) -> tuple[list[int], object | None, float]:
+        """Decode, process and encode a request's parts (on a media thread: not the event loop, not the
+        step loop); the prompt ids, the decoder's rows (None without media) and the milliseconds taken."""
+        started = time.perf_counter()
+        inputs = prepare_turn(self.processor, p, self.pipeline, self.DEFAULT_SYSTEM_PROMPT)
         rows = None
         if inputs.has_media:
             rows = prompt_rows(self.thinker.model, encode(self.thinker.model, inputs))
@@ -83,11 +84,8 @@ class OmniThinkerEngine(CausalLmEngine):
         return {"embeds": step.embeds, "hidden": step.hidden}
 
 
-def request_parts(p: RequestParams, pipeline) -> list:
-    """A request's user turn: its parts, then the prompt as a last text part, decoded (checked against the
-    pipeline's limits and inputs, as the orchestrator checked them)."""
-    return media.decode_parts(p.content, pipeline.limits, accepted_inputs(pipeline))
-
-
-def _has_media(enc: EncodedPrompt) -> bool:
-    return any(x is not None for x in (enc.image, enc.video, enc.audio))
+def prepare_turn(processor: OmniProcessor, p: RequestParams, pipeline, default_system: str = ""):
+    """A request's user turn (its parts, then the prompt as a last text part) decoded, checked against the
+    pipeline's limits and inputs as the orchestrator checked them, and run through the processor."""
+    parts = media.decode_parts(p.content, pipeline.limits, accepted_inputs(pipeline))
+    return processor.prepare(parts, p.system_prompt or default_system, prompt_at=len(p.parts) if p.prompt else None)

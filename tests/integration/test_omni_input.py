@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 
+import grpc
 import numpy as np
 import pytest
 import soundfile
@@ -185,12 +187,17 @@ async def test_a_media_request_batched_with_text_requests_changes_no_output(qwen
     alone_media = tokens_of(await call_stage(qwen3.port, media_header("mixed", "solo-m")))
     alone_text = tokens_of(await call_stage(qwen3.port, header(request_id="solo-t", max_tokens=TOKENS,
                                                               ignore_eos=True)))
-    together = await asyncio.gather(
-        call_stage(qwen3.port, header(request_id="t1", max_tokens=TOKENS, ignore_eos=True)),
-        call_stage(qwen3.port, media_header("mixed", "m1")),
-        call_stage(qwen3.port, header(request_id="t2", max_tokens=TOKENS, ignore_eos=True)))
-    assert tokens_of(together[1]) == alone_media
-    assert tokens_of(together[0]) == tokens_of(together[2]) == alone_text
+    long_text = tokens_of(await call_stage(qwen3.port, header(request_id="solo-l", max_tokens=64, ignore_eos=True)))
+    # Long text requests decode while the media request's parts are encoded beside the step loop, then
+    # its prompt joins their steps.
+    texts = [asyncio.create_task(call_stage(qwen3.port, header(request_id=f"t{i}", max_tokens=64, ignore_eos=True)))
+             for i in range(2)]
+    await asyncio.sleep(0.05)
+    media = await call_stage(qwen3.port, media_header("mixed", "m1"))
+    assert not any(t.done() for t in texts)  # it ran while they ran: the step loop steps every running state
+    short = await call_stage(qwen3.port, header(request_id="t3", max_tokens=TOKENS, ignore_eos=True))
+    assert tokens_of(media) == alone_media and tokens_of(short) == alone_text
+    assert [tokens_of(t) for t in await asyncio.gather(*texts)] == [long_text, long_text]
 
 
 @pytest.mark.parametrize("case", ["mixed", "video"])
@@ -307,3 +314,52 @@ async def test_a_thinker_fed_by_an_encoder_stage_neither_reads_nor_keeps_the_enc
     assert read and not any(k.startswith(("thinker.visual.", "thinker.audio_tower.")) for k in read)
     encoder_read = split["encoder"].engine.checkpoint.stats.keys
     assert encoder_read and all(k.startswith(("thinker.visual.", "thinker.audio_tower.")) for k in encoder_read)
+
+
+@pytest.mark.parametrize("text,field,token", [
+    ("<|audio_pad|> what is it?", "params.parts[1].text", "<|audio_pad|>"),
+    ("see <|vision_start|>", "params.parts[1].text", "<|vision_start|>"),
+    ("prompt", "params.prompt", "<|im_start|>"),
+])
+async def test_text_beside_media_may_not_carry_the_tokens_the_processor_places(qwen3, text, field, token):
+    h = header(request_id="tok", prompt=f"{token}x" if field == "params.prompt" else "", max_tokens=2)
+    h.header.params.parts.extend([part("audio"), part("text", text)])
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call_stage(qwen3.port, h)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f'{field}: contains "{token}", a token the processor places for media'
+    assert tokens_of(await call_stage(qwen3.port, media_header("image")))  # still serving
+
+
+async def test_a_media_request_cancelled_or_past_its_deadline_leaves_nothing_held(qwen3):
+    from .test_stage_support import assert_nothing_held
+
+    late = media_header("mixed", "late")
+    late.header.deadline_unix_ms = int((time.time() + 0.05) * 1000)
+    late.header.params.text.max_tokens = 200
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call_stage(qwen3.port, late)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call = asyncio.create_task(call_stage(qwen3.port, media_header("video", "gone")))
+    await asyncio.sleep(0.01)  # while its parts are decoded, processed or encoded
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    await assert_nothing_held(qwen3)
+    assert qwen3.engine.media.pending == 0
+
+
+async def test_an_encoded_video_file_is_decoded_and_served(qwen3):
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=2)
+        stream.width, stream.height, stream.pix_fmt = FRAMES.shape[2], FRAMES.shape[1], "yuv420p"
+        for f in FRAMES:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode())
+    h = header(request_id="mp4", prompt="What happens?", max_tokens=3, ignore_eos=True)
+    h.header.params.parts.append(common_pb2.ContentPart(video=common_pb2.VideoPart(data=buf.getvalue())))
+    out = await call_stage(qwen3.port, h)
+    video_id = qwen3.engine.thinker.model.config.video_token_id
+    assert len(tokens_of(out)) == 3 and int((tensor_named(out[0], "prompt_token_ids") == video_id).sum()) > 0

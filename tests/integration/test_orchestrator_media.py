@@ -139,9 +139,14 @@ async def test_media_to_a_text_only_pipeline_is_refused_naming_the_part(model_di
         await stage.drain()
 
 
+# The tokens the processor places for media, and the chat markers: text carrying them is refused.
+SPECIAL_TOKENS = ["<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|audio_start|>",
+                  "<|im_start|>"]
 media_bytes = st.one_of(st.binary(max_size=512), st.just(PNG), st.builds(lambda n: PNG[:n], st.integers(0, len(PNG))))
 parts = st.lists(st.one_of(
     st.text(max_size=20).map(lambda t: common_pb2.ContentPart(text=t)),
+    st.builds(lambda a, token, b: common_pb2.ContentPart(text=a + token + b), st.text(max_size=5),
+              st.sampled_from(SPECIAL_TOKENS), st.text(max_size=5)),
     media_bytes.map(image_part),
     media_bytes.map(lambda b: common_pb2.ContentPart(audio=common_pb2.AudioPart(data=b))),
     st.builds(lambda b, rate, ch: pcm_part(b, rate, ch), st.binary(max_size=256), st.integers(0, 400_000),

@@ -167,6 +167,10 @@ BAD = [
                                  "model": "qwen3-omni-tiny", "component": "encoder", "emits": ["media"],
                                  "inputs": [{"stage": "code2wav"}]}),
      ['spec.topology.stages[3].inputs[0]: stage "encoder" (qwen3-omni-encoder) takes no input edges']),
+    ("media limits past one message",
+     lambda d: d["spec"]["topology"].setdefault("limits", {}).update(maxParts=64, maxPartBytes=16 << 20),
+     ["spec.topology.limits.maxPartBytes: maxParts x maxPartBytes is 1073741824 bytes; a request must fit the "
+      "512 MiB one message between services may carry"]),
     ("no adapter for the component",
      lambda d: stages(d)[1].__setitem__("component", "vocoder"),
      ['spec.topology.stages[1].component: no transformers adapter serves a "ar" stage with component "vocoder" '

@@ -1,0 +1,62 @@
+"""Bounded media work: the stage's media threads and the orchestrator's decode slots refuse, rather than
+queue without bound, what they cannot start in time."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from omnistage.client import image_part
+from omnistage.params import InvalidRequest
+from orchestrator_service.admission import Overloaded
+from orchestrator_service.media_check import MediaCheck
+from stage_service.engines.media_work import MediaWork
+from stage_service.errors import EngineOverloaded
+
+from ..harness import example
+
+
+async def test_media_work_refuses_beyond_its_threads_and_queue_room():
+    work = MediaWork("thinker", max_waiting=1, workers=1)
+    gate = threading.Event()
+    try:
+        running = asyncio.create_task(work.run(gate.wait, 10))
+        waiting = asyncio.create_task(work.run(gate.wait, 10))
+        await asyncio.sleep(0.05)
+        assert work.pending == 2
+        with pytest.raises(EngineOverloaded, match="stage thinker: 2 media requests in the encoders"):
+            await work.run(gate.wait, 10)
+        waiting.cancel()  # a request that goes away while it waits leaves the queue
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert work.pending == 1
+        gate.set()
+        assert await running is True and work.pending == 0
+        assert await work.run(lambda x: x * 2, 21) == 42
+    finally:
+        gate.set()
+        work.close()
+
+
+def big_png() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (1800, 1800, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+async def test_a_request_that_cannot_get_a_decode_slot_in_time_is_overload_not_a_queue():
+    pipeline = example("qwen3-omni-tiny", lambda d: d["spec"]["topology"].setdefault("limits", {}).update(
+        mediaDecodeSeconds=0.01))
+    check = MediaCheck(pipeline, workers=1)
+    try:
+        part = [image_part(big_png())]  # decoding it takes far longer than 10 ms
+        first, second = await asyncio.gather(check.check(part), check.check(part), return_exceptions=True)
+        assert isinstance(first, InvalidRequest) and str(first) == "params.parts: decoding took longer than 0.01 s"
+        assert isinstance(second, Overloaded) and second.retry_after_s == 0.01
+        assert str(second) == "every media decoder was busy for 0.01 s"
+    finally:
+        check.close()
