@@ -50,6 +50,16 @@ def write_results(name: str, figures: list[dict], extra: dict | None = None) -> 
     return path
 
 
+def finish(name: str, figures: list[dict], started: float, extra: dict) -> Path:
+    """Write the results file with the run's wall time (from `time.perf_counter()` at `started`) and say where."""
+    import time
+
+    runtime = time.perf_counter() - started
+    path = write_results(name, figures, {**extra, "runtime_s": round(runtime, 1)})
+    print(f"\nruntime {runtime:.0f}s; wrote {path}")
+    return path
+
+
 def figure(name: str, value: float, unit: str) -> dict:
     return {"name": name, "value": round(float(value), 4), "unit": unit}
 

@@ -110,7 +110,7 @@ def cold_start(file: Path, stage: str, models: Path) -> float:
         proc = subprocess.Popen(launch.stage_command(file, stage, port=0, model_dir=models, ready_file=ready),
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
-            while not ready.exists():
+            while launch.read_ready(ready) is None:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{file.name} {stage}: exited {proc.returncode}:\n{proc.stderr.read()[-2000:]}")
                 if time.perf_counter() - t0 > 600:

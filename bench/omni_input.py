@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from common import figure, percentile, print_table, write_results  # noqa: E402
+from common import figure, finish, percentile, print_table  # noqa: E402
 from omni_load import serve_local  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,7 +185,6 @@ def main() -> None:
                        "ms")]
     print_table("figures", figures)
     print(f"\nencoder stage / inline req/s at c8, round by round: {round_ratios}")
-    runtime = time.perf_counter() - started
     notes = ("inline: examples/qwen3-omni-tiny.yaml, the Thinker runs the vision and audio towers itself; "
              "encoder stage: examples/qwen3-omni-encoders-tiny.yaml, one encoder replica runs them before the "
              f"Thinker. Every process has one torch thread; on {os.cpu_count()} CPU cores the encoder stage "
@@ -195,8 +194,8 @@ def main() -> None:
              "media decode, encode the encoders' time in the stage that ran them (the Thinker when inline).")
     extra = {"quick": args.quick, "max_tokens": MAX_TOKENS, "image": "320x240 JPEG",
              "audio": f"{AUDIO_SECONDS:g} s WAV at {AUDIO_RATE} Hz",
-             "rps_c8_ratio_by_round": round_ratios, "runtime_s": round(runtime, 1), "notes": notes}
-    print(f"\nruntime {runtime:.0f}s; wrote {write_results('omni_input', figures, extra)}")
+             "rps_c8_ratio_by_round": round_ratios, "notes": notes}
+    finish('omni_input', figures, started, extra)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,13 @@ async def run_level(endpoint: str, prompt_set, frames: int, concurrency: int) ->
 @contextlib.contextmanager
 def serve_local(models: Path, edit=None):
     """`omnistage serve` of the Qwen3-Omni tiny example (edited by `edit(doc)` first), warmed; yields its endpoint."""
+    with serve_omni(models, edit) as local:
+        yield local.endpoint
+
+
+@contextlib.contextmanager
+def serve_omni(models: Path, edit=None, api_port: int | None = None):
+    """As `serve_local`, yielding the LocalPipeline itself (its OpenAI API on `api_port` when given)."""
     from omnistage.local import LocalPipeline
     from omnistage.spec import parse_pipeline
 
@@ -67,10 +74,10 @@ def serve_local(models: Path, edit=None):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipeline.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        local = LocalPipeline(path, parse_pipeline(doc), models, progress=lambda m: None)
+        local = LocalPipeline(path, parse_pipeline(doc), models, progress=lambda m: None, api_port=api_port)
         try:
             endpoint = local.start()
             asyncio.run(run_level(endpoint, prompts(2, 99), 10, 2))  # warm every stage
-            yield endpoint
+            yield local
         finally:
             local.stop()

@@ -65,7 +65,7 @@ class Rig:
         self.ports = json.loads(self.stages_proc.stdout.readline())
         path = self.tmp / "pipeline.yaml"
         path.write_text(yaml.safe_dump(pipeline_doc(name, stages, max_inflight, max_queued)))
-        ready = self.tmp / "orc.port"
+        ready = self.tmp / "orc.ready"
         argv = launch.orchestrator_command(
             path, port=0, ready_file=ready, log_level="WARNING", wait_for_stages=30,
             stage_endpoints={s: [f"127.0.0.1:{p}" for p in ports] for s, ports in self.ports.items()})
@@ -73,11 +73,11 @@ class Rig:
         self.orc = subprocess.Popen(argv, cwd=ROOT, preexec_fn=pre, stdout=open(self.tmp / "orc.log", "w"),
                                     stderr=subprocess.STDOUT)
         end = time.monotonic() + 60
-        while not (ready.exists() and ready.read_text().strip()):
+        while launch.read_ready(ready) is None:
             if self.orc.poll() is not None or time.monotonic() > end:
                 raise RuntimeError(f"orchestrator did not start:\n{(self.tmp / 'orc.log').read_text()}")
             time.sleep(0.05)
-        self.endpoint = f"127.0.0.1:{int(ready.read_text())}"
+        self.endpoint = f"127.0.0.1:{launch.read_ready(ready).grpc}"
         self.orc_ps = psutil.Process(self.orc.pid)
 
     def close(self) -> None:

@@ -136,11 +136,11 @@ class StageProcess:
 
     def wait_ready(self, timeout: float = 300) -> int:
         deadline = time.monotonic() + timeout
-        while not self.ready.exists():
+        while launch.read_ready(self.ready) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"stage did not start (see {self.log.name})")
             time.sleep(0.1)
-        return int(self.ready.read_text())
+        return launch.read_ready(self.ready).grpc
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -93,6 +93,9 @@ def test_apply_becomes_ready_with_one_deployment_per_stage(pipeline):
         assert svcs[f"{PIPE}-{stage}"].spec.cluster_ip == "None"
         assert [(p.name, p.port) for p in svcs[f"{PIPE}-{stage}"].spec.ports] == [
             (launch.GRPC_PORT_NAME, launch.GRPC_PORT), (launch.HTTP_PORT_NAME, launch.HTTP_PORT)]
+    assert [(p.name, p.port) for p in svcs[f"{PIPE}-orchestrator"].spec.ports] == [
+        (launch.GRPC_PORT_NAME, launch.GRPC_PORT), (launch.HTTP_PORT_NAME, launch.HTTP_PORT),
+        (launch.API_PORT_NAME, launch.API_PORT)]   # the OpenAI-compatible API, on by default
     pdbs = c.kubectl("get", "pdb", "-n", NS, "-l", f"omnistage.io/pipeline={PIPE}", "-o", "json").stdout
     assert sorted(p["metadata"]["name"] for p in json.loads(pdbs)["items"]) == sorted(f"{PIPE}-{s}" for s in STAGES)
     cm = c.core.read_namespaced_config_map(f"{PIPE}-pipeline", NS)

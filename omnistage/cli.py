@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omnistage.spec import MODALITIES, SpecError, load_pipeline
 
-from omnistage.launch import model_root
+from omnistage.launch import ENV_API_KEYS, model_root
 
 DEFAULT_MODEL_DIR = str(model_root())
 
@@ -60,9 +60,9 @@ def cmd_crd(args) -> int:
     return 0
 
 
-def _launcher(args):
-    """The local pipeline of a serve or run; exits 2 before any process starts when a stage's model
-    fails the same check as `omnistage models check`."""
+def _launcher(args, **options):
+    """The local pipeline of a serve or run (`options`: LocalPipeline's own); exits 2 before any process
+    starts when a stage's model fails the same check as `omnistage models check`."""
     from omnistage.checkpoints.check import check_pipeline
     from omnistage.local import LocalPipeline
 
@@ -79,14 +79,30 @@ def _launcher(args):
             raise SystemExit(f'--replicas "{item}": expected STAGE=N with a stage of {pipeline.name} and N >= 1')
         replicas[name] = int(n)
     return LocalPipeline(Path(args.file).resolve(), pipeline, Path(args.models).resolve(), host=args.host,
-                         port=args.port, log_dir=args.log_dir, replicas=replicas)
+                         port=args.port, log_dir=args.log_dir, replicas=replicas, **options)
+
+
+def _print_endpoints(local) -> None:
+    """Where a user reaches the served pipeline: both client APIs, each process's status port, and the
+    file one Prometheus scrape config reads them from."""
+    from omnistage.launch import LIVE_PATH, METRICS_PATH, READY_PATH
+
+    print(f"  gRPC:       {local.endpoint}    (try: omnistage generate --endpoint {local.endpoint} --prompt 'Hello')")
+    if local.api_url:
+        print(f"  OpenAI API: {local.api_url}")
+    width = max(len(name) for name in local.status_urls)
+    for name, url in local.status_urls.items():
+        print(f"  {name:<{width}}  {url}{METRICS_PATH}  {url}{READY_PATH}  {url}{LIVE_PATH}")
+    print(f"  Prometheus targets (file_sd_configs): {local.targets_file}", flush=True)
 
 
 def cmd_serve(args) -> int:
     from omnistage.local import LaunchError
 
     try:
-        local = _launcher(args)
+        local = _launcher(args, api_port=args.api_port, api_keys=args.api_key)
+        if args.no_api or not local.pipeline.deployment.orchestrator.http.enabled:
+            local.api_port = None
     except SpecError as e:
         _print_spec_errors(args.file, e)
         return 2
@@ -104,8 +120,8 @@ def cmd_serve(args) -> int:
         print(f"omnistage serve: {e}", file=sys.stderr)
         local.stop()
         return 1
-    print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)\n"
-          f"  try: omnistage generate --endpoint {endpoint} --prompt 'Hello'", flush=True)
+    print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)")
+    _print_endpoints(local)
     code = 0
     try:
         while stop["sig"] is None:
@@ -346,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_crd)
     p = sub.add_parser("serve", help="run every stage and the orchestrator as local processes")
     _add_launch_args(p)
+    p.add_argument("--api-port", type=int, default=0, help="port of the OpenAI-compatible API (0: any free port)")
+    p.add_argument("--no-api", action="store_true",
+                   help="serve the gRPC API only (as spec.deployment.orchestrator.http.enabled: false does)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"a bearer key the OpenAI-compatible API requires (repeat; default: ${ENV_API_KEYS}, "
+                        "comma-separated; none: no key needed)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="send one request to an orchestrator")
     p.add_argument("--endpoint", required=True, help="orchestrator HOST:PORT")

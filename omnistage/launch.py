@@ -5,6 +5,8 @@ its command line with `stage_command` / `orchestrator_command` and its environme
 the process parses that command line with `stage_parser` / `orchestrator_parser`. Both sides read the
 same flag tables, so a flag one side writes is a flag the other side reads. Also here: the environment
 variable names the services read, the model store's default and layout, ports and probe paths.
+Also the ready file: how a launched process tells its launcher, once serving, which ports it bound
+(`write_ready` / `read_ready`).
 Pure: no imports from the services, nothing read from the environment at import time.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -31,6 +33,9 @@ ENV_HOST_ID = "OMNISTAGE_HOST_ID"            # the shared-memory domain's name (
 ENV_TRANSPORTS = "OMNISTAGE_TRANSPORTS"      # override the stores a stage enables, e.g. "shm" or "shm,ucx"
 ENV_POD_IP = "POD_IP"                        # on a cluster, from the downward API
 ENV_POD_NAMESPACE = "POD_NAMESPACE"          # on a cluster, from the downward API
+# Bearer keys of the OpenAI-compatible API, comma-separated: how a Kubernetes Secret reaches the orchestrator
+# (an env var from a secretKeyRef), and how `omnistage serve` passes them without showing them in `ps`.
+ENV_API_KEYS = "OMNISTAGE_API_KEYS"
 
 DEFAULT_MODEL_DIR = "models"                 # relative to the working directory
 DEFAULT_HOST = "127.0.0.1"
@@ -39,11 +44,14 @@ DEFAULT_NAMESPACE = "default"
 # Ports and their names on a cluster (the pod IP keeps pods apart); locally every port is 0 (any free).
 GRPC_PORT, HTTP_PORT = 50051, 8080
 GRPC_PORT_NAME, HTTP_PORT_NAME = "grpc", "http"
+# The orchestrator's OpenAI-compatible HTTP API (spec.deployment.orchestrator.http.port overrides the port).
+API_PORT, API_PORT_NAME = 8000, "openai"
 # Paths on the HTTP port.
 METRICS_PATH = "/metrics"   # Prometheus
 READY_PATH = "/readyz"      # 200 once serving, 503 while loading or draining
 LIVE_PATH = "/livez"
 DRAIN_PATH = "/drain"       # a preStop hook: answers once admitted work is finished
+API_PATH = "/v1"            # the base of the OpenAI-compatible API, on its own port
 # Where a process that refuses to start writes its one-line reason (Kubernetes' default terminationMessagePath;
 # the kubelet shows it as the container's last termination message).
 TERMINATION_LOG = "/dev/termination-log"
@@ -58,7 +66,8 @@ class Flag:
     default: Any = None
     env: str | None = None          # the default comes from this variable when it is set
     required: bool = False
-    repeat: bool = False            # may be given several times; the value is a list
+    repeat: bool = False            # may be given several times; the value is a list (with `env`: the
+                                    # variable's comma-separated items, replaced by the flags when given)
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
 
@@ -76,7 +85,7 @@ _SERVING = (
 )
 _LIFECYCLE = (
     Flag("drain_seconds", "bound on finishing admitted work at SIGTERM", float),
-    Flag("ready_file", "write the bound port here once serving"),
+    Flag("ready_file", "once serving, write the bound ports here (see launch.write_ready)"),
     Flag("log_level", "logging level", default="INFO"),
 )
 STAGE_FLAGS = (
@@ -100,8 +109,62 @@ ORCHESTRATOR_FLAGS = (
          default=DEFAULT_NAMESPACE, env=ENV_POD_NAMESPACE),
     Flag("wait_for_stages", "seconds to wait at start-up for every stage replica to be SERVING", float,
          default=0.0),
+    Flag("api_port", "port of the OpenAI-compatible HTTP API (0: any free port; not given: no API)", int),
+    Flag("api_key", f"a bearer key the HTTP API accepts (repeat; default: ${ENV_API_KEYS}, comma-separated; "
+                    "none: no key needed)", repeat=True, env=ENV_API_KEYS, metavar="KEY"),
     *_LIFECYCLE,
 )
+
+
+@dataclass(frozen=True)
+class ReadyPorts:
+    """What a process bound, as its ready file says: the gRPC port, and the HTTP status and API ports
+    when it serves them."""
+    grpc: int
+    http: int | None = None
+    api: int | None = None
+
+
+def write_ready(path: str | os.PathLike, ports: ReadyPorts) -> None:
+    """Write the ready file: one line `NAME PORT` per bound port (names: grpc, http, api), e.g.
+
+        grpc 43211
+        http 43212
+        api 43213
+
+    Written to a temporary file and renamed, so a reader sees the whole file or none."""
+    path = Path(path)
+    text = "".join(f"{f.name} {getattr(ports, f.name)}\n" for f in fields(ports)
+                   if getattr(ports, f.name) is not None)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_ready(path: str | os.PathLike) -> ReadyPorts | None:
+    """The ports a ready file names; None until it is complete (absent, empty, a last line without its
+    newline, a line that is not `NAME PORT`, or no grpc port). Unknown names are skipped: a newer process
+    may name more ports than this reader knows."""
+    try:
+        text = Path(path).read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    if not text.endswith("\n"):
+        return None
+    known = {f.name for f in fields(ReadyPorts)}
+    ports: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, port = line.partition(" ")
+        if not port.isdigit():
+            return None
+        if name in known:
+            ports[name] = int(port)
+    return ReadyPorts(**ports) if "grpc" in ports else None
+
+
+def http_url(host: str, port: int, path: str = "") -> str:
+    """`http://HOST:PORT/PATH`; an IPv6 address in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
 
 
 def stage_service_name(pipeline: str, stage: str) -> str:
@@ -191,6 +254,15 @@ def _command(python: str, module: str, table: tuple[Flag, ...], **values: Any) -
     return argv
 
 
+class _Repeated(argparse.Action):
+    """A repeatable flag whose default (from the environment) the flags replace instead of extending:
+    argparse's own `append` would add them to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if current is self.default else current), values])
+
+
 def _parser(module: str, description: str, table: tuple[Flag, ...],
             env: Mapping[str, str] | None) -> argparse.ArgumentParser:
     env = os.environ if env is None else env
@@ -199,7 +271,8 @@ def _parser(module: str, description: str, table: tuple[Flag, ...],
         default = (env.get(f.env) or f.default) if f.env else f.default
         kw: dict[str, Any] = {"help": f.help, "type": f.type, "metavar": f.metavar, "choices": f.choices}
         if f.repeat:
-            kw.update(action="append", default=[])
+            items = [x.strip() for x in (env.get(f.env) or "").split(",")] if f.env else []
+            kw.update(action=_Repeated, default=[f.type(x) for x in items if x])
         elif f.required:
             kw.update(required=True)
         else:

@@ -4,10 +4,16 @@ Stages start in parallel (each in its own process group, so engine helper
 processes go with it), the orchestrator once every stage is SERVING. On
 Ctrl-C or SIGTERM every process gets SIGTERM, then SIGKILL after a bound: no
 process is left behind. A process that dies is reported by name.
+
+Every process serves its HTTP status port (metrics, readiness, liveness) on a
+free port, and the orchestrator the OpenAI-compatible API when asked; each
+process's ready file says which ports it bound. `prometheus-targets.json` in
+the log folder lists every status port for a Prometheus `file_sd_configs`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,10 +21,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from omnistage.launch import model_dir, orchestrator_command, service_env, stage_command
+from omnistage.launch import (API_PATH, ENV_API_KEYS, ReadyPorts, http_url, model_dir, orchestrator_command,
+                              read_ready, service_env, stage_command)
 from omnistage.spec import Pipeline
+
+TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
+SCRAPE_JOB = "omnistage"
 
 
 class LaunchError(RuntimeError):
@@ -31,10 +41,16 @@ class Proc:
     argv: list[str]
     log_path: Path
     ready_file: Path
+    stage: str | None = None        # None: the orchestrator
     popen: subprocess.Popen | None = None
-    port: int | None = None
+    ports: ReadyPorts | None = None  # once ready
     started: float = 0.0
     ready_after: float | None = None
+
+    @property
+    def port(self) -> int | None:
+        """The gRPC port, once ready."""
+        return self.ports.grpc if self.ports else None
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -54,6 +70,8 @@ class LocalPipeline:
     replicas: dict[str, int] = field(default_factory=dict)  # overrides spec.deployment replicas
     progress: Callable[[str], None] = lambda m: print(m, flush=True)
     extra_env: dict[str, str] = field(default_factory=dict)
+    api_port: int | None = None     # the orchestrator's OpenAI-compatible API (0: any free port; None: none)
+    api_keys: Sequence[str] = ()    # bearer keys the API takes (none: no key needed)
 
     def __post_init__(self):
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix=f"omnistage-{self.pipeline.name}-"))
@@ -61,6 +79,7 @@ class LocalPipeline:
         self.stages: list[Proc] = []
         self.orchestrator: Proc | None = None
         self.endpoint: str | None = None
+        self.targets_file = self.log_dir / TARGETS_FILE
 
     # ------------------------------------------------------------ start
     def check_models(self) -> None:
@@ -90,31 +109,42 @@ class LocalPipeline:
         """Start everything; returns the orchestrator endpoint. Raises LaunchError naming what failed."""
         self.check_models()
         env = self.env()
+        orchestrator_env = {**env, **self._api_key_env()}   # refused keys: before anything starts
         for st in self.pipeline.stages:
             n = self.replicas.get(st.name, self.pipeline.deployment.stages[st.name].replicas) or 1
             for i in range(n):
                 name = f"stage {st.name}[{i}]"
                 tag = f"{st.name}-{i}"
-                argv = stage_command(self.pipeline_file, st.name, host=self.host, port=0,
-                                     model_dir=self.model_dir, ready_file=self.log_dir / f"{tag}.port")
-                proc = Proc(name, argv, self.log_dir / f"{tag}.log", self.log_dir / f"{tag}.port")
+                ready_file = self.log_dir / f"{tag}.ready"
+                argv = stage_command(self.pipeline_file, st.name, host=self.host, port=0, http_port=0,
+                                     model_dir=self.model_dir, ready_file=ready_file)
+                proc = Proc(name, argv, self.log_dir / f"{tag}.log", ready_file, stage=st.name)
                 self._spawn(proc, env)
                 self.stages.append(proc)
         self.progress(f"starting {len(self.stages)} stage process(es) for {self.pipeline.name} "
                       f"(logs in {self.log_dir})")
         self._wait_ready(self.stages, timeout)
-        endpoints = {}
+        endpoints: dict[str, list[str]] = {}
         for p in self.stages:
-            stage = p.name.split()[1].split("[")[0]
-            endpoints.setdefault(stage, []).append(f"{self.host}:{p.port}")
-        argv = orchestrator_command(self.pipeline_file, host=self.host, port=self.port, stage_endpoints=endpoints,
-                                    wait_for_stages=30, ready_file=self.log_dir / "orchestrator.port")
-        self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log",
-                                 self.log_dir / "orchestrator.port")
-        self._spawn(self.orchestrator, env)
+            endpoints.setdefault(p.stage, []).append(f"{self.host}:{p.port}")
+        ready_file = self.log_dir / "orchestrator.ready"
+        argv = orchestrator_command(self.pipeline_file, host=self.host, port=self.port, http_port=0,
+                                    api_port=self.api_port, stage_endpoints=endpoints, wait_for_stages=30,
+                                    ready_file=ready_file)
+        self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log", ready_file)
+        self._spawn(self.orchestrator, orchestrator_env)
         self._wait_ready([self.orchestrator], 60)
         self.endpoint = f"{self.host}:{self.orchestrator.port}"
+        self.targets_file.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
         return self.endpoint
+
+    def _api_key_env(self) -> dict[str, str]:
+        """The keys reach the orchestrator in its environment, not its command line (which `ps` shows)."""
+        if not self.api_keys:
+            return {}
+        if any(not k or "," in k or k != k.strip() for k in self.api_keys):
+            raise LaunchError("an API key must be non-empty, without commas or surrounding spaces")
+        return {ENV_API_KEYS: ",".join(self.api_keys)}
 
     def _wait_ready(self, procs: list[Proc], timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -122,8 +152,8 @@ class LocalPipeline:
         last_note = time.monotonic()
         while waiting:
             for p in list(waiting):
-                if p.ready_file.exists() and p.ready_file.read_text().strip():
-                    p.port = int(p.ready_file.read_text())
+                p.ports = read_ready(p.ready_file)
+                if p.ports is not None:
                     p.ready_after = time.monotonic() - p.started
                     self.progress(f"  {p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s "
                                   f"(pid {p.popen.pid})")
@@ -138,6 +168,25 @@ class LocalPipeline:
                               f"({time.monotonic() - waiting[0].started:.0f}s: loading models)")
                 last_note = time.monotonic()
             time.sleep(0.05)
+
+    # ------------------------------------------------------- where to reach it
+    @property
+    def api_url(self) -> str | None:
+        """The OpenAI-compatible API's base URL (`http://HOST:PORT/v1`); None when it is not served."""
+        ports = self.orchestrator.ports if self.orchestrator else None
+        return http_url(self.host, ports.api, API_PATH) if ports and ports.api is not None else None
+
+    @property
+    def status_urls(self) -> dict[str, str]:
+        """Process name -> the base URL of its HTTP status port (append launch.METRICS_PATH, READY_PATH, ...)."""
+        return {p.name: http_url(self.host, p.ports.http) for p in self.all_procs()
+                if p.ports is not None and p.ports.http is not None}
+
+    def scrape_targets(self) -> list[dict]:
+        """Every status port, as Prometheus file-based service discovery lists targets."""
+        return [{"targets": [f"{self.host}:{p.ports.http}"],
+                 "labels": {"job": SCRAPE_JOB, "pipeline": self.pipeline.name, "process": p.name}}
+                for p in self.all_procs() if p.ports is not None and p.ports.http is not None]
 
     # ------------------------------------------------------------- run
     def all_procs(self) -> list[Proc]:

@@ -1,4 +1,10 @@
-"""Wires one orchestrator replica: Orchestrator service, grpc.health.v1, reflection, metrics, drain."""
+"""Wires one orchestrator replica: Orchestrator service, grpc.health.v1, reflection, metrics, the
+OpenAI-compatible HTTP API (optional, on its own port), drain.
+
+Drain order on SIGTERM or /drain: NOT_SERVING -> refuse new work -> admitted work (gRPC calls and HTTP
+requests alike) finishes within the drain bound -> the HTTP API stops (what is still open is cancelled)
+-> the router closes its stage channels.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
@@ -21,9 +28,13 @@ from .metrics import OrchestratorMetrics
 from .routing import Router
 from .servicer import OrchestratorServicer
 
+if TYPE_CHECKING:
+    from .http_api import HttpApi
+
 log = logging.getLogger("omnistage.orchestrator")
 SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 MIN_RECEIVE_BYTES = 64 << 20
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the admitted HTTP requests have finished
 
 
 def parse_endpoints(specs: list[str], pipeline: Pipeline) -> dict[str, list[str]]:
@@ -46,7 +57,7 @@ def parse_endpoints(specs: list[str], pipeline: Pipeline) -> dict[str, list[str]
 class OrchestratorServer:
     def __init__(self, pipeline: Pipeline, endpoints: dict[str, list[str]], host: str = "127.0.0.1",
                  port: int = 0, http_port: int | None = None, drain_seconds: float | None = None,
-                 namespace: str | None = None):
+                 namespace: str | None = None, api_port: int | None = None, api_keys: Sequence[str] = ()):
         self.pipeline = pipeline
         self.router = Router(pipeline)
         for stage, addrs in endpoints.items():
@@ -55,6 +66,8 @@ class OrchestratorServer:
         self.media = MediaCheck(pipeline)
         self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media)
         self.host, self.port, self.http_port = host, port, http_port
+        self.api_port, self.api_keys = api_port, tuple(api_keys)
+        self.api: HttpApi | None = None  # once started
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.orchestrator.drain_seconds)
         self.ready = False
@@ -85,6 +98,13 @@ class OrchestratorServer:
                                         blocking_drain(asyncio.get_running_loop(), self.drain)).start()
         if wait_for_stages:
             await self.router.wait_ready(wait_for_stages)
+        if self.api_port is not None:  # before ready: /readyz answering 200 means the API answers too
+            # Imported here: the HTTP stack (FastAPI, uvicorn) loads only where the API is served.
+            from .http_api import HttpApi
+
+            api = HttpApi(self.servicer, self.pipeline, self.host, self.api_port, self.api_keys)
+            self.api_port = await api.start()
+            self.api = api  # only once bound: a drain after a failed start has no API to stop
         self.ready = True
         await set_serving(self.health, [SERVICE], True)
         log.info("orchestrator for %s serving on %s:%d", self.pipeline.name, self.host, self.port)
@@ -99,13 +119,30 @@ class OrchestratorServer:
         self.ready = False
         await set_serving(self.health, [SERVICE], False)
         try:
-            await self.server.stop(grace=self.drain_seconds)
+            # One bound for both front doors: server.stop waits for gRPC calls only.
+            await asyncio.gather(self.server.stop(grace=self.drain_seconds),
+                                 self._admitted_work_finished(self.drain_seconds))
         finally:
+            if self.api is not None:
+                await self.api.stop()
             if self.discovery is not None:
                 self.discovery.stop()
             await self.router.close()
             self.media.close()
             self.stopped.set()  # the HTTP port stays up until close(): a /drain caller gets its answer
+
+    async def _admitted_work_finished(self, bound: float) -> None:
+        """Until no request is admitted or waiting (HTTP ones included), at most `bound` seconds."""
+        if self.api is None:
+            return  # gRPC calls only: server.stop(grace) waits for them
+        admission = self.servicer.admission
+        loop = asyncio.get_running_loop()
+        end = loop.time() + bound
+        while (admission.inflight or admission.queued) and loop.time() < end:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if admission.inflight or admission.queued:
+            log.warning("orchestrator: drain bound passed with %d requests in flight, %d waiting",
+                        admission.inflight, admission.queued)
 
     def close(self) -> None:
         """After `stopped`: close the HTTP port, once a pending /drain has been answered."""
@@ -131,13 +168,21 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"orchestrator: {e}", file=sys.stderr)
             return 2
     srv = OrchestratorServer(pipeline, endpoints, args.host, args.port, args.http_port, args.drain_seconds,
-                             namespace=namespace)
+                             namespace=namespace, api_port=args.api_port, api_keys=args.api_key)
     on_signals(lambda: asyncio.ensure_future(srv.drain()))
-    await srv.start(wait_for_stages=args.wait_for_stages)
+    try:
+        await srv.start(wait_for_stages=args.wait_for_stages)
+    except OSError as e:  # a port already taken: one line saying which, not a traceback
+        launch.report_exit(f"orchestrator: {e.strerror or e}")
+        await srv.drain()
+        srv.close()
+        return 2
     if args.ready_file:
-        with open(args.ready_file, "w") as f:
-            f.write(f"{srv.port}\n")
+        launch.write_ready(args.ready_file, launch.ReadyPorts(srv.port, srv.http.port if srv.http else None,
+                                                              srv.api_port))
     print(f"orchestrator ready on {args.host}:{srv.port}", flush=True)
+    if srv.api is not None:
+        print(f"OpenAI API on {launch.http_url(args.host, srv.api_port, launch.API_PATH)}", flush=True)
     await srv.stopped.wait()
     await asyncio.to_thread(srv.close)  # off the loop: a pending /drain answer still needs it
     return 0

@@ -4,9 +4,11 @@ Thin: the request walk lives in request_run, admission in admission."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from typing import AsyncIterator
 
 import grpc
 
@@ -26,6 +28,23 @@ log = logging.getLogger("omnistage.orchestrator")
 MAX_REQUEST_ID = 128
 
 
+class Refused(Exception):
+    """A request the orchestrator will not serve, or can no longer finish: the status a client gets,
+    whichever front door it came through. `param` names the request field at fault (bad input);
+    `retry_after_s` comes with overload; `stage` names the stage that failed."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None, stage: str | None = None):
+        self.code, self.message = code, message
+        self.param, self.retry_after_s, self.stage = param, retry_after_s, stage
+        super().__init__(message)
+
+    @classmethod
+    def overloaded(cls, e: Overloaded) -> "Refused":
+        return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s",
+                   retry_after_s=e.retry_after_s)
+
+
 def requested_outputs(pipeline: Pipeline, request: orchestrator_pb2.GenerateRequest) -> dict[str, str]:
     """stage -> modality for the outputs asked for (all of the pipeline's when none are named)."""
     by_modality = {o.modality: o.stage for o in pipeline.outputs}
@@ -41,6 +60,19 @@ def requested_outputs(pipeline: Pipeline, request: orchestrator_pb2.GenerateRequ
                                                f"(it has: {', '.join(by_modality)})")
         chosen[by_modality[name]] = name
     return chosen
+
+
+def unready_stage(router: Router, stages) -> tuple[str, str] | None:
+    """(stage, why) for the first needed stage no replica of which can take work now: none at all, or
+    every one unreachable or draining (a crashed process at a fixed address). Admission would hold the
+    request until the stage came back; the client is better told, and can retry."""
+    for s in sorted(stages):
+        pool = router.pools[s]
+        if not pool.replicas:
+            return s, "has no replicas"
+        if not pool.candidates():
+            return s, f"has no ready replica ({len(pool.replicas)} unreachable or draining)"
+    return None
 
 
 def estimated_cost(p) -> float:
@@ -64,10 +96,26 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.runs: dict[str, RequestRun] = {}
 
     async def Generate(self, request: orchestrator_pb2.GenerateRequest, context):
+        """The gRPC front door: the request path below, a refusal as the call's status."""
+        remaining = context.time_remaining()
+        deadline = time.time() + remaining if remaining is not None else None
+        try:
+            async for ev in self.generate(request, deadline):
+                yield ev
+        except Refused as e:
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
+            await context.abort(e.code, e.message)
+
+    async def generate(self, request: orchestrator_pb2.GenerateRequest,
+                       deadline: float | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        """The one request path both front doors (gRPC and HTTP) take: validate -> admit -> walk the
+        stage graph -> events -> final. `deadline` is time.time() seconds. Raises Refused; a caller that
+        stops iterating (client gone) cancels the request in every stage."""
         m = self.metrics
         if self.draining:
             m.requests.labels("rejected").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is draining; retry on another replica")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "orchestrator is draining; retry on another replica")
         try:
             if len(request.request_id) > MAX_REQUEST_ID:
                 raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID} characters")
@@ -79,19 +127,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 m.media_decode_ms.observe(media_decode_ms)
         except InvalidRequest as e:
             m.requests.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), param=e.field) from None
         except Overloaded as e:  # the media decoders stayed busy
             m.requests.labels("rejected").inc()
-            context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s")
+            raise Refused.overloaded(e) from None
         stages = needed_stages(self.pipeline, set(outputs))
-        missing = sorted(s for s in stages if not self.router.pools[s].replicas)
-        if missing:  # nothing to wait for: say so now rather than hold the request
+        down = unready_stage(self.router, stages)
+        if down:  # nothing to wait for: say so now rather than hold the request
             m.requests.labels("failed").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"stage {missing[0]} has no replicas")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"stage {down[0]} {down[1]}", stage=down[0])
         rid = request.request_id or uuid.uuid4().hex
-        remaining = context.time_remaining()
-        deadline = time.time() + remaining if remaining is not None else None
         t0 = time.perf_counter()
         outcome = "failed"
         ticket = None
@@ -109,11 +154,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                              max_attempts=self.max_attempts, on_dispatched=lambda: self.admission.arrived(ticket))
             self.runs[rid] = run
             first = True
-            async for ev in run.events():
-                if first:
-                    m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
-                    first = False
-                yield ev
+            async with contextlib.aclosing(run.events()) as events:  # closed now, not at GC, if we stop early
+                async for ev in events:
+                    if first:
+                        m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
+                        first = False
+                    yield ev
             final = orchestrator_pb2.Final(finish_reason=run.finish_reason or "stop", usage=run.assembler.usage)
             trace = run.trace(ticket.wait_ms, media_decode_ms)
             for st in trace.stages:
@@ -128,14 +174,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             outcome = "finished"
         except Overloaded as e:
             outcome = "rejected"
-            context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s")
+            raise Refused.overloaded(e) from None
         except StageFailed as e:
             outcome = "cancelled" if e.code == grpc.StatusCode.CANCELLED else \
                 "timeout" if e.code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
             m.stage_errors.labels(e.stage, e.code.name).inc()
-            await context.abort(e.code, str(e))
-        except asyncio.CancelledError:
+            raise Refused(e.code, str(e), stage=e.stage) from None
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
             outcome = "cancelled"
             raise
         finally:

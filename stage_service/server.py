@@ -149,8 +149,7 @@ async def serve(args: argparse.Namespace) -> int:
     await srv.start()
     if srv.ready:
         if args.ready_file:
-            with open(args.ready_file, "w") as f:
-                f.write(f"{srv.port}\n")
+            launch.write_ready(args.ready_file, launch.ReadyPorts(srv.port, srv.http.port if srv.http else None))
         print(f"stage {args.stage} ready on {args.host}:{srv.port}", flush=True)
     await srv.stopped.wait()
     await asyncio.to_thread(srv.close)  # off the loop: a pending /drain answer still needs it

@@ -96,7 +96,7 @@ class StageProcess:
         import subprocess
 
         tag = tag or stage
-        self.ready_file = tmp / f"{tag}.port"
+        self.ready_file = tmp / f"{tag}.ready"
         self.log = tmp / f"{tag}.log"
         self.proc = subprocess.Popen(
             launch.stage_command(pipeline_file, stage, port=0, model_dir=model_dir, ready_file=self.ready_file),
@@ -105,14 +105,14 @@ class StageProcess:
         self.port: int | None = None
 
     def wait_ready(self, timeout: float = 120) -> "StageProcess":
-        def port() -> str:
-            text = self.ready_file.read_text().strip() if self.ready_file.exists() else ""
-            if not text and self.proc.poll() is not None:
+        def ports() -> launch.ReadyPorts | None:
+            ready = launch.read_ready(self.ready_file)
+            if ready is None and self.proc.poll() is not None:
                 raise AssertionError(f"stage exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            return text
+            return ready
 
-        self.port = int(wait_until_sync(port, timeout, 0.05, what="stage ready",
-                                        detail=lambda: "\n" + self.log.read_text()))
+        self.port = wait_until_sync(ports, timeout, 0.05, what="stage ready",
+                                    detail=lambda: "\n" + self.log.read_text()).grpc
         return self
 
     @property

@@ -67,7 +67,7 @@ def _describe(f: ModelField) -> str:
     if api.required:
         facts.append("Required.")
     if f.has_default and f.default not in ("", (), {}, None) and isinstance(f.shape, Scalar):
-        facts.append(f"Default: {f.default}.")
+        facts.append(f"Default: {str(f.default).lower() if isinstance(f.default, bool) else f.default}.")
     if api.enum:
         facts.append(f"One of: {', '.join(api.enum)}.")
     if api.minimum is not None or api.maximum is not None:

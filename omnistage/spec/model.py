@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from omnistage.launch import API_PORT, API_PORT_NAME, ENV_API_KEYS
+
 from .engines import ENGINE_NAMES, adapter_for
 from .fields import Quantity, api_field
 
@@ -39,6 +41,12 @@ DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_LABEL_HINT = ('must be lower-case letters, digits and "-", start with a letter and end with a letter or '
                   "digit (it names Kubernetes Services)")
 MAX_NAME_LEN = 63
+# A Secret's name (a DNS-1123 subdomain) and a key in its data.
+SECRET_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_NAME_HINT = 'must be lower-case letters, digits, "-" and ".", starting and ending with a letter or digit'
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+SECRET_KEY_HINT = 'must be letters, digits, "-", "_" and "."'
+DEFAULT_API_KEYS_KEY = "api-keys"
 ORCHESTRATOR_SUFFIX = "-orchestrator"
 RESERVED_STAGE_NAMES = ("orchestrator",)
 
@@ -197,6 +205,36 @@ class StageDeployment:
 
 
 @dataclass(frozen=True)
+class ApiKeySecret:
+    """Where the OpenAI-compatible API's bearer keys come from: one key of a Secret in the pipeline's
+    namespace, its value a comma-separated list of keys."""
+
+    name: str = api_field("The Secret's name.", required=True, default="", pattern=SECRET_NAME,
+                          pattern_hint=SECRET_NAME_HINT, max_length=253)
+    key: str = api_field("The key of the Secret whose value is the comma-separated list of API keys.",
+                         default=DEFAULT_API_KEYS_KEY, pattern=SECRET_KEY, pattern_hint=SECRET_KEY_HINT,
+                         max_length=253)
+
+
+@dataclass(frozen=True)
+class OrchestratorHttp:
+    """The orchestrator's OpenAI-compatible HTTP API: the same admission, routing and cancellation as the
+    gRPC API, on a port of its own."""
+
+    enabled: bool = api_field("Serve the OpenAI-compatible HTTP API.", default=True)
+    port: int = api_field(f'Its container and Service port (named "{API_PORT_NAME}"); not the gRPC or HTTP '
+                          "status port.", default=API_PORT, minimum=1, maximum=65535)
+    api_key_secret: ApiKeySecret = api_field(
+        f"A Secret holding the bearer keys a client must send (it reaches the orchestrator as ${ENV_API_KEYS}); "
+        "absent: no key needed.", default_factory=ApiKeySecret)
+
+    @property
+    def keys_secret(self) -> ApiKeySecret | None:
+        """The Secret the keys come from, None when none is named."""
+        return self.api_key_secret if self.api_key_secret.name else None
+
+
+@dataclass(frozen=True)
 class OrchestratorDeployment:
     replicas: int = api_field("Replicas of the orchestrator.", default=1, minimum=0, maximum=1000)
     image: str = api_field("Container image.", default="", default_from="spec.deployment.image")
@@ -211,6 +249,7 @@ class OrchestratorDeployment:
                               enum=FAIRNESS_POLICIES)
     drain_seconds: float = api_field("Bound on finishing admitted work when a replica stops.", default=30.0,
                                      minimum=0)
+    http: OrchestratorHttp = api_field("The OpenAI-compatible HTTP API.", default_factory=OrchestratorHttp)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Two passes. The first walks the document against the model's declarations (`mode
 types, bounds, enums, patterns, required and unknown fields (with a "did you mean" hint). The second
 checks what one field cannot say alone: the stage graph (edges name stages, no cycle, every stage feeds
 an output), each stage against its engine adapter (`engines.py`: what it emits, what its edges carry),
-name lengths that add up, defaults within their maximums, and a deployment entry for every stage.
+name lengths that add up, defaults within their maximums, a deployment entry for every stage, and an
+HTTP API port apart from the orchestrator's other ports.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import difflib
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+from omnistage.launch import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME
 
 from . import engines
 from .fields import QUANTITY_PATTERN, ApiField, FreeForm, ListOf, MapOf, Obj, Quantity, Scalar, Shape, api_fields
@@ -185,6 +188,7 @@ class _Relations:
                     self.w.err(f"spec.topology.stages[{i}]", f'stage "{s["name"]}" feeds no pipeline output')
         self.limits()
         self.stage_deployments()
+        self.api_port()
 
     def stage_graph(self) -> dict[str, list[str]]:
         graph: dict[str, list[str]] = {n: [] for n in self.names}
@@ -302,6 +306,18 @@ class _Relations:
         for i, name in enumerate(_list(_get(self.deployment, "rollout", "order"))):
             if isinstance(name, str) and name:
                 self.known(f"spec.deployment.rollout.order[{i}]", name)
+
+
+    def api_port(self) -> None:
+        """The API's port shares the orchestrator pod with the fixed gRPC and status ports."""
+        http = _dict(_get(self.deployment, "orchestrator", "http"))
+        port = http.get("port")
+        if http.get("enabled") is False:
+            return   # no API: its port binds nothing
+        taken = {GRPC_PORT: f"the gRPC port ({GRPC_PORT_NAME})", HTTP_PORT: f"the HTTP status port ({HTTP_PORT_NAME})"}
+        if type(port) is int and port in taken:
+            self.w.err("spec.deployment.orchestrator.http.port",
+                       f"{port} is {taken[port]} of the orchestrator; choose another port")
 
 
 # ------------------------------------------------------------------------- helpers

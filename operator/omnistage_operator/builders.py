@@ -7,14 +7,14 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
-from omnistage.launch import (DRAIN_PATH, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT,
-                              HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG, orchestrator_command,
-                              service_env, stage_command)
-from omnistage.spec import Pipeline, StageDeployment
+from omnistage.launch import (API_PORT_NAME, DRAIN_PATH, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT,
+                              GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG,
+                              orchestrator_command, service_env, stage_command)
+from omnistage.spec import OrchestratorHttp, Pipeline, StageDeployment
 
 from .config import OperatorConfig
 from .vocabulary import (ANNOTATION_CONFIG_HASH, COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT,
@@ -27,6 +27,8 @@ POD_PYTHON = "python"   # the image's interpreter
 PIPELINE_PATH = f"{PIPELINE_DIR}/{PIPELINE_FILE}"
 # Every service binds its pod's IP (from the downward API) on the fixed ports.
 _POD_SERVING = {"host": f"$({ENV_POD_IP})", "port": GRPC_PORT, "http_port": HTTP_PORT}
+# (name, port) every service serves: gRPC, and HTTP for metrics and probes.
+_SERVING_PORTS = ((GRPC_PORT_NAME, GRPC_PORT), (HTTP_PORT_NAME, HTTP_PORT))
 # Beyond the drain bound: time for the preStop call to return and the process to exit.
 GRACE_MARGIN_SECONDS = 15
 
@@ -126,10 +128,11 @@ def _stage_resources(sd: StageDeployment) -> dict:
 
 def build_orchestrator_deployment(p: Pipeline, cfg: OperatorConfig) -> dict:
     od = p.deployment.orchestrator
+    api = od.http.port if od.http.enabled else None
     command = orchestrator_command(PIPELINE_PATH, python=POD_PYTHON, **_POD_SERVING, discovery="kubernetes",
-                                   namespace=p.namespace)
+                                   namespace=p.namespace, api_port=api)
     container = _container("orchestrator", od.image, command, od.resources.to_dict(), {}, cfg,
-                           models=False)
+                           models=False, ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http))
     pod = _pod_spec(p, container, cfg, od.drain_seconds, service_account=orchestrator_object_name(p.name),
                     models=False)
     labels = selector(p.name, COMPONENT_ORCHESTRATOR)
@@ -140,7 +143,20 @@ def build_orchestrator_service(p: Pipeline) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(p, orchestrator_object_name(p.name), COMPONENT_ORCHESTRATOR),
             "spec": {"type": "ClusterIP", "selector": selector(p.name, COMPONENT_ORCHESTRATOR),
-                     "ports": _service_ports()}}
+                     "ports": _service_ports(_orchestrator_ports(p.deployment.orchestrator.http))}}
+
+
+def _orchestrator_ports(http: OrchestratorHttp) -> tuple[tuple[str, int], ...]:
+    """(name, port) of what the orchestrator serves: the gRPC and status ports, and the OpenAI-compatible API."""
+    return _SERVING_PORTS + (((API_PORT_NAME, http.port),) if http.enabled else ())
+
+
+def _api_key_env(http: OrchestratorHttp) -> list[dict]:
+    """The API's keys from the named Secret; the operator only names it, the kubelet reads it."""
+    secret = http.keys_secret
+    if not http.enabled or secret is None:
+        return []
+    return [{"name": ENV_API_KEYS, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}]
 
 
 def build_orchestrator_access(p: Pipeline) -> tuple[dict, dict, dict]:
@@ -202,10 +218,12 @@ def _deployment(p: Pipeline, name: str, labels: dict, replicas: int, pod: dict, 
 
 
 def _container(name: str, image: str, command: list[str], resources: dict, user_env: dict,
-               cfg: OperatorConfig, models: bool = True) -> dict:
+               cfg: OperatorConfig, models: bool = True, ports: tuple[tuple[str, int], ...] = (),
+               secret_env: Sequence[dict] = ()) -> dict:
     env: list[dict[str, Any]] = [
         {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        *secret_env,
     ]
     # HOME: the root filesystem is read-only, /tmp is the pod's own emptyDir.
     plain = {"HOME": "/tmp", **service_env(cfg.model_volume.mount_path if models else None)}
@@ -216,8 +234,8 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
     if models and cfg.model_volume.volume():
         mounts.append({"name": "models", "mountPath": cfg.model_volume.mount_path, "readOnly": True})
     c = {"name": name, "image": image, "imagePullPolicy": cfg.image_pull_policy, "command": command,
-         "ports": [{"name": GRPC_PORT_NAME, "containerPort": GRPC_PORT, "protocol": "TCP"},
-                   {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+         "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}
+                   for port_name, port in ports or _SERVING_PORTS],
          "env": env, "volumeMounts": mounts,
          # k8s 1.20 has no gRPC probe: the services answer /readyz on their HTTP port once serving.
          "readinessProbe": {"httpGet": {"path": READY_PATH, "port": HTTP_PORT_NAME}, "periodSeconds": 2,
@@ -256,6 +274,5 @@ def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: 
     return pod
 
 
-def _service_ports() -> list[dict]:
-    return [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
-            for name, port in ((GRPC_PORT_NAME, GRPC_PORT), (HTTP_PORT_NAME, HTTP_PORT))]
+def _service_ports(ports: tuple[tuple[str, int], ...] = ()) -> list[dict]:
+    return [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in ports or _SERVING_PORTS]

@@ -50,7 +50,7 @@ class Served:
     def __init__(self, local: LocalPipeline):
         self.local = local
         self.endpoint = local.endpoint
-        self.stages = {p.name.split()[1].split("[")[0]: p for p in local.stages}
+        self.stages = {p.stage: p for p in local.stages}
 
     def address(self, stage: str) -> str:
         return f"127.0.0.1:{self.stages[stage].port}"

@@ -252,3 +252,25 @@ async def test_a_draining_replica_gets_no_new_work(model_dir):
         await orc.drain()
         await a.drain()
         await b.drain()
+
+
+async def test_a_stage_whose_every_replica_is_unreachable_is_unavailable_at_once(model_dir):
+    """A crashed stage process at a fixed address (local serve, static endpoints): a new request is told
+    UNAVAILABLE naming the stage instead of waiting in admission for a replica that may never return."""
+    pipeline = example("llm-tiny", llm_hf)
+    a = await start_stage(pipeline, "llm", model_dir)
+    orc = await start_orchestrator(pipeline, {"llm": [f"127.0.0.1:{a.port}"]})
+    try:
+        async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
+            assert (await client.generate("hi", max_tokens=2, timeout=60)).text is not None
+            await a.drain()  # the only replica is gone; its address stays in the static endpoints
+            replica = orc.router.pools["llm"].replicas[f"127.0.0.1:{a.port}"]
+            await wait_until(lambda: not replica.ready, 30, what="orchestrator sees the replica gone")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.generate("hi", max_tokens=2, timeout=60)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert e.value.details() == "stage llm has no ready replica (1 unreachable or draining)"
+            assert orc.servicer.admission.inflight == 0 and orc.servicer.admission.queued == 0
+    finally:
+        await orc.drain()
+        await a.drain()  # once: a second call waits for the first

@@ -56,9 +56,10 @@ class StageProcess:
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     async def start(self) -> int:
-        await wait_until(lambda: self.ready_file.exists() or self.proc.poll() is not None, 120, 0.1, "stage ready")
+        await wait_until(lambda: launch.read_ready(self.ready_file) or self.proc.poll() is not None, 120, 0.1,
+                         "stage ready")
         assert self.proc.poll() is None, self.output()
-        return int(self.ready_file.read_text())
+        return launch.read_ready(self.ready_file).grpc
 
     async def exit_code(self, timeout: float) -> int:
         await wait_until(lambda: self.proc.poll() is not None, timeout, 0.05, "process exit")

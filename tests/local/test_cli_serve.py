@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import wave
 from pathlib import Path
 
@@ -30,13 +32,13 @@ class Served:
         self.proc = subprocess.Popen([*OMNISTAGE, "serve", str(EXAMPLES / f"{example}.yaml"), "--models",
                                       str(model_dir), "--log-dir", str(tmp / f"logs-{example}"), *extra],
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
-        self.endpoint = self._wait_for(r"serving on (127\.0\.0\.1:\d+)", 300)
+        self.endpoint = self.wait_for(r"serving on (127\.0\.0\.1:\d+)", 300)
         self.pids = {int(p) for p in re.findall(r"\(pid (\d+)\)", self.output())}
 
     def output(self) -> str:
         return self.log.read_text()
 
-    def _wait_for(self, pattern: str, timeout: float) -> str:
+    def wait_for(self, pattern: str, timeout: float) -> str:
         def found():
             m = re.search(pattern, self.output())
             if not m and self.proc.poll() is not None:
@@ -80,6 +82,65 @@ def test_qwen3_omni_text_and_wav(omni, tmp_path):
     assert re.search(r"thinker\s+127\.0\.0\.1:\d+", r.stdout) and "code2wav" in r.stdout
 
 
+def get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.status, r.read()
+
+
+def test_every_process_serves_metrics_and_probes_where_serve_says(omni):
+    targets_file = Path(omni.wait_for(r"Prometheus targets \(file_sd_configs\): (\S+)", 30))
+    printed = dict(re.findall(r"^ +(stage \S+|orchestrator) +(http://\S+)/metrics +\2/readyz +\2/livez$",
+                              omni.output(), re.M))
+    assert sorted(printed) == ["orchestrator", "stage code2wav[0]", "stage talker[0]", "stage thinker[0]"]
+    for url in printed.values():
+        status, body = get(url + "/metrics")
+        assert status == 200 and b"omnistage_" in body
+        assert get(url + "/readyz") == (200, b"ready\n") and get(url + "/livez")[0] == 200
+    targets = json.loads(targets_file.read_text())
+    assert {t["labels"]["process"]: t["targets"] for t in targets} == {
+        name: [url.removeprefix("http://")] for name, url in printed.items()}
+    assert all(t["labels"] == {"job": "omnistage", "pipeline": "qwen3-omni-tiny", "process": t["labels"]["process"]}
+               for t in targets)
+    api = omni.wait_for(r"OpenAI API: (http://127\.0\.0\.1:\d+/v1)\n", 5)
+    assert get(api + "/models")[0] == 200
+
+
+def test_the_openai_sdk_and_plain_http_against_serve(omni, tmp_path):
+    """What a user of `omnistage serve` does with the OpenAI SDK: the base URL serve printed, chat with text
+    and audio out, speech; and the README's curl line as plain HTTP."""
+    import base64
+    import http.client
+
+    from openai import OpenAI
+
+    api = omni.wait_for(r"OpenAI API: (http://127\.0\.0\.1:\d+/v1)\n", 5)
+    client = OpenAI(base_url=api, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="qwen3-omni-tiny", modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+        max_tokens=6, seed=1, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Tell me about the sea"}])
+    message = reply.choices[0].message
+    assert message.content and message.audio.transcript == message.content
+    with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 0
+    assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens > 0
+    speech = client.audio.speech.create(model="qwen3-omni-tiny", voice="ethan", input="Hello there",
+                                        response_format="wav")
+    with wave.open(io.BytesIO(speech.content)) as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 0
+
+    host, port = re.match(r"http://([\d.]+):(\d+)/v1", api).groups()
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                 body=json.dumps({"model": "qwen3-omni-tiny", "max_tokens": 4,
+                                  "messages": [{"role": "user", "content": "Hello"}]}))
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 200 and r.getheader("Content-Type") == "application/json"
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] <= 4
+
+
 def test_bad_request_names_the_field_and_serving_continues(omni, tmp_path):
     r = generate(omni.endpoint, "--prompt", "hi", "--max-tokens", "100000")
     assert r.returncode == 1 and "INVALID_ARGUMENT: params.text.max_tokens" in r.stderr
@@ -109,10 +170,10 @@ def test_a_stage_dying_mid_request_is_unavailable_naming_it_and_reported(omni):
     assert descendants_alive(omni.pids) == []
 
 
-def serves_a_png(example: str, model_dir: Path, tmp: Path) -> None:
+def serves_a_png(example: str, model_dir: Path, tmp: Path, *extra: str) -> Served:
     """`omnistage serve` of an image example answers `generate` with an RGB PNG of the requested size,
     then stops cleanly with every process it started."""
-    s = Served(example, model_dir, tmp)
+    s = Served(example, model_dir, tmp, *extra)
     try:
         out = tmp / "img.png"
         r = generate(s.endpoint, "--prompt", "a red car", "--width", "96", "--height", "64",
@@ -124,10 +185,30 @@ def serves_a_png(example: str, model_dir: Path, tmp: Path) -> None:
     finally:
         assert s.stop() == 0
     assert descendants_alive(s.pids) == []
+    return s
 
 
-def test_text_to_image_png_at_the_requested_size(model_dir, tmp_path):
-    serves_a_png("text-to-image-tiny", model_dir, tmp_path)
+def test_text_to_image_png_at_the_requested_size_without_the_openai_api(model_dir, tmp_path):
+    s = serves_a_png("text-to-image-tiny", model_dir, tmp_path, "--no-api")
+    assert "OpenAI API" not in s.output() and "Prometheus targets" in s.output()
+
+
+def test_openai_sdk_images_against_serve(model_dir, tmp_path):
+    import base64
+
+    from openai import OpenAI
+
+    s = Served("text-to-image-tiny", model_dir, tmp_path)
+    try:
+        api = s.wait_for(r"OpenAI API: (http://127\.0\.0\.1:\d+/v1)\n", 5)
+        client = OpenAI(base_url=api, api_key="unused", max_retries=0)
+        out = client.images.generate(model="text-to-image-tiny", prompt="a red car", size="96x64",
+                                     response_format="b64_json", extra_body={"num_inference_steps": 3})
+        img = Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json)))
+        assert img.size == (96, 64) and img.format == "PNG"
+    finally:
+        assert s.stop() == 0
+    assert descendants_alive(s.pids) == []
 
 
 @pytest.mark.vllm

@@ -114,3 +114,79 @@ def test_model_dir_of_a_diffusers_component(tmp_path):
     (tmp_path / "sd" / "model_index.json").write_text("{}")
     stage = SimpleNamespace(model=str(tmp_path / "sd"), component="vae")
     assert launch.model_dir(stage, "/elsewhere", {}) == tmp_path / "sd" / "vae"
+
+
+@pytest.mark.parametrize("kw, argv_tail", [
+    ({"api_port": 0}, ["--api-port", "0"]),
+    ({"api_port": launch.API_PORT, "api_key": ["k1", "k2"]}, ["--api-port", "8000", "--api-key", "k1",
+                                                             "--api-key", "k2"]),
+])
+def test_orchestrator_api_flags_round_trip(kw, argv_tail):
+    argv = launch.orchestrator_command("p.yaml", python=PY, **kw)
+    assert argv[5:] == argv_tail
+    args = launch.orchestrator_parser(env={}).parse_args(argv[3:])
+    assert (args.api_port, args.api_key) == (kw["api_port"], kw.get("api_key", []))
+
+
+@pytest.mark.parametrize("env, argv, keys", [
+    ({}, [], []),                                                       # no keys: the API takes any client
+    ({launch.ENV_API_KEYS: "a,b"}, [], ["a", "b"]),
+    ({launch.ENV_API_KEYS: " a , ,b,"}, [], ["a", "b"]),                  # blanks and spaces dropped
+    ({launch.ENV_API_KEYS: ""}, [], []),
+    ({launch.ENV_API_KEYS: "a,b"}, ["--api-key", "c"], ["c"]),          # flags replace the environment's keys
+    ({}, ["--api-key", "c", "--api-key", "d"], ["c", "d"]),
+])
+def test_api_keys_from_the_environment_or_the_flags(env, argv, keys):
+    args = launch.orchestrator_parser(env=env).parse_args(["--pipeline", "p.yaml", *argv])
+    assert args.api_key == keys
+    assert args.api_port is None   # not given: no API
+
+
+def test_environment_keys_are_not_shared_between_parses():
+    parser = launch.orchestrator_parser(env={launch.ENV_API_KEYS: "a"})
+    parser.parse_args(["--pipeline", "p.yaml", "--api-key", "b"])
+    assert parser.parse_args(["--pipeline", "p.yaml"]).api_key == ["a"]
+
+
+@pytest.mark.parametrize("ports, text", [
+    (launch.ReadyPorts(43211), "grpc 43211\n"),
+    (launch.ReadyPorts(43211, 43212), "grpc 43211\nhttp 43212\n"),
+    (launch.ReadyPorts(43211, 43212, 43213), "grpc 43211\nhttp 43212\napi 43213\n"),
+    (launch.ReadyPorts(43211, api=8000), "grpc 43211\napi 8000\n"),
+])
+def test_ready_file_round_trip(tmp_path, ports, text):
+    path = tmp_path / "orchestrator.ready"
+    launch.write_ready(path, ports)
+    assert path.read_text() == text
+    assert launch.read_ready(path) == ports
+    assert [p.name for p in tmp_path.iterdir()] == ["orchestrator.ready"]   # no temporary file left
+
+
+@pytest.mark.parametrize("text", [
+    None,                        # not written yet
+    "",
+    "grpc 43211",                # the last line's newline not yet written
+    "grpc 43211\nhttp 432",
+    "grpc\n",
+    "grpc 43x\n",
+    "http 43212\n",              # no gRPC port
+    "43211\n",                   # the old one-number format
+])
+def test_an_incomplete_ready_file_reads_as_not_ready(tmp_path, text):
+    path = tmp_path / "ready"
+    if text is not None:
+        path.write_text(text)
+    assert launch.read_ready(path) is None
+
+
+def test_a_ready_file_may_name_ports_this_reader_does_not_know(tmp_path):
+    (tmp_path / "ready").write_text("grpc 1\nbogus 2\napi 3\n")
+    assert launch.read_ready(tmp_path / "ready") == launch.ReadyPorts(1, None, 3)
+
+
+@pytest.mark.parametrize("host, port, path, url", [
+    ("127.0.0.1", 8000, launch.API_PATH, "http://127.0.0.1:8000/v1"),
+    ("::1", 9, "", "http://[::1]:9"),
+])
+def test_http_url(host, port, path, url):
+    assert launch.http_url(host, port, path) == url

@@ -240,3 +240,48 @@ def test_network_policy_metrics_scrapers_reach_only_http():
 
 def test_builders_are_deterministic():
     assert children().all() == children().all()
+
+
+def with_api(**http):
+    return lambda d: d["spec"]["deployment"].setdefault("orchestrator", {}).__setitem__("http", http)
+
+
+SECRET_ENV = {"secretKeyRef": {"name": "llm-keys", "key": "api-keys"}}
+
+
+@pytest.mark.parametrize("http, api_port, ports, keys", [
+    # default: the API on 8000, no keys
+    (None, 8000, [("grpc", 50051), ("http", 8080), ("openai", 8000)], None),
+    ({"port": 9000}, 9000, [("grpc", 50051), ("http", 8080), ("openai", 9000)], None),
+    ({"apiKeySecret": {"name": "llm-keys"}}, 8000, [("grpc", 50051), ("http", 8080), ("openai", 8000)],
+     SECRET_ENV),
+    ({"apiKeySecret": {"name": "llm-keys", "key": "k"}}, 8000,
+     [("grpc", 50051), ("http", 8080), ("openai", 8000)], {"secretKeyRef": {"name": "llm-keys", "key": "k"}}),
+    # disabled: no flag, no port, no Secret, whatever else it says
+    ({"enabled": False, "port": 9000, "apiKeySecret": {"name": "llm-keys"}}, None,
+     [("grpc", 50051), ("http", 8080)], None),
+])
+def test_orchestrator_http_api_port_service_and_keys(http, api_port, ports, keys):
+    c = children(with_api(**http) if http is not None else None)
+    oc = container(c.orchestrator_deployment)
+    args = launch.orchestrator_parser(env={}).parse_args(oc["command"][3:])
+    assert args.api_port == api_port and args.api_key == []   # keys never on the command line
+    assert [(p["name"], p["containerPort"]) for p in oc["ports"]] == ports
+    assert [(p["name"], p["port"], p["targetPort"]) for p in c.orchestrator_service["spec"]["ports"]] == [
+        (name, port, name) for name, port in ports]
+    assert env(oc).get(launch.ENV_API_KEYS) == keys
+    assert len(oc["env"]) == len(env(oc))   # no duplicate names
+
+
+def test_the_api_settings_change_only_the_orchestrator():
+    before, after = children(), children(with_api(port=9000))
+    assert before.orchestrator_deployment != after.orchestrator_deployment
+    assert all(before.stages[s] == after.stages[s] for s in before.stages)
+    assert (before.orchestrator_deployment["spec"]["template"]["metadata"]["annotations"] !=
+            after.orchestrator_deployment["spec"]["template"]["metadata"]["annotations"])   # it rolls
+
+
+def test_stage_pods_serve_no_api_port():
+    for sc in children().stages.values():
+        assert [p["name"] for p in container(sc.deployment)["ports"]] == ["grpc", "http"]
+        assert [p["name"] for p in sc.service["spec"]["ports"]] == ["grpc", "http"]

@@ -231,3 +231,47 @@ def test_defaults_fill_in():
     p = parse_pipeline(doc)
     t = p.deployment.stages["thinker"]
     assert t.replicas == 1 and t.dtype == "auto" and t.scheduler.max_batch == 8 and t.parallelism.tensor == 1
+
+
+def orchestrator_http(**http):
+    return lambda d: deploy(d).setdefault("orchestrator", {}).__setitem__("http", http)
+
+
+@pytest.mark.parametrize("http, enabled, port, secret", [
+    (None, True, 8000, None),                                        # absent: served on the default port
+    ({}, True, 8000, None),
+    ({"enabled": False}, False, 8000, None),
+    ({"port": 9000}, True, 9000, None),
+    ({"apiKeySecret": {"name": "llm-keys"}}, True, 8000, ("llm-keys", "api-keys")),   # key defaults
+    ({"apiKeySecret": {"name": "s.v1", "key": "keys.txt"}}, True, 8000, ("s.v1", "keys.txt")),
+])
+def test_orchestrator_http_api_settings(http, enabled, port, secret):
+    doc = variant(orchestrator_http(**http) if http is not None else lambda d: None)
+    got = parse_pipeline(doc).deployment.orchestrator.http
+    assert (got.enabled, got.port) == (enabled, port)
+    ref = got.keys_secret
+    assert (None if ref is None else (ref.name, ref.key)) == secret
+
+
+@pytest.mark.parametrize("http, expected", [
+    ({"port": 0}, "spec.deployment.orchestrator.http.port: must be >= 1, got 0"),
+    ({"port": 70000}, "spec.deployment.orchestrator.http.port: must be <= 65535, got 70000"),
+    ({"port": "8000"}, 'spec.deployment.orchestrator.http.port: must be an integer, got "8000"'),
+    ({"port": 50051}, "spec.deployment.orchestrator.http.port: 50051 is the gRPC port (grpc) of the orchestrator"),
+    ({"port": 8080}, "spec.deployment.orchestrator.http.port: 8080 is the HTTP status port (http) of the "
+                     "orchestrator"),
+    ({"enabled": "yes"}, 'spec.deployment.orchestrator.http.enabled: must be true or false, got "yes"'),
+    ({"apiKeySecret": {}}, "spec.deployment.orchestrator.http.apiKeySecret.name: required field is missing"),
+    ({"apiKeySecret": {"name": "Keys_1"}}, 'spec.deployment.orchestrator.http.apiKeySecret.name: "Keys_1" must be '
+                                           "lower-case letters"),
+    ({"apiKeySecret": {"name": "k", "key": "a/b"}}, 'spec.deployment.orchestrator.http.apiKeySecret.key: "a/b" '
+                                                    "must be letters"),
+    ({"prot": 9000}, 'spec.deployment.orchestrator.http.prot: unknown field (did you mean "port"?)'),
+])
+def test_orchestrator_http_api_errors(http, expected):
+    messages = [str(e) for e in validate(variant(orchestrator_http(**http)))]
+    assert any(m.startswith(expected) for m in messages), f"{expected!r} not in {messages}"
+
+
+def test_a_disabled_api_may_keep_any_port():
+    assert validate(variant(orchestrator_http(enabled=False, port=8080))) == []

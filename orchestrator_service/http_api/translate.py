@@ -1,0 +1,319 @@
+"""OpenAI requests -> GenerateRequests for the one request path (pure).
+
+Each translation also records which OpenAI field every request-path field came from
+(`Translated.fields`), so that a refusal from the request path (`params.parts[2].image: cannot
+decode`) names the field the client sent (`messages[0].content[1]`). A field this API cannot
+translate is InvalidRequest naming the OpenAI field; a model it does not serve is UnknownModel.
+
+Speech for an omni pipeline: the Thinker is asked to repeat the input verbatim (a system prompt and
+the input as the user turn) with audio as the only output, so the Talker speaks the Thinker's
+rendering of it, exactly as in a chat with audio out. The Talker is not fed the input text directly:
+that would be a second request path into the middle of the graph.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from omnistage.client import build_request
+from omnistage.params import InvalidRequest
+from omnistage.spec import Limits, Pipeline
+from omnistage.v1 import common_pb2, orchestrator_pb2
+
+from . import audio_formats
+from .errors import UnknownModel
+from .schemas import UINT64, AudioOutput, ChatCompletionRequest, ContentPart, ImageRequest, SpeechRequest
+from .stop import MAX_STOPS
+
+REPEAT_VERBATIM = "Repeat the user's text exactly as written, word for word, and say nothing else."
+SPEECH_EXTRA_TOKENS = 16   # room beyond one token per input character (end of turn)
+CODEC_FRAMES_PER_CHAR = 1  # a 12.5 Hz codec and ~13 spoken characters a second: about one frame each
+CHAT_MODALITIES = ("text", "audio")
+AUDIO_IN_FORMATS = ("wav", "mp3", "flac", "ogg")  # what the orchestrator's media check decodes
+# The reference's chat fields this API cannot honour, refused when a request asks for them.
+REFUSED_CHAT_FIELDS = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "response_format": "structured output is not supported (the answer is free text)",
+    "logprobs": "log probabilities are not returned",
+    "top_logprobs": "log probabilities are not returned",
+    "logit_bias": "logit bias is not supported",
+    "presence_penalty": "presence penalty is not supported",
+    "frequency_penalty": "frequency penalty is not supported",
+    "prediction": "predicted outputs are not supported",
+}
+# A refused field set to one of these asks for nothing, and passes.
+_OFF = (None, False, 0, "", [], {}, "none", "auto", {"type": "text"})
+_DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[^;,]*)*;base64,", re.IGNORECASE)
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class Translated:
+    request: orchestrator_pb2.GenerateRequest
+    fields: Mapping[str, str]  # request-path field (as a refusal names it) -> the OpenAI field
+    audio_format: str | None = None  # the format the answer's audio is sent in
+    stops: tuple[str, ...] = ()
+    stream: bool = False  # the answer is sent as it appears (chat: SSE chunks; speech: SSE events)
+    include_usage: bool = False  # a streamed chat answer ends with a usage chunk
+
+
+def check_model(model: str | None, pipeline: Pipeline) -> None:
+    if model and model != pipeline.name:
+        raise UnknownModel(model, pipeline.name)
+
+
+def pipeline_outputs(pipeline: Pipeline) -> list[str]:
+    return [o.modality for o in pipeline.outputs]
+
+
+# ------------------------------------------------------------------------------ chat
+
+def chat(body: ChatCompletionRequest, pipeline: Pipeline) -> Translated:
+    check_model(body.model, pipeline)
+    asked = body.model_extra or {}
+    for name, why in REFUSED_CHAT_FIELDS.items():
+        if asked.get(name) not in _OFF:
+            raise InvalidRequest(name, why)
+    if body.n not in (None, 1):
+        raise InvalidRequest("n", f"only 1 choice per request is supported (got {body.n}): send one request each")
+    stream = bool(body.stream)
+    fields: dict[str, str] = {"params.parts": "messages", "params.prompt": "messages"}
+    system_prompt, parts = _messages(body, fields)
+    outputs = _chat_outputs(body.modalities, pipeline, fields)
+    audio_format, speaker = None, ""
+    if "audio" in outputs:
+        audio = body.audio or AudioOutput()
+        audio_format = audio.format or ("pcm16" if stream else "wav")
+        if stream and audio_format != "pcm16":
+            raise InvalidRequest("audio.format", f'a stream carries its audio as "pcm16" (as the OpenAI reference '
+                                                 f'requires), not "{audio_format}"')
+        audio_formats.check(audio_format, "audio.format", audio_formats.CHAT_FORMATS)
+        speaker = audio.voice or ""
+        fields["params.audio.speaker"] = "audio.voice"
+    max_tokens_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    fields.update({"params.text.max_tokens": max_tokens_field, "params.text.temperature": "temperature",
+                   "params.text.top_p": "top_p", "params.text.top_k": "top_k", "params.seed": "seed"})
+    request = build_request(
+        parts=parts, system_prompt=system_prompt, max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k if body.top_k and body.top_k > 0 else None,
+        seed=body.seed, ignore_eos=bool(body.ignore_eos), speaker=speaker, outputs=outputs,
+        return_trace=bool(body.return_trace))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Translated(request, fields, audio_format, _stops(body.stop), stream, include_usage)
+
+
+def _messages(body: ChatCompletionRequest, fields: dict[str, str]) -> tuple[str, list[common_pb2.ContentPart]]:
+    """System and developer messages -> the system prompt; the one user message -> the parts, in order."""
+    system: list[str] = []
+    parts: list[common_pb2.ContentPart] = []
+    user_at = None
+    for i, m in enumerate(body.messages):
+        at = f"messages[{i}]"
+        if m.role in ("system", "developer"):
+            system.append(_system_text(m.content, at))
+            fields.setdefault("params.system_prompt", at)
+        elif m.role == "user":
+            if user_at is not None:
+                raise InvalidRequest(at, f"one user message is supported (another is {user_at}): the pipeline takes "
+                                         "one user turn; put every part in one message")
+            user_at = at
+            if m.content is None:
+                raise InvalidRequest(f"{at}.content", "is required")
+            if isinstance(m.content, str):
+                fields[f"params.parts[{len(parts)}]"] = f"{at}.content"
+                parts.append(common_pb2.ContentPart(text=m.content))
+                continue
+            for j, part in enumerate(m.content):
+                fields[f"params.parts[{len(parts)}]"] = f"{at}.content[{j}]"
+                parts.append(_part(part, f"{at}.content[{j}]"))
+        elif m.role in ("assistant", "tool", "function"):
+            raise InvalidRequest(f"{at}.role", f'"{m.role}" messages are not supported: the pipeline takes no '
+                                               "conversation history, one user turn (and system messages)")
+        else:
+            raise InvalidRequest(f"{at}.role", f'"{m.role}" is not a role (system, developer, user)')
+    if user_at is None:
+        raise InvalidRequest("messages", "needs a user message")
+    return "\n\n".join(system), parts
+
+
+def _system_text(content, at: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content or []):
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(f"{at}.content[{j}]", "a system message takes text parts only")
+    return "".join(p.text for p in content or [])
+
+
+def _part(part: ContentPart, at: str) -> common_pb2.ContentPart:
+    kind = part.type
+    if kind == "text":
+        if part.text is None:
+            raise InvalidRequest(f"{at}.text", "is required for a part of type text")
+        return common_pb2.ContentPart(text=part.text)
+    if kind == "image_url":
+        if part.image_url is None:
+            raise InvalidRequest(f"{at}.image_url", "is required for a part of type image_url")
+        data = data_url(part.image_url.url, f"{at}.image_url.url", "image")
+        return common_pb2.ContentPart(image=common_pb2.ImagePart(data=data))
+    if kind == "input_audio":
+        audio = part.input_audio
+        if audio is None:
+            raise InvalidRequest(f"{at}.input_audio", "is required for a part of type input_audio")
+        if audio.format is not None and audio.format not in AUDIO_IN_FORMATS:
+            raise InvalidRequest(f"{at}.input_audio.format", f'"{audio.format}" is not one of: '
+                                                             f'{", ".join(AUDIO_IN_FORMATS)}')
+        return common_pb2.ContentPart(audio=common_pb2.AudioPart(data=b64decode_field(audio.data,
+                                                                                     f"{at}.input_audio.data")))
+    if kind == "video_url":
+        if part.video_url is None:
+            raise InvalidRequest(f"{at}.video_url", "is required for a part of type video_url")
+        data = data_url(part.video_url.url, f"{at}.video_url.url", "video")
+        return common_pb2.ContentPart(video=common_pb2.VideoPart(data=data))
+    raise InvalidRequest(f"{at}.type", f'"{kind}" is not supported (text, image_url, input_audio, video_url)')
+
+
+def data_url(url: str, param: str, kind: str) -> bytes:
+    """The bytes of a base64 data: URL; a network URL is refused (the server fetches nothing)."""
+    if url.lower().startswith(("http://", "https://")):
+        raise InvalidRequest(param, f"{kind} URLs are not fetched (the server has no network access): send the "
+                                    f"{kind} inline as a data: URL (data:{kind}/...;base64,...)")
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise InvalidRequest(param, f"must be a data: URL with base64 content (data:{kind}/...;base64,...)")
+    if m.group(1) and not m.group(1).lower().startswith(f"{kind}/"):
+        raise InvalidRequest(param, f"is {m.group(1)}, not an {kind}")
+    return b64decode_field(url[m.end():], param)
+
+
+def b64decode_field(data: str, param: str) -> bytes:
+    """The bytes of a base64 request field; InvalidRequest naming `param` when it is not base64."""
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(param, "is not valid base64") from None
+
+
+def _chat_outputs(modalities: list[str] | None, pipeline: Pipeline, fields: dict[str, str]) -> list[str]:
+    has = pipeline_outputs(pipeline)
+    if not set(CHAT_MODALITIES) & set(has):
+        raise InvalidRequest("model", f'"{pipeline.name}" answers with {", ".join(has)}, not text or audio (use '
+                                      "/v1/images/generations)")
+    asked = ["text"] if modalities is None else modalities
+    if not asked:
+        raise InvalidRequest("modalities", "is empty (text, or text and audio)")
+    outputs: list[str] = []
+    for i, m in enumerate(asked):
+        if m not in CHAT_MODALITIES:
+            raise InvalidRequest(f"modalities[{i}]", f'"{m}" is not a chat output ({", ".join(CHAT_MODALITIES)})')
+        if m not in outputs:
+            fields[f"outputs[{len(outputs)}]"] = f"modalities[{i}]"
+            outputs.append(m)
+    return outputs
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise InvalidRequest("stop", f"has {len(stops)} strings; at most {MAX_STOPS}")
+    for i, s in enumerate(stops):
+        if not s:
+            raise InvalidRequest("stop" if isinstance(stop, str) else f"stop[{i}]", "is empty")
+    return tuple(stops)
+
+
+# ---------------------------------------------------------------------------- speech
+
+def speech(body: SpeechRequest, pipeline: Pipeline) -> Translated:
+    check_model(body.model, pipeline)
+    has = pipeline_outputs(pipeline)
+    if "audio" not in has:
+        raise InvalidRequest("model", f'"{pipeline.name}" cannot speak: it has no audio output (it has: '
+                                      f'{", ".join(has)})')
+    if body.instructions not in _OFF:
+        raise InvalidRequest("instructions", "are not supported: the voice is the checkpoint's speaker named by "
+                                             "voice")
+    if body.speed not in (None, 1.0):
+        raise InvalidRequest("speed", f"only 1.0 is supported, got {body.speed} (another speed needs "
+                                      "time-stretching, which this server does not do)")
+    if not body.input.strip():
+        raise InvalidRequest("input", "is empty")
+    limits = pipeline.limits
+    _check_speech_budget(len(body.input), limits)
+    sse = body.stream_format == "sse"
+    fmt = body.response_format or ("pcm" if sse else "mp3")
+    if sse and fmt != "pcm":
+        raise InvalidRequest("response_format", f'stream_format "sse" sends the audio as "pcm" (16-bit mono '
+                                                f'samples), not "{fmt}"; or ask for stream_format "audio"')
+    audio_formats.check(fmt, "response_format", audio_formats.SPEECH_FORMATS)
+    request = build_request(
+        body.input, system_prompt=REPEAT_VERBATIM, speaker=body.voice or "", outputs=["audio"],
+        max_tokens=len(body.input) + SPEECH_EXTRA_TOKENS,
+        max_codec_frames=max(limits.default_codec_frames, CODEC_FRAMES_PER_CHAR * len(body.input)),
+        return_trace=bool(body.return_trace))
+    fields = {"params.prompt": "input", "params.text.max_tokens": "input", "params.audio.max_codec_frames": "input",
+              "params.audio.speaker": "voice"}
+    return Translated(request, fields, fmt, stream=sse)
+
+
+def _check_speech_budget(chars: int, limits: Limits) -> None:
+    """Speech budgets one text token and one codec frame per input character: an input whose budget is over
+    the pipeline's limits is refused rather than spoken cut short."""
+    most, limit = min((limits.max_tokens - SPEECH_EXTRA_TOKENS, "maxTokens"),
+                      (limits.max_codec_frames // CODEC_FRAMES_PER_CHAR, "maxCodecFrames"))
+    if chars > most:
+        raise InvalidRequest("input", f"has {chars} characters; this pipeline speaks at most {most} in one request "
+                                      f"(its {limit} limit): split the text into several requests")
+
+
+# ---------------------------------------------------------------------------- images
+
+def images(body: ImageRequest, pipeline: Pipeline,
+           random_seed: Callable[[], int] = lambda: secrets.randbelow(2**32)) -> list[Translated]:
+    """One request per image; with n > 1 their seeds are seed, seed + 1, ... (a random seed when none is
+    given, so the images differ)."""
+    check_model(body.model, pipeline)
+    has = pipeline_outputs(pipeline)
+    if "image" not in has:
+        raise InvalidRequest("model", f'"{pipeline.name}" makes no images (it has: {", ".join(has)})')
+    if body.response_format not in (None, "b64_json"):
+        raise InvalidRequest("response_format", f'"{body.response_format}" is not supported: images come back '
+                                                'inline as "b64_json" (this server keeps no files to link to)')
+    if body.output_format not in (None, "png"):
+        raise InvalidRequest("output_format", f'"{body.output_format}" is not supported: images are png')
+    if body.stream or body.partial_images:
+        raise InvalidRequest("stream" if body.stream else "partial_images",
+                             "streaming partial images is not supported: the denoise stage hands its latents on "
+                             "once, after the last step")
+    width, height = image_size(body.size)
+    n = body.n or 1
+    seed = body.seed if body.seed is not None else (random_seed() if n > 1 else None)
+    fields = {"params.prompt": "prompt", "params.image.width": "size", "params.image.height": "size",
+              "params.image.num_inference_steps": "num_inference_steps",
+              "params.image.guidance_scale": "guidance_scale", "params.image.negative_prompt": "negative_prompt",
+              "params.seed": "seed"}
+    return [Translated(build_request(body.prompt, width=width, height=height,
+                                     num_inference_steps=body.num_inference_steps or 0,
+                                     guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt or "",
+                                     seed=None if seed is None else (seed + i) % (UINT64 + 1), outputs=["image"],
+                                     return_trace=bool(body.return_trace)),
+                       fields)
+            for i in range(n)]
+
+
+def image_size(size: str | None) -> tuple[int, int]:
+    """"WxH" -> (W, H); "auto" or none: (0, 0), the pipeline's default."""
+    if size in (None, "auto"):
+        return 0, 0
+    m = _SIZE.match(size)
+    if m is None:
+        raise InvalidRequest("size", f'must be "WIDTHxHEIGHT" (such as "256x256") or "auto", got "{size}"')
+    return int(m.group(1)), int(m.group(2))
