@@ -52,6 +52,11 @@ READY_PATH = "/readyz"      # 200 once serving, 503 while loading or draining
 LIVE_PATH = "/livez"
 DRAIN_PATH = "/drain"       # a preStop hook: answers once admitted work is finished
 API_PATH = "/v1"            # the base of the OpenAI-compatible API, on its own port
+# The pod's own service-account token: besides a caller inside the pod, only a bearer of it may ask for /drain.
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+# The preStop hook runs this in the container (an exec hook: an httpGet hook comes from the node, which
+# /drain refuses): Python, so any image that runs omnistage runs it.
+DRAIN_HOOK_CODE = "from omnistage.launch import drain_self; drain_self()"
 # Where a process that refuses to start writes its one-line reason (Kubernetes' default terminationMessagePath;
 # the kubelet shows it as the container's last termination message).
 TERMINATION_LOG = "/dev/termination-log"
@@ -165,6 +170,22 @@ def read_ready(path: str | os.PathLike) -> ReadyPorts | None:
 def http_url(host: str, port: int, path: str = "") -> str:
     """`http://HOST:PORT/PATH`; an IPv6 address in brackets."""
     return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
+
+
+def drain_self(env: Mapping[str, str] | None = None, port: int = HTTP_PORT) -> None:
+    """Ask this pod's own service for /drain and wait for the answer (the preStop hook; the kubelet bounds
+    it by the grace period). The service binds the pod IP, so the call goes there: from inside the pod,
+    as /drain requires."""
+    import urllib.request  # here: only the hook needs it
+
+    env = os.environ if env is None else env
+    with urllib.request.urlopen(http_url(env.get(ENV_POD_IP) or DEFAULT_HOST, port, DRAIN_PATH)) as answer:
+        answer.read()
+
+
+def drain_hook_command(python: str = sys.executable) -> list[str]:
+    """argv of the preStop hook (see `drain_self`)."""
+    return [python, "-c", DRAIN_HOOK_CODE]
 
 
 def stage_service_name(pipeline: str, stage: str) -> str:

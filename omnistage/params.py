@@ -14,6 +14,15 @@ from dataclasses import dataclass
 from omnistage.spec import Limits
 from omnistage.v1 import common_pb2
 
+# Below this a temperature samples greedily, as vLLM does: logits divided by 1e-45 overflow to inf and the
+# softmax to NaN, which would fail the request's step and every request batched beside it.
+MIN_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float | None) -> bool:
+    """Whether a request's temperature means greedy decoding (unset, 0, or below MIN_TEMPERATURE)."""
+    return not temperature or temperature < MIN_TEMPERATURE
+
 
 class InvalidRequest(ValueError):
     """A request field with a value no stage can serve; carries the field path."""
@@ -116,7 +125,7 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         raise InvalidRequest("params.audio.speaker", "is longer than 64 characters")
     return RequestParams(
         prompt=p.prompt, prompt_token_ids=tuple(p.prompt_token_ids), seed=p.seed if p.HasField("seed") else 0,
-        max_tokens=max_tokens, temperature=temperature or None, top_p=top_p, top_k=top_k, ignore_eos=t.ignore_eos,
+        max_tokens=max_tokens, temperature=None if is_greedy(temperature) else temperature, top_p=top_p, top_k=top_k, ignore_eos=t.ignore_eos,
         max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
         system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts)

@@ -18,14 +18,17 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnistage.serving import KEEPALIVE_CHANNEL_OPTIONS
 from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+from .retry_budget import RetryBudget
 
 log = logging.getLogger("omnistage.orchestrator")
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 10_000)]
+                   ("grpc.enable_retries", 0), *KEEPALIVE_CHANNEL_OPTIONS]
 
 
 class NoReplica(RuntimeError):
@@ -100,10 +103,11 @@ class Router:
     """Channels to every stage replica, kept in step with the endpoints discovery reports."""
 
     def __init__(self, pipeline: Pipeline, poll_interval: float = 0.25,
-                 on_change: Callable[[], None] | None = None):
+                 on_change: Callable[[], None] | None = None, retry_budget: RetryBudget | None = None):
         self.pipeline = pipeline
         self.poll_interval = poll_interval
         self.on_change = on_change or (lambda: None)
+        self.retry_budget = retry_budget or RetryBudget()  # shared by every stage call routed here
         self.pools: dict[str, StagePool] = {s.name: StagePool(s.name) for s in pipeline.stages}
         self._pollers: dict[Replica, asyncio.Task] = {}
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Sequence
 import grpc
 
 from omnistage import launch
-from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
+from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
+                               grpc_server_options, on_signals, set_serving)
 from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -82,8 +83,8 @@ class OrchestratorServer:
         # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
         # message gets gRPC's RESOURCE_EXHAUSTED).
         receive = min(max(MIN_RECEIVE_BYTES, self.pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", receive),
-                                               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self.server = grpc.aio.server(options=grpc_server_options(
+            receive, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds))
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE])
         await set_serving(self.health, [SERVICE], False)

@@ -23,6 +23,7 @@ from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .request_run import RequestRun, StageFailed, needed_stages
 from .routing import Router
+from .stage_call import remaining
 
 log = logging.getLogger("omnistage.orchestrator")
 MAX_REQUEST_ID = 128
@@ -43,6 +44,15 @@ class Refused(Exception):
     def overloaded(cls, e: Overloaded) -> "Refused":
         return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s",
                    retry_after_s=e.retry_after_s)
+
+
+def effective_deadline(caller: float | None, now: float, request_timeout_s: float) -> float | None:
+    """The earlier of the caller's deadline and the pipeline's default (requestTimeoutSeconds from arrival;
+    0: none), both time.time() seconds: no request is held without a bound unless the pipeline says so."""
+    default = now + request_timeout_s if request_timeout_s > 0 else None
+    if caller is None or default is None:
+        return caller if default is None else default
+    return min(caller, default)
 
 
 def requested_outputs(pipeline: Pipeline, request: orchestrator_pb2.GenerateRequest) -> dict[str, str]:
@@ -110,8 +120,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def generate(self, request: orchestrator_pb2.GenerateRequest,
                        deadline: float | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         """The one request path both front doors (gRPC and HTTP) take: validate -> admit -> walk the
-        stage graph -> events -> final. `deadline` is time.time() seconds. Raises Refused; a caller that
-        stops iterating (client gone) cancels the request in every stage."""
+        stage graph -> events -> final. `deadline` is time.time() seconds, the caller's; the pipeline's
+        requestTimeoutSeconds bounds it. Raises Refused; a caller that stops iterating (client gone)
+        cancels the request in every stage."""
+        deadline = effective_deadline(deadline, time.time(), self.pipeline.limits.request_timeout_seconds)
         m = self.metrics
         if self.draining:
             m.requests.labels("rejected").inc()
@@ -143,8 +155,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         try:
             m.waiting.set(self.admission.queued + 1)
             try:
-                ticket = await self.admission.admit(stages, request.priority,
-                                                    estimated_cost(request.params))
+                async with asyncio.timeout(remaining(deadline)):
+                    ticket = await self.admission.admit(stages, request.priority,
+                                                        estimated_cost(request.params))
+            except TimeoutError:
+                outcome = "timeout"
+                raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "the request's deadline passed while it waited for admission") from None
             finally:
                 m.waiting.set(self.admission.queued)
             m.requests.labels("admitted").inc()

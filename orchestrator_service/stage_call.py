@@ -1,5 +1,6 @@
 """One stage's call within a request: the replica serving it, the inputs forwarded to it (kept for a
-replay), the outputs it has delivered, and its retry on another replica.
+replay), the outputs it has delivered, and its retry on another replica, within the retry budget the
+orchestrator's stage calls share (retry_budget.py).
 
 Two tasks per call, each the only one doing its job. The reader takes the stage's output chunks in
 order, hands each new one to the request (`deliver`) and, when the replica fails, dispatches another.
@@ -21,11 +22,17 @@ import grpc
 
 from omnistage.v1 import stage_pb2
 
+from .retry_budget import CallBudget
 from .routing import NoReplica, Replica, Router
 
 # Failures another replica may not repeat. Bad input, deadlines and cancels are the request's own.
 RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS}
+# Failures the stage itself returned (its engine went wrong on this request): their retries are bounded by
+# the retry budget, so one bad request cannot mark every replica down. A replica that is gone
+# (UNAVAILABLE, a stream cut short) or full is not the request's fault: those retries are not budgeted,
+# or losing one replica of two would fail whatever the budget could not re-home.
+BUDGETED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
 
 
 class StageFailed(Exception):
@@ -202,18 +209,19 @@ class StageCall:
     async def _read(self) -> None:
         error: StageFailed | None = None
         try:
-            while True:
-                call, replica = self._call, self._replica
-                try:
-                    await self._drain(call)
-                    break
-                except grpc.aio.AioRpcError as e:
-                    code, details = e.code(), e.details() or ""
-                except _Incomplete:
-                    code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without end of stream"
-                finally:
-                    self.router.release(replica)
-                await self._retry(replica, code, details)
+            with self.router.retry_budget.call() as budget:  # the call is active (and maybe retrying) till here
+                while True:
+                    call, replica = self._call, self._replica
+                    try:
+                        await self._drain(call)
+                        break
+                    except grpc.aio.AioRpcError as e:
+                        code, details = e.code(), e.details() or ""
+                    except _Incomplete:
+                        code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without end of stream"
+                    finally:
+                        self.router.release(replica)
+                    await self._retry(replica, code, details, budget)
             self.finished = True
             self.timing.finished = time.perf_counter()
             self._log.clear()
@@ -272,9 +280,11 @@ class StageCall:
         self._replica = replica
         self._writes.put_nowait(_Attempt(self._call, tuple(self._log), self._ended_sources >= self.sources))
 
-    async def _retry(self, failed: Replica, code: grpc.StatusCode, details: str) -> None:
+    async def _retry(self, failed: Replica, code: grpc.StatusCode, details: str, budget: CallBudget) -> None:
         """Dispatch another replica after `failed` ended the call, or raise StageFailed saying why not."""
         self._may_retry(failed, code, details)
+        if code in BUDGETED and not budget.try_retry():
+            raise self._not_retried(failed, code, details, "retry budget exhausted")
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.router.report_failure(failed)
         try:
@@ -295,7 +305,12 @@ class StageCall:
                "its inputs are no longer held" if not self._replayable else
                f"{self.timing.attempts} attempts made" if self.timing.attempts >= self.max_attempts else "")
         if code not in RETRIABLE or why:
-            c, message = client_status(self.stage, code, details)
-            if c == grpc.StatusCode.UNAVAILABLE and why and code in RETRIABLE:
-                message += f" (replica {failed.address}; not retried: {why})"
-            raise StageFailed(self.stage, c, message, failed.address)
+            raise self._not_retried(failed, code, details, why)
+
+    def _not_retried(self, failed: Replica, code: grpc.StatusCode, details: str, why: str) -> StageFailed:
+        """The call's failure as the client gets it, saying why it was not retried (`why`: "" when its
+        status is the request's own)."""
+        c, message = client_status(self.stage, code, details)
+        if c == grpc.StatusCode.UNAVAILABLE and why and code in RETRIABLE:
+            message += f" (replica {failed.address}; not retried: {why})"
+        return StageFailed(self.stage, c, message, failed.address)

@@ -11,6 +11,13 @@ class EngineDead(EngineError):
     """The engine cannot recover: the replica is going down (UNAVAILABLE, so the caller may retry elsewhere)."""
 
 
+class RequestFailed(EngineError):
+    """The engine failed on this request alone, in the part of a batched step that uses only its own values
+    (its sampling settings and generator, its guidance and scheduler): its batch neighbours went on and the
+    engine serves on. INVALID_ARGUMENT, not INTERNAL: the same request fails the same way on any replica, so
+    a retry elsewhere could only spread it."""
+
+
 class EngineOverloaded(RuntimeError):
     """The stage's queue is full (RESOURCE_EXHAUSTED)."""
 

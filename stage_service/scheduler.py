@@ -16,6 +16,14 @@ batch to fill.
 Failure: a step that raises fails the requests in that step; `max_failed_steps`
 failed steps in a row mean the engine cannot recover: every request held fails
 with `EngineDead` and new ones are refused.
+
+Liveness: a step that never returns (a hung kernel, a deadlock in model code)
+fails nothing, so it is watched instead. The loop stamps when a step starts, when
+one ends and when it goes idle; `stalled(now)` reads those stamps (from any
+thread) and names a step running longer than stallSeconds, or requests held
+that long while the loop neither stepped nor waited. Waiting is not stalling:
+a state whose input has not arrived, or whose reader fell behind, is another
+party's delay, bounded by the request's deadline.
 """
 
 from __future__ import annotations
@@ -122,11 +130,13 @@ class JobStream:
 class StepScheduler:
     def __init__(self, stage: str, settings: SchedulerSettings, step: StepFn, *, unit: str = "steps",
                  metrics=None, max_failed_steps: int = 3, max_pending_results: int = 16,
-                 max_step_cost: int | None = None, on_dead: Callable[[BaseException], None] | None = None):
+                 max_step_cost: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.stage = stage
         self.max_batch = settings.max_batch
         self.max_queued = settings.max_queued
         self.max_wait = settings.max_wait_ms / 1e3
+        self.stall_seconds = settings.stall_seconds
         self.step_fn = step
         self.unit = unit
         self.metrics = metrics
@@ -146,6 +156,11 @@ class StepScheduler:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engine-{stage}")
         self._task: asyncio.Task | None = None
         self._closed = False
+        # Progress stamps (clock() seconds), written on the event loop, read by `stalled` on any thread.
+        self.clock = clock
+        self._step_started: float | None = None  # the step in flight began then
+        self._progress_at = clock()              # a step ended, or the loop went idle or woke
+        self._idle = False                       # waiting for a wake-up with nothing it could step
 
     # ------------------------------------------------------------ the engine's side
 
@@ -221,6 +236,25 @@ class StepScheduler:
         """States not yet garbage-collected (a leak check for tests: 0 once every request is gone)."""
         return len(self._live)
 
+    def stalled(self, now: float) -> str | None:
+        """Why the engine makes no progress at `now` (a `clock()` time), or None while it does: a step
+        running longer than stallSeconds, or requests held that long while the loop neither stepped nor
+        waited for input. Reads only stamps the loop writes, so any thread may ask."""
+        if self.failed is not None or self._closed:
+            return None  # not a stall: the stage is failing or stopping on its own
+        started = self._step_started
+        if started is not None:
+            if now - started > self.stall_seconds:
+                return (f"stage {self.stage}: an engine step has been running for {now - started:.0f}s "
+                        f"(stallSeconds {self.stall_seconds:g})")
+            return None
+        held = len(self._running) + len(self._queue)
+        # A wake-up may spend up to maxWaitMs filling a batch before its step.
+        if held and not self._idle and now - self._progress_at > self.stall_seconds + self.max_wait:
+            return (f"stage {self.stage}: {held} request{'s' if held != 1 else ''} held and no engine step for "
+                    f"{now - self._progress_at:.0f}s (stallSeconds {self.stall_seconds:g})")
+        return None
+
     # ------------------------------------------------------------ the loop
 
     async def _loop(self) -> None:
@@ -239,7 +273,9 @@ class StepScheduler:
             if not batch:
                 idle = not self._running
                 self._wake.clear()
+                self._idle, self._progress_at = True, self.clock()
                 await self._wake.wait()
+                self._idle, self._progress_at = False, self.clock()
                 if idle and self.max_wait > 0:
                     await self._fill()
                 continue
@@ -289,6 +325,7 @@ class StepScheduler:
             if j.first_step is None:
                 j.first_step = t0
         self._in_step = tuple(batch)
+        self._step_started = self.clock()
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self.step_fn, [j.state for j in batch])
@@ -296,9 +333,11 @@ class StepScheduler:
                 raise RuntimeError(f"step returned {len(results)} results for {len(batch)} requests")
         except Exception as e:  # noqa: BLE001 - the step's failure is the requests' failure
             self._in_step = ()
+            self._step_ended()
             self._step_failed(batch, e)
             return
         self._in_step = ()
+        self._step_ended()
         self._failed_in_a_row = 0
         self.steps += 1
         took = time.perf_counter() - t0
@@ -314,6 +353,11 @@ class StepScheduler:
                 self._remove(j)
         if self.metrics is not None:
             self.metrics.step(len(batch), took * 1e3, self.unit)
+
+    def _step_ended(self) -> None:
+        # The stamp first: a reader that sees no step in flight also sees when the last one ended.
+        self._progress_at = self.clock()
+        self._step_started = None
 
     def _step_failed(self, batch: list[_Job], error: Exception) -> None:
         self._failed_in_a_row += 1

@@ -3,7 +3,9 @@
 Drain order on SIGTERM: health NOT_SERVING -> refuse new work (UNAVAILABLE) ->
 wait for admitted work up to the drain bound -> server.stop(grace) -> engine
 shutdown; then the process exits 0. An engine that cannot recover flips health
-at once and the process exits non-zero (EXIT_ENGINE_DEAD).
+at once and the process exits non-zero (EXIT_ENGINE_DEAD). An engine that hangs
+(no step progress while it holds work, see StepScheduler.stalled) fails /livez,
+and the kubelet restarts the container.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import grpc
 from omnistage import launch
 from omnistage.checkpoints.check import StageCheckError, check_stage
 from omnistage.checkpoints.shards import CheckpointError
-from omnistage.serving import HttpStatusServer, blocking_drain, add_health_and_reflection, configure_logging, on_signals, set_serving
+from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
+                               grpc_server_options, on_signals, set_serving)
 from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
+from .engines.base import SteppedEngine
 from .engines.registry import create_engine
 from .data_plane import DataPlane
 from .errors import EngineConfigError
@@ -63,8 +67,8 @@ class StageServer:
         t0 = time.monotonic()
         async with self._setup:  # a drain that comes meanwhile waits for the gRPC server to be up
             await self.data_plane.start()
-            self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            self.server = grpc.aio.server(options=grpc_server_options(
+                MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds))
             stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
             self.health = add_health_and_reflection(self.server, [SERVICE])
             await set_serving(self.health, [SERVICE], False)
@@ -72,7 +76,8 @@ class StageServer:
             await self.server.start()
             if self.http_port is not None:
                 self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
-                                            blocking_drain(asyncio.get_running_loop(), self.drain)).start()
+                                            blocking_drain(asyncio.get_running_loop(), self.drain),
+                                            live=self.stalled).start()
         try:
             await self.engine.start()  # health stays NOT_SERVING until the model is loaded
         except BaseException:
@@ -124,6 +129,12 @@ class StageServer:
         if self.http:
             self.http.stop()
             self.http = None
+
+    def stalled(self) -> str | None:
+        """Why the engine makes no progress (for /livez; called on the HTTP thread), or None. Engines on the
+        step scheduler are watched; vLLM's engine core runs outside it and is not (None)."""
+        scheduler = self.engine.scheduler if isinstance(self.engine, SteppedEngine) else None
+        return None if scheduler is None else scheduler.stalled(scheduler.clock())
 
     async def _watch_engine(self) -> None:
         """An engine that cannot recover: NOT_SERVING at once, then stop and exit non-zero."""

@@ -22,7 +22,7 @@ from .call_scope import RequestReleased, StageCalls
 from .convert import output_to_proto
 from .data_plane import DataPlane
 from .engines.base import Engine, InputChunk, OutputChunk, StageRequest
-from .errors import EngineDead, EngineError, EngineOverloaded, InputError, StageDraining
+from .errors import EngineDead, EngineError, EngineOverloaded, InputError, RequestFailed, StageDraining
 from .metrics import StageMetrics
 
 
@@ -42,6 +42,9 @@ def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {stage}: deadline passed"
     if isinstance(exc, EngineDead):  # retryable on another replica: this one is going down
         return grpc.StatusCode.UNAVAILABLE, f"stage {stage}: engine failed for good ({exc}); the replica is going down"
+    if isinstance(exc, RequestFailed):  # its own values failed it: any replica would fail it the same way
+        return grpc.StatusCode.INVALID_ARGUMENT, (f"stage {stage}: this request failed in the engine ({exc}); "
+                                                  "its batch and the engine went on: change its parameters")
     if isinstance(exc, EngineError):
         return grpc.StatusCode.INTERNAL, f"stage {stage}: engine failed ({exc})"
     if isinstance(exc, (TensorNotFound, PeerUnreachable)):  # the producer's data is gone or out of reach

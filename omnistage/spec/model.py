@@ -90,7 +90,8 @@ class Output:
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on request parameters; beyond them a request is INVALID_ARGUMENT."""
+    """Bounds on requests: parameters beyond them are INVALID_ARGUMENT; a request that runs past its deadline
+    is DEADLINE_EXCEEDED."""
 
     max_prompt_chars: int = api_field("Longest prompt, in characters (or token ids).", default=8192, minimum=1)
     max_tokens: int = api_field("Most text tokens a request may ask for.", default=512, minimum=1)
@@ -119,6 +120,10 @@ class Limits:
                                       minimum=1)
     media_decode_seconds: float = api_field("Bound on decoding a request's media parts at admission; beyond it "
                                             "the request is INVALID_ARGUMENT.", default=10.0, minimum=0.001)
+    request_timeout_seconds: float = api_field("Deadline of a request whose caller set none (or a later one), "
+                                               "from its arrival; past it the request is DEADLINE_EXCEEDED and "
+                                               "every stage call is cancelled. 0: no default deadline.",
+                                               default=600.0, minimum=0)
 
     @property
     def max_request_bytes(self) -> int:
@@ -141,8 +146,8 @@ class Topology:
                                           non_empty=True, list_map_key="name", item="stage")
     outputs: tuple[Output, ...] = api_field("What the client receives, and from which stage.", required=True,
                                             non_empty=True, list_map_key="modality", item="output")
-    limits: Limits = api_field("Bounds on request parameters; beyond them a request is INVALID_ARGUMENT.",
-                               default_factory=Limits)
+    limits: Limits = api_field("Bounds on requests: parameters beyond them are INVALID_ARGUMENT; a request past "
+                               "its deadline is DEADLINE_EXCEEDED.", default_factory=Limits)
 
 
 # ----------------------------------------------------------------------- deployment
@@ -172,6 +177,9 @@ class SchedulerSettings:
                                 "(RESOURCE_EXHAUSTED).", default=64, minimum=0, maximum=1_000_000)
     max_wait_ms: float = api_field("How long a step waits for more requests to join its batch.", default=2.0,
                                    minimum=0)
+    stall_seconds: float = api_field("Liveness bound: an engine step running longer than this, or requests held "
+                                     "this long with no step, make the replica not live (/livez 503; the "
+                                     "kubelet restarts it).", default=300.0, minimum=0.001)
 
 
 @dataclass(frozen=True)

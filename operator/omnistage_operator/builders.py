@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from omnistage.launch import (API_PORT_NAME, DRAIN_PATH, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT,
-                              GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG,
+from omnistage.launch import (API_PORT_NAME, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT, GRPC_PORT_NAME,
+                              HTTP_PORT, HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG, drain_hook_command,
                               orchestrator_command, service_env, stage_command)
 from omnistage.spec import OrchestratorHttp, Pipeline, StageDeployment
 
@@ -240,10 +240,12 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
          # k8s 1.20 has no gRPC probe: the services answer /readyz on their HTTP port once serving.
          "readinessProbe": {"httpGet": {"path": READY_PATH, "port": HTTP_PORT_NAME}, "periodSeconds": 2,
                             "timeoutSeconds": 2, "failureThreshold": 2},
+         # /livez fails while the engine makes no step progress (stallSeconds): the kubelet restarts it.
          "livenessProbe": {"httpGet": {"path": LIVE_PATH, "port": HTTP_PORT_NAME}, "periodSeconds": 10,
                            "timeoutSeconds": 5, "failureThreshold": 6},
-         # /drain returns once admitted work is finished (bounded by drainSeconds); SIGTERM follows.
-         "lifecycle": {"preStop": {"httpGet": {"path": DRAIN_PATH, "port": HTTP_PORT_NAME}}},
+         # /drain returns once admitted work is finished (bounded by drainSeconds); SIGTERM follows. An exec
+         # hook, not httpGet: the kubelet's GET comes from the node, and /drain answers only the pod itself.
+         "lifecycle": {"preStop": {"exec": {"command": drain_hook_command(POD_PYTHON)}}},
          # A process that refuses to start (a broken checkpoint) writes one line there; else its last log lines.
          "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
          "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

@@ -29,6 +29,7 @@ from .diffusion_denoisers import DENOISERS
 from .diffusion_layout import PipelineDir
 from .diffusion_text import prompt_encoder
 from .invariance import make_batch_invariant
+from .per_request import alone
 
 
 # --------------------------------------------------------------- text encoder
@@ -173,19 +174,21 @@ class DenoiseEngine(SteppedEngine):
             pred_all = call.unpack(pred_all, x.shape, self.config)
             out, i = [], 0
             for st in states:
-                n = st.rows
-                pred = pred_all[i:i + n]
-                i += n
-                if n == 2:
-                    uncond, cond = pred.chunk(2)
-                    pred = uncond + st.guidance * (cond - uncond)
-                t = st.timesteps[st.done_steps]
-                kw = {"generator": st.generator} if self.step_takes_generator else {}
-                st.latents = st.scheduler.step(pred, t, st.latents, **kw).prev_sample
-                st.done_steps += 1
-                st.finished = st.done_steps == len(st.timesteps)
-                out.append(st.latents)
+                out.append(alone(st, self._denoised, st, pred_all[i:i + st.rows]))
+                i += st.rows
         return out
+
+    def _denoised(self, st: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+        """The image's own part of a step: its guidance and its scheduler's step from the model's prediction."""
+        if st.rows == 2:
+            uncond, cond = pred.chunk(2)
+            pred = uncond + st.guidance * (cond - uncond)
+        t = st.timesteps[st.done_steps]
+        kw = {"generator": st.generator} if self.step_takes_generator else {}
+        st.latents = st.scheduler.step(pred, t, st.latents, **kw).prev_sample
+        st.done_steps += 1
+        st.finished = st.done_steps == len(st.timesteps)
+        return st.latents
 
     def text_inputs(self, chunk) -> dict[str, torch.Tensor]:
         """The text stage's tensors as the model's forward arguments, each checked against its config width."""
@@ -278,21 +281,23 @@ class VaeDecodeEngine(SteppedEngine):
         self.shift = getattr(self.vae.config, "shift_factor", None)
 
     def step(self, states: list[LatentsState]) -> list[torch.Tensor]:
-        from PIL import Image
-
         with torch.inference_mode():
             latents = torch.cat([st.latents for st in states]).to(self.dtype) / self.scaling
             if self.shift is not None:
                 latents = latents + self.shift
             images = self.vae.decode(latents).sample
-        out = []
-        for st, img in zip(states, images):
-            arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
-            buf = io.BytesIO()
-            Image.fromarray(arr).save(buf, format="PNG")
-            out.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
-            st.finished = True
-        return out
+        return [alone(st, self._png, st, img) for st, img in zip(states, images)]
+
+    @staticmethod
+    def _png(st: LatentsState, img: torch.Tensor) -> torch.Tensor:
+        """The image's own part of a step: its PNG bytes."""
+        from PIL import Image
+
+        st.finished = True
+        arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         chunks = await inputs.collect()

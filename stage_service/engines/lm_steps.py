@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import RequestFailed
 from ..scheduler import StepState
 from .invariance import MIN_MATMUL_ROWS, make_batch_invariant
 from .packed import SequenceKV, packed_forward, positions, use_packed_attention
+from .per_request import alone
 from .sampling import SamplingSettings, choose, new_generator
 
 
@@ -73,8 +75,9 @@ class DecoderLm:
                           generator=None if sampling.greedy else new_generator(sampling.seed))
 
     @torch.inference_mode()
-    def step_batch(self, states: list[TokenState]) -> list[TokenStep]:
-        """One step of every state: the prompt of those that just joined, the last token of the others."""
+    def step_batch(self, states: list[TokenState]) -> list[TokenStep | RequestFailed]:
+        """One step of every state: the prompt of those that just joined, the last token of the others; a
+        state whose sampling fails gets its `RequestFailed` (per_request.py)."""
         inputs, pos, deep = [], [], []
         for st in states:
             mm, st.prompt_rows = st.prompt_rows, None
@@ -91,11 +94,13 @@ class DecoderLm:
                                     hidden_states=self.keep_rows, min_rows=self.min_rows, position_ids=pos,
                                     deepstack=deep)
         logits = self.head(last)
-        out = []
-        for i, st in enumerate(states):
-            token = next_token(st, logits[i], st.generated, st.stop_ids, st.max_tokens)
-            out.append(TokenStep(token, st.finish_reason, rows[i] if rows else None))
-        return out
+        return [alone(st, self._sampled, st, logits[i], rows[i] if rows else None) for i, st in enumerate(states)]
+
+    @staticmethod
+    def _sampled(st: TokenState, logits: torch.Tensor, rows: tuple[torch.Tensor, ...] | None) -> TokenStep:
+        """The state's own part of a step: its next token, chosen with its settings and generator."""
+        token = next_token(st, logits, st.generated, st.stop_ids, st.max_tokens)
+        return TokenStep(token, st.finish_reason, rows)
 
 
 def next_token(st, logits: torch.Tensor, tokens: list[int], stop_ids, limit: int) -> int:

@@ -29,6 +29,7 @@ from omnistage.checkpoints.names import QWEN2_5_OMNI_SPEAKERS
 from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 from omnistage.params import InvalidRequest
 
+from ..errors import RequestFailed
 from .chat import load_chat_template
 from .components import load_component
 from .invariance import MIN_MATMUL_ROWS, make_batch_invariant
@@ -36,6 +37,7 @@ from .lm_steps import DecoderLm, TokenState, next_token
 from .omni_media import TOWERS
 from .omni_talker import FedTalkerState
 from .packed import packed_forward, use_packed_attention
+from .per_request import alone, unless_failed
 from .sampling import SamplingSettings, apply_repetition_penalty, new_generator
 
 ROPE_AXES = 3  # multimodal RoPE: text positions are equal on every axis
@@ -107,8 +109,9 @@ class Thinker(DecoderLm):
                           ignore_eos: bool = False) -> TokenState:
         return self.new_state(prompt_ids, sampling, max_tokens, frozenset() if ignore_eos else self.stop_ids)
 
-    def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep]:
-        return [ThinkerStep(s.token, s.finish_reason, s.rows[0], s.rows[-1]) for s in self.step_batch(states)]
+    def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep | RequestFailed]:
+        return unless_failed(self.step_batch(states),
+                             lambda s: ThinkerStep(s.token, s.finish_reason, s.rows[0], s.rows[-1]))
 
 
 def _stop_ids(root: Path, tokenizer) -> frozenset[int]:
@@ -194,9 +197,9 @@ class Talker:
                            end_spoken=one_token)
 
     @torch.inference_mode()
-    def step_batch(self, states: list[TalkerState]) -> list[TalkerStep]:
+    def step_batch(self, states: list[TalkerState]) -> list[TalkerStep | RequestFailed]:
         """One talker step of every state: its prompt for one that just joined, else its last codec token
-        plus the text row this step speaks."""
+        plus the text row this step speaks; a state whose sampling fails gets its `RequestFailed`."""
         inputs = []
         for st in states:
             st.take_inbox()
@@ -210,11 +213,12 @@ class Talker:
         last, _ = packed_forward(self.model.model, rows, [st.kv for st in states], rope_axes=ROPE_AXES,
                                  min_rows=self.min_rows)
         logits_all = self.model.codec_head(last).float()
-        out = []
-        for i, st in enumerate(states):
-            st.steps += 1
-            logits = apply_repetition_penalty(logits_all[i], st.penalised + st.tokens, st.sampling.repetition_penalty)
-            logits[self.codec_bos] = float("-inf")
-            token = next_token(st, logits, st.tokens, self.stop_ids, st.max_frames)
-            out.append(TalkerStep(None if token in self.stop_ids else [token], st.finish_reason))
-        return out
+        return [alone(st, self._sampled, st, logits_all[i]) for i, st in enumerate(states)]
+
+    def _sampled(self, st: TalkerState, logits: torch.Tensor) -> TalkerStep:
+        """The state's own part of a step: its next codec token, chosen with its settings and generator."""
+        st.steps += 1
+        logits = apply_repetition_penalty(logits, st.penalised + st.tokens, st.sampling.repetition_penalty)
+        logits[self.codec_bos] = float("-inf")
+        token = next_token(st, logits, st.tokens, self.stop_ids, st.max_frames)
+        return TalkerStep(None if token in self.stop_ids else [token], st.finish_reason)

@@ -28,7 +28,7 @@ from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 from omnistage.checkpoints.families import QWEN3_OMNI
 from omnistage.params import InvalidRequest
 
-from ..errors import InputError
+from ..errors import InputError, RequestFailed
 from ..scheduler import StepState
 from .chat import load_chat_template
 from .components import load_component, read_config
@@ -37,6 +37,7 @@ from .lm_steps import DecoderLm, TokenState, next_token
 from .omni_media import TOWERS
 from .omni_talker import FedTalkerState
 from .packed import packed_forward, use_packed_attention
+from .per_request import alone, unless_failed
 from .sampling import SamplingSettings, apply_repetition_penalty, choose, new_generator
 
 THINKER, TALKER, CODE2WAV = "thinker.", "talker.", "code2wav."
@@ -45,6 +46,10 @@ THINKER, TALKER, CODE2WAV = "thinker.", "talker.", "code2wav."
 THINKER_EMBED = "thinker.model.embed_tokens.weight"
 # Qwen3-Omni's Code2Wav outputs 24 kHz audio (1920 samples per 12.5 Hz codec frame); no config key says so.
 SAMPLE_RATE = 24000
+# What a failed request's row of the code predictor batch carries on with: any valid code (its row is its own).
+PLACEHOLDER_CODE = 0
+
+
 def _moe_kwargs(batch_invariant: bool) -> dict:
     return {"experts_implementation": MOE_EXPERTS} if batch_invariant else {}
 
@@ -108,9 +113,9 @@ class Thinker(DecoderLm):
                           ignore_eos: bool = False) -> TokenState:
         return self.new_state(prompt_ids, sampling, max_tokens, frozenset() if ignore_eos else self.stop_ids)
 
-    def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep]:
-        return [ThinkerStep(s.token, s.finish_reason, s.rows[0], s.rows[self.accept_layer])
-                for s in self.step_batch(states)]
+    def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep | RequestFailed]:
+        return unless_failed(self.step_batch(states),
+                             lambda s: ThinkerStep(s.token, s.finish_reason, s.rows[0], s.rows[self.accept_layer]))
 
     def text_of(self, st: TokenState) -> str:
         ids = [t for t in st.generated if t not in st.stop_ids]
@@ -221,13 +226,19 @@ class Talker:
         return torch.cat([user_part, text_rows + codec_rows])
 
     @torch.inference_mode()
-    def step_batch(self, states: list[TalkerState]) -> list[TalkerStep]:
+    def step_batch(self, states: list[TalkerState]) -> list[TalkerStep | RequestFailed]:
         """One talker step of every state. A state's first step prefills its prompt; each later one
-        completes the previous frame's residual codes and feeds that frame plus one text row."""
+        completes the previous frame's residual codes and feeds that frame plus one text row. A state
+        whose sampling fails gets its `RequestFailed` and takes no further part in the step."""
         for st in states:
             st.take_inbox(self.model.text_projection)
         decoding = [st for st in states if st.prompt is None]
         residual = dict(zip(map(id, decoding), self._residual_codes(decoding))) if decoding else {}
+        live = [st for st in states if not isinstance(residual.get(id(st)), RequestFailed)]
+        stepped = dict(zip(map(id, live), self._step_live(live, residual))) if live else {}
+        return [stepped[id(st)] if id(st) in stepped else residual[id(st)] for st in states]
+
+    def _step_live(self, states: list[TalkerState], residual: dict[int, list[int]]) -> list[TalkerStep | RequestFailed]:
         inputs, frames = [], []
         for st in states:
             if st.prompt is not None:
@@ -245,34 +256,41 @@ class Talker:
         last_hidden, _ = packed_forward(self.model.model, inputs, [st.kv for st in states], rope_axes=3,
                                         min_rows=self.min_rows)
         logits_all = self.model.codec_head(last_hidden)
-        out = []
-        for i, st in enumerate(states):
-            st.steps += 1
-            st.past_hidden = last_hidden[i].view(1, 1, -1)
-            logits = apply_repetition_penalty(logits_all[i], st.tokens, st.sampling.repetition_penalty)
-            logits[self.suppress] = float("-inf")
-            # max_frames + 1 tokens: each step completes the previous token's frame, so the last token
-            # chosen is never spoken.
-            next_token(st, logits, st.tokens, (self.eos,), st.max_frames + 1)
-            out.append(TalkerStep(frames[i], st.finish_reason))
-        return out
+        return [alone(st, self._sampled, st, logits_all[i], last_hidden[i], frames[i]) for i, st in enumerate(states)]
 
-    def _residual_codes(self, states: list[TalkerState]) -> list[list[int]]:
-        """The code predictor's residual code groups of each state's last frame, as one batch."""
+    def _sampled(self, st: TalkerState, logits: torch.Tensor, hidden: torch.Tensor,
+                 frame: list[int] | None) -> TalkerStep:
+        """The state's own part of a step: its next codec token, chosen with its settings and generator."""
+        st.steps += 1
+        st.past_hidden = hidden.view(1, 1, -1)
+        logits = apply_repetition_penalty(logits, st.tokens, st.sampling.repetition_penalty)
+        logits[self.suppress] = float("-inf")
+        # max_frames + 1 tokens: each step completes the previous token's frame, so the last token
+        # chosen is never spoken.
+        next_token(st, logits, st.tokens, (self.eos,), st.max_frames + 1)
+        return TalkerStep(frame, st.finish_reason)
+
+    def _residual_codes(self, states: list[TalkerState]) -> list[list[int] | RequestFailed]:
+        """The code predictor's residual code groups of each state's last frame, as one batch; a state whose
+        sampling fails gets its `RequestFailed` (its row goes on with a placeholder code its neighbours never see)."""
         cp = self.model.code_predictor
         cache = DynamicCache(config=cp.config)
         last = self.model.get_input_embeddings()(torch.tensor([[st.tokens[-1]] for st in states]))
         emb = torch.cat([torch.cat([st.past_hidden for st in states]), last], dim=1)
         codes: list[list[int]] = [[] for _ in states]
+        failed: dict[int, RequestFailed] = {}
         for g in range(self.groups - 1):
             out = cp.model(inputs_embeds=emb, past_key_values=cache, use_cache=True)
             logits = cp.lm_head[g](out.last_hidden_state[:, -1])
             for i, st in enumerate(states):
                 s = st.sampling if st.sampling.greedy else SamplingSettings(
                     temperature=st.sampling.temperature, top_k=50, top_p=0.8)
-                codes[i].append(choose(logits[i], s, st.generator))
+                code = PLACEHOLDER_CODE if i in failed else alone(st, choose, logits[i], s, st.generator)
+                if isinstance(code, RequestFailed):
+                    failed[i], code = code, PLACEHOLDER_CODE
+                codes[i].append(code)
             emb = cp.get_input_embeddings()[g](torch.tensor([[c[-1]] for c in codes]))
-        return codes
+        return [failed.get(i, c) for i, c in enumerate(codes)]
 
 
 # ----------------------------------------------------------------- Code2Wav

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.params import is_greedy
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    temperature: float | None = None  # None or 0: greedy
+    temperature: float | None = None  # None, 0 or below params.MIN_TEMPERATURE: greedy
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
@@ -21,7 +23,7 @@ class SamplingSettings:
 
     @property
     def greedy(self) -> bool:
-        return not self.temperature
+        return is_greedy(self.temperature)
 
 
 def new_generator(seed: int) -> torch.Generator:

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from orchestrator_service.retry_budget import RetryBudget
 from orchestrator_service.routing import Router
 from orchestrator_service.stage_call import StageCall, StageFailed
 
@@ -23,10 +24,12 @@ STAGE, SOURCE = "llm", "up"
 class ScriptedStage(stage_pb2_grpc.StageServiceServicer):
     """Answers each input chunk with an output chunk of the same id and text; with no input edge, one
     end-of-stream chunk once the input half-closes. The first call of the script (on whichever replica
-    gets it) aborts UNAVAILABLE after `fail_first_after` input chunks."""
+    gets it) aborts with `fail_code` (UNAVAILABLE: the replica went down) after `fail_first_after` input
+    chunks."""
 
-    def __init__(self, fail_first_after: int | None = None):
+    def __init__(self, fail_first_after: int | None = None, fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
         self.fail_first_after = fail_first_after
+        self.fail_code = fail_code
         self.calls: list[list[stage_pb2.StageInput]] = []  # every call's input messages, as received
         self.open = 0
 
@@ -41,7 +44,8 @@ class ScriptedStage(stage_pb2_grpc.StageServiceServicer):
                 if msg.WhichOneof("kind") != "chunk":
                     continue
                 if first and self.fail_first_after is not None and len(got) - 1 >= self.fail_first_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "replica went down")
+                    await context.abort(self.fail_code, "replica went down" if self.fail_code ==
+                                        grpc.StatusCode.UNAVAILABLE else "engine failed")
                 c = msg.chunk
                 yield stage_pb2.StageOutput(chunk=stage_pb2.Chunk(stage=STAGE, chunk_id=c.chunk_id, text=c.text,
                                                                   end_of_stream=c.end_of_stream))
@@ -54,10 +58,10 @@ class ScriptedStage(stage_pb2_grpc.StageServiceServicer):
 class Replicas:
     """Two replicas of the stage running one script, and a router over them."""
 
-    def __init__(self, script: ScriptedStage):
+    def __init__(self, script: ScriptedStage, retry_budget: RetryBudget | None = None):
         self.script = script
         self.servers: list[grpc.aio.Server] = []
-        self.router = Router(example("llm-tiny"), poll_interval=0)
+        self.router = Router(example("llm-tiny"), poll_interval=0, retry_budget=retry_budget)
 
     async def __aenter__(self) -> Replicas:
         addresses = []
@@ -168,6 +172,37 @@ async def test_inputs_dropped_while_a_retry_waits_end_the_call_instead_of_a_part
         assert "not retried: its inputs are no longer held" in str(error) and error.stage == STAGE
         assert len(script.calls) == 1  # the second replica was never called
         assert all(r.outstanding == 0 for r in replicas.pool.replicas.values())  # its slot handed back
+        run.call.cancel()
+        await run.call.stopped()
+
+
+@pytest.mark.parametrize("code, slot_taken, retried", [
+    (grpc.StatusCode.INTERNAL, True, False), (grpc.StatusCode.INTERNAL, False, True),
+    (grpc.StatusCode.UNAVAILABLE, True, True)],
+    ids=["engine error, budget spent", "engine error, budget left", "replica gone, budget spent"])
+async def test_a_retry_of_an_engine_error_is_made_only_within_the_orchestrators_retry_budget(code, slot_taken,
+                                                                                              retried):
+    """The budget bounds retries of what a stage returned (INTERNAL: its engine failed on the request); a
+    replica that went away is re-homed whatever the budget says."""
+    budget = RetryBudget(budget_percent=0.0, min_retry_concurrency=1)  # one retry at a time, whatever the load
+    script = ScriptedStage(fail_first_after=0, fail_code=code)
+    async with Replicas(script, budget) as replicas:
+        with budget.call() as other:
+            if slot_taken:
+                assert other.try_retry()  # another request's stage call is on its retry
+            run = Run(replicas)
+            await run.call.open()
+            await run.call.forward(SOURCE, chunk(0, last=True))
+            error = await run.error()
+        if retried:
+            assert error is None and len(script.calls) == 2 and run.call.timing.attempts == 2
+        else:
+            assert isinstance(error, StageFailed) and error.code == grpc.StatusCode.UNAVAILABLE
+            assert f"stage {STAGE} failed: engine failed" in str(error)
+            assert "not retried: retry budget exhausted" in str(error)
+            assert len(script.calls) == 1 and run.call.timing.attempts == 1
+        assert (budget.active, budget.retrying) == (0, 0)  # nothing stays counted once the calls ended
+        assert all(r.outstanding == 0 for r in replicas.pool.replicas.values())
         run.call.cancel()
         await run.call.stopped()
 

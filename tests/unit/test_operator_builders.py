@@ -92,7 +92,10 @@ def test_probes_drain_and_grace():
     d = stage_dep(lambda d: d["spec"]["deployment"]["stages"]["talker"].update(drainSeconds=12.5))
     c = container(d)
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert c["lifecycle"]["preStop"]["httpGet"] == {"path": "/drain", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    # An exec hook inside the container: /drain refuses a GET from the node, where an httpGet hook comes from.
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": [
+        "python", "-c", "from omnistage.launch import drain_self; drain_self()"]}}
     assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 12.5
     assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 28
 

@@ -112,3 +112,22 @@ def test_the_text_of_a_turn_is_its_text_parts_then_the_prompt():
     assert params("Hello").text == "Hello"
     assert params("", "Look ", "here").text == "Look here"
     assert params("now?", "Look ", "and ", image=True).text == "Look and now?"
+
+
+@pytest.mark.parametrize("temperature, resolved", [(1e-45, None), (1e-6, None), (0.0, None), (2e-5, 2e-5),
+                                                   (0.7, 0.7)])
+def test_a_vanishing_temperature_is_greedy(temperature, resolved):
+    """Dividing logits by 1e-45 overflows: below MIN_TEMPERATURE a request decodes greedily (as vLLM does)
+    instead of turning its batch's sampling into NaN."""
+    p = resolve(params(temperature=temperature), LIMITS)
+    assert p.temperature == (None if resolved is None else pytest.approx(resolved))
+
+
+def test_sampling_with_a_vanishing_temperature_picks_the_argmax():
+    import torch
+
+    from stage_service.engines.sampling import SamplingSettings, choose, new_generator
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9], dtype=torch.bfloat16)
+    for t in (1e-45, 1e-30, 1e-6):
+        assert choose(logits, SamplingSettings(temperature=t), new_generator(0)) == 1

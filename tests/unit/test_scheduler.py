@@ -270,3 +270,58 @@ def test_invariants_under_random_load(max_batch, plan):
         await sched.shutdown()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ liveness
+
+BOUND = SchedulerSettings().stall_seconds
+
+
+@dataclass(eq=False)
+class AwaitingInput(Count):
+    """Cannot step until its input arrives (as a consumer stage waiting on its producer)."""
+
+    arrived: bool = False
+
+    def ready(self) -> bool:
+        return self.arrived
+
+
+async def test_a_step_that_does_not_return_is_a_stall():
+    sched, rec = make()
+    rec.gate = threading.Event()
+    task = asyncio.create_task(run(sched, Count("hung", 1)))
+    # Asked as at a time past the bound: a step has started and not returned.
+    why = await wait_until(lambda: sched.stalled(sched.clock() + BOUND + 1), what="the step to start")
+    assert why.startswith("stage test: an engine step has been running for") and "\n" not in why
+    assert sched.stalled(sched.clock()) is None  # within the bound it is only a slow step
+    rec.gate.set()
+    assert await task == [1]
+    assert sched.stalled(sched.clock() + 10 * BOUND) is None  # nothing held: idle is not stalled
+    await sched.shutdown()
+
+
+async def test_requests_held_while_the_loop_does_not_run_are_a_stall():
+    # Never started: the loop neither steps nor waits, as when the event loop is blocked.
+    sched = StepScheduler("test", SchedulerSettings(max_wait_ms=0.0), Recorder())
+    assert sched.stalled(sched.clock() + 10 * BOUND) is None  # holding nothing (loading a model)
+    async with sched.submit("r", Count("r", 1)):
+        assert sched.stalled(sched.clock()) is None
+        assert sched.stalled(sched.clock() + BOUND + 1).startswith("stage test: 1 request held and no engine step")
+    await sched.shutdown()
+
+
+async def test_waiting_for_input_or_for_a_slow_reader_is_not_a_stall():
+    sched, _ = make(max_pending_results=1)
+    waiting = AwaitingInput("waiting", 3)
+    async with sched.submit("waiting", waiting) as results, sched.submit("unread", Count("unread", 5)) as unread:
+        # "unread" stepped once and waits for its reader; "waiting" waits for its input: the loop is idle.
+        await wait_until(lambda: sched.stalled(sched.clock() + 10 * BOUND) is None, what="the loop to idle")
+        assert sched.running == 2 and sched.stalled(sched.clock() + 10 * BOUND) is None
+        assert await unread.next() == 1
+        waiting.arrived = True
+        sched.notify()
+        assert [r async for r in results] == [1, 2, 3]
+        await wait_until(lambda: sched.stalled(sched.clock() + 10 * BOUND) is None, what="the loop to idle again")
+        assert sched.running == 1
+    await sched.shutdown()

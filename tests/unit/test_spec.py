@@ -136,6 +136,15 @@ BAD = [
     ("scheduler bound",
      lambda d: deploy(d)["stages"]["thinker"].__setitem__("scheduler", {"maxBatch": 0}),
      ["spec.deployment.stages.thinker.scheduler.maxBatch: must be >= 1, got 0"]),
+    ("stall bound not positive",
+     lambda d: deploy(d)["stages"]["thinker"].__setitem__("scheduler", {"stallSeconds": 0}),
+     ["spec.deployment.stages.thinker.scheduler.stallSeconds: must be >= 0.001, got 0"]),
+    ("negative request timeout",
+     lambda d: d["spec"]["topology"]["limits"].__setitem__("requestTimeoutSeconds", -1),
+     ["spec.topology.limits.requestTimeoutSeconds: must be >= 0, got -1"]),
+    ("request timeout not a number",
+     lambda d: d["spec"]["topology"]["limits"].__setitem__("requestTimeoutSeconds", "ten minutes"),
+     ["spec.topology.limits.requestTimeoutSeconds: must be a number"]),
     ("limits default above max",
      lambda d: d["spec"]["topology"]["limits"].__setitem__("maxTokens", 8),
      ["spec.topology.limits.defaultMaxTokens: must be <= maxTokens (8), got 16"]),
@@ -231,6 +240,14 @@ def test_defaults_fill_in():
     p = parse_pipeline(doc)
     t = p.deployment.stages["thinker"]
     assert t.replicas == 1 and t.dtype == "auto" and t.scheduler.max_batch == 8 and t.parallelism.tensor == 1
+    assert t.scheduler.stall_seconds == 300.0
+
+
+@pytest.mark.parametrize("limits, expected", [({}, 600.0), ({"requestTimeoutSeconds": 0}, 0.0),
+                                              ({"requestTimeoutSeconds": 2.5}, 2.5)])
+def test_request_timeout(limits, expected):
+    p = parse_pipeline(variant(lambda d: d["spec"]["topology"].__setitem__("limits", limits)))
+    assert p.limits.request_timeout_seconds == expected
 
 
 def orchestrator_http(**http):
