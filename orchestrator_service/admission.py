@@ -137,6 +137,9 @@ class Admission:
             order = order[:1]  # the starving one goes next; nobody overtakes it any more
         admitted_seqs = []
         for w in order:
+            if w.future.done():  # its caller gave up (a deadline, a cancel) and has not yet run its cleanup
+                self._waiters.remove(w)
+                continue
             if self.fits(w.ticket.stages):
                 self._waiters.remove(w)
                 self._take(w.ticket)

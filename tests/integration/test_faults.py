@@ -73,7 +73,8 @@ async def test_a_hung_step_fails_livez_and_requests_without_a_deadline_end_at_th
             took = time.monotonic() - t0
         assert all(isinstance(r, grpc.aio.AioRpcError) for r in results), results
         # (Which timer fires first, the stage's, the stage call's or admission's, decides the message.)
-        assert [r.code() for r in results] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
+        assert [r.code() for r in results] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2, \
+            [(r.code(), r.details()) for r in results]
         assert REQUEST_TIMEOUT_S - 0.5 < took < REQUEST_TIMEOUT_S + 20
         # The step the first request is in still has not returned: the stage is not live.
         code, body = await wait_until(lambda: (r := livez(http))[0] == 503 and r, 30, what="/livez 503")

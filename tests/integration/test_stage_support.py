@@ -89,8 +89,14 @@ async def assert_nothing_held(srv, timeout: float = 30.0) -> None:
     assert engine.held_bytes() == 0
     sched = getattr(engine, "scheduler", None)
     if sched is not None:
-        gc.collect()
-        assert sched.live_states() == 0, f"{sched.live_states()} request states still alive"
+        # A step still running in the engine's thread holds its batch's states (cancelled ones included)
+        # until it returns: wait for it, then nothing may be left.
+        def none_alive() -> bool:
+            gc.collect()
+            return sched.live_states() == 0
+
+        await wait_until(none_alive, timeout, interval=0.1, what="no request state alive",
+                         detail=lambda: f"{sched.live_states()} request states still alive")
         assert (sched.running, sched.queued) == (0, 0)
     else:  # vLLM: its KV cache is free again
         await wait_until(lambda: engine.kv_cache_usage == 0.0, timeout, what="vLLM KV cache free")

@@ -103,6 +103,24 @@ async def test_cancelled_waiter_leaves_no_trace():
     assert a.inflight == 0
 
 
+async def test_a_release_between_a_waiters_timeout_and_its_cleanup_skips_it():
+    """A deadline cancels the waiter's future at once, but its cleanup runs a loop turn later: a release
+    in between (the request ahead ending at the same deadline) must pass it over, not fail."""
+    a = make(max_inflight=1, max_queued=5)
+    t = await a.admit({"s"})
+    w = asyncio.create_task(a.admit({"s"}))
+    behind = asyncio.create_task(a.admit({"s"}))
+    await asyncio.sleep(0)
+    w.cancel()  # the waiter's future is cancelled now; its except clause has not run yet
+    a.release(t)  # must not raise InvalidStateError
+    with pytest.raises(asyncio.CancelledError):
+        await w
+    t2 = await asyncio.wait_for(behind, 1)  # the room went to the one still waiting
+    assert a.inflight == 1 and a.queued == 0
+    a.release(t2)
+    assert a.inflight == 0
+
+
 async def test_new_capacity_is_picked_up_by_poke():
     caps = {"s": 0}
     a = Admission(10, 10, capacity=lambda s: caps[s], backlog=lambda s: 0)
