@@ -25,6 +25,7 @@ CACHE = Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnista
 BIN = Path(os.environ.get("OMNISTAGE_K8S_BIN", CACHE / "k8s-1.20.2" / "bin"))
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 OPERATOR_USER = "omnistage-operator"
+PIPELINE_CA = "omnistage-pipeline-ca"  # the CA Secret of the pipelines' mTLS (the chart's is <release>-pipeline-ca)
 E2E_WEBHOOK_ROLE = "omnistage-e2e-webhook-config"
 
 
@@ -175,9 +176,29 @@ class Cluster:
                            "roleRef": {**binding["roleRef"], "name": E2E_WEBHOOK_ROLE}}
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([role, binding, webhook_role, webhook_binding]))
 
-    def start_operator(self, namespaces: list[str], webhook: str = "managed", **env: str) -> subprocess.Popen:
-        """`kopf run` of omnistage_operator as user omnistage-operator; waits for its webhook when managed."""
+    def pipeline_ca(self, namespace: str, name: str = PIPELINE_CA) -> str:
+        """The CA Secret the operator signs the pipelines' mTLS leaves with (as the chart keeps one), made once;
+        returns NAMESPACE/NAME as OMNISTAGE_TLS_CA_SECRET takes it."""
+        from omnistage import tls  # the operator's own issuing code reads it
+
+        try:
+            self.core.read_namespaced_secret(name, namespace)
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+            cert, key = tls.new_ca("omnistage e2e pipeline CA")
+            self.core.create_namespaced_secret(namespace, kubernetes.client.V1Secret(
+                metadata=kubernetes.client.V1ObjectMeta(name=name), type="kubernetes.io/tls",
+                string_data={"tls.crt": cert.decode(), "tls.key": key.decode()}))
+        return f"{namespace}/{name}"
+
+    def start_operator(self, namespaces: list[str], webhook: str = "managed", tls: bool = True,
+                       **env: str) -> subprocess.Popen:
+        """`kopf run` of omnistage_operator as user omnistage-operator; waits for its webhook when managed.
+        `tls`: the pipelines' processes talk mutual TLS, with leaves the operator issues from pipeline_ca."""
         self.delete_webhook_configurations()  # a killed operator leaves a failurePolicy=Fail webhook behind
+        if tls:
+            env = {"OMNISTAGE_TLS_ISSUER": "chart", "OMNISTAGE_TLS_CA_SECRET": self.pipeline_ca(namespaces[0]), **env}
         settings = {"KUBECONFIG": str(self.operator_kubeconfig), "OMNISTAGE_WEBHOOK": webhook,
                     "OMNISTAGE_MODEL_VOLUME": f"hostPath:{REPO / 'models'}", "OMNISTAGE_RESYNC_SECONDS": "60",
                     "OMNISTAGE_WEBHOOK_CERT": str(self.run / "pki" / "webhook.crt"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -24,17 +25,21 @@ class Outcome:
     message: str = ""
     text_chars: int = 0
     audio_samples: int = 0
+    retry_after: str = ""   # the orchestrator's hint on a refusal (trailing metadata `retry-after`)
 
 
 @dataclass
 class SteadyLoad:
-    """`concurrency` clients, each sending the next request as soon as its last one ended."""
+    """`concurrency` clients, each sending the next request as soon as its last one ended. With `resolve`, a
+    client whose request failed UNAVAILABLE connects again to what `resolve()` names (a client behind a
+    Service would reach the orchestrator's new replica the same way)."""
     endpoint: str
     concurrency: int = 2
     deadline_s: float = 60.0
     request: dict = field(default_factory=lambda: {"prompt": "Tell me about the sea.", "max_tokens": 8,
                                                    "max_codec_frames": 25})
     outcomes: list[Outcome] = field(default_factory=list)
+    resolve: Callable[[], str] | None = None
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -56,16 +61,31 @@ class SteadyLoad:
             t.join(self.deadline_s + 5)
 
     def _client(self) -> None:
-        with OmniClient(self.endpoint) as client:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    r = client.generate(timeout=self.deadline_s, **self.request)
-                    out = Outcome(t0, time.monotonic(), True, text_chars=len(r.text), audio_samples=len(r.pcm) // 2)
-                except grpc.RpcError as e:
-                    out = Outcome(t0, time.monotonic(), False, e.code(), e.details() or "")
-                with self._lock:
-                    self.outcomes.append(out)
+        endpoint = self.endpoint
+        while not self._stop.is_set():
+            with OmniClient(endpoint) as client:
+                while not self._stop.is_set():
+                    t0 = time.monotonic()
+                    try:
+                        r = client.generate(timeout=self.deadline_s, **self.request)
+                        out = Outcome(t0, time.monotonic(), True, text_chars=len(r.text),
+                                      audio_samples=len(r.pcm) // 2)
+                    except grpc.RpcError as e:
+                        hint = dict(e.trailing_metadata() or ()).get("retry-after", "")
+                        out = Outcome(t0, time.monotonic(), False, e.code(), e.details() or "", retry_after=hint)
+                    with self._lock:
+                        self.outcomes.append(out)
+                    if not out.ok and out.code == grpc.StatusCode.UNAVAILABLE and self.resolve is not None:
+                        break
+            if self.resolve is not None and not self._stop.is_set():
+                endpoint = self._resolved(endpoint)
+
+    def _resolved(self, last: str) -> str:
+        try:
+            return self.resolve()
+        except Exception:  # noqa: BLE001 - nothing to resolve to yet (the new replica is not ready): keep the last
+            self._stop.wait(0.5)
+            return last
 
     def count(self) -> int:
         with self._lock:

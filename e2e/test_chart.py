@@ -1,6 +1,7 @@
-"""`helm install` of charts/omnistage brings the operator up as a pod (through the node agent, with
-its ServiceAccount token and the chart's RBAC and webhook), it serves OmniPipelines in its namespace,
-and `helm uninstall` removes it.
+"""`helm install` of charts/omnistage brings the operator up as two peered pods (through the node agent,
+with their ServiceAccount token, the chart's namespaced RBAC and webhook), one of them leads and serves
+OmniPipelines in its namespace, issuing each pipeline's certificates with the chart's CA, and
+`helm uninstall` removes it.
 
 The apiserver reaches a webhook behind a Service through the Service's Endpoints, and Endpoints refuse
 loopback addresses, which is all the e2e pods have. So the install uses failurePolicy=Ignore and the
@@ -18,6 +19,9 @@ import kubernetes
 import urllib3
 import pytest
 import yaml
+from cryptography import x509
+
+from omnistage import tls
 
 from .conftest import HELM_NS, NS
 from .harness import REPO, wait_for
@@ -53,10 +57,18 @@ def test_helm_install_serves_pipelines_and_uninstall_removes_it(chart_only):
            "--set", f"models.hostPath={REPO / 'models'}", "--set", f"watchNamespaces={{{HELM_NS}}}",
            "--set", "image.tag=e2e", "--set", "webhook.failurePolicy=Ignore")
     dep = c.apps.read_namespaced_deployment(f"{RELEASE}", SYSTEM_NS)
-    assert dep.status.available_replicas == 1
-    (pod,) = c.core.list_namespaced_pod(SYSTEM_NS, label_selector="app.kubernetes.io/component=operator").items
+    assert dep.status.available_replicas == 2
+    pods = c.core.list_namespaced_pod(SYSTEM_NS, label_selector="app.kubernetes.io/component=operator").items
+    assert len(pods) == 2
+    pod = pods[0]
     assert pod.spec.containers[0].command[:4] == ["python", "-m", "kopf", "run"]
     assert pod.spec.security_context.run_as_user == 1000
+    assert pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
+    # Both replicas keep their records in the chart's KopfPeering (the older one leads, leadership.py).
+    custom = kubernetes.client.CustomObjectsApi(c.api)
+    peering = lambda: custom.get_namespaced_custom_object("kopf.dev", "v1", HELM_NS, "kopfpeerings", RELEASE)
+    wait_for(lambda: {p.metadata.name for p in pods} <= set(peering().get("status") or {}), 60,
+             "both operator replicas in the KopfPeering")
 
     # The chart registered its webhook for OmniPipelines, with a CA bundle and the Service path ...
     admission = kubernetes.client.AdmissionregistrationV1Api(c.api)
@@ -78,6 +90,19 @@ def test_helm_install_serves_pipelines_and_uninstall_removes_it(chart_only):
     names = {d.metadata.name for d in c.apps.list_namespaced_deployment(
         HELM_NS, label_selector="omnistage.io/pipeline=helm-good").items}
     assert names == {f"helm-good-{u}" for u in ("thinker", "talker", "code2wav", "orchestrator")}
+
+    # Each unit's certificate: issued with the chart's CA, naming the unit, mounted by its pods.
+    ca = base64.b64decode(c.core.read_namespaced_secret(f"{RELEASE}-pipeline-ca", SYSTEM_NS).data["tls.crt"])
+    for unit, role in (("thinker", tls.stage_role("thinker")), ("orchestrator", tls.ORCHESTRATOR_ROLE)):
+        secret = c.core.read_namespaced_secret(f"helm-good-tls-{unit}", HELM_NS)
+        cert = base64.b64decode(secret.data["tls.crt"])
+        assert base64.b64decode(secret.data["ca.crt"]) == ca
+        assert tls.uri_of(cert) == tls.identity(HELM_NS, "helm-good", role)
+        x509.load_pem_x509_certificate(cert).verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+        assert secret.metadata.owner_references[0].name == "helm-good"
+        d = c.apps.read_namespaced_deployment(f"helm-good-{unit}", HELM_NS)
+        assert any(v.secret and v.secret.secret_name == f"helm-good-tls-{unit}"
+                   for v in d.spec.template.spec.volumes)
 
     c.helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "2m")
     wait_for(lambda: not c.apps.list_namespaced_deployment(SYSTEM_NS).items, 60, "the operator Deployment to go")

@@ -5,6 +5,7 @@ two changes roll one stage at a time; a killed stage pod costs only clean refusa
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import time
@@ -13,8 +14,9 @@ import wave
 import grpc
 import pytest
 
-from omnistage import launch
+from omnistage import launch, tls
 from omnistage.client import OmniClient
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .conftest import NS
 from .harness import OPERATOR_USER, REPO, wait_for
@@ -100,7 +102,7 @@ def test_apply_becomes_ready_with_one_deployment_per_stage(pipeline):
     assert sorted(p["metadata"]["name"] for p in json.loads(pdbs)["items"]) == sorted(f"{PIPE}-{s}" for s in STAGES)
     cm = c.core.read_namespaced_config_map(f"{PIPE}-pipeline", NS)
     assert "talker" in cm.data["pipeline.yaml"] and "status" not in cm.data["pipeline.yaml"]
-    c.kubectl("get", "networkpolicy", "-n", NS, f"{PIPE}-stages")
+    c.kubectl("get", "networkpolicy", "-n", NS, f"{PIPE}-stages", f"{PIPE}-orchestrator")
     c.kubectl("get", "role,rolebinding,serviceaccount", "-n", NS, f"{PIPE}-orchestrator")
 
     wait_settled(c)
@@ -123,6 +125,21 @@ def test_stage_pods_run_as_the_spec_says(pipeline):
     assert pod.spec.security_context.run_as_user == 1000
     assert pod.status.pod_ip.startswith("127.")
     assert pod.spec.termination_grace_period_seconds > 30   # beyond the default drainSeconds
+
+
+def test_stage_pods_speak_only_mutual_tls_with_the_identity_the_operator_issued(pipeline):
+    c = pipeline
+    (pod,) = unit_pods(c, "talker")
+    secret = c.core.read_namespaced_secret(f"{PIPE}-tls-talker", NS)
+    leaf = base64.b64decode(secret.data["tls.crt"])
+    assert tls.uri_of(leaf) == tls.identity(NS, PIPE, tls.stage_role("talker"))
+    ca = base64.b64decode(secret.data["ca.crt"])
+    assert not tls.needs_renewal(leaf, ca)
+    # A caller without a certificate (the whole network, as far as the stage knows) gets nowhere.
+    with grpc.insecure_channel(f"{pod.status.pod_ip}:{launch.GRPC_PORT}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            stage_pb2_grpc.StageServiceStub(ch).GetLoad(stage_pb2.GetLoadRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_generate_through_the_orchestrator_pod_returns_text_and_audio(pipeline):

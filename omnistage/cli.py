@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omnistage.spec import MODALITIES, SpecError, load_pipeline
 
-from omnistage.launch import ENV_API_KEYS, model_root
+from omnistage.launch import ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root
 
 DEFAULT_MODEL_DIR = str(model_root())
 
@@ -87,7 +87,9 @@ def _print_endpoints(local) -> None:
     file one Prometheus scrape config reads them from."""
     from omnistage.launch import LIVE_PATH, METRICS_PATH, READY_PATH
 
-    print(f"  gRPC:       {local.endpoint}    (try: omnistage generate --endpoint {local.endpoint} --prompt 'Hello')")
+    tls_ca = " --tls-ca CA_FILE" if local.client_tls_dir else ""
+    print(f"  gRPC:       {local.endpoint}    (try: omnistage generate --endpoint {local.endpoint}{tls_ca} "
+          "--prompt 'Hello')")
     if local.api_url:
         print(f"  OpenAI API: {local.api_url}")
     width = max(len(name) for name in local.status_urls)
@@ -96,11 +98,21 @@ def _print_endpoints(local) -> None:
     print(f"  Prometheus targets (file_sd_configs): {local.targets_file}", flush=True)
 
 
+def _hops_line(local) -> str:
+    """What protects the calls between the orchestrator and the stages (and what the client ports serve)."""
+    client = "TLS" if local.client_tls_dir else f"plaintext on {local.host}"
+    if local.tls:
+        return (f"internal hops (orchestrator -> stages): mTLS, certificates from a throwaway CA deleted at exit; "
+                f"client ports: {client}")
+    return f"internal hops (orchestrator -> stages): PLAINTEXT, unauthenticated (--no-tls); client ports: {client}"
+
+
 def cmd_serve(args) -> int:
     from omnistage.local import LaunchError
 
     try:
-        local = _launcher(args, api_port=args.api_port, api_keys=args.api_key)
+        local = _launcher(args, api_port=args.api_port, api_keys=args.api_key, tls=not args.no_tls,
+                          client_tls_dir=Path(args.client_tls_dir).resolve() if args.client_tls_dir else None)
         if args.no_api or not local.pipeline.deployment.orchestrator.http.enabled:
             local.api_port = None
     except SpecError as e:
@@ -121,6 +133,7 @@ def cmd_serve(args) -> int:
         local.stop()
         return 1
     print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)")
+    print(f"  {_hops_line(local)}")
     _print_endpoints(local)
     code = 0
     try:
@@ -145,7 +158,8 @@ def _gen_kwargs(args) -> dict:
     kw = dict(system_prompt=args.system_prompt, raw_prompt=args.raw_prompt, max_tokens=args.max_tokens,
               seed=args.seed, max_codec_frames=args.max_codec_frames, width=args.width, height=args.height,
               num_inference_steps=args.num_inference_steps, outputs=args.output or (),
-              return_trace=args.return_trace, ignore_eos=args.ignore_eos)
+              return_trace=args.return_trace, ignore_eos=args.ignore_eos, priority=args.priority,
+              request_id=args.request_id)
     if args.temperature is not None:
         kw["temperature"] = args.temperature
     if args.media:  # the prompt is the last part, after the media in command-line order
@@ -224,7 +238,7 @@ def cmd_generate(args) -> int:
 
     try:
         kw = _gen_kwargs(args)
-        with OmniClient(args.endpoint) as client:
+        with OmniClient(args.endpoint, tls_ca=args.tls_ca, api_key=args.api_key) as client:
             result = client.generate(timeout=args.timeout, **kw)
     except grpc.RpcError as e:
         print(f"omnistage generate: {e.code().name}: {e.details()}", file=sys.stderr)
@@ -336,6 +350,10 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
                    help="only these outputs (repeat; default: all of the pipeline's)")
     p.add_argument("--return-trace", action="store_true", help="ask for the per-stage trace and print it")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--priority", type=int, default=0,
+                   help="higher is served first under load (above the pipeline's maxPriority: a key that allows it)")
+    p.add_argument("--request-id", default="", metavar="LABEL",
+                   help="your label for the request (the server assigns its own id; the label is echoed and traced)")
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -365,12 +383,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-port", type=int, default=0, help="port of the OpenAI-compatible API (0: any free port)")
     p.add_argument("--no-api", action="store_true",
                    help="serve the gRPC API only (as spec.deployment.orchestrator.http.enabled: false does)")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help=f"a bearer key the OpenAI-compatible API requires (repeat; default: ${ENV_API_KEYS}, "
-                        "comma-separated; none: no key needed)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY[:N]",
+                   help=f"a bearer key both client APIs (gRPC and OpenAI) require; KEY:N also allows priority up to N "
+                        f"(repeat; default: ${ENV_API_KEYS}, comma-separated; none: no key needed)")
+    p.add_argument("--no-tls", action="store_true",
+                   help="plaintext, unauthenticated calls between the orchestrator and the stages (default: "
+                        "mutual TLS with a throwaway CA made at start); for benchmarks that compare")
+    p.add_argument("--client-tls-dir", default=None, metavar="DIR",
+                   help="serve the client-facing gRPC and OpenAI API ports over TLS with DIR/tls.crt and "
+                        "DIR/tls.key (default: plaintext on the loopback address)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="send one request to an orchestrator")
     p.add_argument("--endpoint", required=True, help="orchestrator HOST:PORT")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="the orchestrator serves TLS: FILE is the CA certificate (PEM) that signed its certificate")
+    p.add_argument("--api-key", default=os.environ.get(ENV_CLIENT_API_KEY), metavar="KEY",
+                   help=f"the orchestrator requires API keys: send KEY (default ${ENV_CLIENT_API_KEY})")
     _add_gen_args(p)
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("run", help="serve a pipeline locally, answer one request, stop")

@@ -5,6 +5,9 @@
         r = c.generate("Hello", max_tokens=16)
         print(r.text); r.save_audio("out.wav")
         r = c.generate(parts=[image_part("cat.png"), "What is in this picture?"])
+
+An orchestrator serving TLS on its client port: `OmniClient(endpoint, tls_ca="ca.crt")` (the CA that signed
+its certificate, a file or PEM bytes).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class Image:
 
 @dataclass
 class GenerateResult:
-    request_id: str = ""
+    request_id: str = ""          # the server's id for the request
+    client_request_id: str = ""   # the label the client gave it (request_id=...), echoed
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     pcm: bytearray = field(default_factory=bytearray)  # int16 little-endian mono
@@ -52,6 +56,7 @@ class GenerateResult:
     def add(self, ev: orchestrator_pb2.GenerateResponse, elapsed: float) -> None:
         kind = ev.WhichOneof("event")
         self.request_id = ev.request_id or self.request_id
+        self.client_request_id = ev.client_request_id or self.client_request_id
         self.events.append(kind)
         if self.first_event_s is None:
             self.first_event_s = elapsed
@@ -201,15 +206,31 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
                                             return_trace=return_trace, priority=priority)
 
 
-class OmniClient:
-    """Blocking client. `generate` collects a whole result; `stream` yields events as they arrive."""
+def _tls_credentials(tls_ca: str | os.PathLike | bytes | None) -> grpc.ChannelCredentials | None:
+    from omnistage.tls_grpc import client_credentials
 
-    def __init__(self, endpoint: str):
-        self.channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+    return None if tls_ca is None else client_credentials(tls_ca)
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata carrying an API key (the orchestrator's keys are one set for gRPC and HTTP)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+class OmniClient:
+    """Blocking client. `generate` collects a whole result; `stream` yields events as they arrive. `tls_ca`
+    (a PEM file or its bytes): the orchestrator serves TLS with a certificate this CA signed. `api_key`: sent
+    on every call when the orchestrator requires keys."""
+
+    def __init__(self, endpoint: str, tls_ca: str | os.PathLike | bytes | None = None, api_key: str | None = None):
+        creds = _tls_credentials(tls_ca)
+        self.channel = (grpc.secure_channel(endpoint, creds, options=CHANNEL_OPTIONS) if creds
+                        else grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self.metadata = _auth_metadata(api_key)
 
     def stream(self, prompt: str = "", *, timeout: float | None = None, **kw) -> Iterator[orchestrator_pb2.GenerateResponse]:
-        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt: str = "", *, timeout: float | None = None, **kw) -> GenerateResult:
         result, t0 = GenerateResult(), time.perf_counter()
@@ -218,7 +239,7 @@ class OmniClient:
         return result
 
     def describe(self) -> orchestrator_pb2.PipelineInfo:
-        return self.stub.DescribePipeline(orchestrator_pb2.DescribePipelineRequest())
+        return self.stub.DescribePipeline(orchestrator_pb2.DescribePipelineRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -231,12 +252,17 @@ class OmniClient:
 
 
 class AsyncOmniClient:
-    def __init__(self, endpoint: str):
-        self.channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+    """OmniClient for asyncio."""
+
+    def __init__(self, endpoint: str, tls_ca: str | os.PathLike | bytes | None = None, api_key: str | None = None):
+        creds = _tls_credentials(tls_ca)
+        self.channel = (grpc.aio.secure_channel(endpoint, creds, options=CHANNEL_OPTIONS) if creds
+                        else grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self.metadata = _auth_metadata(api_key)
 
     def stream(self, prompt: str = "", *, timeout: float | None = None, **kw) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
-        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=self.metadata)
 
     async def generate(self, prompt: str = "", *, timeout: float | None = None, **kw) -> GenerateResult:
         result, t0 = GenerateResult(), time.perf_counter()

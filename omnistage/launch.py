@@ -36,6 +36,15 @@ ENV_POD_NAMESPACE = "POD_NAMESPACE"          # on a cluster, from the downward A
 # Bearer keys of the OpenAI-compatible API, comma-separated: how a Kubernetes Secret reaches the orchestrator
 # (an env var from a secretKeyRef), and how `omnistage serve` passes them without showing them in `ps`.
 ENV_API_KEYS = "OMNISTAGE_API_KEYS"
+ENV_CLIENT_API_KEY = "OMNISTAGE_API_KEY"     # the one key a client (`omnistage generate`) sends
+# The process's mTLS identity: a folder in the Kubernetes TLS Secret layout (ca.crt, tls.crt, tls.key; see
+# omnistage/tls.py). Given: stages accept only the pipeline's own peers and the orchestrator dials them over TLS.
+ENV_TLS_DIR = "OMNISTAGE_TLS_DIR"
+TLS_MOUNT = "/etc/omnistage-tls"             # where the operator mounts a pod's certificate Secret (beside, not inside,
+                                             # the pipeline ConfigMap's read-only /etc/omnistage: no mount point within it)
+# The orchestrator's client-facing certificate (tls.crt, tls.key): its gRPC and HTTP API ports serve TLS.
+ENV_CLIENT_TLS_DIR = "OMNISTAGE_CLIENT_TLS_DIR"
+CLIENT_TLS_MOUNT = "/etc/omnistage-client-tls"
 
 DEFAULT_MODEL_DIR = "models"                 # relative to the working directory
 DEFAULT_HOST = "127.0.0.1"
@@ -87,6 +96,8 @@ _SERVING = (
     Flag("host", f"address to bind (default ${ENV_HOST} or {DEFAULT_HOST})", default=DEFAULT_HOST, env=ENV_HOST),
     Flag("port", "gRPC port (0: any free port)", int, default=0),
     Flag("http_port", f"HTTP port for {METRICS_PATH}, {READY_PATH}, {LIVE_PATH}, {DRAIN_PATH}", int),
+    Flag("tls_dir", f"mTLS identity between the pipeline's processes: a folder with ca.crt, tls.crt, tls.key "
+                    f"(default ${ENV_TLS_DIR}; none: plaintext)", env=ENV_TLS_DIR, metavar="DIR"),
 )
 _LIFECYCLE = (
     Flag("drain_seconds", "bound on finishing admitted work at SIGTERM", float),
@@ -115,8 +126,12 @@ ORCHESTRATOR_FLAGS = (
     Flag("wait_for_stages", "seconds to wait at start-up for every stage replica to be SERVING", float,
          default=0.0),
     Flag("api_port", "port of the OpenAI-compatible HTTP API (0: any free port; not given: no API)", int),
-    Flag("api_key", f"a bearer key the HTTP API accepts (repeat; default: ${ENV_API_KEYS}, comma-separated; "
-                    "none: no key needed)", repeat=True, env=ENV_API_KEYS, metavar="KEY"),
+    Flag("api_key", f"a bearer key both APIs (gRPC and HTTP) accept; KEY:N also allows priority up to N (repeat; "
+                    f"default: ${ENV_API_KEYS}, comma-separated; none: no key needed)", repeat=True, env=ENV_API_KEYS,
+         metavar="KEY[:N]"),
+    Flag("client_tls_dir", f"serve the client-facing gRPC and HTTP API ports over TLS with tls.crt and tls.key "
+                           f"from this folder (default ${ENV_CLIENT_TLS_DIR}; none: plaintext)",
+         env=ENV_CLIENT_TLS_DIR, metavar="DIR"),
     *_LIFECYCLE,
 )
 

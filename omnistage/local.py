@@ -9,12 +9,18 @@ Every process serves its HTTP status port (metrics, readiness, liveness) on a
 free port, and the orchestrator the OpenAI-compatible API when asked; each
 process's ready file says which ports it bound. `prometheus-targets.json` in
 the log folder lists every status port for a Prometheus `file_sd_configs`.
+
+The hops between the orchestrator and the stages are mutual TLS unless `tls=False`: at start a throwaway
+CA (its key never written) issues a leaf for the orchestrator and one per stage (namespace "local", the
+pipeline's name) into a private temporary folder (0700), deleted at stop. The client-facing ports stay
+plaintext unless a `client_tls_dir` (tls.crt, tls.key) is given.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -23,12 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from omnistage.launch import (API_PATH, ENV_API_KEYS, ReadyPorts, http_url, model_dir, orchestrator_command,
-                              read_ready, service_env, stage_command)
+from omnistage import tls as certificates
+from omnistage.launch import (API_PATH, ENV_API_KEYS, ENV_CLIENT_TLS_DIR, ENV_TLS_DIR, ReadyPorts, http_url,
+                              model_dir, orchestrator_command, read_ready, service_env, stage_command)
 from omnistage.spec import Pipeline
 
 TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
 SCRAPE_JOB = "omnistage"
+LOCAL_NAMESPACE = "local"           # the namespace part of every local process's identity
 
 
 class LaunchError(RuntimeError):
@@ -72,6 +80,8 @@ class LocalPipeline:
     extra_env: dict[str, str] = field(default_factory=dict)
     api_port: int | None = None     # the orchestrator's OpenAI-compatible API (0: any free port; None: none)
     api_keys: Sequence[str] = ()    # bearer keys the API takes (none: no key needed)
+    tls: bool = True                # mutual TLS between the orchestrator and the stages (throwaway CA)
+    client_tls_dir: Path | None = None  # tls.crt + tls.key: the orchestrator's client ports serve TLS
 
     def __post_init__(self):
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix=f"omnistage-{self.pipeline.name}-"))
@@ -80,6 +90,7 @@ class LocalPipeline:
         self.orchestrator: Proc | None = None
         self.endpoint: str | None = None
         self.targets_file = self.log_dir / TARGETS_FILE
+        self.tls_root: Path | None = None   # the private folder of this run's certificates, while running
 
     # ------------------------------------------------------------ start
     def check_models(self) -> None:
@@ -94,6 +105,8 @@ class LocalPipeline:
         # every stage runs on this host: `auto` edges may use shared memory between them
         env.update(service_env(self.model_dir, same_host=True))
         env.update({"UCX_TLS": env.get("UCX_TLS", "tcp"), "UCX_WARN_UNUSED_ENV_VARS": "n"})
+        for key in (ENV_TLS_DIR, ENV_CLIENT_TLS_DIR):  # serve decides: its own certificates, or none (--no-tls)
+            env.pop(key, None)
         env.update(self.extra_env)
         return env
 
@@ -110,6 +123,7 @@ class LocalPipeline:
         self.check_models()
         env = self.env()
         orchestrator_env = {**env, **self._api_key_env()}   # refused keys: before anything starts
+        tls_dirs = self._issue_certificates() if self.tls else {}
         for st in self.pipeline.stages:
             n = self.replicas.get(st.name, self.pipeline.deployment.stages[st.name].replicas) or 1
             for i in range(n):
@@ -117,7 +131,7 @@ class LocalPipeline:
                 tag = f"{st.name}-{i}"
                 ready_file = self.log_dir / f"{tag}.ready"
                 argv = stage_command(self.pipeline_file, st.name, host=self.host, port=0, http_port=0,
-                                     model_dir=self.model_dir, ready_file=ready_file)
+                                     model_dir=self.model_dir, ready_file=ready_file, tls_dir=tls_dirs.get(st.name))
                 proc = Proc(name, argv, self.log_dir / f"{tag}.log", ready_file, stage=st.name)
                 self._spawn(proc, env)
                 self.stages.append(proc)
@@ -130,13 +144,23 @@ class LocalPipeline:
         ready_file = self.log_dir / "orchestrator.ready"
         argv = orchestrator_command(self.pipeline_file, host=self.host, port=self.port, http_port=0,
                                     api_port=self.api_port, stage_endpoints=endpoints, wait_for_stages=30,
-                                    ready_file=ready_file)
+                                    ready_file=ready_file, tls_dir=tls_dirs.get(None),
+                                    client_tls_dir=self.client_tls_dir)
         self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log", ready_file)
         self._spawn(self.orchestrator, orchestrator_env)
         self._wait_ready([self.orchestrator], 60)
         self.endpoint = f"{self.host}:{self.orchestrator.port}"
         self.targets_file.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
         return self.endpoint
+
+    def _issue_certificates(self) -> dict[str | None, Path]:
+        """A throwaway CA and a leaf for the orchestrator (key None) and each stage, each in its own folder
+        under a private temporary one. The CA's key stays in memory: nothing else can be issued from it."""
+        self.tls_root = Path(tempfile.mkdtemp(prefix=f"omnistage-tls-{self.pipeline.name}-"))  # 0700
+        ca, ca_key = certificates.new_ca(f"omnistage serve {self.pipeline.name} (throwaway)")
+        dirs = certificates.write_pipeline_dirs(self.tls_root, ca, ca_key, LOCAL_NAMESPACE, self.pipeline.name,
+                                                [st.name for st in self.pipeline.stages])
+        return {who: files.folder for who, files in dirs.items()}
 
     def _api_key_env(self) -> dict[str, str]:
         """The keys reach the orchestrator in its environment, not its command line (which `ps` shows)."""
@@ -172,9 +196,13 @@ class LocalPipeline:
     # ------------------------------------------------------- where to reach it
     @property
     def api_url(self) -> str | None:
-        """The OpenAI-compatible API's base URL (`http://HOST:PORT/v1`); None when it is not served."""
+        """The OpenAI-compatible API's base URL (`http://HOST:PORT/v1`, https with a client_tls_dir); None
+        when it is not served."""
         ports = self.orchestrator.ports if self.orchestrator else None
-        return http_url(self.host, ports.api, API_PATH) if ports and ports.api is not None else None
+        if not ports or ports.api is None:
+            return None
+        url = http_url(self.host, ports.api, API_PATH)
+        return certificates.https(url) if self.client_tls_dir else url
 
     @property
     def status_urls(self) -> dict[str, str]:
@@ -212,6 +240,9 @@ class LocalPipeline:
                 p.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+        if self.tls_root is not None:  # the keys go with the processes that used them
+            shutil.rmtree(self.tls_root, ignore_errors=True)
+            self.tls_root = None
 
     def __enter__(self) -> "LocalPipeline":
         return self

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from omnistage.v1 import tensor_pb2
@@ -47,17 +49,34 @@ def to_proto(name: str, t: torch.Tensor) -> tensor_pb2.Tensor:
 
 
 def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    numel = 1
-    for d in shape:
-        numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(data) != numel * itemsize:
-        raise TensorFormatError(f"tensor of shape {list(shape)} and dtype {dtype} needs {numel * itemsize} bytes, "
-                                f"got {len(data)}")
+    numel = math.prod(shape)
+    if len(data) != numel * dtype.itemsize:
+        raise TensorFormatError(f"tensor of shape {list(shape)} and dtype {dtype} needs {numel * dtype.itemsize} "
+                                f"bytes, got {len(data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
+    if dtype == torch.bool and bytes(data).translate(None, b"\0\1"):  # torch keeps them: truthy, yet != True
+        raise TensorFormatError("a bool tensor's bytes must each be 0 or 1")
     flat = torch.frombuffer(bytearray(data), dtype=dtype)
     return flat.reshape(shape)
+
+
+def descriptor_bytes(msg: tensor_pb2.Tensor) -> int:
+    """The bytes a Tensor message's dtype and shape need, once they are known to agree with its payload:
+    the inline bytes, or the size its reference declares (checked before anything is fetched for it,
+    since that size is what the consumer allocates)."""
+    payload = msg.WhichOneof("payload")
+    if payload is None:
+        raise TensorFormatError(f'tensor "{msg.name}" carries neither data nor a reference')
+    dtype = torch_dtype(msg.dtype)
+    if any(d < 0 for d in msg.shape):
+        raise TensorFormatError(f'tensor "{msg.name}" has a negative dimension in shape {list(msg.shape)}')
+    nbytes = math.prod(msg.shape) * dtype.itemsize
+    held = len(msg.data) if payload == "data" else msg.ref.nbytes
+    if held != nbytes:
+        raise TensorFormatError(f'tensor "{msg.name}" of shape {list(msg.shape)} and dtype {dtype} needs {nbytes} '
+                                f"bytes, its {'data holds' if payload == 'data' else 'reference declares'} {held}")
+    return nbytes
 
 
 def from_proto(msg: tensor_pb2.Tensor) -> torch.Tensor:

@@ -43,14 +43,15 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-def emit(request_id: str, pipeline: str, trace, outcome: str) -> None:
+def emit(request_id: str, pipeline: str, trace, outcome: str, client_request_id: str = "") -> None:
     """Spans for a finished request from its RequestTrace (times are reconstructed from the trace)."""
     if _tracer is None:
         return
     end_ns = time.time_ns()
     start_ns = end_ns - int(trace.total_ms * 1e6)
     root = _tracer.start_span("omnistage.request", start_time=start_ns, attributes={
-        "omnistage.request_id": request_id, "omnistage.pipeline": pipeline, "omnistage.outcome": outcome,
+        "omnistage.request_id": request_id, "omnistage.client_request_id": client_request_id,
+        "omnistage.pipeline": pipeline, "omnistage.outcome": outcome,
         "omnistage.admission_wait_ms": trace.admission_wait_ms, "omnistage.first_output_ms": trace.first_output_ms,
         "omnistage.media_decode_ms": trace.media_decode_ms})
     from opentelemetry import trace as otel_trace

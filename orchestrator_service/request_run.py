@@ -6,9 +6,10 @@ arrives, so stages overlap. Output-stage chunks become client events.
 
 A stage replica that fails mid-request is replaced by another replica of the
 stage when its inputs are still held (the chunks forwarded to it are kept
-until it finishes, within a byte budget) and none of its output has reached
-the client; the new replica gets the same header and inputs, and chunks it
-repeats (ids already handled) go nowhere. Otherwise the client gets
+until it finishes, within a byte budget; chunks by reference as descriptors,
+their producers keeping the tensors until this request releases them) and none
+of its output has reached the client; the new replica gets the same header and
+inputs, and chunks it repeats (ids already handled) go nowhere. Otherwise the client gets
 UNAVAILABLE naming the stage, and every other stage call is cancelled.
 Each stage's call, with its replay and retry, is a `StageCall` (stage_call.py);
 this module wires them into the graph and turns outputs into client events.
@@ -74,6 +75,7 @@ class RequestRun:
                                     max_replay_bytes=self.max_replay_bytes)
                        for s in self.needed}
         self._active = 0  # stage calls whose outputs are still being read
+        self._by_reference: set[str] = set()  # stages whose outputs went by reference: they hold them for retries
         self._completed = False
         self.started = time.perf_counter()
         self.first_output: float | None = None
@@ -101,6 +103,8 @@ class RequestRun:
             await self.cancel()
             if not self._completed or any(sc.unfetched for sc in self._calls.values()):
                 _background(self._release_everywhere())
+            elif self._by_reference:  # producers keep fetched tensors for a retry until told the request ended
+                _background(self._release_everywhere(self._by_reference))
 
     async def cancel(self) -> None:
         """Cancel every stage call still running (client gone, deadline, or a failed stage)."""
@@ -109,10 +113,12 @@ class RequestRun:
         for sc in self._calls.values():
             await sc.stopped()
 
-    async def _release_everywhere(self) -> None:
-        """Tell every replica the request touched to free what it still holds for it."""
+    async def _release_everywhere(self, stages: set[str] | None = None) -> None:
+        """Tell every replica the request touched (of `stages`; None: all) to free what it still holds for it."""
         calls = []
         for stage, sc in self._calls.items():
+            if stages is not None and stage not in stages:
+                continue
             pool = self.router.pools.get(stage)
             for addr in sc.tried:
                 r = pool.replicas.get(addr) if pool else None
@@ -147,6 +153,8 @@ class RequestRun:
             self.assembler.count_prompt(chunk)
         if chunk.finish_reason and modality == "text":
             self.finish_reason = chunk.finish_reason
+        if any(t.WhichOneof("payload") == "ref" for t in chunk.tensors):
+            self._by_reference.add(stage)
         for consumer in self._consumers[stage]:
             try:
                 await self._open(consumer)  # its first input exists now

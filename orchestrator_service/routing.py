@@ -3,8 +3,9 @@
 Each replica's capacity and the load other orchestrators put on it come from
 its own `GetLoad` answers, polled in the background; the load this
 orchestrator puts on it is counted exactly as calls open and close. A replica
-that is draining, unreachable or just failed gets no new work. The choice is
-the ready replica with the least outstanding work relative to what it holds,
+that is draining, unreachable or just failed gets no new work; one that refused
+a connection is ejected (outliers.py) until a probe answers. The choice is the
+ready replica with the least outstanding work relative to what it holds,
 and a replica is never sent more than it holds: dispatch waits for room.
 """
 
@@ -19,9 +20,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage.serving import KEEPALIVE_CHANNEL_OPTIONS
+from omnistage.tls_grpc import ChannelTls
 from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
+from .outliers import Outlier, nothing_sent
 from .retry_budget import RetryBudget
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -50,10 +53,11 @@ class Replica:
     draining: bool = False
     reachable: bool = True
     failures: int = 0
+    outlier: Outlier = field(default_factory=Outlier)
 
     @property
     def ready(self) -> bool:
-        return self.reachable and not self.draining
+        return self.reachable and not self.draining and not self.outlier.ejected
 
     @property
     def holds(self) -> int:
@@ -102,6 +106,8 @@ class StagePool:
 class Router:
     """Channels to every stage replica, kept in step with the endpoints discovery reports."""
 
+    tls: ChannelTls | None = None  # set before the first endpoints: replicas are dialed over mutual TLS
+
     def __init__(self, pipeline: Pipeline, poll_interval: float = 0.25,
                  on_change: Callable[[], None] | None = None, retry_budget: RetryBudget | None = None):
         self.pipeline = pipeline
@@ -110,6 +116,7 @@ class Router:
         self.retry_budget = retry_budget or RetryBudget()  # shared by every stage call routed here
         self.pools: dict[str, StagePool] = {s.name: StagePool(s.name) for s in pipeline.stages}
         self._pollers: dict[Replica, asyncio.Task] = {}
+        self._probes: dict[Replica, asyncio.Task] = {}  # of ejected replicas
 
     def _default_capacity(self, stage: str) -> int:
         sch = self.pipeline.deployment.stages[stage].scheduler
@@ -120,19 +127,35 @@ class Router:
         pool = self.pools[stage]
         for addr in set(pool.replicas) - set(addresses):
             r = pool.replicas.pop(addr)
-            task = self._pollers.pop(r, None)
-            if task:
-                task.cancel()
+            for tasks in (self._pollers, self._probes):
+                task = tasks.pop(r, None)
+                if task:
+                    task.cancel()
             asyncio.ensure_future(r.channel.close(grace=60))  # lets its in-flight calls finish
             log.info("stage %s: replica %s removed", stage, addr)
         for addr in addresses:
             if addr not in pool.replicas:
-                ch = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+                ch = self._channel(stage, addr)
                 r = Replica(stage, addr, ch, stage_pb2_grpc.StageServiceStub(ch), self._default_capacity(stage))
                 pool.replicas[addr] = r
                 self._start_poller(r)
                 log.info("stage %s: replica %s added", stage, addr)
         self._changed()
+
+    def _channel(self, stage: str, addr: str) -> grpc.aio.Channel:
+        if self.tls is None:
+            return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(addr, self.tls.credentials, options=[*CHANNEL_OPTIONS, *self.tls.options(stage)])
+
+    def renew_channels(self) -> None:
+        """After the certificate files were rotated (self.tls refreshed): a new channel for every replica, so
+        new calls present the new leaf; each old channel closes with a grace that lets its calls finish."""
+        for pool in self.pools.values():
+            for r in pool.replicas.values():
+                old, r.channel = r.channel, self._channel(r.stage, r.address)
+                r.stub = stage_pb2_grpc.StageServiceStub(r.channel)
+                asyncio.ensure_future(old.close(grace=60))
+        log.info("stage channels renewed with the rotated certificate")
 
     def _start_poller(self, r: Replica) -> None:
         try:
@@ -161,7 +184,9 @@ class Router:
                 misses = 0
                 if changed or r.others:
                     self._changed()
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as e:
+                if nothing_sent(e.code(), e.details() or ""):
+                    self.eject(r)  # refused: out at once, not after a second miss
                 misses += 1
                 if misses >= 2 and r.reachable:
                     r.reachable = False
@@ -229,6 +254,41 @@ class Router:
         r.reachable = False
         self.on_change()
 
+    def eject(self, r: Replica) -> None:
+        """`r` refused a connection: no new work until a probe after its ejection time answers."""
+        if r.outlier.ejected:
+            return
+        loop = asyncio.get_running_loop()
+        until = r.outlier.eject(loop.time())
+        log.warning("stage %s: replica %s refused a connection: ejected for %.1fs", r.stage, r.address,
+                    until - loop.time())
+        if r not in self._probes and r.address in self.pools[r.stage].replicas:
+            self._probes[r] = asyncio.create_task(self._probe(r), name=f"probe-{r.stage}-{r.address}")
+        self._changed()
+
+    async def _probe(self, r: Replica) -> None:
+        """Bring an ejected replica back once it answers a GetLoad after its ejection time."""
+        loop = asyncio.get_running_loop()
+        try:
+            while r.outlier.ejected:
+                await asyncio.sleep(max(0.0, r.outlier.until - loop.time()))
+                try:
+                    load = await r.stub.GetLoad(stage_pb2.GetLoadRequest(), timeout=max(1.0, 4 * self.poll_interval))
+                except grpc.aio.AioRpcError:
+                    r.outlier.eject(loop.time())  # still down: out again, for longer
+                    continue
+                r.outlier.probe_answered()
+                r.reachable, r.draining = True, load.draining
+                r.capacity = load.max_running + load.max_queued
+                log.info("stage %s: replica %s answered its probe: back in routing", r.stage, r.address)
+                self._changed()
+        finally:
+            self._probes.pop(r, None)
+
+    def served(self, r: Replica) -> None:
+        """A call on `r` ended well: its next ejection starts from the base time."""
+        r.outlier.served()
+
     def _changed(self) -> None:
         for pool in self.pools.values():
             pool.room.set()
@@ -253,7 +313,7 @@ class Router:
                     await asyncio.sleep(0.2)
 
     async def close(self) -> None:
-        for t in self._pollers.values():
+        for t in [*self._pollers.values(), *self._probes.values()]:
             t.cancel()
         for pool in self.pools.values():
             for r in pool.replicas.values():

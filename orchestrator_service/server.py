@@ -12,17 +12,19 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
-from omnistage import launch
+from omnistage import launch, tls, tls_grpc
 from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
                                grpc_server_options, on_signals, set_serving)
 from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
+from .api_keys import ApiKeys
 from .discovery import KubernetesDiscovery
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
@@ -58,16 +60,27 @@ def parse_endpoints(specs: list[str], pipeline: Pipeline) -> dict[str, list[str]
 class OrchestratorServer:
     def __init__(self, pipeline: Pipeline, endpoints: dict[str, list[str]], host: str = "127.0.0.1",
                  port: int = 0, http_port: int | None = None, drain_seconds: float | None = None,
-                 namespace: str | None = None, api_port: int | None = None, api_keys: Sequence[str] = ()):
+                 namespace: str | None = None, api_port: int | None = None, api_keys: Sequence[str] = (),
+                 tls_dir: str | None = None, client_tls_dir: str | None = None,
+                 tls_reload_s: float = tls_grpc.RELOAD_INTERVAL_S):
         self.pipeline = pipeline
         self.router = Router(pipeline)
+        # Stage channels over mutual TLS as this orchestrator's identity; the client-facing ports over TLS.
+        # Both read here: unusable files fail before anything binds.
+        self.router.tls = tls_grpc.ChannelTls(tls.TlsFiles(Path(tls_dir))) if tls_dir else None
+        self.client_tls = tls.TlsFiles(Path(client_tls_dir)) if client_tls_dir else None
+        if self.client_tls is not None:
+            self.client_tls.read_leaf()
+        self.tls_reload_s = tls_reload_s
+        self._tls_watch: asyncio.Task | None = None
         for stage, addrs in endpoints.items():
             self.router.set_endpoints(stage, addrs)
         self.metrics = OrchestratorMetrics()
         self.media = MediaCheck(pipeline)
-        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media)
+        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media,
+                                             ApiKeys(api_keys, pipeline.deployment.orchestrator.max_priority))
         self.host, self.port, self.http_port = host, port, http_port
-        self.api_port, self.api_keys = api_port, tuple(api_keys)
+        self.api_port = api_port
         self.api: HttpApi | None = None  # once started
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.orchestrator.drain_seconds)
@@ -88,9 +101,11 @@ class OrchestratorServer:
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE])
         await set_serving(self.health, [SERVICE], False)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        self.port = self._add_port()
         await self.server.start()
         self.router.start()
+        if self.router.tls is not None or self.client_tls is not None:
+            self._tls_watch = asyncio.create_task(tls_grpc.watch(self.reload_tls, self.tls_reload_s))
         if self.discovery is not None:
             self.discovery.start()
             await asyncio.wait_for(self.discovery.synced.wait(), 60)
@@ -103,13 +118,28 @@ class OrchestratorServer:
             # Imported here: the HTTP stack (FastAPI, uvicorn) loads only where the API is served.
             from .http_api import HttpApi
 
-            api = HttpApi(self.servicer, self.pipeline, self.host, self.api_port, self.api_keys)
+            api = HttpApi(self.servicer, self.pipeline, self.host, self.api_port, tls=self.client_tls)
             self.api_port = await api.start()
             self.api = api  # only once bound: a drain after a failed start has no API to stop
         self.ready = True
         await set_serving(self.health, [SERVICE], True)
         log.info("orchestrator for %s serving on %s:%d", self.pipeline.name, self.host, self.port)
         return self.port
+
+    def _add_port(self) -> int:
+        address = f"{self.host}:{self.port}"
+        if self.client_tls is None:
+            return self.server.add_insecure_port(address)
+        return self.server.add_secure_port(address, tls_grpc.server_credentials(self.client_tls,
+                                                                                require_client_cert=False))
+
+    def reload_tls(self) -> None:
+        """Rotated certificate files: new stage channels with the new leaf; the HTTP API's new connections get
+        the new client-facing certificate (the gRPC ports reload theirs at each handshake by themselves)."""
+        if self.router.tls is not None and self.router.tls.refresh():
+            self.router.renew_channels()
+        if self.api is not None:
+            self.api.reload_tls()
 
     async def drain(self) -> None:
         if self._drain_called:  # once; a second SIGTERM or /drain waits for the first to finish
@@ -124,6 +154,8 @@ class OrchestratorServer:
             await asyncio.gather(self.server.stop(grace=self.drain_seconds),
                                  self._admitted_work_finished(self.drain_seconds))
         finally:
+            if self._tls_watch is not None:
+                self._tls_watch.cancel()
             if self.api is not None:
                 await self.api.stop()
             if self.discovery is not None:
@@ -169,7 +201,8 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"orchestrator: {e}", file=sys.stderr)
             return 2
     srv = OrchestratorServer(pipeline, endpoints, args.host, args.port, args.http_port, args.drain_seconds,
-                             namespace=namespace, api_port=args.api_port, api_keys=args.api_key)
+                             namespace=namespace, api_port=args.api_port, api_keys=args.api_key,
+                             tls_dir=args.tls_dir, client_tls_dir=args.client_tls_dir)
     on_signals(lambda: asyncio.ensure_future(srv.drain()))
     try:
         await srv.start(wait_for_stages=args.wait_for_stages)
@@ -183,7 +216,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                               srv.api_port))
     print(f"orchestrator ready on {args.host}:{srv.port}", flush=True)
     if srv.api is not None:
-        print(f"OpenAI API on {launch.http_url(args.host, srv.api_port, launch.API_PATH)}", flush=True)
+        url = launch.http_url(args.host, srv.api_port, launch.API_PATH)
+        print(f"OpenAI API on {tls.https(url) if srv.client_tls else url}", flush=True)
     await srv.stopped.wait()
     await asyncio.to_thread(srv.close)  # off the loop: a pending /drain answer still needs it
     return 0
@@ -200,4 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(serve(args))
     except SpecError as e:
         print(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors), file=sys.stderr)
+        return 2
+    except tls.TlsError as e:
+        launch.report_exit(f"orchestrator: TLS: {e}")
         return 2

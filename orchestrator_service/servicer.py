@@ -19,6 +19,7 @@ from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
 from .admission import Admission, Overloaded
+from .api_keys import ApiKeys
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .request_run import RequestRun, StageFailed, needed_stages
@@ -27,6 +28,9 @@ from .stage_call import remaining
 
 log = logging.getLogger("omnistage.orchestrator")
 MAX_REQUEST_ID = 128
+# A draining replica's refusal: another replica (or this one, restarted) takes the retry within about this.
+DRAIN_RETRY_AFTER_S = 1.0
+REFUSED_KEY = {"unauthenticated": grpc.StatusCode.UNAUTHENTICATED, "priority": grpc.StatusCode.PERMISSION_DENIED}
 
 
 class Refused(Exception):
@@ -53,6 +57,16 @@ def effective_deadline(caller: float | None, now: float, request_timeout_s: floa
     if caller is None or default is None:
         return caller if default is None else default
     return min(caller, default)
+
+
+def checked_label(label: str) -> str:
+    """The client's request_id: its own label for the request (the server's id is what stages key on), bounded
+    in length and to visible ASCII so it is safe in logs, traces and headers."""
+    if len(label) > MAX_REQUEST_ID:
+        raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID} characters")
+    if any(not ("!" <= c <= "~") for c in label):
+        raise InvalidRequest("request_id", "may hold only visible ASCII characters (no spaces or control characters)")
+    return label
 
 
 def requested_outputs(pipeline: Pipeline, request: orchestrator_pb2.GenerateRequest) -> dict[str, str]:
@@ -92,7 +106,8 @@ def estimated_cost(p) -> float:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, pipeline: Pipeline, router: Router, metrics: OrchestratorMetrics, media: MediaCheck):
+    def __init__(self, pipeline: Pipeline, router: Router, metrics: OrchestratorMetrics, media: MediaCheck,
+                 api_keys: ApiKeys | None = None):
         self.pipeline = pipeline
         self.router = router
         self.metrics = metrics
@@ -103,12 +118,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                    backlog=router.backlog, fairness=orc.fairness)
         router.on_change = self.admission.poke
         self.draining = False
-        self.runs: dict[str, RequestRun] = {}
+        self.runs: dict[str, RequestRun] = {}       # server id -> the request's walk
+        self.labels: dict[str, str] = {}            # client label -> server id, while in flight
+        self.api_keys = api_keys if api_keys is not None else ApiKeys(max_priority=orc.max_priority)
 
     async def Generate(self, request: orchestrator_pb2.GenerateRequest, context):
         """The gRPC front door: the request path below, a refusal as the call's status."""
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
+        refused = self.api_keys.refusal(dict(context.invocation_metadata()).get("authorization"), request.priority)
+        if refused is not None:
+            self.metrics.requests.labels("rejected").inc()
+            await context.abort(REFUSED_KEY[refused[0]], refused[1])
         try:
             async for ev in self.generate(request, deadline):
                 yield ev
@@ -117,20 +138,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
             await context.abort(e.code, e.message)
 
-    async def generate(self, request: orchestrator_pb2.GenerateRequest,
-                       deadline: float | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+    async def generate(self, request: orchestrator_pb2.GenerateRequest, deadline: float | None = None,
+                       request_id: str | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         """The one request path both front doors (gRPC and HTTP) take: validate -> admit -> walk the
         stage graph -> events -> final. `deadline` is time.time() seconds, the caller's; the pipeline's
-        requestTimeoutSeconds bounds it. Raises Refused; a caller that stops iterating (client gone)
-        cancels the request in every stage."""
+        requestTimeoutSeconds bounds it. `request_id` is the server's id for it (a new one when None; the
+        HTTP layer makes its own to name the response); `request.request_id` is only the client's label.
+        Raises Refused; a caller that stops iterating (client gone) cancels the request in every stage."""
         deadline = effective_deadline(deadline, time.time(), self.pipeline.limits.request_timeout_seconds)
         m = self.metrics
         if self.draining:
             m.requests.labels("rejected").inc()
-            raise Refused(grpc.StatusCode.UNAVAILABLE, "orchestrator is draining; retry on another replica")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "orchestrator is draining; retry on another replica",
+                          retry_after_s=DRAIN_RETRY_AFTER_S)
         try:
-            if len(request.request_id) > MAX_REQUEST_ID:
-                raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID} characters")
+            label = checked_label(request.request_id)
             params = resolve(request.params, self.pipeline.limits)
             outputs = requested_outputs(self.pipeline, request)
             media_decode_ms = 0.0
@@ -148,7 +170,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if down:  # nothing to wait for: say so now rather than hold the request
             m.requests.labels("failed").inc()
             raise Refused(grpc.StatusCode.UNAVAILABLE, f"stage {down[0]} {down[1]}", stage=down[0])
-        rid = request.request_id or uuid.uuid4().hex
+        if label in self.labels:
+            m.requests.labels("invalid").inc()
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS,
+                          f"request_id {label!r}: a request with this id is already in flight", param="request_id")
+        rid = request_id or uuid.uuid4().hex
+        if label:
+            self.labels[label] = rid
         t0 = time.perf_counter()
         outcome = "failed"
         ticket = None
@@ -176,6 +204,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     if first:
                         m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
                         first = False
+                    ev.client_request_id = label
                     yield ev
             final = orchestrator_pb2.Final(finish_reason=run.finish_reason or "stop", usage=run.assembler.usage)
             trace = run.trace(ticket.wait_ms, media_decode_ms)
@@ -186,8 +215,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     m.retries.labels(st.stage).inc(st.attempts - 1)
             if request.return_trace:
                 final.trace.CopyFrom(trace)
-            otel.emit(rid, self.pipeline.name, trace, "finished")
-            yield orchestrator_pb2.GenerateResponse(request_id=rid, final=final)
+            otel.emit(rid, self.pipeline.name, trace, "finished", label)
+            yield orchestrator_pb2.GenerateResponse(request_id=rid, client_request_id=label, final=final)
             outcome = "finished"
         except Overloaded as e:
             outcome = "rejected"
@@ -202,6 +231,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise
         finally:
             self.runs.pop(rid, None)
+            if label:
+                self.labels.pop(label, None)
             if ticket is not None:
                 self.admission.release(ticket)
             m.inflight.set(self.admission.inflight)

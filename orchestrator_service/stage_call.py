@@ -3,7 +3,9 @@ replay), the outputs it has delivered, and its retry on another replica, within 
 orchestrator's stage calls share (retry_budget.py).
 
 Two tasks per call, each the only one doing its job. The reader takes the stage's output chunks in
-order, hands each new one to the request (`deliver`) and, when the replica fails, dispatches another.
+order, hands each new one to the request (`deliver`) and, when the replica fails, dispatches another:
+a call that never reached its replica (connection refused) goes to another one without counting as an
+attempt or against the budget, and the replica is ejected from routing (outliers.py).
 The writer is the only task that writes to the stage's stream; it is fed by a queue of attempts (the
 header, then the inputs held so far) and forwarded chunks, so a chunk forwarded during a retry waits
 behind the replay and a new replica sees every input once and in order, without a lock passed
@@ -22,6 +24,7 @@ import grpc
 
 from omnistage.v1 import stage_pb2
 
+from .outliers import nothing_sent
 from .retry_budget import CallBudget
 from .routing import NoReplica, Replica, Router
 
@@ -110,6 +113,7 @@ class StageCall:
         self.client_saw = False        # some of this stage's output reached the client
         self.finished = False
         self.unfetched = False         # a chunk forwarded here was never sent: its producer may hold it
+        self._counted = 0              # attempts that reached a replica (refused connections are not counted)
         self._log: list[stage_pb2.Chunk] = []  # every input so far while `_replayable`, for a new replica
         self._log_bytes = 0
         self._replayable = True
@@ -170,11 +174,13 @@ class StageCall:
         """Keep `chunk` for a replay, or give up replaying when it cannot be kept."""
         if not self._replayable:
             return
-        # A chunk by reference lives in the producer's connector, which frees it once fetched: a new
-        # replica could not fetch it again. Past the byte budget the orchestrator will not hold more.
+        # A chunk by reference is held here as its descriptor only: its producer keeps the tensors after
+        # they were fetched until the request is released (or its TTL, or its budget needs the room:
+        # omnistage/connector/store.py), so a new replica fetches them again; one the producer no longer
+        # holds fails that replica's fetch, and the call ends there. Past the byte budget the orchestrator
+        # will not hold more.
         size = chunk.ByteSize()
-        if (any(t.WhichOneof("payload") == "ref" for t in chunk.tensors)
-                or self._log_bytes + size > self.max_replay_bytes):
+        if self._log_bytes + size > self.max_replay_bytes:
             self._replayable = False
             self._log.clear()
             self._log_bytes = 0
@@ -214,6 +220,7 @@ class StageCall:
                     call, replica = self._call, self._replica
                     try:
                         await self._drain(call)
+                        self.router.served(replica)
                         break
                     except grpc.aio.AioRpcError as e:
                         code, details = e.code(), e.details() or ""
@@ -276,16 +283,21 @@ class StageCall:
         if not timing.attempts:
             timing.dispatched = time.perf_counter()
         timing.replica, timing.attempts = replica.address, timing.attempts + 1
+        self._counted += 1
         self._call = replica.stub.Process(timeout=remaining(self.deadline))
         self._replica = replica
         self._writes.put_nowait(_Attempt(self._call, tuple(self._log), self._ended_sources >= self.sources))
 
     async def _retry(self, failed: Replica, code: grpc.StatusCode, details: str, budget: CallBudget) -> None:
         """Dispatch another replica after `failed` ended the call, or raise StageFailed saying why not."""
+        refused = nothing_sent(code, details)
+        if refused:  # it never reached the replica: not an attempt, and the replica leaves routing now
+            self._counted -= 1
+            self.router.eject(failed)
         self._may_retry(failed, code, details)
         if code in BUDGETED and not budget.try_retry():
             raise self._not_retried(failed, code, details, "retry budget exhausted")
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and not refused:
             self.router.report_failure(failed)
         try:
             replica = await self._acquire()
@@ -301,9 +313,14 @@ class StageCall:
         self._attempt(replica)
 
     def _may_retry(self, failed: Replica, code: grpc.StatusCode, details: str) -> None:
+        # Output the client has seen is never sent again, and a new replica does not resume after it: even
+        # seeded per request, a stage repeats its output bit for bit on another replica only when its engine
+        # is batch-invariant (an engine option, off by default, and not vLLM's): other batch neighbours change
+        # the arithmetic, a token can flip, and a resumed stream would splice two different answers. Only a
+        # call whose output went nowhere but to other stages (which skip chunk ids they have) is retried.
         why = ("its output already reached the client" if self.client_saw else
                "its inputs are no longer held" if not self._replayable else
-               f"{self.timing.attempts} attempts made" if self.timing.attempts >= self.max_attempts else "")
+               f"{self._counted} attempts made" if self._counted >= self.max_attempts else "")
         if code not in RETRIABLE or why:
             raise self._not_retried(failed, code, details, why)
 

@@ -1,6 +1,7 @@
 """One stage replica's end of the data plane: output tensors become descriptors for its consumers,
-input descriptors become tensors, and what the stage holds for consumers is freed when they have it,
-when the request is cancelled, or after the stage's TTL.
+input descriptors become tensors, and what the stage holds for consumers is freed when the request is
+released (the orchestrator releases it once it ended: until then a retried consumer may fetch it again),
+when it is cancelled, after the stage's TTL, or first when a new chunk needs the room (already fetched).
 
 Tensors the client reads (tokens, audio, images) stay inline when the stage's output goes to the
 client; the rest goes by the edge's transport (`auto`: inline when small, shared memory when the
@@ -9,6 +10,7 @@ consumer shares this host, else UCX). Where no consumer is named, everything is 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
@@ -82,7 +84,7 @@ class DataPlane:
 
     async def start(self) -> None:
         self.connector = await make_connector(self.stage.name, self.transports, host_id=self.host_id,
-                                              ucx_host=self.ucx_host)
+                                              ucx_host=self.ucx_host, retain_fetched=True)
         self.sender = ChunkSender(self.connector, budget_bytes=self.settings.max_buffered_bytes,
                                   ttl_s=self.settings.ttl_seconds, metrics=self.metrics)
         self.sender.start()
@@ -124,6 +126,22 @@ class DataPlane:
     @property
     def held_bytes(self) -> int:
         return self.connector.held_bytes
+
+    @property
+    def unfetched_bytes(self) -> int:
+        """Bytes held that a consumer has still to fetch."""
+        return self.connector.unfetched_bytes
+
+    async def wait_fetched(self, timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait until consumers fetched every chunk held for them (or `timeout`: the TTL frees them anyway);
+        True when nothing is left unfetched. A draining stage closes its stores only after this."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + max(0.0, min(timeout, self.settings.ttl_seconds))
+        while self.connector.unfetched_bytes:
+            if loop.time() >= end:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
 
 
 def _reachable(host: str, env: Mapping[str, str]) -> str:

@@ -1,7 +1,8 @@
 """Wires one stage replica: engine, StageService, grpc.health.v1, reflection, metrics, drain.
 
 Drain order on SIGTERM: health NOT_SERVING -> refuse new work (UNAVAILABLE) ->
-wait for admitted work up to the drain bound -> server.stop(grace) -> engine
+wait for admitted work up to the drain bound -> wait (within that bound and the
+TTL) for consumers to fetch the outputs held for them -> server.stop(grace) -> engine
 shutdown; then the process exits 0. An engine that cannot recover flips health
 at once and the process exits non-zero (EXIT_ENGINE_DEAD). An engine that hangs
 (no step progress while it holds work, see StepScheduler.stalled) fails /livez,
@@ -15,10 +16,11 @@ import asyncio
 import logging
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
-from omnistage import launch
+from omnistage import launch, tls, tls_grpc
 from omnistage.checkpoints.check import StageCheckError, check_stage
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
@@ -43,10 +45,13 @@ class StageServer:
     """One stage replica. `start()` loads the model and binds; `drain()` stops it gracefully."""
 
     def __init__(self, pipeline: Pipeline, stage_name: str, host: str = "127.0.0.1", port: int = 0,
-                 http_port: int | None = None, model_root: str | None = None, drain_seconds: float | None = None):
+                 http_port: int | None = None, model_root: str | None = None, drain_seconds: float | None = None,
+                 tls_dir: str | None = None):
         self.pipeline = pipeline
         self.stage = pipeline.stage(stage_name)
         self.host, self.port, self.http_port = host, port, http_port
+        self.tls = tls.TlsFiles(Path(tls_dir)) if tls_dir else None  # given: mutual TLS, callers checked
+        self.interceptors = self._authorization()  # before anything loads: unusable TLS files fail here
         self.engine = create_engine(pipeline, self.stage, model_root)
         self.metrics = StageMetrics(self.stage.name)
         self.engine.bind_metrics(self.metrics)
@@ -67,12 +72,12 @@ class StageServer:
         t0 = time.monotonic()
         async with self._setup:  # a drain that comes meanwhile waits for the gRPC server to be up
             await self.data_plane.start()
-            self.server = grpc.aio.server(options=grpc_server_options(
+            self.server = grpc.aio.server(interceptors=self.interceptors, options=grpc_server_options(
                 MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds))
             stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
             self.health = add_health_and_reflection(self.server, [SERVICE])
             await set_serving(self.health, [SERVICE], False)
-            self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+            self.port = self._add_port()
             await self.server.start()
             if self.http_port is not None:
                 self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
@@ -94,6 +99,19 @@ class StageServer:
                  time.monotonic() - t0)
         return self.port
 
+    def _authorization(self) -> list[grpc.aio.ServerInterceptor]:
+        """With TLS: Process, Release and GetLoad only for the pipeline's own orchestrator and stages."""
+        if self.tls is None:
+            return []
+        methods = stage_pb2.DESCRIPTOR.services_by_name["StageService"].methods_by_name
+        return [tls_grpc.StageAuthorization.for_stage(self.tls, SERVICE, methods)]
+
+    def _add_port(self) -> int:
+        address = f"{self.host}:{self.port}"
+        if self.tls is None:
+            return self.server.add_insecure_port(address)
+        return self.server.add_secure_port(address, tls_grpc.server_credentials(self.tls))
+
     async def drain(self, exit_code: int = 0) -> None:
         if self._drain_called:  # once; a second SIGTERM or /drain waits for the first to finish
             await self.stopped.wait()
@@ -111,10 +129,17 @@ class StageServer:
         await set_serving(self.health, [SERVICE], False)
         log.info("stage %s draining: %d in flight, bound %.0fs", self.stage.name, self.servicer.inflight,
                  self.drain_seconds)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.drain_seconds
         try:
             await asyncio.wait_for(self.servicer.idle.wait(), self.drain_seconds)
         except asyncio.TimeoutError:
             log.warning("stage %s: drain bound passed with %d in flight", self.stage.name, self.servicer.inflight)
+        # Outputs held for consumers that have not fetched them yet would be lost with the store: wait for
+        # them within what is left of the drain bound (and the TTL, which would free them anyway).
+        if not await self.data_plane.wait_fetched(end - loop.time()):
+            log.warning("stage %s: closing with %d bytes its consumers never fetched", self.stage.name,
+                        self.data_plane.unfetched_bytes)
         try:
             await self.server.stop(grace=STOP_GRACE_S)
         finally:
@@ -151,7 +176,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     check_stage(pipeline, pipeline.stage(args.stage), args.model_dir)  # before any weights are read
     srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
-                      args.drain_seconds)
+                      args.drain_seconds, tls_dir=args.tls_dir)
     if args.inject_step_failure is not None:
         from .engines.faults import fail_steps
 
@@ -184,4 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (EngineConfigError, CheckpointError) as e:
         launch.report_exit(f"{args.pipeline}: stage {args.stage}: {e}")
+        return 2
+    except tls.TlsError as e:
+        launch.report_exit(f"stage {args.stage}: TLS: {e}")
         return 2

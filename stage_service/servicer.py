@@ -12,10 +12,11 @@ from typing import AsyncIterator
 import grpc
 
 from omnistage.chunks import ChunkOrderError
-from omnistage.connector import ChunkTooLarge, ConnectorError, PeerUnreachable, TensorNotFound
+from omnistage.connector import ChunkTooLarge, ConnectorError, PeerUnreachable, TensorKey, TensorNotFound
+from omnistage.connector.errors import BadReference
 from omnistage.params import InvalidRequest, resolve
 from omnistage.spec import Pipeline, Stage
-from omnistage.tensors import TensorFormatError
+from omnistage.tensors import TensorFormatError, descriptor_bytes
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .call_scope import RequestReleased, StageCalls
@@ -30,7 +31,7 @@ def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place where a domain error becomes a gRPC status."""
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, (InputError, TensorFormatError, ChunkOrderError)):
+    if isinstance(exc, (InputError, TensorFormatError, ChunkOrderError, BadReference)):
         return grpc.StatusCode.INVALID_ARGUMENT, f"stage {stage}: bad input: {exc}"
     if isinstance(exc, EngineOverloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
@@ -85,7 +86,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             call.serve(header.request_id)
             req = request_from_proto(header, self.pipeline.limits)
             chunk_id, last = 0, False
-            async with contextlib.aclosing(call.run(req, request_iterator, self._input_from_proto,
+            to_input = functools.partial(self._input_from_proto, header.request_id)
+            async with contextlib.aclosing(call.run(req, request_iterator, to_input,
                                                     context.cancelled)) as outputs:
                 async for out in outputs:
                     yield stage_pb2.StageOutput(chunk=await self._to_proto(header, out, chunk_id))
@@ -115,9 +117,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.metrics.queue_ms.labels(self.stage.name).observe(out.queue_ms)
         return msg
 
-    async def _input_from_proto(self, msg: stage_pb2.StageInput) -> InputChunk:
+    async def _input_from_proto(self, request_id: str, msg: stage_pb2.StageInput) -> InputChunk:
         if msg.WhichOneof("kind") != "chunk":
             raise InputError("only chunks may follow the header")
+        check_input_chunk(msg.chunk, request_id, self.pipeline, self.sources, set(self.data_plane.connector.stores))
         return await self.data_plane.input_chunk(msg.chunk)
 
     async def Release(self, request, context) -> stage_pb2.ReleaseResponse:
@@ -145,6 +148,35 @@ def header_from_proto(first: stage_pb2.StageInput | None) -> stage_pb2.StageRequ
     if not first.header.request_id:
         raise InvalidRequest("header.request_id", "is required")
     return first.header
+
+
+def check_input_chunk(chunk: stage_pb2.Chunk, request_id: str, pipeline: Pipeline, sources: tuple[str, ...],
+                      backends: set[str]) -> None:
+    """An input chunk as its producer could have sent it, checked before anything is fetched for it: from an
+    input of this stage, its tensors well formed, each reference in a store this stage reads, naming this
+    request's tensor of this chunk, and no bigger than the producer's buffer budget (the most its store
+    holds, and so the most a fetch allocates here)."""
+    if chunk.stage not in sources:
+        raise InputError(f'chunk from "{chunk.stage}", which is not an input of this stage '
+                         f"(inputs: {', '.join(sources) or 'none'})")
+    budget = pipeline.deployment.stages[chunk.stage].transfer.max_buffered_bytes
+    for t in chunk.tensors:
+        nbytes = descriptor_bytes(t)
+        if t.WhichOneof("payload") != "ref":
+            continue
+        where = f'chunk {chunk.chunk_id} from "{chunk.stage}": tensor "{t.name}"'
+        if t.ref.backend not in backends:
+            raise TensorFormatError(f'{where} is held in "{t.ref.backend}", which this stage does not read '
+                                    f"(it reads: {', '.join(sorted(backends)) or 'inline only'})")
+        if nbytes > budget:
+            raise TensorFormatError(f"{where} declares {nbytes} bytes, more than its producer's buffer budget "
+                                    f"({budget})")
+        try:
+            key = TensorKey.parse(t.ref.key)
+        except ValueError as e:
+            raise TensorFormatError(f"{where}: {e}") from None
+        if (key.request_id, key.stage, key.chunk_id, key.name) != (request_id, chunk.stage, chunk.chunk_id, t.name):
+            raise TensorFormatError(f'{where} references "{t.ref.key}", not a tensor of this chunk')
 
 
 def request_from_proto(h: stage_pb2.StageRequestHeader, limits) -> StageRequest:

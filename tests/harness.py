@@ -10,7 +10,7 @@ from typing import AsyncIterator
 import grpc
 import yaml
 
-from omnistage import launch
+from omnistage import launch, tls, tls_grpc
 from omnistage.client import build_request
 from omnistage.spec import Pipeline, parse_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -143,3 +143,18 @@ class StageProcess:
 def write_pipeline(pipeline: Pipeline, path: Path) -> Path:
     path.write_text(yaml.safe_dump(dict(pipeline.raw), sort_keys=False))
     return path
+
+
+def pipeline_tls(folder: Path, pipeline: Pipeline, namespace: str = "test",
+                 ca: tuple[bytes, bytes] | None = None) -> dict[str | None, tls.TlsFiles]:
+    """A TLS folder for the orchestrator (key None) and each stage of `pipeline`, from `ca` (cert, key PEM;
+    a new one when not given): pass `files.folder` as tls_dir to StageServer / OrchestratorServer."""
+    ca = ca or tls.new_ca()
+    return tls.write_pipeline_dirs(folder, *ca, namespace, pipeline.name, [s.name for s in pipeline.stages])
+
+
+def tls_channel(port: int, ca: bytes, cert: bytes | None, key: bytes | None, server_identity: str) -> grpc.aio.Channel:
+    """A channel to 127.0.0.1:`port` that trusts `ca`, presents `cert` (none: no client certificate) and checks
+    the server proves `server_identity`: any caller a test plays."""
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.aio.secure_channel(f"127.0.0.1:{port}", creds, options=tls_grpc.target_options(server_identity))

@@ -126,6 +126,19 @@ class Connector:
         """Free every tensor of a request (cancelled, failed or finished); returns the bytes freed."""
         return sum(s.release(s.held.select(request_id), reason) for s in self.stores.values())
 
+    def evict_fetched(self, nbytes: int) -> int:
+        """Free kept tensors their readers already fetched, oldest first, until `nbytes` are freed."""
+        freed = 0
+        for s in self.stores.values():
+            if freed < nbytes:
+                freed += s.evict_fetched(nbytes - freed)
+        return freed
+
+    @property
+    def unfetched_bytes(self) -> int:
+        """Bytes held that some consumer has still to fetch (what a draining stage waits for)."""
+        return sum(s.unfetched_bytes for s in self.stores.values())
+
     def expire(self, max_age_s: float, now: float | None = None) -> int:
         """Free tensors held longer than `max_age_s` (their consumer vanished); returns the bytes freed."""
         return sum(s.release(s.held.older_than(max_age_s, now), "ttl") for s in self.stores.values())
@@ -183,11 +196,12 @@ async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = S
                          ucx_host: str = "127.0.0.1", ucx_port: int = 0, max_endpoints: int = 64,
                          fragment_bytes: int = 0, get_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
                          clock: Callable[[], float] = time.monotonic,
-                         ucx_options: dict[str, str] | None = None) -> Connector:
+                         ucx_options: dict[str, str] | None = None, retain_fetched: bool = False) -> Connector:
     """A started connector for `stage` with the given stores ("shm", "ucx"; inline is always on).
 
     `ucx_host` is the address consumers reach this stage's UCX listener at (a pod IP on a cluster);
-    `ucx_options` are UCX settings without the UCX_ prefix (the environment wins over them).
+    `ucx_options` are UCX settings without the UCX_ prefix (the environment wins over them);
+    `retain_fetched`: keep tensors after their last reader, for a retried consumer (store.py).
     """
     unknown = [t for t in transports if t not in STORES]
     if unknown:
@@ -205,4 +219,6 @@ async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = S
                        fragment_bytes=fragment_bytes, get_timeout_s=get_timeout_s, options=ucx_options)
         await ucx.start()
         stores["ucx"] = ucx
+    for store in stores.values():
+        store.retain_fetched = retain_fetched
     return Connector(stage, host_id, stores, inline_threshold)

@@ -11,6 +11,11 @@ class TensorNotFound(ConnectorError):
     """The producer no longer holds the tensor: consumed, released on cancel, or expired by the TTL."""
 
 
+class BadReference(ConnectorError):
+    """A reference no producer's store made (a foreign segment name or host, bytes that are not a tensor
+    header, sizes that disagree): the caller's input is at fault, not the data plane."""
+
+
 class PeerUnreachable(ConnectorError):
     """The producer's connector cannot be reached or failed mid-transfer."""
 

@@ -1,7 +1,8 @@
 """What a producer's store holds: tensors by key, their bytes, and when they were put.
 
 One index per store; both backends (shared memory, UCX) keep their bookkeeping here, so held
-bytes, release by chunk or request, and expiry by age mean the same thing everywhere.
+bytes, release by chunk or request, and expiry by age mean the same thing everywhere. A store that
+keeps fetched tensors for a retried consumer (store.py) marks them `fetched` instead of freeing them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Held(Generic[H]):
     handle: H           # the backend's own record (segment path, pinned tensor)
     put_at: float       # clock time of the put, for the TTL
     readers: int = 1    # gets still to come before it counts as consumed
+    fetched: bool = False  # every reader got it; kept only so a retried consumer can fetch it again
 
 
 @dataclass
@@ -66,6 +68,9 @@ class HeldIndex(Generic[H]):
     def select(self, request_id: str, chunk_id: int | None = None) -> list[TensorKey]:
         keys = self._by_request.get(request_id, ())
         return [k for k in keys if chunk_id is None or k.chunk_id == chunk_id]
+
+    def oldest_first(self) -> list[Held[H]]:
+        return sorted(self._items.values(), key=lambda h: h.put_at)
 
     def older_than(self, max_age_s: float, now: float | None = None) -> list[TensorKey]:
         cutoff = (self.clock() if now is None else now) - max_age_s

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Callable
@@ -24,12 +25,18 @@ import torch
 from omnistage.v1 import tensor_pb2
 
 from .buffers import empty_bytes
-from .errors import ConnectorError, TensorNotFound
+from .errors import BadReference, ConnectorError, TensorNotFound
 from .keys import TensorKey
 from .store import TensorStore
-from .wire import HEADER_BYTES, TensorHeader, as_bytes, from_bytes, off_loop
+from .wire import HEADER_BYTES, OK, TensorHeader, as_bytes, from_bytes, off_loop
 
 SEGMENT_PREFIX = "omnistage-"
+# The names this module gives segments (prefix, pid namespace, pid, token, sequence): a reference naming
+# anything else (a path, a NUL, a name longer than a file name may be) is refused before it is opened.
+_SEGMENT_NAME = re.compile(rf"{SEGMENT_PREFIX}[A-Za-z0-9_-]{{1,200}}")
+# A kept segment (store.py `retain_fetched`) counts its readers down from KEPT_READERS + readers, so its
+# last reader never reaches 1 and never removes it: the producer does, on release, TTL or for room.
+KEPT_READERS = 1 << 30
 _IO_MAX = 1 << 30  # bytes per read/write call (Linux caps one call near 2 GiB)
 
 
@@ -46,7 +53,7 @@ class ShmStore(TensorStore):
         reap_orphans(self.dir)
 
     async def put(self, key: TensorKey, tensor: torch.Tensor, readers: int = 1) -> tensor_pb2.TensorRef:
-        header = TensorHeader.of(tensor, readers)
+        header = TensorHeader.of(tensor, readers + (KEPT_READERS if self.retain_fetched else 0))
         name = f"{self._prefix}{next(self._seq)}"
         path = self.dir / name
         try:
@@ -61,14 +68,28 @@ class ShmStore(TensorStore):
 
     async def get(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         if ref.host_id != self.host_id:
-            raise ConnectorError(f'shared-memory tensor {ref.key} lives on host "{ref.host_id}", this consumer '
-                                 f'is on "{self.host_id}": shared memory works on the same host only')
-        if not ref.address.startswith(SEGMENT_PREFIX) or "/" in ref.address:
-            raise ConnectorError(f'"{ref.address}" is not an omnistage shared-memory segment name')
+            raise BadReference(f'shared-memory tensor {ref.key} lives on host "{ref.host_id}", this consumer '
+                               f'is on "{self.host_id}": shared memory works on the same host only')
+        if not _SEGMENT_NAME.fullmatch(ref.address):
+            raise BadReference(f'"{ref.address[:80]}" is not an omnistage shared-memory segment name')
         return await off_loop(ref.nbytes, _read_segment, self.dir / ref.address, ref)
 
     def _free(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+
+    def was_fetched(self, held) -> bool:
+        if not self.retain_fetched:
+            return not held.handle.exists()
+        try:
+            fd = os.open(held.handle, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # readers count themselves off under LOCK_EX
+            header = TensorHeader.unpack(os.pread(fd, HEADER_BYTES, 0), f"segment {held.handle.name}")
+            return header.readers <= KEPT_READERS
+        finally:
+            os.close(fd)
 
     def reap_consumed(self) -> int:
         """Stop counting segments whose last reader removed them; returns the bytes that freed."""
@@ -123,14 +144,25 @@ def _read_segment(path: Path, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         raise TensorNotFound(f"tensor {ref.key} is gone from shared memory (consumed, released or expired)") from None
+    except OSError as e:  # a directory or a file not ours by that name
+        raise BadReference(f"segment {ref.address} cannot be opened ({e.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # readers count themselves off one at a time
         if os.fstat(fd).st_nlink == 0:
             raise TensorNotFound(f"tensor {ref.key} was released while being fetched")
-        header = TensorHeader.unpack(os.pread(fd, HEADER_BYTES, 0), f"segment {ref.address}")
+        try:
+            header = TensorHeader.unpack(os.pread(fd, HEADER_BYTES, 0), f"segment {ref.address}")
+        except ConnectorError as e:
+            raise BadReference(str(e)) from None
+        if header.status != OK:  # a reply status: never written into a segment
+            raise BadReference(f"segment {ref.address} does not hold a tensor (status {header.status})")
         if header.nbytes != ref.nbytes:
-            raise ConnectorError(f"segment {ref.address} holds {header.nbytes} bytes, the reference to "
-                                 f"{ref.key} says {ref.nbytes}")
+            raise BadReference(f"segment {ref.address} holds {header.nbytes} bytes, the reference to "
+                               f"{ref.key} says {ref.nbytes}")
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES + header.nbytes:  # before allocating: the header's length is only a claim
+            raise BadReference(f"segment {ref.address} is {size} bytes, too short for the {header.nbytes} "
+                               "its header declares")
         raw = empty_bytes(header.nbytes)
         view = memoryview(raw.numpy())
         done = 0

@@ -1,10 +1,12 @@
 """Whole chunks through a stage's connector.
 
 `ChunkSender` (producer side) keeps the bytes its stage holds under a budget: over it, `put_chunk`
-waits (asyncio) instead of growing memory. Held chunks go when their consumer has fetched them,
-when their request is cancelled (`release_request`), or after a TTL when the consumer vanished (a
-background sweeper). `ChunkReceiver` (consumer side) fetches a chunk's tensors as soon as its
-descriptor arrives; the consuming engine puts chunks in order per edge (stage_service/engines/base.py).
+waits (asyncio) instead of growing memory, after freeing chunks that are kept only for a retried
+consumer (already fetched: store.py). Held chunks go when their consumer has fetched them (or, kept,
+when their request is released), when their request is cancelled (`release_request`), or after a TTL
+when the consumer vanished (a background sweeper). `ChunkReceiver` (consumer side) fetches a chunk's
+tensors as soon as its descriptor arrives; the consuming engine puts chunks in order per edge
+(stage_service/engines/base.py).
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class ChunkSender:
         async with self._turn:
             t0 = time.perf_counter()
             waited = False
-            while self.connector.held_bytes + self._reserved + need > self.budget_bytes:
+            while (over := self.connector.held_bytes + self._reserved + need - self.budget_bytes) > 0:
+                if self.connector.evict_fetched(over) >= over:
+                    continue
                 waited = True
                 self._room.clear()
                 with contextlib.suppress(TimeoutError):

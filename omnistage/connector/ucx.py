@@ -216,7 +216,7 @@ class UcxStore(TensorStore):
         if status == OK:
             held.readers -= 1
             if held.readers <= 0:
-                self.release([held.key], "consumed")
+                self.consumed(held)
 
     # ---- consumer side -------------------------------------------------------------------------
 

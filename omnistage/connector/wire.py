@@ -7,12 +7,13 @@ It heads every shared-memory segment (with a count of readers still to come) and
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 from dataclasses import dataclass
 
 import torch
 
-from omnistage.tensors import proto_dtype, torch_dtype
+from omnistage.tensors import TensorFormatError, proto_dtype, torch_dtype
 
 from .errors import ConnectorError
 
@@ -49,13 +50,25 @@ class TensorHeader:
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview, where: str) -> "TensorHeader":
+        """The header in `raw`, checked to agree with itself (the bytes are a peer's: the shape sizes the
+        consumer's buffer); ConnectorError, naming `where`, for anything else."""
+        if len(raw) < HEADER_BYTES:
+            raise ConnectorError(f"{where}: {len(raw)} bytes, shorter than a tensor header ({HEADER_BYTES})")
         magic, status, code, nbytes, ndim, readers = _FIXED.unpack_from(raw)
         if magic != _MAGIC or ndim > MAX_DIMS:
             raise ConnectorError(f"{where}: not an omnistage tensor header")
         if status != OK:
             return cls(torch.uint8, (), 0, readers, status)
         shape = struct.unpack_from(f"<{ndim}q", raw, _DIMS_AT)
-        return cls(torch_dtype(code), tuple(shape), nbytes, readers, status)
+        try:
+            dtype = torch_dtype(code)
+        except TensorFormatError as e:
+            raise ConnectorError(f"{where}: {e}") from None
+        if any(d < 0 for d in shape):
+            raise ConnectorError(f"{where}: negative dimension in shape {list(shape)}")
+        if nbytes != math.prod(shape) * dtype.itemsize:
+            raise ConnectorError(f"{where}: {nbytes} bytes do not hold a {dtype} tensor of shape {list(shape)}")
+        return cls(dtype, tuple(shape), nbytes, readers, status)
 
     def with_readers(self, readers: int) -> bytes:
         return TensorHeader(self.dtype, self.shape, self.nbytes, readers, self.status).pack()
@@ -68,6 +81,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def from_bytes(raw: torch.Tensor, header: TensorHeader) -> torch.Tensor:
     """The tensor a flat uint8 buffer holds, as the header describes it (no copy)."""
+    if raw.numel() != header.nbytes:  # a peer's header disagreeing with the size it was asked for
+        raise ConnectorError(f"{raw.numel()} bytes received, the header describes {header.nbytes}")
     return raw.view(header.dtype).reshape(header.shape)
 
 

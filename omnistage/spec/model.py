@@ -233,13 +233,23 @@ class OrchestratorHttp:
     port: int = api_field(f'Its container and Service port (named "{API_PORT_NAME}"); not the gRPC or HTTP '
                           "status port.", default=API_PORT, minimum=1, maximum=65535)
     api_key_secret: ApiKeySecret = api_field(
-        f"A Secret holding the bearer keys a client must send (it reaches the orchestrator as ${ENV_API_KEYS}); "
-        "absent: no key needed.", default_factory=ApiKeySecret)
+        f"A Secret holding the bearer keys a client must send on either API, gRPC or HTTP (it reaches the "
+        f"orchestrator as ${ENV_API_KEYS}; comma-separated entries KEY or KEY:N, N the highest priority that key "
+        "may ask for); absent: no key needed.", default_factory=ApiKeySecret)
 
     @property
     def keys_secret(self) -> ApiKeySecret | None:
         """The Secret the keys come from, None when none is named."""
         return self.api_key_secret if self.api_key_secret.name else None
+
+
+@dataclass(frozen=True)
+class OrchestratorTls:
+    """The certificate the orchestrator's client-facing ports (gRPC and the HTTP API) serve TLS with: a Secret
+    in the pipeline's namespace with tls.crt and tls.key (e.g. cert-manager's), mounted into its pods."""
+
+    secret_name: str = api_field("The Secret's name.", required=True, default="", pattern=SECRET_NAME,
+                                 pattern_hint=SECRET_NAME_HINT, max_length=253)
 
 
 @dataclass(frozen=True)
@@ -253,11 +263,21 @@ class OrchestratorDeployment:
                                 default=256, minimum=0, maximum=1_000_000)
     max_retries: int = api_field("Retries of a stage call on another replica after a lost replica.", default=2,
                                  minimum=0, maximum=10)
+    max_priority: int = api_field("The highest request priority a client may ask for without an API key that "
+                                  "allows more (a KEY:N entry); above it the request is refused "
+                                  "(PERMISSION_DENIED).", default=0, minimum=0, maximum=1_000_000)
     fairness: str = api_field("Which waiting request is admitted first.", default="InFlightFirst",
                               enum=FAIRNESS_POLICIES)
     drain_seconds: float = api_field("Bound on finishing admitted work when a replica stops.", default=30.0,
                                      minimum=0)
     http: OrchestratorHttp = api_field("The OpenAI-compatible HTTP API.", default_factory=OrchestratorHttp)
+    tls: OrchestratorTls = api_field("Client-facing TLS; absent: the client ports are plaintext.",
+                                     default_factory=OrchestratorTls)
+
+    @property
+    def client_tls_secret(self) -> str | None:
+        """The Secret the client-facing certificate comes from, None when none is named."""
+        return self.tls.secret_name or None
 
 
 @dataclass(frozen=True)

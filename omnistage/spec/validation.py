@@ -184,7 +184,7 @@ class _Relations:
         if not cycle and output_stages:
             feeds = ancestors(graph, output_stages)
             for i, s in self.stages:
-                if s.get("name") in graph and s["name"] not in feeds:
+                if isinstance(s.get("name"), str) and s["name"] in graph and s["name"] not in feeds:
                     self.w.err(f"spec.topology.stages[{i}]", f'stage "{s["name"]}" feeds no pipeline output')
         self.limits()
         self.stage_deployments()

@@ -3,6 +3,7 @@ calls). Owner references are added by the caller (kopf.adopt), so every builder 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -11,16 +12,17 @@ from typing import Any, Sequence
 
 import yaml
 
-from omnistage.launch import (API_PORT_NAME, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT, GRPC_PORT_NAME,
-                              HTTP_PORT, HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG, drain_hook_command,
-                              orchestrator_command, service_env, stage_command)
+from omnistage.launch import (API_PORT_NAME, CLIENT_TLS_MOUNT, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT,
+                              GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG,
+                              TLS_MOUNT, drain_hook_command, orchestrator_command, service_env, stage_command)
 from omnistage.spec import OrchestratorHttp, Pipeline, StageDeployment
 
-from .config import OperatorConfig
+from .certificates import Leaf, build_certificate, leaves
+from .config import TLS_CERT_MANAGER, OperatorConfig
 from .vocabulary import (ANNOTATION_CONFIG_HASH, COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT,
-                         LABEL_MANAGED_BY, LABEL_PIPELINE, LABEL_STAGE, MANAGED_BY, PIPELINE_DIR,
-                         PIPELINE_FILE, config_map_name, network_policy_name, orchestrator_object_name,
-                         selector, stage_object_name)
+                         LABEL_MANAGED_BY, LABEL_PIPELINE, LABEL_STAGE, MANAGED_BY, ORCHESTRATOR, PIPELINE_DIR,
+                         PIPELINE_FILE, config_map_name, network_policy_name, orchestrator_network_policy_name,
+                         orchestrator_object_name, selector, stage_object_name)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 POD_PYTHON = "python"   # the image's interpreter
@@ -31,6 +33,13 @@ _POD_SERVING = {"host": f"$({ENV_POD_IP})", "port": GRPC_PORT, "http_port": HTTP
 _SERVING_PORTS = ((GRPC_PORT_NAME, GRPC_PORT), (HTTP_PORT_NAME, HTTP_PORT))
 # Beyond the drain bound: time for the preStop call to return and the process to exit.
 GRACE_MARGIN_SECONDS = 15
+# Pod Security "restricted": the runtime's default seccomp filter on every pod and container, no capabilities,
+# no privilege escalation, never root (checked against every example in tests/unit/test_pod_security.py).
+SECCOMP = {"type": "RuntimeDefault"}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                      "capabilities": {"drop": ["ALL"]}, "seccompProfile": SECCOMP}
+# Volumes holding a pod's own mTLS certificate and the orchestrator's client-facing one.
+TLS_VOLUME, CLIENT_TLS_VOLUME = "tls", "client-tls"
 
 
 @dataclass(frozen=True)
@@ -48,10 +57,13 @@ class Children:
     orchestrator_deployment: dict
     orchestrator_service: dict
     orchestrator_access: tuple[dict, ...]   # ServiceAccount, Role, RoleBinding
-    network_policy: dict
+    network_policy: dict                    # the stages'
+    orchestrator_network_policy: dict
+    certificates: tuple[dict, ...] = ()     # cert-manager Certificates (tls issuer certManager)
 
     def all(self) -> list[dict]:
-        out = [self.config_map, *self.orchestrator_access, self.network_policy]
+        out = [self.config_map, *self.orchestrator_access, self.network_policy, self.orchestrator_network_policy,
+               *self.certificates]
         for sc in self.stages.values():
             out += [sc.service, sc.pdb, sc.deployment]
         return out + [self.orchestrator_service, self.orchestrator_deployment]
@@ -66,7 +78,24 @@ def build_children(p: Pipeline, cfg: OperatorConfig, pdb_api_version: str = "pol
         orchestrator_service=build_orchestrator_service(p),
         orchestrator_access=build_orchestrator_access(p),
         network_policy=build_network_policy(p, cfg),
+        orchestrator_network_policy=build_orchestrator_network_policy(p, cfg),
+        certificates=build_certificates(p, cfg),
     )
+
+
+# ------------------------------------------------------------------------------ certificates
+
+def build_tls_secret_meta(p: Pipeline, leaf: Leaf) -> dict:
+    """Metadata of a leaf's Secret (the operator issues it with the chart's CA: certificates.build_tls_secret)."""
+    return _meta(p, leaf.secret, leaf.component, leaf.stage)
+
+
+def build_certificates(p: Pipeline, cfg: OperatorConfig) -> tuple[dict, ...]:
+    """cert-manager Certificates, one per unit, when cert-manager issues the pipeline's certificates."""
+    if cfg.tls_issuer != TLS_CERT_MANAGER or cfg.tls_issuer_ref is None:
+        return ()
+    return tuple(build_certificate(_meta(p, leaf.secret, leaf.component, leaf.stage), leaf, cfg.tls_issuer_ref)
+                 for leaf in leaves(p).values())
 
 
 # ------------------------------------------------------------------------------ pipeline file
@@ -94,9 +123,12 @@ def config_hash(p: Pipeline, stage: str | None = None) -> str:
 
 def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict:
     sd = p.deployment.stages[stage]
-    command = stage_command(PIPELINE_PATH, stage, python=POD_PYTHON, **_POD_SERVING)
-    container = _container("stage", sd.image, command, _stage_resources(sd), sd.env, cfg)
-    pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None)
+    secrets = _tls_secrets(p, cfg, stage)
+    command = stage_command(PIPELINE_PATH, stage, python=POD_PYTHON, **_POD_SERVING,
+                            tls_dir=TLS_MOUNT if secrets else None)
+    container = _container("stage", sd.image, command, _stage_resources(sd), sd.env, cfg,
+                           secret_mounts=secrets)
+    pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets)
     labels = selector(p.name, COMPONENT_STAGE, stage)
     return _deployment(p, stage_object_name(p.name, stage), labels, sd.replicas, pod, config_hash(p, stage))
 
@@ -129,12 +161,19 @@ def _stage_resources(sd: StageDeployment) -> dict:
 def build_orchestrator_deployment(p: Pipeline, cfg: OperatorConfig) -> dict:
     od = p.deployment.orchestrator
     api = od.http.port if od.http.enabled else None
+    secrets = _tls_secrets(p, cfg, ORCHESTRATOR)
+    client_tls = od.client_tls_secret
+    if client_tls:
+        secrets.append((CLIENT_TLS_VOLUME, client_tls, CLIENT_TLS_MOUNT))
     command = orchestrator_command(PIPELINE_PATH, python=POD_PYTHON, **_POD_SERVING, discovery="kubernetes",
-                                   namespace=p.namespace, api_port=api)
+                                   namespace=p.namespace, api_port=api,
+                                   tls_dir=TLS_MOUNT if cfg.tls_enabled else None,
+                                   client_tls_dir=CLIENT_TLS_MOUNT if client_tls else None)
     container = _container("orchestrator", od.image, command, od.resources.to_dict(), {}, cfg,
-                           models=False, ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http))
+                           models=False, ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
+                           secret_mounts=secrets)
     pod = _pod_spec(p, container, cfg, od.drain_seconds, service_account=orchestrator_object_name(p.name),
-                    models=False)
+                    models=False, secrets=secrets)
     labels = selector(p.name, COMPONENT_ORCHESTRATOR)
     return _deployment(p, orchestrator_object_name(p.name), labels, od.replicas, pod, config_hash(p))
 
@@ -161,7 +200,12 @@ def _api_key_env(http: OrchestratorHttp) -> list[dict]:
 
 def build_orchestrator_access(p: Pipeline) -> tuple[dict, dict, dict]:
     """The orchestrator finds stage replicas by watching the endpoints of stage Services: it may read
-    those (EndpointSlices, and core Endpoints for older orchestrators), nothing else."""
+    those (EndpointSlices, and core Endpoints for older orchestrators), nothing else.
+
+    Why this cannot escalate: the operator holds no `escalate` or `bind` verb, so the API server lets it
+    create a Role only with rules it holds itself in that namespace, and bind only such a Role; read of
+    endpoints and endpointslices is in the operator's own rules (charts/omnistage/templates/rbac.yaml) for
+    exactly that reason. Nothing here reaches beyond the pipeline's namespace."""
     name = orchestrator_object_name(p.name)
     meta = _meta(p, name, COMPONENT_ORCHESTRATOR)
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
@@ -178,17 +222,48 @@ def build_orchestrator_access(p: Pipeline) -> tuple[dict, dict, dict]:
 # ---------------------------------------------------------------------------------- network
 
 def build_network_policy(p: Pipeline, cfg: OperatorConfig) -> dict:
-    """Stage pods accept traffic only from pods of the same pipeline (the orchestrator and peer
-    stages, whose connectors pull chunks from each other); optionally metrics scrapes on `http`."""
-    ingress: list[dict] = [{"from": [{"podSelector": {"matchLabels": {LABEL_PIPELINE: p.name}}}]}]
-    if cfg.metrics_namespace_label:
-        key, value = cfg.metrics_namespace_label
-        ingress.append({"from": [{"namespaceSelector": {"matchLabels": {key: value}}}],
-                        "ports": [{"protocol": "TCP", "port": HTTP_PORT_NAME}]})
+    """Stage pods accept: the pipeline's orchestrator pods on the gRPC port only; the pipeline's own stage
+    pods on any port (a consumer calls its producer's gRPC and pulls chunks over UCX, whose listener and
+    TCP lanes use ports picked at start, so no fixed port can name them); optionally metrics scrapes on
+    `http`. Nothing else, not even other pipelines' pods in the same namespace."""
+    ingress: list[dict] = [
+        {"from": [{"podSelector": {"matchLabels": selector(p.name, COMPONENT_ORCHESTRATOR)}}],
+         "ports": [_tcp(GRPC_PORT_NAME)]},
+        {"from": [{"podSelector": {"matchLabels": selector(p.name, COMPONENT_STAGE)}}]},
+        *_metrics_ingress(cfg),
+    ]
+    return _network_policy(p, network_policy_name(p.name), COMPONENT_STAGE, ingress)
+
+
+def build_orchestrator_network_policy(p: Pipeline, cfg: OperatorConfig) -> dict:
+    """Orchestrator pods accept clients on the gRPC and OpenAI-compatible API ports (from anywhere, or only
+    from the peers the chart's networkPolicy.orchestratorClientsFrom names), and metrics scrapes on `http`
+    from the metrics namespaces. Its status port's /drain answers only the pod itself anyway."""
+    client_ports = [_tcp(GRPC_PORT_NAME)]
+    if p.deployment.orchestrator.http.enabled:
+        client_ports.append(_tcp(API_PORT_NAME))
+    clients: dict[str, Any] = {"ports": client_ports}
+    if cfg.orchestrator_clients_from:
+        clients["from"] = [dict(peer) for peer in cfg.orchestrator_clients_from]
+    return _network_policy(p, orchestrator_network_policy_name(p.name), COMPONENT_ORCHESTRATOR,
+                           [clients, *_metrics_ingress(cfg)])
+
+
+def _metrics_ingress(cfg: OperatorConfig) -> list[dict]:
+    if not cfg.metrics_namespace_label:
+        return []
+    key, value = cfg.metrics_namespace_label
+    return [{"from": [{"namespaceSelector": {"matchLabels": {key: value}}}], "ports": [_tcp(HTTP_PORT_NAME)]}]
+
+
+def _tcp(port: str) -> dict:
+    return {"protocol": "TCP", "port": port}
+
+
+def _network_policy(p: Pipeline, name: str, component: str, ingress: list[dict]) -> dict:
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _meta(p, network_policy_name(p.name), COMPONENT_STAGE),
-            "spec": {"podSelector": {"matchLabels": {LABEL_PIPELINE: p.name,
-                                                     LABEL_COMPONENT: COMPONENT_STAGE}},
+            "metadata": _meta(p, name, component),
+            "spec": {"podSelector": {"matchLabels": selector(p.name, component)},
                      "policyTypes": ["Ingress"], "ingress": ingress}}
 
 
@@ -217,9 +292,16 @@ def _deployment(p: Pipeline, name: str, labels: dict, replicas: int, pod: dict, 
                                   "spec": pod}}}
 
 
+def _tls_secrets(p: Pipeline, cfg: OperatorConfig, unit: str) -> list[tuple[str, str, str]]:
+    """(volume, Secret, mount path) of the unit's own mTLS certificate, when the pipeline's processes use TLS."""
+    if not cfg.tls_enabled:
+        return []
+    return [(TLS_VOLUME, leaves(p)[unit].secret, TLS_MOUNT)]
+
+
 def _container(name: str, image: str, command: list[str], resources: dict, user_env: dict,
                cfg: OperatorConfig, models: bool = True, ports: tuple[tuple[str, int], ...] = (),
-               secret_env: Sequence[dict] = ()) -> dict:
+               secret_env: Sequence[dict] = (), secret_mounts: Sequence[tuple[str, str, str]] = ()) -> dict:
     env: list[dict[str, Any]] = [
         {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -233,6 +315,7 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
               {"name": "tmp", "mountPath": "/tmp"}]
     if models and cfg.model_volume.volume():
         mounts.append({"name": "models", "mountPath": cfg.model_volume.mount_path, "readOnly": True})
+    mounts += [{"name": volume, "mountPath": path, "readOnly": True} for volume, _, path in secret_mounts]
     c = {"name": name, "image": image, "imagePullPolicy": cfg.image_pull_policy, "command": command,
          "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}
                    for port_name, port in ports or _SERVING_PORTS],
@@ -248,26 +331,30 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
          "lifecycle": {"preStop": {"exec": {"command": drain_hook_command(POD_PYTHON)}}},
          # A process that refuses to start (a broken checkpoint) writes one line there; else its last log lines.
          "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
-         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}}
+         "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
     if resources:
         c["resources"] = resources
     return c
 
 
 def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: float,
-              service_account: str | None, models: bool = True) -> dict:
+              service_account: str | None, models: bool = True,
+              secrets: Sequence[tuple[str, str, str]] = ()) -> dict:
     volumes = [{"name": "pipeline", "configMap": {"name": config_map_name(p.name), "items": [
                    {"key": PIPELINE_FILE, "path": PIPELINE_FILE}]}},
                {"name": "tmp", "emptyDir": {}}]
     mv = cfg.model_volume.volume()
     if models and mv:
         volumes.append(mv)
+    # Mounted whole, never by subPath: the kubelet then swaps a renewed certificate in place, and the
+    # processes reload it, so a rotation rolls nothing. Default mode: the pod's one process reads them.
+    volumes += [{"name": volume, "secret": {"secretName": secret}} for volume, secret, _ in secrets]
     pod = {"containers": [container], "volumes": volumes,
            "terminationGracePeriodSeconds": int(math.ceil(drain_seconds)) + GRACE_MARGIN_SECONDS,
            "enableServiceLinks": False,
            "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.run_as_user,
-                               "runAsGroup": cfg.run_as_user, "fsGroup": cfg.run_as_user}}
+                               "runAsGroup": cfg.run_as_user, "fsGroup": cfg.run_as_user,
+                               "seccompProfile": dict(SECCOMP)}}
     if service_account:
         pod["serviceAccountName"] = service_account
         pod["automountServiceAccountToken"] = True

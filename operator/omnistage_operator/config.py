@@ -10,17 +10,31 @@ OMNISTAGE_IMAGE_PULL_POLICY  imagePullPolicy of stage and orchestrator container
 OMNISTAGE_RUN_AS_USER        uid (and gid) of stage and orchestrator processes (1000)
 OMNISTAGE_METRICS_NAMESPACE_LABEL  `key=value` of namespaces allowed to scrape stage metrics
                              (port http) past the NetworkPolicy; empty: only the pipeline's own pods
+OMNISTAGE_ORCHESTRATOR_CLIENTS_FROM  a JSON list of NetworkPolicy peers allowed to the orchestrators' client
+                             ports (gRPC, OpenAI-compatible API); empty: from anywhere
 OMNISTAGE_RESYNC_SECONDS     every pipeline is reconciled at least this often (300)
 OMNISTAGE_WORKERS            pipelines reconciled at once (4)
 OMNISTAGE_WEBHOOK            `managed` (kopf serves it and writes its configuration, URL from
                              OMNISTAGE_WEBHOOK_HOST), `external` (kopf serves it, the chart owns the
                              configuration), or `off`
 OMNISTAGE_WEBHOOK_ADDR/PORT/HOST/CERT/KEY  listen address and port, the host in managed URLs, and the
-                             PEM certificate and key (pre-generated: kopf's self-signing needs oscrypto)
+                             PEM certificate and key (pre-generated: kopf's self-signing needs oscrypto);
+                             the operator reloads them when the files change
+OMNISTAGE_WEBHOOK_RELOAD_SECONDS  how often the webhook certificate files are checked for a change (10)
+OMNISTAGE_PEERING            name of the KopfPeering (ClusterKopfPeering with every namespace) that several
+                             operator replicas share: the oldest live one reconciles (leadership.py); empty:
+                             one replica, standalone. Needs POD_ID (kopf's identity of this replica) and
+                             OMNISTAGE_WATCH_NAMESPACES (comma-separated; empty: every namespace)
+OMNISTAGE_TLS_ISSUER         who issues the pipelines' mTLS certificates (certificates.py): `off` (none:
+                             plaintext between the pipeline's processes), `chart` (the operator signs them
+                             with the CA in OMNISTAGE_TLS_CA_SECRET, `NAMESPACE/NAME`, a kubernetes.io/tls
+                             Secret) or `certManager` (Certificates for OMNISTAGE_TLS_ISSUER_REF,
+                             `KIND/NAME` or `KIND/NAME/GROUP`, group default cert-manager.io)
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -44,12 +58,26 @@ class ModelVolume:
         return None
 
 
+TLS_OFF, TLS_CHART, TLS_CERT_MANAGER = "off", "chart", "certManager"
+TLS_ISSUERS = (TLS_OFF, TLS_CHART, TLS_CERT_MANAGER)
+
+
+@dataclass(frozen=True)
+class IssuerRef:
+    """A cert-manager issuer: `kind` Issuer (in the pipeline's namespace), ClusterIssuer, or an external
+    issuer's kind with its `group`."""
+    kind: str
+    name: str
+    group: str = "cert-manager.io"
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     model_volume: ModelVolume = ModelVolume("pvc", "omnistage-models")
     image_pull_policy: str = "IfNotPresent"
     run_as_user: int = 1000
     metrics_namespace_label: tuple[str, str] | None = None
+    orchestrator_clients_from: tuple[dict, ...] = ()
     resync_seconds: float = 300.0
     workers: int = 4
     webhook: str = "managed"
@@ -58,6 +86,17 @@ class OperatorConfig:
     webhook_host: str | None = None
     webhook_cert: str | None = None
     webhook_key: str | None = None
+    webhook_reload_seconds: float = 10.0
+    peering: str | None = None
+    pod_id: str | None = None
+    watch_namespaces: tuple[str, ...] = ()
+    tls_issuer: str = TLS_OFF
+    tls_ca_secret: tuple[str, str] | None = None     # (namespace, name), with tls_issuer chart
+    tls_issuer_ref: IssuerRef | None = None          # with tls_issuer certManager
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_issuer != TLS_OFF
 
 
 def parse_model_volume(value: str, mount_path: str = "/models") -> ModelVolume:
@@ -93,12 +132,43 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
     webhook = env.get("OMNISTAGE_WEBHOOK", d.webhook)
     if webhook not in ("managed", "external", "off"):
         raise ConfigError(f"OMNISTAGE_WEBHOOK={webhook!r}: expected managed, external or off")
+    clients_raw = env.get("OMNISTAGE_ORCHESTRATOR_CLIENTS_FROM", "")
+    try:
+        clients = json.loads(clients_raw) if clients_raw.strip() else []
+    except ValueError as e:
+        raise ConfigError(f"OMNISTAGE_ORCHESTRATOR_CLIENTS_FROM: not JSON ({e})") from None
+    if not isinstance(clients, list) or not all(isinstance(c, dict) and c for c in clients):
+        raise ConfigError("OMNISTAGE_ORCHESTRATOR_CLIENTS_FROM: expected a JSON list of NetworkPolicy peers "
+                          "(objects with podSelector, namespaceSelector or ipBlock)")
+    peering = env.get("OMNISTAGE_PEERING") or None
+    if peering and not env.get("POD_ID"):
+        raise ConfigError(f"OMNISTAGE_PEERING={peering!r} needs POD_ID (this replica's name, kopf's identity)")
+    namespaces = tuple(n.strip() for n in env.get("OMNISTAGE_WATCH_NAMESPACES", "").split(",") if n.strip())
+    issuer = env.get("OMNISTAGE_TLS_ISSUER") or TLS_OFF
+    if issuer not in TLS_ISSUERS:
+        raise ConfigError(f"OMNISTAGE_TLS_ISSUER={issuer!r}: expected {', '.join(TLS_ISSUERS)}")
+    ca_secret = issuer_ref = None
+    if issuer == TLS_CHART:
+        raw = env.get("OMNISTAGE_TLS_CA_SECRET", "")
+        ns, sep, name = raw.partition("/")
+        if not (sep and ns and name) or "/" in name:
+            raise ConfigError(f"OMNISTAGE_TLS_CA_SECRET={raw!r}: expected NAMESPACE/NAME of the CA Secret "
+                              f"(needed with OMNISTAGE_TLS_ISSUER={TLS_CHART})")
+        ca_secret = (ns, name)
+    elif issuer == TLS_CERT_MANAGER:
+        raw = env.get("OMNISTAGE_TLS_ISSUER_REF", "")
+        parts = raw.split("/")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise ConfigError(f"OMNISTAGE_TLS_ISSUER_REF={raw!r}: expected KIND/NAME, e.g. ClusterIssuer/NAME "
+                              f"(optionally /GROUP; needed with OMNISTAGE_TLS_ISSUER={TLS_CERT_MANAGER})")
+        issuer_ref = IssuerRef(*parts)
     return OperatorConfig(
         model_volume=parse_model_volume(env.get("OMNISTAGE_MODEL_VOLUME", "pvc:omnistage-models"),
                                         env.get("OMNISTAGE_MODEL_MOUNT", "/models")),
         image_pull_policy=env.get("OMNISTAGE_IMAGE_PULL_POLICY", d.image_pull_policy),
         run_as_user=num("OMNISTAGE_RUN_AS_USER", d.run_as_user),
         metrics_namespace_label=metrics,
+        orchestrator_clients_from=tuple(clients),
         resync_seconds=num("OMNISTAGE_RESYNC_SECONDS", d.resync_seconds, float),
         workers=num("OMNISTAGE_WORKERS", d.workers),
         webhook=webhook,
@@ -107,4 +177,11 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
         webhook_host=env.get("OMNISTAGE_WEBHOOK_HOST") or None,
         webhook_cert=env.get("OMNISTAGE_WEBHOOK_CERT") or None,
         webhook_key=env.get("OMNISTAGE_WEBHOOK_KEY") or None,
+        webhook_reload_seconds=num("OMNISTAGE_WEBHOOK_RELOAD_SECONDS", d.webhook_reload_seconds, float),
+        peering=peering,
+        pod_id=env.get("POD_ID") or None,
+        watch_namespaces=namespaces,
+        tls_issuer=issuer,
+        tls_ca_secret=ca_secret,
+        tls_issuer_ref=issuer_ref,
     )

@@ -3,7 +3,9 @@ queue, serve the validating webhook, start and stop the reconcile workers.
 
 Run: `python -m kopf run -m omnistage_operator.handlers --all-namespaces` (or `--namespace=NS`).
 Watch events only enqueue; the reconcile is level-based (reconcile.py), so kopf keeps no per-object
-state: no annotations, no finalizers, no writes of its own.
+state: no annotations, no finalizers, no writes of its own. Several replicas share a KopfPeering
+(OMNISTAGE_PEERING): the oldest reconciles, the others stand by (leadership.py); every replica serves
+the webhook.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import os
 
 import kopf
 
-from .config import from_env
+from .config import TLS_CERT_MANAGER, ConfigError, from_env
 from .kube import Kube
+from .leadership import follow_peering, start_priority
 from .pipeline_object import validation_errors
 from .reconcile import reconcile
 from .status import last_failure
 from .vocabulary import GROUP, LABEL_PIPELINE, PLURAL, VERSION
+from .webhook_tls import ReloadingWebhookServer, ServingCertificate
 from .workqueue import WorkQueue, resync, worker
 
 # Children whose changes (or deletion) bring their pipeline back into the queue.
@@ -46,22 +50,48 @@ CHILD_EVENT_DELAY = 0.5
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
     cfg = from_env()
-    settings.peering.standalone = True          # one replica (the chart uses Recreate)
+    if cfg.peering and settings.peering.clusterwide == bool(cfg.watch_namespaces):
+        # leadership.py reads the peering objects kopf writes: one per namespace, or the cluster's.
+        raise ConfigError("OMNISTAGE_WATCH_NAMESPACES must name the --namespace flags (and be empty with "
+                          "--all-namespaces)")
     settings.posting.level = logging.WARNING    # Events come from the reconcile, not from kopf's logs
+    if cfg.watch_namespaces:
+        # Named namespaces only: kopf then needs no cluster-wide list of namespaces or CRDs (the chart grants
+        # none); it serves the CRDs present at start.
+        settings.scanning.disabled = True
+    memo.tasks = []
     if cfg.webhook != "off":
-        settings.admission.server = kopf.WebhookServer(
-            addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host or cfg.webhook_addr,
-            certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
+        server = dict(addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host or cfg.webhook_addr)
+        if cfg.webhook_cert and cfg.webhook_key:
+            serving = ServingCertificate(cfg.webhook_cert, cfg.webhook_key)
+            settings.admission.server = ReloadingWebhookServer(serving=serving, **server)
+            memo.tasks.append(asyncio.create_task(serving.follow(cfg.webhook_reload_seconds)))
+        else:
+            settings.admission.server = kopf.WebhookServer(**server)
         if cfg.webhook == "managed":
             settings.admission.managed = f"{PLURAL}.{GROUP}"
-    kube = await asyncio.to_thread(Kube)
+    kube = await asyncio.to_thread(Kube, None, cfg.tls_issuer == TLS_CERT_MANAGER)
     memo.queue = WorkQueue()
     memo.seen = {}
+    active = None
+    if cfg.peering:
+        # kopf peers by its own records in the KopfPeering objects (mandatory: no object, no work).
+        settings.peering.standalone = False
+        settings.peering.mandatory = True
+        settings.peering.name = cfg.peering
+        settings.peering.priority = start_priority()
+        active = asyncio.Event()
+        read = functools.partial(kube.peering_statuses, cfg.peering, cfg.watch_namespaces)
+        memo.tasks.append(asyncio.create_task(
+            follow_peering(read, cfg.pod_id, settings.peering.priority, active)))
+    else:
+        settings.peering.standalone = True      # one replica
     run = functools.partial(reconcile, kube, cfg)
-    memo.tasks = [asyncio.create_task(worker(memo.queue, run, f"worker-{i}")) for i in range(cfg.workers)]
+    memo.tasks += [asyncio.create_task(worker(memo.queue, run, f"worker-{i}", active)) for i in range(cfg.workers)]
     memo.tasks.append(asyncio.create_task(resync(memo.queue, cfg.resync_seconds)))
-    logger.info("omnistage operator: %d workers, PodDisruptionBudget %s, models %s, webhook %s",
-                cfg.workers, kube.pdb_api_version, cfg.model_volume, cfg.webhook)
+    logger.info("omnistage operator: %d workers, PodDisruptionBudget %s, models %s, webhook %s, peering %s, "
+                "pipeline TLS %s", cfg.workers, kube.pdb_api_version, cfg.model_volume, cfg.webhook,
+                cfg.peering or "standalone", cfg.tls_issuer)
 
 
 @kopf.on.cleanup()

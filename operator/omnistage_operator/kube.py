@@ -13,7 +13,9 @@ import kubernetes
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
+from .certificates import CERT_MANAGER_API
 from .conditions import now_rfc3339
+from .leadership import CLUSTER_PEERINGS, NAMESPACED_PEERINGS, PEERING_GROUP, PEERING_VERSION
 from .vocabulary import API_VERSION, LABEL_PIPELINE, MANAGED_BY
 
 log = logging.getLogger("omnistage.operator")
@@ -46,7 +48,7 @@ def served_pdb_version(api_client: kubernetes.client.ApiClient) -> str:
 
 
 class Kube:
-    def __init__(self, api_client: kubernetes.client.ApiClient | None = None):
+    def __init__(self, api_client: kubernetes.client.ApiClient | None = None, cert_manager: bool = False):
         self.api_client = api_client or load_client_config()
         self.dyn = DynamicClient(self.api_client)
         self.pdb_api_version = served_pdb_version(self.api_client)
@@ -55,11 +57,16 @@ class Kube:
                             ("networking.k8s.io/v1", "NetworkPolicy"),
                             ("rbac.authorization.k8s.io/v1", "Role"),
                             ("rbac.authorization.k8s.io/v1", "RoleBinding"))
+        if cert_manager:   # resolved only when used: the kind exists only where cert-manager is installed
+            self.child_kinds += ((CERT_MANAGER_API, "Certificate"),)
         # Resolve every resource once, here: discovery caches are not safe to fill from many threads.
         self._resources = {kind: self.dyn.resources.get(api_version=av, kind=kind) for av, kind in self.child_kinds}
         self._pipelines = self.dyn.resources.get(api_version=API_VERSION, kind="OmniPipeline")
         self._events = self.dyn.resources.get(api_version="v1", kind="Event")
         self._pods = self.dyn.resources.get(api_version="v1", kind="Pod")
+        # Secrets are read one by one by name, never listed or watched: the operator's RBAC holds no list of
+        # Secrets, so it cannot read one it was not told the name of (in its own namespace: only the CA's).
+        self._unlisted = {"Secret": self.dyn.resources.get(api_version="v1", kind="Secret")}
         self._readers = ThreadPoolExecutor(max_workers=len(self.child_kinds), thread_name_prefix="kube-read")
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -102,16 +109,39 @@ class Kube:
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
         try:
-            return self._resources[kind].get(name=name, namespace=namespace, **RAW)
+            return self._resource(kind).get(name=name, namespace=namespace, **RAW)
         except NotFoundError:
             return None
+
+    def peering_statuses(self, name: str, namespaces: tuple[str, ...]) -> list[dict | None]:
+        """The `status` of the KopfPeering `name` in each namespace, or of the ClusterKopfPeering when
+        `namespaces` is empty (leadership.py); an absent object reads as None."""
+        api = kubernetes.client.CustomObjectsApi(self.api_client)
+        group, version = PEERING_GROUP, PEERING_VERSION
+        out = []
+        for ns in namespaces or (None,):
+            try:
+                obj = (api.get_namespaced_custom_object(group, version, ns, NAMESPACED_PEERINGS, name) if ns else
+                       api.get_cluster_custom_object(group, version, CLUSTER_PEERINGS, name))
+            except kubernetes.client.ApiException as e:
+                if e.status != 404:
+                    raise
+                obj = {}
+            out.append(obj.get("status"))
+        return out
+
+    def get_secret(self, namespace: str, name: str) -> dict | None:
+        return self.get("Secret", namespace, name)
+
+    def _resource(self, kind: str):
+        return self._resources.get(kind) or self._unlisted[kind]
 
     # ---------------------------------------------------------------------------- writes
 
     def create(self, obj: dict) -> dict | None:
         """The created object, or None when one of that name exists already."""
         try:
-            return self._resources[obj["kind"]].create(body=obj, namespace=obj["metadata"]["namespace"], **RAW)
+            return self._resource(obj["kind"]).create(body=obj, namespace=obj["metadata"]["namespace"], **RAW)
         except ConflictError:
             return None
         finally:
@@ -120,13 +150,13 @@ class Kube:
     def patch(self, obj: dict) -> dict:
         meta = obj["metadata"]
         self._wrote()
-        return self._resources[obj["kind"]].patch(body=obj, name=meta["name"], namespace=meta["namespace"],
+        return self._resource(obj["kind"]).patch(body=obj, name=meta["name"], namespace=meta["namespace"],
                                                   content_type=MERGE_PATCH, **RAW)
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self._wrote()
         try:
-            self._resources[kind].delete(name=name, namespace=namespace, **RAW)
+            self._resource(kind).delete(name=name, namespace=namespace, **RAW)
         except NotFoundError:
             pass
 

@@ -16,8 +16,12 @@ def clean_document(body: Mapping[str, Any]) -> dict:
     """The OmniPipeline as the user wrote it: no status, no server-set metadata. This is what the
     services read from the ConfigMap, so a status update never touches it."""
     meta = body.get("metadata") or {}
+    # Metadata of another shape (never from the API server; a direct call) goes on as it is: the validator
+    # names it, rather than this failing on it.
+    kept = {"name": meta.get("name"), "namespace": meta.get("namespace", "default")} if isinstance(meta, Mapping) \
+        else meta
     return {"apiVersion": body.get("apiVersion", API_VERSION), "kind": body.get("kind", omnispec.KIND),
-            "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace", "default")},
+            "metadata": kept,
             "spec": plain(body.get("spec"))}
 
 

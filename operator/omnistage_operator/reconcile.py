@@ -11,20 +11,25 @@ from dataclasses import dataclass, field
 import kopf
 
 from omnistage.spec import Pipeline, SpecError
+from omnistage.tls import TlsError
 
-from .builders import Children, build_children
+from .builders import Children, build_children, build_tls_secret_meta
+from .certificates import (CertificateAuthority, build_tls_secret, ca_from_secret, leaves, needs_reissue,
+                           tls_secret_name)
 from .compare import matches
 from .conditions import now_rfc3339
-from .config import OperatorConfig
+from .config import TLS_CHART, OperatorConfig
 from .kube import Kube, controller_uid, owned_by
 from .pipeline_object import parse, plain
 from .rollout import UnitState, deployment_rolled_out, plan_rollout, rollout_order
 from .status import build_status, invalid_status, new_failures, pods_by_unit, status_patch, unit_counts
-from .vocabulary import ORCHESTRATOR, R_INVALID_SPEC, R_STAGE_FAILING, orchestrator_endpoint
+from .vocabulary import LABEL_STAGE, ORCHESTRATOR, R_INVALID_SPEC, R_STAGE_FAILING, orchestrator_endpoint
 
 log = logging.getLogger("omnistage.operator")
 # While something rolls, look again this often even if no watch event arrives.
 PROGRESS_REQUEUE_SECONDS = 10.0
+# The chart's CA Secret missing or unusable: look again this often (it is made at install).
+CA_MISSING_RETRY_SECONDS = 30.0
 
 
 @dataclass
@@ -54,6 +59,11 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
     kopf.adopt(children.all(), owner=body)
     live = kube.list_children(namespace, name)
     uid = body["metadata"]["uid"]
+    if cfg.tls_issuer == TLS_CHART:   # before the Deployments: their pods mount these
+        try:
+            _ensure_leaf_secrets(kube, cfg, pipeline, body, out)
+        except TlsError as e:          # an unusable CA (e.g. its key and certificate do not match)
+            raise kopf.TemporaryError(f"pipeline certificates: {e}", delay=CA_MISSING_RETRY_SECONDS) from None
 
     for obj in children.all():   # everything but Deployments goes in place at once
         if obj["kind"] != "Deployment":
@@ -74,6 +84,10 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
         if (kind, child) not in wanted and owned_by(obj, uid):   # e.g. a stage taken out of the topology
             kube.delete(kind, namespace, child)
             out.deleted.append(f"{kind}/{child}")
+            stage = (obj["metadata"].get("labels") or {}).get(LABEL_STAGE)
+            if kind == "Deployment" and stage and cfg.tls_issuer == TLS_CHART:   # Secrets are never listed
+                kube.delete("Secret", namespace, tls_secret_name(name, stage))
+                out.deleted.append(f"Secret/{tls_secret_name(name, stage)}")
 
     if out.created or out.updated or out.deleted:
         kube.post_event(body, "Normal", "ChildrenApplied", _summary(out))
@@ -110,6 +124,39 @@ def _ensure(kube: Kube, desired: dict, live: dict, owner_uid: str, out: Outcome)
         return current
     out.updated.append("/".join(key))
     return kube.patch(desired)
+
+
+def _ensure_leaf_secrets(kube: Kube, cfg: OperatorConfig, p: Pipeline, body: dict, out: Outcome) -> None:
+    """Each unit's certificate Secret, issued with the chart's CA: created when missing, issued again when
+    certificates.needs_reissue says so (near its end, another identity, the CA replaced), else left alone."""
+    ca = _read_ca(kube, cfg)
+    uid = body["metadata"]["uid"]
+    for leaf in leaves(p).values():
+        live = kube.get_secret(p.namespace, leaf.secret)
+        if live is not None:
+            other = controller_uid(live)
+            if other is not None and other != uid:
+                raise kopf.TemporaryError(f"Secret/{leaf.secret} exists and is controlled by another object",
+                                          delay=30)
+            if not needs_reissue(live, leaf, ca):
+                continue
+        secret = build_tls_secret(build_tls_secret_meta(p, leaf), leaf, ca)
+        kopf.adopt(secret, owner=body)
+        if live is None and kube.create(secret) is not None:
+            out.created.append(f"Secret/{leaf.secret}")
+        else:
+            kube.patch(secret)
+            out.updated.append(f"Secret/{leaf.secret}")
+
+
+def _read_ca(kube: Kube, cfg: OperatorConfig) -> CertificateAuthority:
+    assert cfg.tls_ca_secret is not None   # config.from_env requires it with the chart issuer
+    namespace, name = cfg.tls_ca_secret
+    secret = kube.get_secret(namespace, name)
+    if secret is None:
+        raise kopf.TemporaryError(f"the pipelines' CA Secret {namespace}/{name} does not exist (tls.issuer chart)",
+                                  delay=CA_MISSING_RETRY_SECONDS)
+    return ca_from_secret(secret, f"{namespace}/{name}")
 
 
 def _unit_counts(kube: Kube, p: Pipeline, observed: dict[str, dict | None]) -> dict[str, dict]:

@@ -58,6 +58,10 @@ def network_policy_name(pipeline: str) -> str:
     return f"{pipeline}-stages"
 
 
+def orchestrator_network_policy_name(pipeline: str) -> str:
+    return orchestrator_object_name(pipeline)
+
+
 def orchestrator_endpoint(pipeline: str, namespace: str) -> str:
     return f"{orchestrator_object_name(pipeline)}.{namespace}.svc:{GRPC_PORT}"
 

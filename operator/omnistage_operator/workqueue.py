@@ -83,9 +83,12 @@ class WorkQueue:
         return len(self._queued) + len(self._active) + len(self._timers)
 
 
-async def worker(queue: WorkQueue, reconcile: Callable, name: str) -> None:
-    """Take keys forever; `reconcile(*key)` returns an object with `requeue_after` (or raises)."""
+async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: asyncio.Event | None = None) -> None:
+    """Take keys forever; `reconcile(*key)` returns an object with `requeue_after` (or raises). With `active`,
+    only while it is set (this replica leads, leadership.py): a standby keeps its keys queued."""
     while True:
+        if active is not None:
+            await active.wait()
         key = await queue.get()
         try:
             t0 = time.monotonic()

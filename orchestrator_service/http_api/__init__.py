@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Sequence
 
 import uvicorn
 
+from omnistage import tls as tls_files
 from omnistage.spec import Pipeline
 
 from .routes import build_app
@@ -36,8 +36,10 @@ def connection_limit(pipeline: Pipeline) -> int:
 
 
 class HttpApi:
-    def __init__(self, servicer, pipeline: Pipeline, host: str, port: int, api_keys: Sequence[str] = ()):
-        self.app = build_app(servicer, pipeline, api_keys)
+    def __init__(self, servicer, pipeline: Pipeline, host: str, port: int, tls: tls_files.TlsFiles | None = None):
+        self.app = build_app(servicer, pipeline)  # its keys: the servicer's, one set for both front doors
+        self.tls = tls  # given: HTTPS with its tls.crt and tls.key
+        self._tls_stamp = tls.stamp() if tls else None
         self.limit_concurrency = connection_limit(pipeline)
         self.host, self.port = host, port
         self._server: uvicorn.Server | None = None
@@ -59,7 +61,9 @@ class HttpApi:
         self.port = sock.getsockname()[1]
         # log_config=None: the process's logging stays as the orchestrator configured it.
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", lifespan="off", access_log=False,
-                                ws="none", timeout_graceful_shutdown=5, limit_concurrency=self.limit_concurrency)
+                                ws="none", timeout_graceful_shutdown=5, limit_concurrency=self.limit_concurrency,
+                                **({"ssl_certfile": str(self.tls.cert), "ssl_keyfile": str(self.tls.key)}
+                                   if self.tls else {}))
         config.load()
         self._server = uvicorn.Server(config)
         # What serve() does, less its signal handlers (SIGTERM belongs to the orchestrator's drain):
@@ -67,8 +71,22 @@ class HttpApi:
         self._server.lifespan = config.lifespan_class(config)
         await self._server.startup(sockets=[sock])
         self._task = asyncio.create_task(self._server.main_loop(), name="http-api")
-        log.info("OpenAI-compatible API on http://%s:%d/v1", self.host, self.port)
+        log.info("OpenAI-compatible API on %s://%s:%d/v1", "https" if self.tls else "http", self.host, self.port)
         return self.port
+
+    def reload_tls(self) -> None:
+        """After tls.crt and tls.key were rotated: new connections get the new certificate (an SSLContext
+        takes a new chain in place), those open keep theirs."""
+        if self.tls is None or self._server is None or self.tls.stamp() == self._tls_stamp:
+            return
+        stamp = self.tls.stamp()
+        try:
+            self._server.config.ssl.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: mid-rotation, next time whole
+            log.warning("HTTP API certificate in %s not reloaded: %s", self.tls.folder, e)
+            return
+        self._tls_stamp = stamp
+        log.info("HTTP API certificate in %s reloaded", self.tls.folder)
 
     async def stop(self) -> None:
         """Stop accepting, close connections; streams still open are cancelled with their requests."""

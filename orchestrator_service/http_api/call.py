@@ -65,9 +65,7 @@ class Call:
     def __init__(self, servicer, request: orchestrator_pb2.GenerateRequest, fields: Mapping[str, str] = {}, *,
                  deadline: float | None = None, receive: Callable[[], Awaitable[dict]] | None = None,
                  max_buffered: int = MAX_BUFFERED_EVENTS):
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex
-        self.request_id = request.request_id
+        self.request_id = uuid.uuid4().hex  # the server's id (the response names it); request_id: the client's label
         self.deadline = deadline
         self._servicer, self._request, self._fields, self._receive = servicer, request, fields, receive
         self._queue: asyncio.Queue = asyncio.Queue(max_buffered)
@@ -148,7 +146,7 @@ class Call:
     async def _run(self) -> None:
         try:
             try:
-                async with contextlib.aclosing(self._servicer.generate(self._request, self.deadline)) as events:
+                async with contextlib.aclosing(self._servicer.generate(self._request, self.deadline, self.request_id)) as events:
                     async for ev in events:
                         await self._queue.put(ev)
                 item = _END

@@ -29,6 +29,8 @@ STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "duplicate_request_id"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
-from typing import AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
@@ -35,6 +36,9 @@ BODIES_AT_ONCE = 2  # the body budget: this many chat bodies at their largest, r
 BODY_IDLE_S = 30.0  # a body of which no piece comes for this long is 408
 PARSE_IN_THREAD_BYTES = 1 << 20  # bodies larger than this are parsed and translated off the event loop
 TRACE_HEADER = "X-Omnistage-Trace"  # 1: the answer carries the request's trace (as gRPC's return_trace)
+# The client's own label for a request (as OpenAI's API takes it): kept as the request's client_request_id;
+# the server's id comes back as X-Request-Id.
+CLIENT_ID_HEADER = "X-Client-Request-Id"
 Plan = TypeVar("Plan")
 
 
@@ -171,10 +175,15 @@ class Endpoints:
             parse = functools.partial(_parse, raw, model, translation, self.pipeline)
             # Parsing and decoding a large body takes a while (about 0.7 s for 64 MiB): not on the event loop.
             plan = await asyncio.to_thread(parse) if len(raw) > PARSE_IN_THREAD_BYTES else parse()
-        if trace:
-            for p in plan if isinstance(plan, list) else [plan]:
-                p.request.return_trace = True
-        return plan
+        plans = plan if isinstance(plan, list) else [plan]
+        label = request.headers.get(CLIENT_ID_HEADER, "")
+        if label:  # a refusal of the label names the header it came in
+            plans = [dataclasses.replace(p, fields={**p.fields, "request_id": CLIENT_ID_HEADER}) for p in plans]
+        for i, p in enumerate(plans):
+            p.request.return_trace |= trace  # the header, or the body's return_trace
+            # n images are n requests: each label must be unique in flight
+            p.request.request_id = label if len(plans) == 1 or not label else f"{label}.{i}"
+        return plans if isinstance(plan, list) else plans[0]
 
     def _call(self, request: Request, plan: translate.Translated) -> Call:
         return Call(self.servicer, plan.request, plan.fields, deadline=deadline_from(request.headers),
@@ -209,9 +218,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
 
-def build_app(servicer, pipeline: Pipeline, api_keys: Sequence[str] = ()) -> ASGIApp:
-    """The API as an ASGI app: the routes behind the API-key check (built now, so a bad key fails the
-    start rather than the first request)."""
+def build_app(servicer, pipeline: Pipeline) -> ASGIApp:
+    """The API as an ASGI app: the routes behind the API-key check (the servicer's keys, shared with gRPC)."""
     api = Endpoints(servicer, pipeline)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -221,4 +229,4 @@ def build_app(servicer, pipeline: Pipeline, api_keys: Sequence[str] = ()) -> ASG
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
     ]
-    return ApiKeyAuth(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}), api_keys)
+    return ApiKeyAuth(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}), servicer.api_keys)

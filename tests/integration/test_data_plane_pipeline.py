@@ -81,7 +81,9 @@ def served(model_dir, tmp_path_factory):
     by_reference()(doc)
     path = tmp_path_factory.mktemp("data-plane") / "pipeline.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    local = LocalPipeline(path, parse_pipeline(doc), model_dir, log_dir=path.parent / "logs", progress=lambda m: None)
+    # tls=False: the tests call the stages directly (GetLoad, Process, Release) as a plaintext orchestrator
+    local = LocalPipeline(path, parse_pipeline(doc), model_dir, log_dir=path.parent / "logs", progress=lambda m: None,
+                          tls=False)
     try:
         local.start(timeout=300)
         yield Served(local)

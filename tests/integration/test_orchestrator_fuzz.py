@@ -25,6 +25,10 @@ def small_llm(doc):
                                          "maxInferenceSteps": 4, "maxImageSide": 64, "maxCodecFrames": 8,
                                          "defaultCodecFrames": 4, "defaultInferenceSteps": 2,
                                          "defaultImageSide": 32}
+    doc["spec"]["deployment"]["orchestrator"] = {"maxPriority": MAX_PRIORITY}
+
+
+MAX_PRIORITY = 1000
 
 
 u32 = st.one_of(st.just(0), st.integers(0, 8), st.integers(0, 2 ** 32 - 1))
@@ -73,8 +77,11 @@ async def test_fuzzed_requests_end_ok_or_invalid_argument(service):
             assert events[-1].WhichOneof("event") == "final"
             outcomes["ok"] += 1
         except grpc.aio.AioRpcError as e:
-            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), req)
-            assert e.details() and ":" in e.details()  # names the field
+            if req.priority > MAX_PRIORITY:  # checked first, at the front door
+                assert e.code() == grpc.StatusCode.PERMISSION_DENIED and "priority" in e.details(), (e, req)
+            else:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), req)
+                assert e.details() and ":" in e.details()  # names the field
             outcomes["invalid"] += 1
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

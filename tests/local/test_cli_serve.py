@@ -25,15 +25,20 @@ OMNISTAGE = [sys.executable, "-m", "omnistage.cli"]
 
 
 class Served:
-    """A running `omnistage serve` whose output is collected line by line."""
+    """A running `omnistage serve` whose output is collected line by line. `pipeline`: an example's name, or
+    the path of a pipeline file."""
 
-    def __init__(self, example: str, model_dir: Path, tmp: Path, *extra: str):
-        self.log = tmp / f"serve-{example}.out"
-        self.proc = subprocess.Popen([*OMNISTAGE, "serve", str(EXAMPLES / f"{example}.yaml"), "--models",
-                                      str(model_dir), "--log-dir", str(tmp / f"logs-{example}"), *extra],
+    def __init__(self, pipeline: str | Path, model_dir: Path, tmp: Path, *extra: str):
+        path = pipeline if isinstance(pipeline, Path) else EXAMPLES / f"{pipeline}.yaml"
+        self.log = tmp / f"serve-{path.stem}.out"
+        self.proc = subprocess.Popen([*OMNISTAGE, "serve", str(path), "--models",
+                                      str(model_dir), "--log-dir", str(tmp / f"logs-{path.stem}"), *extra],
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
         self.endpoint = self.wait_for(r"serving on (127\.0\.0\.1:\d+)", 300)
         self.pids = {int(p) for p in re.findall(r"\(pid (\d+)\)", self.output())}
+        # Each process as serve names it ("stage llm[0]", "orchestrator") -> its pid.
+        self.processes = {name: int(pid) for name, pid in
+                          re.findall(r"  (stage \S+|orchestrator): ready .*\(pid (\d+)\)", self.output())}
 
     def output(self) -> str:
         return self.log.read_text()

@@ -138,9 +138,9 @@ class Recorded(ScriptedPath):
         super().__init__(*a, **kw)
         self.requests = []
 
-    def generate(self, request, deadline=None):
+    def generate(self, request, deadline=None, request_id=None):
         self.requests.append(request)
-        return super().generate(request, deadline)
+        return super().generate(request, deadline, request_id)
 
 
 @pytest.mark.parametrize("value,traced", [("1", True), ("true", True), ("0", False), (None, False)])
@@ -154,3 +154,12 @@ async def test_the_trace_header_asks_for_the_trace(value, traced):
 async def test_a_bad_trace_header_is_400_naming_it():
     status, _, body = await Client(app(), CHAT, {routes.TRACE_HEADER: "yes"}).send(CHAT_BODY)
     assert status == 400 and body["error"]["param"] == routes.TRACE_HEADER
+
+
+async def test_the_client_request_id_header_is_the_label_and_the_answer_names_the_server_id():
+    path = Recorded([text("hello")])
+    status, headers, _ = await Client(app(servicer=path), CHAT, {routes.CLIENT_ID_HEADER: "job-7"}).send(CHAT_BODY)
+    assert status == 200
+    assert path.requests[0].request_id == "job-7"            # the label, as the client gave it
+    assert headers["x-request-id"] == path.request_id != "job-7"  # the server's own id names the answer
+    assert len(path.request_id) == 32

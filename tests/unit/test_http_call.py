@@ -13,6 +13,7 @@ from starlette.datastructures import Headers
 
 from omnistage.params import InvalidRequest
 from omnistage.v1 import orchestrator_pb2
+from orchestrator_service.api_keys import ApiKeys
 from orchestrator_service.http_api import images
 from orchestrator_service.http_api.call import Call, ClientGone, deadline_from, run_all
 from orchestrator_service.http_api.errors import ApiError
@@ -31,12 +32,14 @@ class ScriptedPath:
 
     def __init__(self, events=(), fail: BaseException | None = None, hang: bool = False):
         self.events, self.fail, self.hang = list(events), fail, hang
+        self.api_keys = ApiKeys()  # the servicer's client keys: none, no key needed
         self.unwound = asyncio.Event()
         self.deadline = None
         self.yielded = 0
 
-    async def generate(self, request, deadline=None):
+    async def generate(self, request, deadline=None, request_id=None):
         self.deadline = deadline
+        self.request_id = request_id
         try:
             for ev in self.events:
                 yield ev

@@ -52,7 +52,7 @@ def test_one_deployment_service_pdb_per_stage_and_names():
     assert c.orchestrator_service["metadata"]["name"] == "qwen3-omni-tiny-orchestrator"
     assert c.config_map["metadata"]["name"] == "qwen3-omni-tiny-pipeline"
     names = [(o["kind"], o["metadata"]["name"]) for o in c.all()]
-    assert len(names) == len(set(names)) == 16
+    assert len(names) == len(set(names)) == 17
     assert all(o["metadata"]["labels"][LABEL_PIPELINE] == "qwen3-omni-tiny" for o in c.all())
 
 
@@ -226,19 +226,41 @@ def test_orchestrator_may_only_read_endpoints():
                                     "namespace": "team-a"}]
 
 
-def test_network_policy_admits_only_the_pipeline_pods():
+ORCHESTRATOR_PODS = {"podSelector": {"matchLabels": {LABEL_PIPELINE: "qwen3-omni-tiny",
+                                                      LABEL_COMPONENT: "orchestrator"}}}
+STAGE_PODS = {"podSelector": {"matchLabels": {LABEL_PIPELINE: "qwen3-omni-tiny", LABEL_COMPONENT: "stage"}}}
+GRPC_ONLY = [{"protocol": "TCP", "port": "grpc"}]
+SCRAPERS = {"from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}],
+            "ports": [{"protocol": "TCP", "port": "http"}]}
+
+
+def test_stage_network_policy_admits_the_orchestrator_on_grpc_and_the_stages_anywhere():
     np = children().network_policy
-    assert np["spec"]["podSelector"]["matchLabels"] == {LABEL_PIPELINE: "qwen3-omni-tiny",
-                                                        LABEL_COMPONENT: "stage"}
+    assert np["spec"]["podSelector"] == STAGE_PODS["podSelector"]
     assert np["spec"]["policyTypes"] == ["Ingress"]
-    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {LABEL_PIPELINE: "qwen3-omni-tiny"}}}]}]
+    # gRPC only from this pipeline's orchestrators; its own stages on any port (UCX ports are picked at start)
+    assert np["spec"]["ingress"] == [{"from": [ORCHESTRATOR_PODS], "ports": GRPC_ONLY}, {"from": [STAGE_PODS]}]
 
 
 def test_network_policy_metrics_scrapers_reach_only_http():
     cfg = OperatorConfig(model_volume=CFG.model_volume, metrics_namespace_label=("team", "monitoring"))
-    rules = children(cfg=cfg).network_policy["spec"]["ingress"]
-    assert rules[1] == {"from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}],
-                        "ports": [{"protocol": "TCP", "port": "http"}]}
+    c = children(cfg=cfg)
+    assert c.network_policy["spec"]["ingress"][2] == SCRAPERS
+    assert c.orchestrator_network_policy["spec"]["ingress"][1] == SCRAPERS
+
+
+def test_orchestrator_network_policy_client_ports_from_anywhere_or_the_configured_peers():
+    np = children().orchestrator_network_policy
+    assert np["metadata"]["name"] == "qwen3-omni-tiny-orchestrator"
+    assert np["spec"]["podSelector"] == ORCHESTRATOR_PODS["podSelector"]
+    clients = [{"protocol": "TCP", "port": "grpc"}, {"protocol": "TCP", "port": "openai"}]
+    assert np["spec"]["ingress"] == [{"ports": clients}]   # no "from": any source, these ports only
+    peers = ({"namespaceSelector": {"matchLabels": {"role": "gateway"}}}, {"ipBlock": {"cidr": "10.0.0.0/8"}})
+    cfg = OperatorConfig(model_volume=CFG.model_volume, orchestrator_clients_from=peers)
+    assert children(cfg=cfg).orchestrator_network_policy["spec"]["ingress"] == [
+        {"ports": clients, "from": list(peers)}]
+    no_api = children(with_api(enabled=False)).orchestrator_network_policy
+    assert no_api["spec"]["ingress"] == [{"ports": GRPC_ONLY}]
 
 
 def test_builders_are_deterministic():

@@ -35,7 +35,7 @@ needs_helm = pytest.mark.skipif(HELM is None and not HELM_REQUIRED,
                                 reason="no helm binary (e2e/cluster/get-helm.sh fetches one)")
 
 
-FREE_FORM = {"resources"}   # maps passed through as they are (Kubernetes resource requests and limits)
+FREE_FORM = {"resources", "issuerRef"}   # maps passed through as they are (Kubernetes resource requests and limits)
 
 
 def test_every_value_is_documented_in_values_yaml():
@@ -95,13 +95,19 @@ def helm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HELM, *args], capture_output=True, text=True)
 
 
-def render(*sets: str) -> dict[tuple[str, str], dict]:
+def render_all(*sets: str) -> list[dict]:
     args = ["template", "omnistage", str(CHART), "--namespace", "omnistage-system"]
     for s in sets:
         args += ["--set", s]
     r = helm(*args)
     assert r.returncode == 0, r.stderr
-    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout) if d}
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def render(*sets: str) -> dict[tuple[str, str], dict]:
+    """The rendered objects by (kind, name): namespaced copies of one name (a Role per watched namespace)
+    need render_all."""
+    return {(d["kind"], d["metadata"]["name"]): d for d in render_all(*sets)}
 
 
 @needs_helm
@@ -122,15 +128,26 @@ def test_rendered_objects():
     assert set(objs) == {("ServiceAccount", "omnistage"), ("ClusterRole", "omnistage"),
                          ("ClusterRoleBinding", "omnistage"), ("Deployment", "omnistage"),
                          ("Secret", "omnistage-webhook-cert"), ("Service", "omnistage-webhook"),
-                         ("ValidatingWebhookConfiguration", "omnistage")}
+                         ("ValidatingWebhookConfiguration", "omnistage"), ("Secret", "omnistage-pipeline-ca"),
+                         ("Role", "omnistage-pipeline-ca"), ("RoleBinding", "omnistage-pipeline-ca"),
+                         ("NetworkPolicy", "omnistage"), ("ClusterKopfPeering", "omnistage")}
     dep = objs[("Deployment", "omnistage")]
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    # two peered replicas; a new one comes up (as a standby) before an old one goes
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["command"][:7] == ["python", "-m", "kopf", "run", "--standalone", "-m", "omnistage_operator.handlers"]
-    assert "--all-namespaces" in c["command"]
+    assert c["command"][:6] == ["python", "-m", "kopf", "run", "-m", "omnistage_operator.handlers"]
+    assert "--standalone" not in c["command"] and "--all-namespaces" in c["command"]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["OMNISTAGE_MODEL_VOLUME"] == "pvc:omnistage-models" and env["OMNISTAGE_WEBHOOK"] == "external"
+    assert env["OMNISTAGE_PEERING"] == "omnistage" and env["OMNISTAGE_WATCH_NAMESPACES"] == ""
+    pod_id = next(e for e in c["env"] if e["name"] == "POD_ID")
+    assert pod_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["OMNISTAGE_TLS_ISSUER"] == "chart"
+    assert env["OMNISTAGE_TLS_CA_SECRET"] == "omnistage-system/omnistage-pipeline-ca"
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert c["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
     hook = objs[("ValidatingWebhookConfiguration", "omnistage")]["webhooks"][0]
     assert hook["clientConfig"]["service"] == {"name": "omnistage-webhook", "namespace": "omnistage-system",
@@ -149,8 +166,11 @@ def test_rendered_rbac_covers_every_child_kind_the_operator_writes():
         assert rule, f"no rule for {res}"
         assert {"get", "list", "watch", "create", "patch", "delete"} <= set(rule["verbs"])
     assert any("omnipipelines/status" in r["resources"] and "patch" in r["verbs"] for r in rules)
-    # never more than needed: no wildcards, no secrets
-    assert all("*" not in r["verbs"] and "*" not in r["resources"] and "secrets" not in r["resources"] for r in rules)
+    # never more than needed: no wildcards, nothing that escalates; Secrets only by name (never listed)
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] and "*" not in r["apiGroups"] for r in rules)
+    assert not {"escalate", "bind", "impersonate"} & {v for r in rules for v in r["verbs"]}
+    secret_verbs = {v for r in rules if "secrets" in r["resources"] for v in r["verbs"]}
+    assert secret_verbs == {"get", "create", "patch", "delete"}
 
 
 @needs_helm
@@ -160,6 +180,180 @@ def test_rendered_rbac_lets_the_operator_read_pods_and_nothing_more():
     verbs = {v for r in rules if POD_RESOURCE["plural"] in r["resources"] and POD_RESOURCE["group"] in r["apiGroups"]
              for v in r["verbs"]}
     assert verbs == {"get", "list", "watch"}   # status only: the Deployments own the pods
+
+
+def rules_by_resource(rules: list[dict]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for r in rules:
+        for g in r["apiGroups"]:
+            for res in r["resources"]:
+                out.setdefault(f"{g}/{res}" if g else res, set()).update(r["verbs"])
+    return out
+
+
+@needs_helm
+def test_watch_namespaces_gives_roles_in_those_namespaces_and_nothing_cluster_wide():
+    docs = render_all("watchNamespaces={team-a,team-b}")
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["metadata"].get("namespace") in
+            (None, "omnistage-system")}
+    assert not [k for k in objs if k[0] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")]
+    for ns in ("team-a", "team-b"):
+        role = next(o for o in docs if o["kind"] == "Role" and o["metadata"].get("namespace") == ns)
+        binding = next(o for o in docs if o["kind"] == "RoleBinding" and o["metadata"].get("namespace") == ns)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "omnistage"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "omnistage",
+                                        "namespace": "omnistage-system"}]
+        rules = rules_by_resource(role["rules"])
+        assert rules["apps/deployments"] == {"get", "list", "watch", "create", "patch", "delete"}
+        assert rules["secrets"] == {"get", "create", "patch", "delete"}
+        assert rules["kopf.dev/kopfpeerings"] == {"get", "list", "watch", "patch"}
+        assert "apiextensions.k8s.io/customresourcedefinitions" not in rules and "namespaces" not in rules
+        peering = [o for o in docs if o["kind"] == "KopfPeering" and o["metadata"]["namespace"] == ns]
+        assert [p["metadata"]["name"] for p in peering] == ["omnistage"]
+    # The CA: get, by name, in the release namespace; nothing else there.
+    ca_role = objs[("Role", "omnistage-pipeline-ca")]
+    assert ca_role["metadata"]["namespace"] == "omnistage-system"
+    assert ca_role["rules"] == [{"apiGroups": [""], "resources": ["secrets"],
+                                 "resourceNames": ["omnistage-pipeline-ca"], "verbs": ["get"]}]
+    (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["OMNISTAGE_WATCH_NAMESPACES"] == "team-a,team-b"
+
+
+@needs_helm
+def test_operator_rbac_covers_what_it_grants_each_orchestrator():
+    """The operator may only create a Role with rules it holds (no escalate verb): each orchestrator's."""
+    from omnistage_operator.builders import build_orchestrator_access
+    from omnistage_operator.pipeline_object import parse
+    doc = yaml.safe_load((REPO / "examples" / "qwen3-omni-tiny.yaml").read_text())
+    _, role, _ = build_orchestrator_access(parse(doc))
+    for sets in ((), ("watchNamespaces={a}",)):
+        rules = rules_by_resource(next(o for o in render_all(*sets) if o["kind"] in ("Role", "ClusterRole")
+                                       and o["metadata"]["name"] == "omnistage")["rules"])
+        for r in role["rules"]:
+            for g in r["apiGroups"]:
+                for res in r["resources"]:
+                    assert set(r["verbs"]) <= rules[f"{g}/{res}" if g else res]
+
+
+@needs_helm
+def test_cert_manager_issuer_grants_certificates_and_no_secrets():
+    objs = render("tls.issuer=certManager", "tls.certManager.issuerRef.name=pipelines-ca")
+    rules = rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])
+    assert "secrets" not in rules
+    assert rules["cert-manager.io/certificates"] == {"get", "list", "watch", "create", "patch", "delete"}
+    assert ("Secret", "omnistage-pipeline-ca") not in objs and ("Role", "omnistage-pipeline-ca") not in objs
+    (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["OMNISTAGE_TLS_ISSUER"] == "certManager"
+    assert env["OMNISTAGE_TLS_ISSUER_REF"] == "ClusterIssuer/pipelines-ca/cert-manager.io"
+
+
+@needs_helm
+def test_tls_off_and_a_pre_created_ca():
+    objs = render("tls.enabled=false")
+    (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e.get("value") for e in c["env"]}["OMNISTAGE_TLS_ISSUER"] == "off"
+    assert "secrets" not in rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])
+    objs = render("tls.caSecretName=my-ca")
+    assert ("Secret", "omnistage-pipeline-ca") not in objs   # the user's, not rendered
+    assert objs[("Role", "omnistage-pipeline-ca")]["rules"][0]["resourceNames"] == ["my-ca"]
+
+
+@needs_helm
+def test_pipeline_ca_is_a_ca_kept_by_helm():
+    from cryptography import x509
+    import base64
+    secret = render()[("Secret", "omnistage-pipeline-ca")]
+    assert secret["type"] == "kubernetes.io/tls"
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+
+
+@needs_helm
+def test_webhook_certificate_from_cert_manager_is_stable_across_renders():
+    # (a GitOps render names its pipelines' CA too: tls.caSecretName)
+    first, second = (render("webhook.certManager.enabled=true", "tls.caSecretName=ca") for _ in range(2))
+    assert first == second   # nothing generated at render time
+    assert ("Secret", "omnistage-webhook-cert") not in first
+    cert = first[("Certificate", "omnistage-webhook")]
+    assert cert["spec"]["secretName"] == "omnistage-webhook-cert"
+    assert "omnistage-webhook.omnistage-system.svc" in cert["spec"]["dnsNames"]
+    assert cert["spec"]["issuerRef"] == {"kind": "Issuer", "name": "omnistage-webhook-selfsigned",
+                                         "group": "cert-manager.io"}
+    assert first[("Issuer", "omnistage-webhook-selfsigned")]["spec"] == {"selfSigned": {}}
+    hook = first[("ValidatingWebhookConfiguration", "omnistage")]
+    assert hook["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "omnistage-system/omnistage-webhook"}
+    assert "caBundle" not in hook["webhooks"][0]["clientConfig"]
+    named = render("webhook.certManager.enabled=true", "webhook.certManager.issuerRef.kind=ClusterIssuer",
+                   "webhook.certManager.issuerRef.name=corp-ca")
+    assert named[("Certificate", "omnistage-webhook")]["spec"]["issuerRef"] == {"kind": "ClusterIssuer",
+                                                                               "name": "corp-ca"}
+    assert not [k for k in named if k[0] == "Issuer"]
+
+
+@needs_helm
+def test_webhook_certificate_from_an_existing_secret_is_stable_across_renders():
+    sets = ("webhook.existingSecret=my-webhook-cert", "webhook.caBundle=Q0FCVU5ETEU=", "tls.caSecretName=ca")
+    first, second = render(*sets), render(*sets)
+    assert first == second
+    assert not [k for k in first if k[0] == "Secret" and "webhook" in k[1]]
+    hook = first[("ValidatingWebhookConfiguration", "omnistage")]
+    assert hook["webhooks"][0]["clientConfig"]["caBundle"] == "Q0FCVU5ETEU="
+    volumes = first[("Deployment", "omnistage")]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "webhook-cert", "secret": {"secretName": "my-webhook-cert"}} in volumes
+    r = helm("template", "x", str(CHART), "--set", "webhook.existingSecret=my-webhook-cert")
+    assert r.returncode != 0 and "caBundle" in r.stderr
+
+
+@needs_helm
+def test_operator_network_policy():
+    np = render()[("NetworkPolicy", "omnistage")]
+    assert np["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert np["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": "webhook"}]}]
+    np = render("pipelinePods.metricsNamespaceLabel=team=monitoring",
+                "networkPolicy.webhookFrom[0].ipBlock.cidr=10.0.0.0/16")[("NetworkPolicy", "omnistage")]
+    assert np["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": "webhook"}], "from": [{"ipBlock": {"cidr": "10.0.0.0/16"}}]},
+        {"ports": [{"protocol": "TCP", "port": "health"}],
+         "from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]}]
+    assert ("NetworkPolicy", "omnistage") not in render("networkPolicy.enabled=false")
+
+
+@needs_helm
+def test_orchestrator_clients_reach_the_operator_as_json():
+    objs = render("networkPolicy.orchestratorClientsFrom[0].namespaceSelector.matchLabels.role=gateway")
+    (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    env["POD_ID"] = "omnistage-0"   # the downward API's part
+    from omnistage_operator.config import from_env
+    assert from_env(env).orchestrator_clients_from == ({"namespaceSelector": {"matchLabels": {"role": "gateway"}}},)
+
+
+@needs_helm
+def test_one_standalone_replica_without_leader_election():
+    objs = render("operator.leaderElection.enabled=false", "operator.replicas=1")
+    dep = objs[("Deployment", "omnistage")]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "OMNISTAGE_PEERING" not in {e["name"] for e in c["env"]}
+    assert ("ClusterKopfPeering", "omnistage") not in objs
+    r = helm("template", "x", str(CHART), "--set", "operator.leaderElection.enabled=false")
+    assert r.returncode != 0 and "replicas" in r.stderr   # two replicas need peering
+
+
+@needs_helm
+@pytest.mark.parametrize("sets", [(), ("watchNamespaces={a,b}",),
+                                  ("tls.issuer=certManager", "tls.certManager.issuerRef.name=ca"),
+                                  ("webhook.existingSecret=wh", "webhook.caBundle=QUJD"),
+                                  ("webhook.certManager.enabled=true",)])
+def test_helm_lint_with_each_option(sets):
+    args = ["lint", "--strict", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    r = helm(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @needs_helm

@@ -42,3 +42,73 @@ none
 {{- define "omnistage.webhookService" -}}
 {{- printf "%s-webhook" (include "omnistage.fullname" .) -}}
 {{- end -}}
+
+{{- define "omnistage.peeringName" -}}
+{{- default (include "omnistage.fullname" .) .Values.operator.leaderElection.peeringName -}}
+{{- end -}}
+
+{{- /* The Secret holding the CA the operator signs the pipelines' certificates with (tls.issuer chart). */}}
+{{- define "omnistage.pipelineCaSecret" -}}
+{{- default (printf "%s-pipeline-ca" (include "omnistage.fullname" .)) .Values.tls.caSecretName -}}
+{{- end -}}
+
+{{- /* The Secret the operator's webhook serving certificate is mounted from. */}}
+{{- define "omnistage.webhookSecret" -}}
+{{- default (printf "%s-cert" (include "omnistage.webhookService" .)) .Values.webhook.existingSecret -}}
+{{- end -}}
+
+{{- /* Rules for the OmniPipelines and their children in a namespace: a Role per watched namespace, or the
+ClusterRole. Secrets: create and, by name, get/patch/delete the pipelines' certificate Secrets, never
+list or watch (tls.issuer chart only); cert-manager Certificates instead with tls.issuer certManager. */}}
+{{- define "omnistage.pipelineRules" -}}
+- apiGroups: [omnistage.io]
+  resources: [omnipipelines]
+  verbs: [get, list, watch]
+- apiGroups: [omnistage.io]
+  resources: [omnipipelines/status]
+  verbs: [get, patch]
+- apiGroups: [omnistage.io]
+  resources: [omnipipelines/finalizers]   # ownerReferences with blockOwnerDeletion
+  verbs: [update]
+- apiGroups: [""]
+  resources: [configmaps, services, serviceaccounts]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+# Each orchestrator's Role and RoleBinding (read endpoints). No escalate or bind verb: the API server
+# lets the operator write only Roles with rules it holds itself, and bind only those.
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [endpoints]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- if .Values.tls.enabled }}
+{{- if eq .Values.tls.issuer "chart" }}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, patch, delete]
+{{- else }}
+- apiGroups: [cert-manager.io]
+  resources: [certificates]
+  verbs: [get, list, watch, create, patch, delete]
+{{- end }}
+{{- end }}
+{{- end -}}
+
