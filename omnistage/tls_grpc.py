@@ -96,12 +96,14 @@ class StageAuthorization(grpc.aio.ServerInterceptor):
         """Why `caller` may not call `method`, or None when it may."""
         if method not in self.guarded:
             return None
+        # Only the orchestrator calls a stage over gRPC (stages hand each other tensors over the data plane):
+        # a stage of the pipeline, even one running untrusted model code, may not send work to or Release
+        # requests on another.
         if caller is not None and caller.namespace == self.own.namespace and caller.pipeline == self.own.pipeline \
-                and (caller.role == tls.ORCHESTRATOR_ROLE or caller.role.startswith(tls.STAGE_ROLE_PREFIX)):
+                and caller.role == tls.ORCHESTRATOR_ROLE:
             return None
         who = caller.uri if caller is not None else NO_IDENTITY
-        return (f"{who} may not call {method}: only the orchestrator and stages of "
-                f"{self.own.namespace}/{self.own.pipeline} may")
+        return f"{who} may not call {method}: only the orchestrator of {self.own.namespace}/{self.own.pipeline} may"
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
                                 details: grpc.HandlerCallDetails):

@@ -34,6 +34,12 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0), *KEEPALIVE_CHANNEL_OPTIONS]
 
 
+# A channel being closed (replica removed, certificate rotated) lets its calls finish for the pipeline's
+# request timeout plus this; a pipeline without one (0) gets NO_TIMEOUT_CLOSE_GRACE_S.
+CLOSE_GRACE_MARGIN_S = 60.0
+NO_TIMEOUT_CLOSE_GRACE_S = 3600.0
+
+
 class NoReplica(RuntimeError):
     def __init__(self, stage: str, why: str = "no ready replica"):
         self.stage = stage
@@ -131,7 +137,7 @@ class Router:
                 task = tasks.pop(r, None)
                 if task:
                     task.cancel()
-            asyncio.ensure_future(r.channel.close(grace=60))  # lets its in-flight calls finish
+            asyncio.ensure_future(r.channel.close(grace=self._close_grace_s()))  # lets its in-flight calls finish
             log.info("stage %s: replica %s removed", stage, addr)
         for addr in addresses:
             if addr not in pool.replicas:
@@ -154,8 +160,14 @@ class Router:
             for r in pool.replicas.values():
                 old, r.channel = r.channel, self._channel(r.stage, r.address)
                 r.stub = stage_pb2_grpc.StageServiceStub(r.channel)
-                asyncio.ensure_future(old.close(grace=60))
+                asyncio.ensure_future(old.close(grace=self._close_grace_s()))
         log.info("stage channels renewed with the rotated certificate")
+
+    def _close_grace_s(self) -> float:
+        """How long calls on a channel being closed may still run: as long as a request may
+        (requestTimeoutSeconds), and a margin; closing cancels whatever is left (CANCELLED, not retried)."""
+        timeout = self.pipeline.limits.request_timeout_seconds
+        return (timeout if timeout > 0 else NO_TIMEOUT_CLOSE_GRACE_S) + CLOSE_GRACE_MARGIN_S
 
     def _start_poller(self, r: Replica) -> None:
         try:

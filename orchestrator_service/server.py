@@ -24,7 +24,7 @@ from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
-from .api_keys import ApiKeys
+from .api_keys import ApiKeyError, ApiKeys
 from .discovery import KubernetesDiscovery
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
@@ -237,4 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except tls.TlsError as e:
         launch.report_exit(f"orchestrator: TLS: {e}")
+        return 2
+    except ApiKeyError as e:  # names the entry, never the key
+        launch.report_exit(f"orchestrator: {e}")
         return 2

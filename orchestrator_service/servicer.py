@@ -241,6 +241,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             m.observe_admission(self.admission, self.router)
 
     async def DescribePipeline(self, request, context) -> orchestrator_pb2.PipelineInfo:
+        refused = self.api_keys.refusal(dict(context.invocation_metadata()).get("authorization"), 0)
+        if refused is not None:  # the same keys as Generate (and as the HTTP API's /v1/models)
+            await context.abort(REFUSED_KEY[refused[0]], refused[1])
         return orchestrator_pb2.PipelineInfo(
             name=self.pipeline.name, stages=[s.name for s in self.pipeline.stages],
             outputs=[MODALITY_CODES[o.modality] for o in self.pipeline.outputs])

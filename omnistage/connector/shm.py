@@ -85,7 +85,12 @@ class ShmStore(TensorStore):
         except FileNotFoundError:
             return True
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # readers count themselves off under LOCK_EX
+            # Readers count themselves off under LOCK_EX, held for their whole copy. Called on the producer's
+            # event loop, so never wait for one: a segment being read right now is not fetched yet.
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
             header = TensorHeader.unpack(os.pread(fd, HEADER_BYTES, 0), f"segment {held.handle.name}")
             return header.readers <= KEPT_READERS
         finally:

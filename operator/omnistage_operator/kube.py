@@ -64,8 +64,8 @@ class Kube:
         self._pipelines = self.dyn.resources.get(api_version=API_VERSION, kind="OmniPipeline")
         self._events = self.dyn.resources.get(api_version="v1", kind="Event")
         self._pods = self.dyn.resources.get(api_version="v1", kind="Pod")
-        # Secrets are read one by one by name, never listed or watched: the operator's RBAC holds no list of
-        # Secrets, so it cannot read one it was not told the name of (in its own namespace: only the CA's).
+        # Secrets are read one by one by name, never listed or watched: the operator's RBAC holds no list or
+        # watch of Secrets, so it cannot enumerate them (in its own namespace it may get only the CA's).
         self._unlisted = {"Secret": self.dyn.resources.get(api_version="v1", kind="Secret")}
         self._readers = ThreadPoolExecutor(max_workers=len(self.child_kinds), thread_name_prefix="kube-read")
         self._lock = threading.Lock()

@@ -86,8 +86,10 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
             out.deleted.append(f"{kind}/{child}")
             stage = (obj["metadata"].get("labels") or {}).get(LABEL_STAGE)
             if kind == "Deployment" and stage and cfg.tls_issuer == TLS_CHART:   # Secrets are never listed
-                kube.delete("Secret", namespace, tls_secret_name(name, stage))
-                out.deleted.append(f"Secret/{tls_secret_name(name, stage)}")
+                secret = kube.get_secret(namespace, tls_secret_name(name, stage))
+                if secret is not None and controller_uid(secret) == uid:   # only its own
+                    kube.delete("Secret", namespace, tls_secret_name(name, stage))
+                    out.deleted.append(f"Secret/{tls_secret_name(name, stage)}")
 
     if out.created or out.updated or out.deleted:
         kube.post_event(body, "Normal", "ChildrenApplied", _summary(out))
@@ -134,10 +136,11 @@ def _ensure_leaf_secrets(kube: Kube, cfg: OperatorConfig, p: Pipeline, body: dic
     for leaf in leaves(p).values():
         live = kube.get_secret(p.namespace, leaf.secret)
         if live is not None:
-            other = controller_uid(live)
-            if other is not None and other != uid:
-                raise kopf.TemporaryError(f"Secret/{leaf.secret} exists and is controlled by another object",
-                                          delay=30)
+            # Only a Secret this pipeline owns is issued again: another one of that name (someone's ingress
+            # certificate, another controller's) is never overwritten or adopted (and so never collected).
+            if controller_uid(live) != uid:
+                raise kopf.TemporaryError(f"Secret/{leaf.secret} exists and is not this pipeline's: rename or "
+                                          "delete it", delay=30)
             if not needs_reissue(live, leaf, ca):
                 continue
         secret = build_tls_secret(build_tls_secret_meta(p, leaf), leaf, ca)

@@ -90,6 +90,10 @@ async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: async
         if active is not None:
             await active.wait()
         key = await queue.get()
+        if active is not None and not active.is_set():  # led no more while it waited for a key: put it back
+            queue.done(key)
+            queue.add(key)
+            continue
         try:
             t0 = time.monotonic()
             outcome = await asyncio.to_thread(reconcile, *key)

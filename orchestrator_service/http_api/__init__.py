@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 
 import uvicorn
 
@@ -81,6 +82,9 @@ class HttpApi:
             return
         stamp = self.tls.stamp()
         try:
+            # Tried on a scratch context first: load_cert_chain is not atomic, and a key that does not match
+            # (files caught mid-rotation) would leave the live context unable to complete any handshake.
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(self.tls.cert), str(self.tls.key))
             self._server.config.ssl.load_cert_chain(str(self.tls.cert), str(self.tls.key))
         except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: mid-rotation, next time whole
             log.warning("HTTP API certificate in %s not reloaded: %s", self.tls.folder, e)

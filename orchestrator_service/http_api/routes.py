@@ -21,6 +21,7 @@ from starlette.types import ASGIApp
 from omnistage.params import InvalidRequest
 from omnistage.spec import Limits, Pipeline
 
+from ..servicer import MAX_REQUEST_ID
 from . import audio_formats, chat, images, speech, translate
 from .auth import ApiKeyAuth
 from .call import Call, ClientGone, deadline_from
@@ -179,6 +180,10 @@ class Endpoints:
         label = request.headers.get(CLIENT_ID_HEADER, "")
         if label:  # a refusal of the label names the header it came in
             plans = [dataclasses.replace(p, fields={**p.fields, "request_id": CLIENT_ID_HEADER}) for p in plans]
+            room = MAX_REQUEST_ID - len(f".{len(plans) - 1}") if len(plans) > 1 else MAX_REQUEST_ID
+            if len(label) > room:
+                raise InvalidRequest(CLIENT_ID_HEADER, f"is longer than {room} characters" + (
+                    f" (with n={len(plans)} each image's request is labelled LABEL.i)" if len(plans) > 1 else ""))
         for i, p in enumerate(plans):
             p.request.return_trace |= trace  # the header, or the body's return_trace
             # n images are n requests: each label must be unique in flight

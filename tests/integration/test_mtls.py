@@ -177,11 +177,13 @@ async def test_a_valid_certificate_of_someone_else_is_denied_process_release_and
     assert rig.stage.engine.unfinished() == 0
 
 
-async def test_another_stage_of_the_same_pipeline_may_call(rig):
+async def test_another_stage_of_the_same_pipeline_may_not_call(rig):
     cert, key = rig.leaf(NAMESPACE, rig.pipeline.name, tls.stage_role("producer"))
     async with rig.caller(cert, key) as ch:
-        load = await stage_pb2_grpc.StageServiceStub(ch).GetLoad(stage_pb2.GetLoadRequest(), timeout=10)
-    assert load.stage == "llm"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stage_pb2_grpc.StageServiceStub(ch).GetLoad(stage_pb2.GetLoadRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert e.value.details().startswith(f"omnistage://{NAMESPACE}/{rig.pipeline.name}/stage/producer may not call")
 
 
 async def test_the_stage_serves_a_rotated_leaf_to_new_connections_without_restart(rig):

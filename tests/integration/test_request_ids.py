@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from omnistage.client import AsyncOmniClient, build_request
-from omnistage.v1 import orchestrator_pb2_grpc
+from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, start_stage
@@ -182,3 +182,15 @@ async def test_the_client_sends_its_key_and_reads_back_its_label(rig):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.generate("Hello", timeout=60)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_describe_pipeline_needs_a_key_too(rig):
+    _, orc = rig
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orc.port}") as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.DescribePipeline(orchestrator_pb2.DescribePipelineRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = await stub.DescribePipeline(orchestrator_pb2.DescribePipelineRequest(), timeout=10,
+                                           metadata=(("authorization", "Bearer plain-key"),))
+        assert info.name == "llm-tiny"

@@ -163,3 +163,11 @@ async def test_the_client_request_id_header_is_the_label_and_the_answer_names_th
     assert path.requests[0].request_id == "job-7"            # the label, as the client gave it
     assert headers["x-request-id"] == path.request_id != "job-7"  # the server's own id names the answer
     assert len(path.request_id) == 32
+
+
+async def test_a_label_too_long_for_n_images_is_refused_naming_the_header():
+    body = json.dumps({"prompt": "a car", "n": 3}).encode()
+    status, _, answer = await Client(app(load_pipeline(EXAMPLES / "text-to-image-tiny.yaml")),
+                                     "/v1/images/generations", {routes.CLIENT_ID_HEADER: "x" * 127}).send(body)
+    assert status == 400 and answer["error"]["param"] == routes.CLIENT_ID_HEADER
+    assert "at most" not in answer["error"]["message"] and "longer than 126 characters" in answer["error"]["message"]

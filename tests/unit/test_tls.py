@@ -146,8 +146,8 @@ def who(role: str, ns: str = NS, pipeline: str = PIPELINE) -> tls.Identity:
 
 @pytest.mark.parametrize("caller, allowed", [
     (who("orchestrator"), True),
-    (who("stage/thinker"), True),           # a producer stage of the same pipeline
-    (who("stage/llm"), True),
+    (who("stage/thinker"), False),          # a stage of the same pipeline: stages never call each other
+    (who("stage/llm"), False),
     (who("orchestrator", pipeline="other"), False),
     (who("stage/thinker", ns="team-b"), False),
     (None, False),                           # a certificate of the CA without an omnistage identity
