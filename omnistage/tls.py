@@ -24,8 +24,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from omnistage.launch import ENV_TLS_DIR, TLS_MOUNT  # noqa: F401 - re-exported: the contract lives in launch
-
 # The Kubernetes TLS Secret layout (cert-manager's too): one folder, three files.
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
 
