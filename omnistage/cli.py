@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from omnistage import gpu_placement
 from omnistage.spec import MODALITIES, SpecError, load_pipeline
 
 from omnistage.launch import ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root
@@ -378,7 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("crd", help="print the OmniPipeline CustomResourceDefinition generated from the API model")
     p.add_argument("-o", "--output", action="append", help="write it to this file instead (repeat for copies)")
     p.set_defaults(fn=cmd_crd)
-    p = sub.add_parser("serve", help="run every stage and the orchestrator as local processes")
+    p = sub.add_parser("serve", help="run every stage and the orchestrator as local processes",
+                       description="Run every stage replica and the orchestrator as local processes. Each stage "
+                                   "replica gets its GPUs (CUDA_VISIBLE_DEVICES) from the machine's: those in "
+                                   "$CUDA_VISIBLE_DEVICES when set, else those `nvidia-smi -L` lists "
+                                   f"(${gpu_placement.ENV_GPUS}=N overrides); a file that asks for more is "
+                                   "refused before anything starts.")
     _add_launch_args(p)
     p.add_argument("--api-port", type=int, default=0, help="port of the OpenAI-compatible API (0: any free port)")
     p.add_argument("--no-api", action="store_true",

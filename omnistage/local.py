@@ -14,6 +14,10 @@ The hops between the orchestrator and the stages are mutual TLS unless `tls=Fals
 CA (its key never written) issues a leaf for the orchestrator and one per stage (namespace "local", the
 pipeline's name) into a private temporary folder (0700), deleted at stop. The client-facing ports stay
 plaintext unless a `client_tls_dir` (tls.crt, tls.key) is given.
+
+GPUs: before anything starts, each stage replica is given its GPUs (`omnistage.gpu_placement`) from the
+machine's; a file that asks for more than the machine has is refused then. Each stage process sees only its
+GPUs in CUDA_VISIBLE_DEVICES; a CPU stage, and the orchestrator, see none ("").
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from omnistage import gpu_placement
 from omnistage import tls as certificates
 from omnistage.launch import (API_PATH, ENV_API_KEYS, ENV_CLIENT_TLS_DIR, ENV_TLS_DIR, ReadyPorts, http_url,
                               model_dir, orchestrator_command, read_ready, service_env, stage_command)
@@ -50,6 +55,7 @@ class Proc:
     log_path: Path
     ready_file: Path
     stage: str | None = None        # None: the orchestrator
+    gpus: tuple[str, ...] = ()      # the GPU ids its CUDA_VISIBLE_DEVICES names (none: the CPU)
     popen: subprocess.Popen | None = None
     ports: ReadyPorts | None = None  # once ready
     started: float = 0.0
@@ -91,6 +97,28 @@ class LocalPipeline:
         self.endpoint: str | None = None
         self.targets_file = self.log_dir / TARGETS_FILE
         self.tls_root: Path | None = None   # the private folder of this run's certificates, while running
+        self.gpu_assignment: dict[gpu_placement.ReplicaKey, tuple[str, ...]] = {}   # once placed
+
+    def replica_counts(self) -> dict[str, int]:
+        """Replicas each stage runs here, in stage order (a stage scaled to 0 in the file still runs one)."""
+        return {st.name: self.replicas.get(st.name, self.pipeline.deployment.stages[st.name].replicas) or 1
+                for st in self.pipeline.stages}
+
+    def place_gpus(self, env: dict[str, str]) -> gpu_placement.MachineGpus:
+        """Every stage replica's GPUs from those of the machine (as `env` shows them); LaunchError when the
+        file asks for more than there are. Prints the assignment when some stage has GPUs."""
+        deployments = {st.name: self.pipeline.deployment.stages[st.name] for st in self.pipeline.stages}
+        try:
+            machine = gpu_placement.machine_gpus(env)
+            self.gpu_assignment = gpu_placement.assign_gpus(deployments, machine, self.replica_counts())
+        except gpu_placement.GpuPlacementError as e:
+            raise LaunchError(str(e)) from None
+        lines = gpu_placement.assignment_lines(deployments, self.gpu_assignment)
+        if lines:
+            self.progress(f"GPUs: {machine.describe()}")
+            for line in lines:
+                self.progress(line)
+        return machine
 
     # ------------------------------------------------------------ start
     def check_models(self) -> None:
@@ -122,19 +150,18 @@ class LocalPipeline:
         """Start everything; returns the orchestrator endpoint. Raises LaunchError naming what failed."""
         self.check_models()
         env = self.env()
-        orchestrator_env = {**env, **self._api_key_env()}   # refused keys: before anything starts
+        # refused keys and GPU placements: before anything starts; the orchestrator never uses a GPU
+        orchestrator_env = {**env, **self._api_key_env(), **gpu_placement.replica_env()}
+        machine = self.place_gpus(env)
         tls_dirs = self._issue_certificates() if self.tls else {}
-        for st in self.pipeline.stages:
-            n = self.replicas.get(st.name, self.pipeline.deployment.stages[st.name].replicas) or 1
-            for i in range(n):
-                name = f"stage {st.name}[{i}]"
-                tag = f"{st.name}-{i}"
-                ready_file = self.log_dir / f"{tag}.ready"
-                argv = stage_command(self.pipeline_file, st.name, host=self.host, port=0, http_port=0,
-                                     model_dir=self.model_dir, ready_file=ready_file, tls_dir=tls_dirs.get(st.name))
-                proc = Proc(name, argv, self.log_dir / f"{tag}.log", ready_file, stage=st.name)
-                self._spawn(proc, env)
-                self.stages.append(proc)
+        for (stage, i), gpus in self.gpu_assignment.items():   # every stage replica, in stage order
+            tag = f"{stage}-{i}"
+            ready_file = self.log_dir / f"{tag}.ready"
+            argv = stage_command(self.pipeline_file, stage, host=self.host, port=0, http_port=0,
+                                 model_dir=self.model_dir, ready_file=ready_file, tls_dir=tls_dirs.get(stage))
+            proc = Proc(f"stage {stage}[{i}]", argv, self.log_dir / f"{tag}.log", ready_file, stage=stage, gpus=gpus)
+            self._spawn(proc, {**env, **gpu_placement.replica_env(gpus, machine)})
+            self.stages.append(proc)
         self.progress(f"starting {len(self.stages)} stage process(es) for {self.pipeline.name} "
                       f"(logs in {self.log_dir})")
         self._wait_ready(self.stages, timeout)

@@ -62,6 +62,7 @@ def emit(request_id: str, pipeline: str, trace, outcome: str, client_request_id:
         span = _tracer.start_span(f"omnistage.stage.{st.stage}", context=ctx, start_time=s_start, attributes={
             "omnistage.stage": st.stage, "omnistage.replica": st.replica, "omnistage.queue_ms": st.queue_ms,
             "omnistage.compute_ms": st.compute_ms, "omnistage.transfer_ms": st.transfer_ms,
+            "omnistage.transfer_path": st.transfer_path,
             "omnistage.encode_ms": st.encode_ms,
             "omnistage.first_chunk_ms": st.first_chunk_ms, "omnistage.chunks": st.chunks,
             "omnistage.attempts": st.attempts})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import grpc
@@ -72,6 +72,7 @@ class StageTiming:
     encode_ms: float = 0.0
     chunks: int = 0
     attempts: int = 0
+    transfer_paths: set[str] = field(default_factory=set)  # memory paths of the stage's inputs (connector)
 
 
 class _Incomplete(Exception):
@@ -261,6 +262,8 @@ class StageCall:
             timing.compute_ms += chunk.timing.compute_ms
             timing.transfer_ms += chunk.timing.transfer_ms
             timing.encode_ms += chunk.timing.encode_ms
+            if chunk.timing.transfer_path:
+                timing.transfer_paths.update(chunk.timing.transfer_path.split(","))
             if await self._deliver(chunk):
                 self.client_saw = True
             self.delivered += 1

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="gpu,ucx,k8s,dev"; else EXTRAS="cpu,ucx,k8s,dev"; fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="gpu,ucx-cu13,k8s,dev"; else EXTRAS="cpu,ucx,k8s,dev"; fi
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS
 stamp=$VENV/.omnistage-setup
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x $VENV/bin/omnistage ]; then

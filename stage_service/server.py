@@ -55,7 +55,8 @@ class StageServer:
         self.engine = create_engine(pipeline, self.stage, model_root)
         self.metrics = StageMetrics(self.stage.name)
         self.engine.bind_metrics(self.metrics)
-        self.data_plane = DataPlane(pipeline, self.stage, self.metrics.registry, host)
+        self.data_plane = DataPlane(pipeline, self.stage, self.metrics.registry, host,
+                                    device=self.engine.placement.device)  # received tensors land where it runs
         self.servicer = StageServicer(pipeline, self.stage, self.engine, self.metrics, self.data_plane)
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.stages[self.stage.name].drain_seconds)

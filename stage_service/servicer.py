@@ -110,6 +110,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def _to_proto(self, header: stage_pb2.StageRequestHeader, out: OutputChunk, chunk_id: int):
         descriptors = await self.data_plane.outputs(header, chunk_id, out.tensors)
         msg = output_to_proto(out, self.stage.name, chunk_id, out.last, descriptors)
+        msg.timing.transfer_path = self.data_plane.input_paths(header.request_id, done=out.last)
         self.metrics.chunks.labels(self.stage.name).inc()
         self.metrics.output_bytes.labels(self.stage.name).inc(sum(t.numel() * t.element_size()
                                                                   for t in out.tensors.values()))
@@ -121,7 +122,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if msg.WhichOneof("kind") != "chunk":
             raise InputError("only chunks may follow the header")
         check_input_chunk(msg.chunk, request_id, self.pipeline, self.sources, set(self.data_plane.connector.stores))
-        return await self.data_plane.input_chunk(msg.chunk)
+        return await self.data_plane.input_chunk(msg.chunk, request_id)
 
     async def Release(self, request, context) -> stage_pb2.ReleaseResponse:
         """Free what this stage holds for a request that ended elsewhere: its calls still running here

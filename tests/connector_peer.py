@@ -2,12 +2,12 @@
 and the transport benchmark (bench/transport.py). Replies are stdout lines starting with "@@ " (UCX
 may print too). `PeerProcess` starts and drives one; by hand:
 
-    python tests/connector_peer.py --stage thinker --transports shm,ucx --host-id h1
+    python tests/connector_peer.py --stage thinker --transports shm,ucx --host-id h1 [--device cuda]
 
 ops: put {key, dtype, shape, seed, transport, readers} -> {tensor, sha256, seconds}; get {tensor}
--> {sha256, seconds, dtype, shape}; held -> {held_bytes, held_tensors, endpoints};
+-> {sha256, seconds, dtype, shape, device, path}; held -> {held_bytes, held_tensors, endpoints};
 release_request {request_id} -> {freed}; quit. `tensor` is a serialized omnistage.v1.Tensor,
-base64-encoded; put tensors are random bytes made from (dtype, shape, seed).
+base64-encoded; put tensors are random bytes made from (dtype, shape, seed), on the peer's device.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def make_tensor(dtype: str, shape: list[int], seed: int) -> torch.Tensor:
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(as_bytes(t.contiguous()).numpy()).hexdigest()
+    return hashlib.sha256(as_bytes(t.contiguous().cpu()).numpy()).hexdigest()
 
 
 def encode(msg: tensor_pb2.Tensor) -> str:
@@ -62,28 +62,30 @@ def decode(text: str) -> tensor_pb2.Tensor:
 _last: dict[tuple, tuple[torch.Tensor, str]] = {}  # the last tensor made and its digest, for repeated puts
 
 
-def cached_tensor(dtype: str, shape: list[int], seed: int) -> tuple[torch.Tensor, str]:
-    key = (dtype, tuple(shape), seed)
+def cached_tensor(dtype: str, shape: list[int], seed: int, device: str = "cpu") -> tuple[torch.Tensor, str]:
+    key = (dtype, tuple(shape), seed, device)
     if key not in _last:
         _last.clear()
         t = make_tensor(dtype, shape, seed)
-        _last[key] = (t, digest(t))
+        _last[key] = (t.to(device), digest(t))
     return _last[key]
 
 
 async def handle(conn: Connector, cmd: dict) -> dict:
     op = cmd["op"]
     if op == "put":
-        t, sha256 = cached_tensor(cmd["dtype"], cmd["shape"], cmd.get("seed", 0))
+        t, sha256 = cached_tensor(cmd["dtype"], cmd["shape"], cmd.get("seed", 0), conn.device)
         key = TensorKey(*cmd["key"])
         t0 = time.perf_counter()
         msg = await conn.put(key, t, transport=cmd.get("transport", "auto"), readers=cmd.get("readers", 1))
         return {"tensor": encode(msg), "seconds": time.perf_counter() - t0, "sha256": sha256}
     if op == "get":
         t0 = time.perf_counter()
-        out = await conn.get(decode(cmd["tensor"]))
-        return {"sha256": digest(out), "seconds": time.perf_counter() - t0, "dtype": str(out.dtype),
-                "shape": list(out.shape)}
+        msg = decode(cmd["tensor"])
+        out = await conn.get(msg)
+        seconds = time.perf_counter() - t0
+        return {"sha256": digest(out), "seconds": seconds, "dtype": str(out.dtype), "shape": list(out.shape),
+                "device": out.device.type, "path": conn.path_of(msg)}
     if op == "held":
         return {"held_bytes": conn.held_bytes, "held_tensors": conn.held_tensors, "endpoints": conn.endpoints}
     if op == "release_request":
@@ -93,8 +95,8 @@ async def handle(conn: Connector, cmd: dict) -> dict:
 
 async def serve(args) -> None:
     conn = await make_connector(args.stage, tuple(t for t in args.transports.split(",") if t), host_id=args.host_id,
-                                fragment_bytes=args.fragment_bytes)
-    reply({"ready": True, "ucx_address": conn.ucx_address})
+                                fragment_bytes=args.fragment_bytes, device=args.device)
+    reply({"ready": True, "ucx_address": conn.ucx_address, "ucx_device_memory": conn.ucx_device_memory})
     try:
         while line := await asyncio.to_thread(sys.stdin.readline):
             cmd = json.loads(line)
@@ -118,10 +120,11 @@ class PeerProcess:
     """Starts and drives a peer in a subprocess (asyncio, so this process's own connector keeps serving)."""
 
     def __init__(self, stage: str, transports: str = "shm,ucx", host_id: str | None = None,
-                 fragment_bytes: int = 0, env: dict | None = None):
+                 fragment_bytes: int = 0, env: dict | None = None, device: str = "cpu"):
         # Run by path: the peer needs only the installed omnistage, whatever the working directory.
         self.args = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--transports", transports,
-                     "--fragment-bytes", str(fragment_bytes)] + (["--host-id", host_id] if host_id else [])
+                     "--fragment-bytes", str(fragment_bytes), "--device", device] + (
+                         ["--host-id", host_id] if host_id else [])
         self.env = {**os.environ, **(env or {})}
         self.proc: asyncio.subprocess.Process | None = None
         self.ready: dict = {}
@@ -171,6 +174,7 @@ def main() -> None:
     p.add_argument("--transports", default="shm,ucx")
     p.add_argument("--host-id", default=None)
     p.add_argument("--fragment-bytes", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the peer's tensors live: cpu or cuda")
     asyncio.run(serve(p.parse_args()))
 
 

@@ -61,7 +61,7 @@ def check_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None
     field = f"spec.topology.stages[{i}]"
     path = checkpoint_dir(stage, root)
     dep = pipeline.deployment.stages.get(stage.name)
-    device = "cuda" if dep is not None and dep.gpus > 0 else "cpu"
+    device = "cuda" if dep is not None and dep.gpus > 0 and dep.device != "cpu" else "cpu"  # as omnistage.devices
     try:
         if not path.is_dir():
             raise CheckpointError(f"{path}: no such model directory")

@@ -3,11 +3,17 @@
 `put` turns a tensor into a descriptor (an omnistage.v1.Tensor) that either carries the bytes
 inline or references them in this stage's shared-memory or UCX store; `get` turns any descriptor
 back into the tensor, from whichever host produced it. `auto` picks the transport per tensor.
+
+A connector has a device: where `get` puts the tensors it returns (a CUDA consumer gets CUDA tensors
+from every transport). A CUDA tensor leaves from device memory over UCX when UCX carries device
+memory, else it is staged to host; which memory path each tensor took is `path_of` (paths.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import socket
 import time
 from typing import Callable
@@ -20,6 +26,7 @@ from omnistage.v1 import tensor_pb2
 
 from .errors import ConnectorError
 from .keys import TensorKey
+from .paths import CPU, CUDA, HOST, choose_path, device_kind, sends_device_memory, widen_tls_for_cuda
 from .shm import ShmStore
 from .store import TensorStore
 from .ucx import UcxStore
@@ -27,13 +34,19 @@ from .ucx import UcxStore
 STORES = (ShmStore.backend, UcxStore.backend)  # the transports that hold tensors (inline holds nothing)
 INLINE_THRESHOLD = 64 << 10
 
+log = logging.getLogger("omnistage.connector")
+
 
 def choose_transport(requested: str, nbytes: int, *, available: set[str], inline_threshold: int,
-                     same_host: bool | None) -> str:
-    """The transport for one tensor. `same_host`: whether the consumer shares this host (None: unknown).
+                     same_host: bool | None, device_memory: bool = False, consumer_device: str | None = None) -> str:
+    """The transport for one tensor. `same_host`: whether the consumer shares this host (None: unknown);
+    `device_memory`: the tensor is on CUDA and this connector's UCX can send it from there;
+    `consumer_device`: where the consumer wants it ("cpu", "cuda", None: unknown).
 
-    auto: inline under the threshold; shared memory when the consumer is on this host; else UCX;
-    with the consumer's host unknown, UCX (it reaches any host), or shared memory without UCX.
+    auto: inline under the threshold; UCX for a CUDA tensor UCX can carry to a consumer known to be on
+    CUDA (between GPUs of one host that is CUDA IPC, where shared memory would be two host copies);
+    shared memory when the consumer is on this host; else UCX; with the consumer's host unknown, UCX
+    (it reaches any host), or shared memory without UCX.
     """
     if requested not in TRANSPORTS:
         raise ConnectorError(f'transport "{requested}" is not one of {", ".join(TRANSPORTS)}')
@@ -44,6 +57,8 @@ def choose_transport(requested: str, nbytes: int, *, available: set[str], inline
         return requested
     if nbytes < inline_threshold:
         return "inline"
+    if device_memory and consumer_device == CUDA and "ucx" in available:
+        return "ucx"
     if same_host is True and "shm" in available:
         return "shm"
     if "ucx" in available:
@@ -62,8 +77,9 @@ class Connector:
     """put / get / release of one stage's tensors; holds what it put until consumed, released or expired."""
 
     def __init__(self, stage: str, host_id: str, stores: dict[str, TensorStore],
-                 inline_threshold: int = INLINE_THRESHOLD):
+                 inline_threshold: int = INLINE_THRESHOLD, device: str = CPU):
         self.stage = stage
+        self.device = device  # where get puts tensors: "cpu", "cuda" or "cuda:<n>"
         self.host_id = host_id
         self.stores = stores
         self.inline_threshold = inline_threshold
@@ -75,14 +91,36 @@ class Connector:
         for listener in self.release_listeners:
             listener(nbytes, reason)
 
-    def transport_for(self, tensor: torch.Tensor, transport: str = "auto", consumer_host: str | None = None) -> str:
+    @property
+    def ucx_device_memory(self) -> bool:
+        """Whether this connector's UCX sends and receives CUDA tensors as device memory."""
+        ucx = self.stores.get("ucx")
+        return isinstance(ucx, UcxStore) and ucx.device_memory
+
+    def transport_for(self, tensor: torch.Tensor, transport: str = "auto", consumer_host: str | None = None,
+                      consumer_device: str | None = None) -> str:
         """The transport `put` will use for this tensor."""
         same_host = None if consumer_host is None else consumer_host == self.host_id
         return choose_transport(transport, tensor.numel() * tensor.element_size(), available=set(self.stores),
-                                inline_threshold=self.inline_threshold, same_host=same_host)
+                                inline_threshold=self.inline_threshold, same_host=same_host,
+                                device_memory=tensor.is_cuda and self.ucx_device_memory,
+                                consumer_device=consumer_device)
+
+    def path_of(self, msg: tensor_pb2.Tensor) -> str:
+        """The memory path a descriptor's tensor takes to this connector (paths.py): from the producer's
+        tensor device and where it holds the bytes to this connector's device."""
+        mine = device_kind(self.device)
+        if msg.WhichOneof("payload") != "ref":
+            return choose_path("inline", device_kind(msg.device), False, mine, None)
+        ref = msg.ref
+        from_device = ref.backend == "ucx" and ref.memory == CUDA
+        if from_device and mine == CUDA and not self.ucx_device_memory:
+            return "host-staged"  # our UCX cannot receive into the device: host buffer, then a copy
+        return choose_path(ref.backend, device_kind(msg.device), from_device, mine, ref.host_id == self.host_id)
 
     async def put(self, key: TensorKey, tensor: torch.Tensor, *, transport: str = "auto",
-                  consumer_host: str | None = None, readers: int = 1) -> tensor_pb2.Tensor:
+                  consumer_host: str | None = None, readers: int = 1,
+                  consumer_device: str | None = None) -> tensor_pb2.Tensor:
         """The descriptor of `tensor` for its consumer(s). Referenced tensors stay held for `readers` gets;
         the caller must not modify the tensor afterwards (UCX sends from it without a copy)."""
         if not isinstance(tensor, torch.Tensor):
@@ -92,17 +130,23 @@ class Connector:
         if readers < 1:
             raise ConnectorError(f"put {key.wire}: readers must be >= 1, got {readers}")
         tensors.proto_dtype(tensor.dtype)  # a clear error for dtypes the wire cannot carry
-        chosen = self.transport_for(tensor, transport, consumer_host)
+        chosen = self.transport_for(tensor, transport, consumer_host, consumer_device)
+        device = device_kind(tensor.device.type)
+        on_wire = device if device == CUDA else ""  # unset means the CPU: descriptors of CPU tensors are unchanged
         if chosen == "inline":
-            return tensors.to_proto(key.name, tensor)
-        ref = await self.stores[chosen].put(key, _own(tensor), readers)
+            msg = tensors.to_proto(key.name, tensor)
+            msg.device = on_wire
+            return msg
+        keep_device = sends_device_memory(chosen, device, self.ucx_device_memory)
+        ref = await self.stores[chosen].put(key, _own(tensor, keep_device), readers)
+        ref.memory = CUDA if keep_device else HOST
         return tensor_pb2.Tensor(name=key.name, dtype=tensors.proto_dtype(tensor.dtype), shape=list(tensor.shape),
-                                 ref=ref)
+                                 ref=ref, device=on_wire)
 
     async def get(self, msg: tensor_pb2.Tensor) -> torch.Tensor:
         """The tensor a descriptor stands for (inline bytes, or fetched from the producer's store)."""
         if msg.WhichOneof("payload") != "ref":
-            return tensors.from_proto(msg)
+            return self._on_device(tensors.from_proto(msg))
         ref = msg.ref
         store = self.stores.get(ref.backend)
         if store is None:
@@ -113,7 +157,13 @@ class Connector:
             raise tensors.TensorFormatError(
                 f'tensor "{msg.name}" ({ref.key}): the descriptor says {tensors.DTYPE_NAMES.get(msg.dtype, msg.dtype)} '
                 f"{list(msg.shape)}, the producer holds {t.dtype} {list(t.shape)}")
-        return t
+        return self._on_device(t)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A received tensor where this connector's consumer wants it (UCX may have landed it there)."""
+        if self.device == CPU or t.is_cuda:
+            return t
+        return t.to(self.device)
 
     def release(self, key: TensorKey, reason: str = "ack") -> int:
         """Stop holding one tensor; returns the bytes freed."""
@@ -179,10 +229,11 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor that does not pin a much larger buffer it is a view of."""
+def _own(t: torch.Tensor, keep_device: bool = False) -> torch.Tensor:
+    """A contiguous tensor that does not pin a much larger buffer it is a view of: on the CPU, or on
+    its CUDA device when the store sends device memory (`keep_device`)."""
     t = t.detach()
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" and not keep_device:
         return t.to("cpu")
     if not t.is_contiguous():
         return t.contiguous()
@@ -196,29 +247,58 @@ async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = S
                          ucx_host: str = "127.0.0.1", ucx_port: int = 0, max_endpoints: int = 64,
                          fragment_bytes: int = 0, get_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
                          clock: Callable[[], float] = time.monotonic,
-                         ucx_options: dict[str, str] | None = None, retain_fetched: bool = False) -> Connector:
+                         ucx_options: dict[str, str] | None = None, retain_fetched: bool = False,
+                         device: str = CPU, ucx_device_memory: bool = True) -> Connector:
     """A started connector for `stage` with the given stores ("shm", "ucx"; inline is always on).
 
     `ucx_host` is the address consumers reach this stage's UCX listener at (a pod IP on a cluster);
     `ucx_options` are UCX settings without the UCX_ prefix (the environment wins over them);
-    `retain_fetched`: keep tensors after their last reader, for a retried consumer (store.py).
+    `retain_fetched`: keep tensors after their last reader, for a retried consumer (store.py);
+    `device`: where `get` puts tensors ("cpu", "cuda", "cuda:<n>"); `ucx_device_memory=False` keeps
+    CUDA tensors off UCX's CUDA transports (staged through host memory).
     """
     unknown = [t for t in transports if t not in STORES]
     if unknown:
         raise ConnectorError(f"unknown transport(s) {', '.join(unknown)}: choose from {', '.join(STORES)} "
                              "(inline is always on)")
+    device = _checked_device(device)
     host_id = host_id or default_host_id()
     ucx_options = dict(ucx_options or {})
     if _is_loopback(ucx_host):
         ucx_options.setdefault("NET_DEVICES", "lo")  # consumers come over loopback: keep UCX's lanes there too
+    if device != CPU and ucx_device_memory and "ucx" in transports:
+        _allow_cuda_transports(ucx_options)
     stores: dict[str, TensorStore] = {}
     if "shm" in transports:
         stores["shm"] = ShmStore(host_id, clock, shm_dir=shm_dir)
     if "ucx" in transports:
         ucx = UcxStore(host_id, clock, host=ucx_host, port=ucx_port, max_endpoints=max_endpoints,
-                       fragment_bytes=fragment_bytes, get_timeout_s=get_timeout_s, options=ucx_options)
+                       fragment_bytes=fragment_bytes, get_timeout_s=get_timeout_s, options=ucx_options,
+                       device=device, device_memory=ucx_device_memory)
         await ucx.start()
         stores["ucx"] = ucx
     for store in stores.values():
         store.retain_fetched = retain_fetched
-    return Connector(stage, host_id, stores, inline_threshold)
+    return Connector(stage, host_id, stores, inline_threshold, device)
+
+
+def _checked_device(device: str) -> str:
+    """`device` as torch names it, refused with one clear line when unknown or absent here."""
+    kind, _, index = str(device).partition(":")
+    if kind not in (CPU, CUDA) or (index and (kind == CPU or not index.isdigit())):
+        raise ConnectorError(f'connector device "{device}" is not "cpu", "cuda" or "cuda:<n>"')
+    if kind == CUDA and not torch.cuda.is_available():
+        raise ConnectorError(f'connector device "{device}": torch sees no CUDA device in this process')
+    return str(device)
+
+
+def _allow_cuda_transports(ucx_options: dict[str, str]) -> None:
+    """On CUDA, let UCX open cuda_copy / cuda_ipc: a UCX_TLS inclusion list written for CPU nodes
+    (`tcp`) would keep device memory off UCX. UCX reads the environment first, so it is widened there."""
+    current = os.environ.get("UCX_TLS") or ucx_options.get("TLS", "")
+    widened = widen_tls_for_cuda(current)
+    if widened != current:
+        log.info("UCX_TLS %s -> %s: this connector is on CUDA", current, widened)
+        ucx_options["TLS"] = widened
+        if "UCX_TLS" in os.environ:
+            os.environ["UCX_TLS"] = widened

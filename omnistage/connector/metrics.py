@@ -15,6 +15,10 @@ class TransferMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.bytes = Counter("omnistage_transfer_bytes", "Tensor bytes put (out) or fetched (in), per edge and transport",
                              ["edge", "transport", "direction"], registry=r)
+        # path: one of paths.PATHS (6 values), so edges x 6 series at most
+        self.paths = Counter("omnistage_transfer_path_tensors",
+                             "Tensors fetched per edge and memory path (host, device-to-host, host-to-device, "
+                             "host-staged, cuda, cuda-ipc)", ["edge", "path"], registry=r)
         self.chunks = Counter("omnistage_transfer_chunks", "Chunks put (out) or fetched (in), per edge",
                               ["edge", "direction"], registry=r)
         self.seconds = Histogram("omnistage_transfer_seconds", "Time to put (out) or fetch (in) one chunk's tensors",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -61,10 +61,13 @@ class ChunkSender:
 
     async def put_chunk(self, request_id: str, chunk_id: int, tensors: Mapping[str, torch.Tensor], *,
                         consumer: str = "", consumer_host: str | None = None, transport: str = "auto",
-                        readers: int = 1, timeout: float | None = None) -> list[tensor_pb2.Tensor]:
-        """Descriptors for one chunk's tensors, waiting first while the stage is over its budget."""
+                        readers: int = 1, timeout: float | None = None,
+                        consumer_device: str | None = None) -> list[tensor_pb2.Tensor]:
+        """Descriptors for one chunk's tensors, waiting first while the stage is over its budget.
+        `consumer_device`: where the consumer(s) run ("cpu", "cuda"; None: unknown), for `auto`."""
         conn = self.connector
-        held = {name: conn.transport_for(t, transport, consumer_host) != "inline" for name, t in tensors.items()}
+        held = {name: conn.transport_for(t, transport, consumer_host, consumer_device) != "inline"
+                for name, t in tensors.items()}
         need = sum(t.numel() * t.element_size() for name, t in tensors.items() if held[name])
         if need > self.budget_bytes:
             raise ChunkTooLarge(f"stage {self.stage}: chunk {chunk_id} of request {request_id} needs {need} bytes, "
@@ -78,7 +81,7 @@ class ChunkSender:
             msgs = []
             for name, t in tensors.items():
                 msg = await conn.put(TensorKey(request_id, self.stage, chunk_id, name), t, transport=transport,
-                                     consumer_host=consumer_host, readers=readers)
+                                     consumer_host=consumer_host, readers=readers, consumer_device=consumer_device)
                 self.metrics.bytes.labels(edge, _transport(msg), "out").inc(t.numel() * t.element_size())
                 msgs.append(msg)
         except BaseException:
@@ -135,6 +138,12 @@ class ReceivedChunk:
     chunk: stage_pb2.Chunk               # the descriptor as it arrived (text, timing, end of stream...)
     tensors: dict[str, torch.Tensor]     # its tensors, fetched
     transfer_ms: float
+    paths: dict[str, str] = field(default_factory=dict)  # tensor name -> memory path (paths.py)
+
+    @property
+    def path(self) -> str:
+        """The chunk's memory path(s), for a trace attribute: one name, or several joined by ","."""
+        return ",".join(sorted(set(self.paths.values())))
 
 
 class ChunkReceiver:
@@ -151,11 +160,14 @@ class ChunkReceiver:
         t0 = time.perf_counter()
         fetched = await asyncio.gather(*(self.connector.get(t) for t in chunk.tensors))
         seconds = time.perf_counter() - t0
+        paths = {}
         for msg, t in zip(chunk.tensors, fetched):
+            paths[msg.name] = path = self.connector.path_of(msg)
             self.metrics.bytes.labels(edge, _transport(msg), "in").inc(t.numel() * t.element_size())
+            self.metrics.paths.labels(edge, path).inc()
         self.metrics.chunks.labels(edge, "in").inc()
         self.metrics.seconds.labels(edge, "in").observe(seconds)
-        return ReceivedChunk(chunk, dict(zip(names, fetched)), seconds * 1e3)
+        return ReceivedChunk(chunk, dict(zip(names, fetched)), seconds * 1e3, paths)
 
 
 def _transport(msg: tensor_pb2.Tensor) -> str:

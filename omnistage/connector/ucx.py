@@ -6,6 +6,11 @@ size), the receive of the reply header and the receives of the bytes straight in
 the producer answers with the header on the reply tag and the bytes on the following tags, one
 message per fragment, all sent together from the held tensor itself. One round trip, no copies.
 A tensor counts as consumed once its last reader's send completed.
+
+Device memory: where the process's UCX context carries CUDA memory (decided once, when the context
+starts: `_Runtime.device_memory`), the producer holds a CUDA tensor on its device and sends from it,
+and a consumer on CUDA receives straight into a new CUDA tensor; UCX picks cuda_ipc between GPUs of
+one host and cuda_copy otherwise. ucxx sends and receives any object with `__cuda_array_interface__`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from omnistage.v1 import tensor_pb2
 from .buffers import empty_bytes
 from .errors import ConnectorError, PeerUnreachable, TensorNotFound
 from .keys import TensorKey
+from .paths import CPU
 from .store import TensorStore
 from .wire import BAD_REQUEST, HEADER_BYTES, NOT_FOUND, OK, TensorHeader, as_bytes, from_bytes
 
@@ -56,15 +62,45 @@ def _ucxx():
     return ucxx
 
 
+def cuda_transports(context_info: str) -> set[str]:
+    """The CUDA transports a UCX context opened, from its `ucp_context_print_info` text (components
+    `cuda_cpy` and `cuda_ipc`; a UCX built with CUDA but without a driver, or with UCX_TLS excluding
+    them, opens neither)."""
+    names = {"cuda_cpy": "cuda_copy", "cuda_ipc": "cuda_ipc"}
+    found = set()
+    for line in context_info.splitlines():
+        if "component" in line and ":" in line:
+            name = line.rsplit(":", 1)[1].strip()
+            if name in names:
+                found.add(names[name])
+    return found
+
+
+def _device_memory_support() -> tuple[bool, str]:
+    """Whether this process's UCX context carries CUDA memory, and why (for the log line)."""
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    ucxx = _ucxx()
+    context = getattr(ucxx.core._get_ctx(), "context", None)  # the UCXContext; cuda_support is build-time
+    if context is not None and not getattr(context, "cuda_support", True):
+        return False, "this UCX build has no CUDA support"
+    found = cuda_transports(ucxx.get_ucp_context_info())
+    if "cuda_copy" not in found:
+        return False, "the UCX context opened no cuda_copy transport (UCX_TLS, driver)"
+    return True, ", ".join(sorted(found))
+
+
 class _Runtime:
     """The process's one UCX context, shared by every UCX store in it and reset when the last closes.
 
     Progress runs on ucxx's progress thread and completions reach asyncio through its notifier
     thread: the other modes busy-wait (a pending receive costs a core) or were slower (measured).
+    Whether the context carries device memory is decided once, when it starts.
     """
 
     users = 0
     owned = False  # this module started the context (not other ucxx code in the process)
+    device_memory = False
 
     @classmethod
     def acquire(cls, options: dict[str, str]) -> None:
@@ -76,6 +112,11 @@ class _Runtime:
                 cls.owned = True
             except RuntimeError:  # already started elsewhere in this process: use it as it is
                 cls.owned = False
+            cls.device_memory, why = _device_memory_support()
+            if torch.cuda.is_available():
+                log.log(logging.INFO if cls.device_memory else logging.WARNING,
+                        "UCX %s device memory (%s)%s", "carries" if cls.device_memory else "does not carry", why,
+                        "" if cls.device_memory else ": CUDA tensors are staged through host memory")
         cls.users += 1
 
     @classmethod
@@ -112,7 +153,7 @@ class UcxStore(TensorStore):
 
     def __init__(self, host_id: str, clock: Callable[[], float], *, host: str = "127.0.0.1",
                  port: int = 0, max_endpoints: int = 64, fragment_bytes: int = 0, get_timeout_s: float = 60.0,
-                 options: dict[str, str] | None = None):
+                 options: dict[str, str] | None = None, device: str = CPU, device_memory: bool = True):
         super().__init__(host_id, clock)
         if max_endpoints < 1:
             raise ValueError(f"max_endpoints must be >= 1, got {max_endpoints}")
@@ -130,6 +171,9 @@ class UcxStore(TensorStore):
         self._all_served = asyncio.Event()
         self._all_served.set()
         self.options = options or {}
+        self.device = device  # where a get puts the tensors it receives (CPU or CUDA)
+        self._allow_device_memory = device_memory
+        self.device_memory = False  # set at start: CUDA tensors sent and received as device memory
 
     async def start(self) -> None:
         _Runtime.acquire(self.options)
@@ -139,6 +183,7 @@ class UcxStore(TensorStore):
             _Runtime.release()
             raise
         self.address = f"{self.host}:{self._listener.port}"
+        self.device_memory = self._allow_device_memory and _Runtime.device_memory
 
     @property
     def endpoints(self) -> int:
@@ -155,6 +200,8 @@ class UcxStore(TensorStore):
             raise ConnectorError(f"tensor key {key.wire[:60]}... is {len(wire)} bytes; UCX requests carry at most "
                                  f"{MAX_KEY_BYTES} (shorten the request id)")
         header = TensorHeader.of(tensor)
+        if tensor.is_cuda:  # UCX's copy engines do not wait on torch's stream: the bytes must be written first
+            torch.cuda.current_stream(tensor.device).synchronize()
         self.held.add(key, header.nbytes, tensor, readers)
         return tensor_pb2.TensorRef(backend=self.backend, address=self.address, key=key.wire, nbytes=header.nbytes,
                                     host_id=self.host_id)
@@ -204,7 +251,7 @@ class UcxStore(TensorStore):
             status, nbytes = BAD_REQUEST, 0
         frags = _fragments(nbytes, fragment_bytes)
         if status == OK:
-            header, data = TensorHeader.of(held.handle), as_bytes(held.handle).numpy()
+            header, data = TensorHeader.of(held.handle), _sendable(as_bytes(held.handle))
             payload = [data[o:o + n] for o, n in frags]
         else:
             header, payload = TensorHeader(torch.uint8, (), 0, status=status), [_EMPTY] * len(frags)
@@ -245,8 +292,8 @@ class UcxStore(TensorStore):
         _REQUEST.pack_into(request, 0, _MAGIC, _GET, 0, tag, self.fragment_bytes, ref.nbytes, len(key))
         request[_REQUEST.size:_REQUEST.size + len(key)] = np.frombuffer(key, dtype=np.uint8)
         reply = np.empty(HEADER_BYTES, dtype=np.uint8)
-        raw = empty_bytes(ref.nbytes)
-        buf = raw.numpy()
+        raw = self._receive_buffer(ref.nbytes)
+        buf = _sendable(raw)
         done = await asyncio.gather(peer.ep.send(request), peer.ep.recv(reply, tag=tag),
                                     *(peer.ep.recv(buf[o:o + n], tag=tag + 1 + i) for i, (o, n) in enumerate(frags)),
                                     return_exceptions=True)
@@ -263,6 +310,13 @@ class UcxStore(TensorStore):
             if isinstance(outcome, BaseException):
                 raise outcome
         return from_bytes(raw, header)
+
+    def _receive_buffer(self, nbytes: int) -> torch.Tensor:
+        """Where a get lands: a new tensor on this consumer's CUDA device when its UCX carries device
+        memory (whatever memory the producer sends from), else host memory."""
+        if self.device != CPU and self.device_memory:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return empty_bytes(nbytes)
 
     async def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
@@ -322,6 +376,12 @@ class UcxStore(TensorStore):
         self._listener.close()
         self._listener = None
         _Runtime.release()
+
+
+def _sendable(raw: torch.Tensor):
+    """A flat uint8 buffer as ucxx takes it: numpy for host memory, the CUDA tensor itself (it has
+    `__cuda_array_interface__`) for device memory. Slices of either are views."""
+    return raw if raw.is_cuda else raw.numpy()
 
 
 def _header_buffer(header: TensorHeader) -> np.ndarray:

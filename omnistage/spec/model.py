@@ -29,6 +29,15 @@ EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", 
 MODALITIES = ("text", "audio", "image")
 TRANSPORTS = ("auto", "inline", "shm", "ucx")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu")
+TOLERATION_OPERATORS = ("Equal", "Exists")
+TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+# Label keys (an optional DNS-subdomain prefix and "/") and values, as Kubernetes checks them.
+LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+LABEL_KEY_HINT = 'must be a label key: an optional DNS prefix and "/", then letters, digits, "-", "_" and "."'
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LABEL_VALUE_HINT = ('must be a label value: at most 63 letters, digits, "-", "_" and ".", starting and ending '
+                    "with a letter or digit")
 ROLLOUT_STRATEGIES = ("OneStageAtATime", "Parallel")
 FAIRNESS_POLICIES = ("InFlightFirst", "ShortestFirst")
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
@@ -193,14 +202,52 @@ class TransferSettings:
 
 
 @dataclass(frozen=True)
+class Toleration:
+    """A taint the stage's pods tolerate (as a pod's `tolerations` entry): GPU nodes are usually tainted."""
+
+    key: str = api_field("The taint's key; empty with operator Exists: every taint.", default="", empty_ok=True,
+                         max_length=317)
+    operator: str = api_field("Equal: the taint's value must be `value`; Exists: any value.", default="Equal",
+                              enum=TOLERATION_OPERATORS)
+    value: str = api_field("The taint's value (operator Equal).", default="", empty_ok=True, max_length=63)
+    effect: str = api_field("The effect tolerated; empty: every effect.", default="", enum=TAINT_EFFECTS)
+    toleration_seconds: int = api_field("How long a NoExecute taint is tolerated once added; 0: for ever.",
+                                        default=0, minimum=0, int_format="int64")
+
+    def to_dict(self) -> dict:
+        """As a pod's toleration, without empty parts."""
+        out = {"key": self.key, "operator": self.operator, "value": self.value, "effect": self.effect,
+               "tolerationSeconds": self.toleration_seconds}
+        return {k: v for k, v in out.items() if v}
+
+
+@dataclass(frozen=True)
+class RollingUpdate:
+    """How many of the stage's pods a rollout adds beyond `replicas` and takes away at once. A GPU stage on
+    a full node rolls with maxSurge 0 and maxUnavailable 1 (an old pod gives its GPU back first)."""
+
+    max_surge: int = api_field("Pods above replicas during a rollout.", default=1, minimum=0, maximum=1000)
+    max_unavailable: int = api_field("Pods below replicas during a rollout.", default=0, minimum=0, maximum=1000)
+
+
+@dataclass(frozen=True)
 class StageDeployment:
     replicas: int = api_field("Replicas of the stage.", default=1, minimum=0, maximum=1000)
     image: str = api_field("Container image.", default="", default_from="spec.deployment.image")
     resources: Resources = api_field("Kubernetes resources per replica.", default_factory=Resources)
-    gpus: int = api_field("GPUs per replica, requested as nvidia.com/gpu.", default=0, minimum=0, maximum=64)
+    gpus: int = api_field("GPUs per replica, requested as nvidia.com/gpu; the engine runs on them. A torch "
+                          "engine (transformers, diffusers) uses one; a vLLM stage tensor x pipeline x data "
+                          "parallel.", default=0, minimum=0, maximum=64)
+    device: str = api_field("auto: the stage's GPUs when gpus > 0 (a replica that finds no CUDA device refuses "
+                            "to start), the CPU otherwise; cpu: the CPU whatever gpus says.", default="auto",
+                            enum=DEVICES)
+    gpu_memory_fraction: float = api_field(
+        "The share of each of its GPUs the stage may use (vLLM's gpu_memory_utilization; a torch engine's "
+        "per-process memory fraction); stages whose fractions add up to at most 1 may share a GPU under "
+        "`omnistage serve`. 0: the whole GPU (vLLM keeps its default 0.9).", default=0.0, minimum=0, maximum=1)
     parallelism: Parallelism = api_field("Engine parallelism within a replica.", default_factory=Parallelism)
-    dtype: str = api_field("Weights and activations dtype; auto takes the model's.", default="auto",
-                           enum=DTYPES)
+    dtype: str = api_field("Weights and activations dtype; auto: bfloat16 on a GPU, float32 on the CPU.",
+                           default="auto", enum=DTYPES)
     engine_args: Mapping[str, Any] = api_field("Passed to the engine as is (for vLLM, engine arguments by "
                                                "name).", default_factory=dict, free_form=True)
     scheduler: SchedulerSettings = api_field("The stage's step scheduler.", default_factory=SchedulerSettings)
@@ -210,6 +257,18 @@ class StageDeployment:
                                        empty_ok=True)
     transfer: TransferSettings = api_field("The stage's data-plane buffers for its consumers.",
                                            default_factory=TransferSettings)
+    node_selector: Mapping[str, str] = api_field("Node labels the stage's pods must run on (GPU nodes).",
+                                                 default_factory=dict, empty_ok=True)
+    tolerations: tuple[Toleration, ...] = api_field("Taints the stage's pods tolerate.", default=())
+    affinity: Mapping[str, Any] = api_field("The pods' affinity, as a Kubernetes pod's `affinity`.",
+                                            default_factory=dict, free_form=True)
+    priority_class_name: str = api_field("The pods' PriorityClass.", default="", pattern=SECRET_NAME,
+                                         pattern_hint=SECRET_NAME_HINT, max_length=253)
+    runtime_class_name: str = api_field("The pods' RuntimeClass (e.g. nvidia, where the GPU runtime is not the "
+                                        "default).", default="", pattern=SECRET_NAME,
+                                        pattern_hint=SECRET_NAME_HINT, max_length=253)
+    rolling_update: RollingUpdate = api_field("The stage Deployment's rollout surge.",
+                                              default_factory=RollingUpdate)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from omnistage.launch import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAM
 from . import engines
 from .fields import QUANTITY_PATTERN, ApiField, FreeForm, ListOf, MapOf, Obj, Quantity, Scalar, Shape, api_fields
 from .graph import ancestors, find_cycle
-from .model import (API_GROUP, API_VERSION, ENGINES, KIND, LIMIT_DEFAULTS, MAX_MESSAGE_BYTES, MAX_NAME_LEN, RESERVED_STAGE_NAMES, Limits,
+from .model import (API_GROUP, API_VERSION, ENGINES, KIND, LABEL_KEY, LABEL_KEY_HINT, LABEL_VALUE, LABEL_VALUE_HINT, LIMIT_DEFAULTS, MAX_MESSAGE_BYTES, MAX_NAME_LEN, RESERVED_STAGE_NAMES, Limits,
                     Metadata, Spec)
 
 
@@ -306,6 +306,49 @@ class _Relations:
         for i, name in enumerate(_list(_get(self.deployment, "rollout", "order"))):
             if isinstance(name, str) and name:
                 self.known(f"spec.deployment.rollout.order[{i}]", name)
+        engines_of = {s["name"]: s.get("engine") for _, s in self.stages if isinstance(s.get("name"), str)}
+        if isinstance(entries, dict):
+            for name, sd in entries.items():
+                if isinstance(sd, dict) and name in engines_of:
+                    self.placement(f"spec.deployment.stages.{name}", engines_of[name], sd)
+
+    def placement(self, path: str, engine: object, sd: dict) -> None:
+        """Devices a replica asks for against what its engine uses, and the pod placement fields."""
+        gpus = sd.get("gpus", 0)
+        par = _dict(sd.get("parallelism"))
+        degrees = [par.get(k, 1) for k in ("tensor", "pipeline", "data")]
+        if type(gpus) is int and all(type(d) is int for d in degrees):
+            uses = degrees[0] * degrees[1] * degrees[2]
+            if engine == "vllm":
+                if gpus and gpus != uses:
+                    self.w.err(f"{path}.gpus", f"a vLLM stage uses tensor x pipeline x data parallel = {uses} "
+                                               f"GPU(s) per replica; gpus is {gpus}")
+            elif isinstance(engine, str) and engine in ENGINES:
+                if uses != 1:
+                    self.w.err(f"{path}.parallelism", f"the {engine} engine runs one model per replica; "
+                                                      "parallelism applies to vLLM stages (scale with replicas)")
+                if gpus > 1:
+                    self.w.err(f"{path}.gpus", f"the {engine} engine runs on one GPU per replica; gpus: {gpus} "
+                                               "reserves GPUs it never uses (scale with replicas)")
+        fraction = sd.get("gpuMemoryFraction", 0)
+        if isinstance(fraction, (int, float)) and fraction and (gpus == 0 or sd.get("device") == "cpu"):
+            self.w.err(f"{path}.gpuMemoryFraction", "applies to a stage on GPUs (gpus > 0 and device auto)")
+        for key, value in _dict(sd.get("nodeSelector")).items():
+            if not re.match(LABEL_KEY, key) or len(key.rpartition("/")[2]) > 63:
+                self.w.err(f"{path}.nodeSelector", f"{key!r} {LABEL_KEY_HINT} (the name part at most 63)")
+            elif isinstance(value, str) and (not re.match(LABEL_VALUE, value) or len(value) > 63):
+                self.w.err(f"{path}.nodeSelector.{key}", f"{value!r} {LABEL_VALUE_HINT}")
+        roll = _dict(sd.get("rollingUpdate"))
+        if roll.get("maxSurge", 1) == 0 and roll.get("maxUnavailable", 0) == 0:
+            self.w.err(f"{path}.rollingUpdate", "maxSurge and maxUnavailable cannot both be 0 (nothing could roll)")
+        for i, t in enumerate(_list(sd.get("tolerations"))):
+            t = _dict(t)
+            if t.get("operator") == "Exists" and t.get("value"):
+                self.w.err(f"{path}.tolerations[{i}].value", "must be empty with operator Exists")
+            if not t.get("key") and t.get("operator", "Equal") == "Equal":
+                self.w.err(f"{path}.tolerations[{i}].key", "an empty key needs operator Exists")
+            if t.get("tolerationSeconds") and t.get("effect") != "NoExecute":
+                self.w.err(f"{path}.tolerations[{i}].tolerationSeconds", "applies to effect NoExecute only")
 
 
     def api_port(self) -> None:

@@ -40,6 +40,16 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
                       "capabilities": {"drop": ["ALL"]}, "seccompProfile": SECCOMP}
 # Volumes holding a pod's own mTLS certificate and the orchestrator's client-facing one.
 TLS_VOLUME, CLIENT_TLS_VOLUME = "tls", "client-tls"
+# The orchestrator's rollout (a stage's comes from its rollingUpdate, the same by default): a new pod is ready
+# before an old one goes, so every replica keeps serving.
+ORCHESTRATOR_ROLLING_UPDATE = {"maxSurge": 1, "maxUnavailable": 0}
+# A memory-backed /dev/shm for stages on GPUs or with parallelism > 1: NCCL's intra-node transport and vLLM's
+# worker message queues live there, and a container runtime gives a pod 64 MiB. Its pages are charged to the
+# container's memory like any other, so the size limit claims nothing extra; it bounds what a runaway writer
+# may take (the kubelet evicts the pod past it). A fixed 2Gi, as in vLLM's own Kubernetes example, not one
+# derived from the stage's memory: what NCCL and vLLM keep there grows with the ranks of a node, not the model.
+# A canonical quantity, so the live object reads it back unchanged (compare.matches).
+SHM_VOLUME, SHM_PATH, SHM_SIZE_LIMIT = "shm", "/dev/shm", "2Gi"
 
 
 @dataclass(frozen=True)
@@ -108,11 +118,12 @@ def build_config_map(p: Pipeline) -> dict:
 
 def config_hash(p: Pipeline, stage: str | None = None) -> str:
     """What a pod reads from the pipeline file at start, hashed: the topology and its own deployment
-    entry (the orchestrator's when stage is None). Replica counts are left out: scaling never rolls.
-    The typed model is hashed, not the document, so a default written out (the CRD's defaulting, or a
-    user spelling one) changes nothing."""
+    entry (the orchestrator's when stage is None). Replica counts are left out: scaling never rolls; so is
+    a stage's rollingUpdate, which shapes its next rollout, not its pods. The typed model is hashed, not the
+    document, so a default written out (the CRD's defaulting, or a user spelling one) changes nothing."""
     own = asdict(p.deployment.stages[stage] if stage is not None else p.deployment.orchestrator)
     own.pop("replicas")
+    own.pop("rolling_update", None)
     topology = {"stages": [asdict(s) for s in p.stages], "outputs": [asdict(o) for o in p.outputs],
                 "limits": asdict(p.limits)}
     text = json.dumps({"topology": topology, "own": own}, sort_keys=True)
@@ -126,11 +137,15 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
     secrets = _tls_secrets(p, cfg, stage)
     command = stage_command(PIPELINE_PATH, stage, python=POD_PYTHON, **_POD_SERVING,
                             tls_dir=TLS_MOUNT if secrets else None)
+    shm = needs_shm(sd)
     container = _container("stage", sd.image, command, _stage_resources(sd), sd.env, cfg,
-                           secret_mounts=secrets)
-    pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets)
+                           secret_mounts=secrets, shm=shm)
+    pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm)
+    pod.update(_stage_placement(sd))
     labels = selector(p.name, COMPONENT_STAGE, stage)
-    return _deployment(p, stage_object_name(p.name, stage), labels, sd.replicas, pod, config_hash(p, stage))
+    surge = {"maxSurge": sd.rolling_update.max_surge, "maxUnavailable": sd.rolling_update.max_unavailable}
+    return _deployment(p, stage_object_name(p.name, stage), labels, sd.replicas, pod, config_hash(p, stage),
+                       rolling_update=surge)
 
 
 def build_stage_service(p: Pipeline, stage: str) -> dict:
@@ -150,10 +165,26 @@ def build_stage_pdb(p: Pipeline, stage: str, api_version: str = "policy/v1") -> 
 
 
 def _stage_resources(sd: StageDeployment) -> dict:
+    """The spec's resources and `gpus` GPUs. Also with `device: cpu`: gpus is what the pod reserves, device
+    what the engine runs on; a stage meant for a cluster without GPUs says gpus: 0."""
     res = {"requests": dict(sd.resources.requests), "limits": dict(sd.resources.limits)}
     if sd.gpus:
         res["limits"][GPU_RESOURCE] = str(sd.gpus)
     return {part: v for part, v in res.items() if v}
+
+
+def needs_shm(sd: StageDeployment) -> bool:
+    """A stage on GPUs (NCCL) or with any parallelism degree above 1 (vLLM's workers) gets a larger /dev/shm."""
+    par = sd.parallelism
+    return sd.gpus > 0 or max(par.tensor, par.pipeline, par.data) > 1
+
+
+def _stage_placement(sd: StageDeployment) -> dict:
+    """Where the stage's pods may run (GPU nodes): only the fields its deployment entry sets."""
+    placement = {"nodeSelector": dict(sd.node_selector), "tolerations": [t.to_dict() for t in sd.tolerations],
+                 "affinity": copy.deepcopy(dict(sd.affinity)), "priorityClassName": sd.priority_class_name,
+                 "runtimeClassName": sd.runtime_class_name}
+    return {key: value for key, value in placement.items() if value}
 
 
 # ---------------------------------------------------------------------------- orchestrator
@@ -280,12 +311,12 @@ def _common_labels(p: Pipeline, component: str) -> dict[str, str]:
             LABEL_PIPELINE: p.name, LABEL_COMPONENT: component}
 
 
-def _deployment(p: Pipeline, name: str, labels: dict, replicas: int, pod: dict, cfg_hash: str) -> dict:
+def _deployment(p: Pipeline, name: str, labels: dict, replicas: int, pod: dict, cfg_hash: str,
+                rolling_update: dict = ORCHESTRATOR_ROLLING_UPDATE) -> dict:
     meta = _meta(p, name, labels[LABEL_COMPONENT], labels.get(LABEL_STAGE))
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                     "strategy": {"type": "RollingUpdate",
-                                  "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(rolling_update)},
                      "revisionHistoryLimit": 3, "progressDeadlineSeconds": 600,
                      "template": {"metadata": {"labels": dict(meta["labels"]),
                                                "annotations": {ANNOTATION_CONFIG_HASH: cfg_hash}},
@@ -301,7 +332,8 @@ def _tls_secrets(p: Pipeline, cfg: OperatorConfig, unit: str) -> list[tuple[str,
 
 def _container(name: str, image: str, command: list[str], resources: dict, user_env: dict,
                cfg: OperatorConfig, models: bool = True, ports: tuple[tuple[str, int], ...] = (),
-               secret_env: Sequence[dict] = (), secret_mounts: Sequence[tuple[str, str, str]] = ()) -> dict:
+               secret_env: Sequence[dict] = (), secret_mounts: Sequence[tuple[str, str, str]] = (),
+               shm: bool = False) -> dict:
     env: list[dict[str, Any]] = [
         {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -316,6 +348,8 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
     if models and cfg.model_volume.volume():
         mounts.append({"name": "models", "mountPath": cfg.model_volume.mount_path, "readOnly": True})
     mounts += [{"name": volume, "mountPath": path, "readOnly": True} for volume, _, path in secret_mounts]
+    if shm:
+        mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
     c = {"name": name, "image": image, "imagePullPolicy": cfg.image_pull_policy, "command": command,
          "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}
                    for port_name, port in ports or _SERVING_PORTS],
@@ -339,7 +373,7 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
 
 def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: float,
               service_account: str | None, models: bool = True,
-              secrets: Sequence[tuple[str, str, str]] = ()) -> dict:
+              secrets: Sequence[tuple[str, str, str]] = (), shm: bool = False) -> dict:
     volumes = [{"name": "pipeline", "configMap": {"name": config_map_name(p.name), "items": [
                    {"key": PIPELINE_FILE, "path": PIPELINE_FILE}]}},
                {"name": "tmp", "emptyDir": {}}]
@@ -349,6 +383,8 @@ def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: 
     # Mounted whole, never by subPath: the kubelet then swaps a renewed certificate in place, and the
     # processes reload it, so a rotation rolls nothing. Default mode: the pod's one process reads them.
     volumes += [{"name": volume, "secret": {"secretName": secret}} for volume, secret, _ in secrets]
+    if shm:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE_LIMIT}})
     pod = {"containers": [container], "volumes": volumes,
            "terminationGracePeriodSeconds": int(math.ceil(drain_seconds)) + GRACE_MARGIN_SECONDS,
            "enableServiceLinks": False,

@@ -28,4 +28,4 @@ class AudioDecoderEngine(SteppedEngine):
     def max_step_cost(self) -> int | None:
         if self.options.max_batched_frames is not None:
             return self.options.max_batched_frames
-        return None if torch.cuda.is_available() else self.CPU_MAX_BATCHED_FRAMES
+        return None if self.placement.on_cuda else self.CPU_MAX_BATCHED_FRAMES

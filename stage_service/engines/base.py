@@ -17,12 +17,14 @@ from typing import Any, AsyncIterator
 import torch
 
 from omnistage.chunks import EdgeReorderBuffer
+from omnistage.devices import DevicePlan
 from omnistage.params import RequestParams
 from omnistage.spec import Pipeline, Stage, StageDeployment
 
 from ..errors import (EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputError,  # noqa: F401
                       StageDraining)  # re-exported for the adapters
 from ..scheduler import StepScheduler, StepState
+from . import device, invariance
 
 
 @dataclass
@@ -127,11 +129,6 @@ def tensor(chunk: InputChunk, name: str) -> torch.Tensor:
                          f"(it has: {', '.join(chunk.tensors) or 'none'})") from None
 
 
-def torch_dtype(name: str, default: torch.dtype = torch.float32) -> torch.dtype:
-    return {"auto": default, "float32": torch.float32, "float16": torch.float16,
-            "bfloat16": torch.bfloat16}[name]
-
-
 class Engine(ABC):
     """One stage's engine. Subclasses implement `start` (load) and `generate`."""
 
@@ -139,6 +136,7 @@ class Engine(ABC):
         self.pipeline = pipeline
         self.stage = stage
         self.settings: StageDeployment = pipeline.deployment.stages[stage.name]
+        self.placement: DevicePlan = device.resolve(stage.name, self.settings)  # refuses GPUs it cannot have
         self.model_dir = model_dir
         self.metrics = None  # StageMetrics, bound by the server
         self.failed: BaseException | None = None  # set when the engine cannot recover
@@ -181,7 +179,18 @@ class Engine(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch_dtype(self.settings.dtype)
+        """The weights' and activations' dtype (the spec's; auto: bfloat16 on a GPU, float32 on the CPU)."""
+        return device.DTYPES[self.placement.dtype]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's model and per-request tensors live (cuda: the first GPU this process sees)."""
+        return torch.device(self.placement.device)
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """An input tensor on the engine's device (itself when already there). Copies to a GPU do not wait
+        (the GPU stream orders them before any use); a copy to the CPU waits, since the CPU reads it next."""
+        return t.to(self.device, non_blocking=self.placement.on_cuda)
 
 
 @dataclass(frozen=True)
@@ -231,8 +240,14 @@ class SteppedEngine(Engine):
         self.scheduler.metrics = metrics
 
     async def start(self) -> None:
+        device.apply(self.placement)
         await self.scheduler.run_on_worker(self.load)
         self.scheduler.start()
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Pad for batch invariance: the engineArgs ask for it and the device takes it (invariance.py)."""
+        return self.options.batch_invariant and invariance.applies_on(self.placement)
 
     def max_step_cost(self) -> int | None:
         """The most work one step may take, summed over its states' `cost` (None: only maxBatch bounds it)."""

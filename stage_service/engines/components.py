@@ -18,8 +18,10 @@ from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 
 
 def load_component(ckpt: ShardedCheckpoint, prefix: str, cls, config, dtype: torch.dtype,
-                   combined_model_type: str | None = None, without: tuple[str, ...] = (), **kwargs):
-    """`cls` with the tensors under `prefix`; refuses a missing tensor by name (never random-fills).
+                   combined_model_type: str | None = None, without: tuple[str, ...] = (),
+                   device: torch.device | str = "cpu", **kwargs):
+    """`cls` with the tensors under `prefix`, in `dtype` on `device`; refuses a missing tensor by name
+    (never random-fills).
     `without` names sub-modules (`visual`) left out: none of their tensors is read, and the sub-module
     is removed from the model once built."""
     if not ckpt.keys(prefix):
@@ -39,7 +41,7 @@ def load_component(ckpt: ShardedCheckpoint, prefix: str, cls, config, dtype: tor
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         where = ckpt.index_file if ckpt.index_file.exists() else ckpt.root
         raise CheckpointError(f"{where}: tensor {prefix}{missing[0]}{more} missing from the checkpoint")
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _borrow_conversions(cls, combined_model_type: str) -> None:

@@ -49,7 +49,8 @@ class TextEncoderEngine(SteppedEngine):
     unit = "prompts"
 
     def load(self) -> None:
-        self.encoder = prompt_encoder(PipelineDir(self.model_dir), self.dtype, self.options.batch_invariant)
+        self.encoder = prompt_encoder(PipelineDir(self.model_dir), self.dtype, self.batch_invariant,
+                                      self.device)
 
     def step(self, states: list[PromptState]) -> list[dict[str, torch.Tensor]]:
         prompts = [q for st in states for q in st.prompts]  # every prompt is padded to the model length
@@ -119,13 +120,14 @@ class DenoiseEngine(SteppedEngine):
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: no denoise loop for a {self.arch or 'model'} "
                                     f"(known: {', '.join(DENOISERS)})")
         self.call = DENOISERS[self.arch]
-        self.model = pipe.load(pipe.component, dtype=self.dtype)
-        if self.options.batch_invariant:
+        self.model = pipe.load(pipe.component, device=self.device, dtype=self.dtype)
+        if self.batch_invariant:
             make_batch_invariant(self.model)
         self.config = dict(self.model.config)
         self.scheduler_cls = pipe.scheduler_class()
         self.scheduler_cfg = pipe.config("scheduler")
         self.step_takes_generator = "generator" in inspect.signature(self.scheduler_cls.step).parameters
+        self.timesteps_take_device = "device" in inspect.signature(self.scheduler_cls.set_timesteps).parameters
         vae_cfg = pipe.config("vae")
         if "block_out_channels" not in vae_cfg:
             raise EngineConfigError(f"{pipe.root / 'vae' / 'config.json'}: no block_out_channels "
@@ -134,15 +136,20 @@ class DenoiseEngine(SteppedEngine):
         self.latent_channels = self.config["in_channels"]
 
     def new_state(self, req: StageRequest, text: dict[str, torch.Tensor]) -> DenoiseState:
+        """The image's scheduler, timesteps and latents on the engine's device. Its noise comes from a CPU
+        generator whatever the device (as diffusers advises for reproducible images): a seed starts from the
+        same latents on a GPU as on the CPU, and the scheduler's own draws take it as diffusers'
+        `randn_tensor` does, on the CPU then moved."""
         p = req.params
         shape = (1, self.latent_channels, p.height // self.vae_scale, p.width // self.vae_scale)
         sched = self.scheduler_cls.from_config(self.scheduler_cfg)  # schedulers hold per-request state
         patch = self.call.patch(self.config)
         image_tokens = (shape[2] // patch) * (shape[3] // patch)
-        sched.set_timesteps(p.num_inference_steps,
+        on = {"device": self.device} if self.timesteps_take_device else {}
+        sched.set_timesteps(p.num_inference_steps, **on,
                             **self.call.schedule(p.num_inference_steps, image_tokens, self.scheduler_cfg))
         g = torch.Generator().manual_seed(p.seed)
-        latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.dtype)
+        latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.device, self.dtype)
         if hasattr(sched, "init_noise_sigma"):  # flow-matching schedulers start from plain noise
             latents = latents * sched.init_noise_sigma
         return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
@@ -167,7 +174,7 @@ class DenoiseEngine(SteppedEngine):
             if call.timestep_scale != 1.0:
                 timestep = timestep * call.timestep_scale
             text = {k: torch.cat(v) for k, v in text.items()}
-            guidance = torch.tensor([st.guidance for st in states for _ in range(st.rows)])
+            guidance = torch.tensor([st.guidance for st in states for _ in range(st.rows)], device=self.device)
             packed = call.pack(x, self.config)
             pred_all = self.model(**{call.latents_kwarg: packed}, timestep=timestep, **text,
                                   **call.extra(packed, text, guidance, self.config), return_dict=False)[0]
@@ -195,7 +202,7 @@ class DenoiseEngine(SteppedEngine):
         text: dict[str, torch.Tensor] = {}
         rows = 0  # of the first (per-token) tensor; the others must agree
         for ti in self.call.text:
-            t = tensor(chunk, ti.tensor).to(self.dtype)
+            t = self.on_device(tensor(chunk, ti.tensor)).to(self.dtype)
             width = self.config[ti.width]
             if ti.per_token:
                 ok, want = t.dim() == 3 and t.shape[0] in (1, 2) and t.shape[2] == width, f"[1 or 2, tokens, {width}]"
@@ -274,15 +281,15 @@ class VaeDecodeEngine(SteppedEngine):
     def load(self) -> None:
         from diffusers import AutoencoderKL
 
-        self.vae = AutoencoderKL.from_pretrained(self.model_dir, dtype=self.dtype).eval()
-        if self.options.batch_invariant:
+        self.vae = AutoencoderKL.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
+        if self.batch_invariant:
             make_batch_invariant(self.vae)
         self.scaling = self.vae.config.scaling_factor
         self.shift = getattr(self.vae.config, "shift_factor", None)
 
     def step(self, states: list[LatentsState]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            latents = torch.cat([st.latents for st in states]).to(self.dtype) / self.scaling
+            latents = torch.cat([st.latents for st in states]).to(self.device, self.dtype) / self.scaling
             if self.shift is not None:
                 latents = latents + self.shift
             images = self.vae.decode(latents).sample
@@ -294,7 +301,7 @@ class VaeDecodeEngine(SteppedEngine):
         from PIL import Image
 
         st.finished = True
-        arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
         buf = io.BytesIO()
         Image.fromarray(arr).save(buf, format="PNG")
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
@@ -303,7 +310,7 @@ class VaeDecodeEngine(SteppedEngine):
         chunks = await inputs.collect()
         if not chunks:
             raise InputError("no latents arrived from the denoise stage")
-        latents = tensor(chunks[-1], "latents")  # the final latents; earlier chunks are previews
+        latents = self.on_device(tensor(chunks[-1], "latents"))  # the final latents; earlier ones are previews
         channels = self.vae.config.latent_channels
         if latents.dim() != 4 or latents.shape[:2] != (1, channels):
             raise InputError(f"latents must be [1, {channels}, h, w], got {list(latents.shape)}")

@@ -54,13 +54,14 @@ class PipelineDir:
             raise EngineConfigError(f'{self.index_file}: component "{component}" is a {library}.{name}, '
                                     f"which this installation of {library} does not have") from None
 
-    def load(self, component: str, **kwargs: Any):
-        """A component loaded from its folder by the class the index names (models: in eval mode)."""
+    def load(self, component: str, device: torch.device | str = "cpu", **kwargs: Any):
+        """A component loaded from its folder by the class the index names (models: in eval mode, on
+        `device`)."""
         folder = self.root / component
         if not folder.is_dir():
             raise EngineConfigError(f'{folder}: missing (model_index.json lists component "{component}")')
         obj = self.component_class(component).from_pretrained(folder, **kwargs)
-        return obj.eval() if isinstance(obj, torch.nn.Module) else obj
+        return obj.to(device).eval() if isinstance(obj, torch.nn.Module) else obj
 
     def config(self, component: str) -> dict[str, Any]:
         """A component's own config file (`config.json`; the scheduler's `scheduler_config.json`)."""

@@ -30,19 +30,20 @@ SD3_T5_TOKENS = 256
 
 
 class PromptEncoder(ABC):
-    """Loads a pipeline's text encoders; `encode(prompts)` gives each output tensor, one row per prompt."""
+    """Loads a pipeline's text encoders on `device`; `encode(prompts)` gives each output tensor, one row
+    per prompt, on that device."""
 
-    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool):
-        self.pipe, self.dtype, self.batch_invariant = pipe, dtype, batch_invariant
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        self.pipe, self.dtype, self.batch_invariant, self.device = pipe, dtype, batch_invariant, torch.device(device)
 
     def _encoder(self, component: str) -> torch.nn.Module:
-        model = self.pipe.load(component, dtype=self.dtype)
+        model = self.pipe.load(component, device=self.device, dtype=self.dtype)
         return make_batch_invariant(model) if self.batch_invariant else model
 
-    @staticmethod
-    def _ids(tokenizer, prompts: list[str], length: int) -> torch.Tensor:
+    def _ids(self, tokenizer, prompts: list[str], length: int) -> torch.Tensor:
         return tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
-                         return_tensors="pt").input_ids
+                         return_tensors="pt").input_ids.to(self.device)
 
     @abstractmethod
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -52,8 +53,9 @@ class PromptEncoder(ABC):
 class ClipPromptEncoder(PromptEncoder):
     """StableDiffusionPipeline: `embeddings` [n, 77, width] from one CLIP text encoder."""
 
-    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool):
-        super().__init__(pipe, dtype, batch_invariant)
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__(pipe, dtype, batch_invariant, device)
         self.tokenizer = pipe.load("tokenizer")
         self.encoder = self._encoder("text_encoder")
 
@@ -65,8 +67,9 @@ class ClipPromptEncoder(PromptEncoder):
 class Sd3PromptEncoder(PromptEncoder):
     """StableDiffusion3Pipeline: `embeddings` [n, 77 + 256, joint width] and `pooled_embeddings` [n, pooled width]."""
 
-    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool):
-        super().__init__(pipe, dtype, batch_invariant)
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__(pipe, dtype, batch_invariant, device)
         self.clips = [(pipe.load("tokenizer"), self._encoder("text_encoder")),
                       (pipe.load("tokenizer_2"), self._encoder("text_encoder_2"))]
         self.clip_tokens = self.clips[0][0].model_max_length  # both CLIPs take the first tokenizer's length
@@ -88,7 +91,7 @@ class Sd3PromptEncoder(PromptEncoder):
             hidden.append(out.hidden_states[-2])  # SD3 conditions on the penultimate layer
         clip = torch.cat(hidden, dim=-1)
         if self.t5 is None:
-            t5 = torch.zeros(len(prompts), SD3_T5_TOKENS, self.t5_width, dtype=clip.dtype)
+            t5 = torch.zeros(len(prompts), SD3_T5_TOKENS, self.t5_width, dtype=clip.dtype, device=clip.device)
         else:
             tokenizer, encoder = self.t5
             t5 = encoder(self._ids(tokenizer, prompts, SD3_T5_TOKENS))[0].to(clip.dtype)
@@ -102,9 +105,10 @@ PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
 }
 
 
-def prompt_encoder(pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool) -> PromptEncoder:
+def prompt_encoder(pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                   device: torch.device | str = "cpu") -> PromptEncoder:
     cls = PROMPT_ENCODERS.get(pipe.pipeline_class)
     if cls is None:
         raise EngineConfigError(f"{pipe.index_file}: the text-encoder stage has no prompt encoding for a "
                                 f"{pipe.pipeline_class} (known: {', '.join(PROMPT_ENCODERS)})")
-    return cls(pipe, dtype, batch_invariant)
+    return cls(pipe, dtype, batch_invariant, device)

@@ -48,8 +48,8 @@ class CausalLmEngine(SteppedEngine):
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
-        self.lm = DecoderLm(model, batch_invariant=self.options.batch_invariant)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
+        self.lm = DecoderLm(model, batch_invariant=self.batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
         self.vocab = model.config.vocab_size

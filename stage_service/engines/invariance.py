@@ -12,6 +12,11 @@ matmul per (token, expert) pair ("batched_mm"), which is invariant too.
 The cost is the padding itself: tiny for matmuls; for a convolution it doubles
 the work of a lone single-sample call. Engines take `engineArgs.batch_invariant:
 false` to skip all of it.
+
+Per device (`applies_on`, by the stage's placement): on the CPU, as measured.
+On CUDA it is kept too: cuBLAS and cuDNN also choose kernels by shape, the
+padding costs little there, and no GPU has yet run the batched-vs-alone tests
+that would show it can go (or that CUDA needs more than padding).
 """
 
 from __future__ import annotations
@@ -21,9 +26,17 @@ import types
 import torch
 import torch.nn.functional as F
 
+from omnistage.devices import DevicePlan
+
 MIN_MATMUL_ROWS = 4
 MIN_CONV_BATCH = 2
 MOE_EXPERTS = "batched_mm"
+PADDED_DEVICES = frozenset({"cpu", "cuda"})  # where the padding applies: see the module docstring
+
+
+def applies_on(plan: DevicePlan) -> bool:
+    """Whether an engine placed by `plan` pads for batch invariance (when its engineArgs ask for it)."""
+    return plan.device in PADDED_DEVICES
 
 
 def _linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

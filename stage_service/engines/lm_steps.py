@@ -59,6 +59,7 @@ class DecoderLm:
     def __init__(self, model: torch.nn.Module, rope_axes: int = 0, keep_rows: bool = False,
                  batch_invariant: bool = True):
         self.model = model.eval()
+        self.device = model.device  # where the model was loaded: every per-request tensor is made there
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()
@@ -72,7 +73,7 @@ class DecoderLm:
     def new_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
                   stop_ids: frozenset[int] = frozenset()) -> TokenState:
         return TokenState(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens, stop_ids=stop_ids,
-                          generator=None if sampling.greedy else new_generator(sampling.seed))
+                          generator=None if sampling.greedy else new_generator(sampling.seed, self.device))
 
     @torch.inference_mode()
     def step_batch(self, states: list[TokenState]) -> list[TokenStep | RequestFailed]:
@@ -82,8 +83,10 @@ class DecoderLm:
         for st in states:
             mm, st.prompt_rows = st.prompt_rows, None
             if mm is None:
-                inputs.append(self.embed(torch.tensor(st.generated[-1:] if st.generated else st.prompt_ids)))
-                pos.append(positions(st.kv.length() + st.rope_delta, 1, self.rope_axes) if st.rope_delta else None)
+                ids = torch.tensor(st.generated[-1:] if st.generated else st.prompt_ids, device=self.device)
+                inputs.append(self.embed(ids))
+                pos.append(positions(st.kv.length() + st.rope_delta, 1, self.rope_axes, self.device)
+                           if st.rope_delta else None)
                 deep.append(None)
             else:
                 inputs.append(mm.embeds)

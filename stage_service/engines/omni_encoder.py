@@ -83,8 +83,9 @@ class OmniEncoderEngine(MediaStage, SteppedEngine):
         config_cls, thinker_cls, vision_cls, audio_cls = self.classes()
         thinker = read_config(self.model_dir, config_cls).thinker_config
         self.checkpoint = ShardedCheckpoint(self.model_dir)
-        visual = load_component(self.checkpoint, VISUAL, vision_cls, thinker.vision_config, self.dtype)
-        audio = load_component(self.checkpoint, AUDIO, audio_cls, thinker.audio_config, self.dtype)
+        visual = load_component(self.checkpoint, VISUAL, vision_cls, thinker.vision_config, self.dtype,
+                                device=self.device)
+        audio = load_component(self.checkpoint, AUDIO, audio_cls, thinker.audio_config, self.dtype, device=self.device)
         self.towers = Towers(thinker_cls, visual, audio, thinker)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat_template = load_chat_template(self.model_dir, self.tokenizer)

@@ -122,6 +122,11 @@ class EncodedPrompt:
                     if f.name != "ids" and getattr(self, f.name) is not None})
         return out
 
+    def to(self, device: torch.device) -> "EncodedPrompt":
+        """Every tensor on `device` (those already there as they are)."""
+        return EncodedPrompt(**{f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
+                                for f in fields(self)})
+
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "EncodedPrompt":
         if "prompt_token_ids" not in tensors:
@@ -290,6 +295,11 @@ def frames_per_second(timestamps, default: float) -> float:
     return (len(timestamps) - 1) / (timestamps[-1] - timestamps[0])
 
 
+def model_device(model) -> torch.device:
+    """Where the encoders' weights are (`model`: a Thinker, or `Towers`, which is no Module itself)."""
+    return model.device if isinstance(model, torch.nn.Module) else model.visual.device
+
+
 def encode(model, inputs: MediaInputs) -> EncodedPrompt:
     """The Thinker's towers over one request's encoder inputs (`model`: the family's
     `...ThinkerForConditionalGeneration`, or `Towers`)."""
@@ -300,7 +310,8 @@ def encode(model, inputs: MediaInputs) -> EncodedPrompt:
 def encode_batch(model, batch: list[MediaInputs]) -> list[EncodedPrompt]:
     """The towers over several requests at once: every image of every request in one vision call, every
     video in one, every audio clip in one (the towers keep each item apart), the rows split back per
-    request in order."""
+    request in order. The processor's tensors go to the towers' device; the rows stay there."""
+    device = model_device(model)
     out = [EncodedPrompt(ids=torch.tensor(i.ids, dtype=torch.int64), image_grid_thw=i.image_grid_thw,
                          video_grid_thw=i.video_grid_thw, video_second_per_grid=i.video_second_per_grid)
            for i in batch]
@@ -309,8 +320,8 @@ def encode_batch(model, batch: list[MediaInputs]) -> list[EncodedPrompt]:
         have = [(n, i) for n, i in enumerate(batch) if getattr(i, pixels) is not None]
         if not have:
             continue
-        features = getattr(model, f"get_{kind}_features")(torch.cat([getattr(i, pixels) for _, i in have]),
-                                                          torch.cat([getattr(i, grid) for _, i in have]),
+        features = getattr(model, f"get_{kind}_features")(torch.cat([getattr(i, pixels) for _, i in have]).to(device),
+                                                          torch.cat([getattr(i, grid) for _, i in have]).to(device),
                                                           return_dict=True)
         per_item = list(features.pooler_output)  # one entry per image / video, in order
         deep = getattr(features, "deepstack_features", None)
@@ -328,7 +339,7 @@ def encode_batch(model, batch: list[MediaInputs]) -> list[EncodedPrompt]:
                            for _, i in have])
         masks = torch.cat([torch.nn.functional.pad(i.feature_attention_mask,
                                                    (0, frames - i.feature_attention_mask.shape[-1])) for _, i in have])
-        rows = model.get_audio_features(feats, masks, return_dict=True).last_hidden_state
+        rows = model.get_audio_features(feats.to(device), masks.to(device), return_dict=True).last_hidden_state
         at = 0
         for n, i in have:
             count = sum(i.audio_tokens)
@@ -339,8 +350,10 @@ def encode_batch(model, batch: list[MediaInputs]) -> list[EncodedPrompt]:
 
 @torch.inference_mode()
 def prompt_rows(model, enc: EncodedPrompt) -> PromptRows:
-    """The decoder's input rows for an encoded prompt: media rows at their placeholders, M-RoPE positions."""
+    """The decoder's input rows for an encoded prompt: media rows at their placeholders, M-RoPE positions;
+    made on the model's device, whatever device the encoder's tensors arrived on."""
     cfg = model.config
+    enc = enc.to(model_device(model))
     ids = enc.ids
     embeds = model.get_input_embeddings()(ids).clone()
     masks = {}

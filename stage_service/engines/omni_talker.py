@@ -97,9 +97,11 @@ class FedTalkerState(StepState):
 
 
 class ThinkerFeed:
-    """What has arrived from the Thinker for one request before its Talker prompt can be built."""
+    """What has arrived from the Thinker for one request before its Talker prompt can be built; its rows
+    go through `move` (to the Talker's device) as they arrive."""
 
-    def __init__(self):
+    def __init__(self, move: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+        self.move = move
         self.prompt_ids: list[int] | None = None
         self.embeds: list[torch.Tensor] = []
         self.hidden: list[torch.Tensor] = []
@@ -120,10 +122,10 @@ class ThinkerFeed:
             self.ended = True
             return
         if chunk.chunk_id == 0:
-            self.prompt_ids = tensor(chunk, "prompt_token_ids").tolist()
+            self.prompt_ids = tensor(chunk, "prompt_token_ids").cpu().tolist()
         emb, hid = self.rows_of(chunk)
-        self.embeds.append(emb)
-        self.hidden.append(hid)
+        self.embeds.append(self.move(emb))
+        self.hidden.append(self.move(hid))
         self.n_rows += len(emb)
         if chunk.end_of_stream:
             self.ended = True
@@ -166,7 +168,7 @@ class FedTalkerEngine(SteppedEngine):
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         p = req.params
         self.talker.check_speaker(p.speaker)  # before reading any input
-        feed = ThinkerFeed()
+        feed = ThinkerFeed(self.on_device)
         prompt_ids, embeds, hidden = await feed.read_prompt(inputs)
         n = len(prompt_ids)
         st = self.talker.new_state(prompt_ids, embeds[:n + 1], hidden[:n + 1],
@@ -203,7 +205,7 @@ class FedTalkerEngine(SteppedEngine):
         """Hand the Thinker's later rows to the state as they arrive; a bad chunk fails the request."""
         try:
             while (chunk := await inputs.next()) is not None:
-                st.inbox.append(self.spoken_rows(*ThinkerFeed.rows_of(chunk)))
+                st.inbox.append(self.spoken_rows(*map(self.on_device, ThinkerFeed.rows_of(chunk))))
                 self.scheduler.notify()
                 if chunk.end_of_stream:
                     break

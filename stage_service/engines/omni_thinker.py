@@ -54,7 +54,7 @@ class OmniThinkerEngine(MediaStage, CausalLmEngine):
             started = time.perf_counter()
             enc = EncodedPrompt.from_tensors(chunk.tensors)
             rows = await self.media.run(prompt_rows, self.thinker.model, enc) if enc.has_media else None
-            return enc.ids.tolist(), rows, (time.perf_counter() - started) * 1e3
+            return enc.ids.cpu().tolist(), rows, (time.perf_counter() - started) * 1e3
         if not has_media(p.parts):  # text only: the one prompt policy (chat.prompt_ids)
             return self.prompt_ids(p), None, 0.0
         if self.processor is None:

@@ -77,7 +77,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
             k, v = seg.kv.append(layer, k, v)
         mask = None
         if seg.length > 1 and past:  # new tokens after a cached prefix: causal, aligned bottom-right
-            mask = torch.ones(seg.length, past + seg.length, dtype=torch.bool).tril(past)[None, None]
+            mask = torch.ones(seg.length, past + seg.length, dtype=torch.bool, device=q.device).tril(past)[None, None]
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=True)
         outs.append(out)
     return torch.cat(outs, dim=1), None
@@ -91,9 +91,9 @@ def use_packed_attention(model: torch.nn.Module) -> None:
     model.config._attn_implementation = ATTENTION
 
 
-def positions(past: int, n: int, rope_axes: int) -> torch.Tensor:
+def positions(past: int, n: int, rope_axes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Position ids of n new tokens after `past`: [n], or [rope_axes, n] for multimodal RoPE (text: equal axes)."""
-    p = torch.arange(past, past + n)
+    p = torch.arange(past, past + n, device=device)
     return p if rope_axes == 0 else p.expand(rope_axes, n)
 
 
@@ -112,21 +112,24 @@ def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cache
     every layer's hidden rows per sequence: a list of tuples of [n_i, H]).
     """
     rows = [embed(x) if embed is not None else x for x in inputs]
+    device = rows[0].device  # the model's: every row, position and mask of the step is made there
     given = position_ids or [None] * len(rows)
-    pos = [g if g is not None else positions(c.length(), len(x), rope_axes) for x, c, g in zip(rows, caches, given)]
+    pos = [g if g is not None else positions(c.length(), len(x), rope_axes, device)
+           for x, c, g in zip(rows, caches, given)]
     segments, start = [], 0
     for x, c in zip(rows, caches):
         segments.append(_Segment(start, len(x), c))
         start += len(x)
     if start < min_rows:  # pad: see the module docstring
         pad = min_rows - start
-        rows.append(torch.zeros(pad, rows[0].shape[1], dtype=rows[0].dtype))
-        pos.append(positions(0, pad, rope_axes))
+        rows.append(torch.zeros(pad, rows[0].shape[1], dtype=rows[0].dtype, device=device))
+        pos.append(positions(0, pad, rope_axes, device))
         segments.append(_Segment(start, pad, None))
     flat = torch.cat(rows)[None]
     position_ids = torch.cat(pos, dim=-1)
     position_ids = position_ids[None] if rope_axes == 0 else position_ids[:, None]
-    extra = _deepstack_inputs(deepstack, segments) if deepstack and any(d is not None for d in deepstack) else {}
+    extra = (_deepstack_inputs(deepstack, segments, device) if deepstack and any(d is not None for d in deepstack)
+             else {})
     _step.segments = segments
     try:
         out = model(inputs_embeds=flat, position_ids=position_ids, use_cache=False,
@@ -141,10 +144,10 @@ def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cache
     return last, per_seq
 
 
-def _deepstack_inputs(deepstack, segments: list[_Segment]) -> dict:
+def _deepstack_inputs(deepstack, segments: list[_Segment], device: torch.device) -> dict:
     """The model's `visual_pos_masks` [1, step rows] and `deepstack_visual_embeds` (per layer, the visual
     rows of every sequence in step order) for the sequences that carry some."""
-    mask = torch.zeros(1, sum(s.length for s in segments), dtype=torch.bool)
+    mask = torch.zeros(1, sum(s.length for s in segments), dtype=torch.bool, device=device)
     layers: list[list[torch.Tensor]] = []
     for d, seg in zip(deepstack, segments):
         if d is None:

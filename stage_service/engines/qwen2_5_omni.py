@@ -39,8 +39,8 @@ class ThinkerEngine(_Checkpoint, OmniThinkerEngine):
 
     def load(self) -> None:
         config = self.open_checkpoint()
-        self.use_thinker(Thinker(self.checkpoint, config, self.dtype, batch_invariant=self.options.batch_invariant,
-                                 encoders=not self.stage.inputs))
+        self.use_thinker(Thinker(self.checkpoint, config, self.dtype, batch_invariant=self.batch_invariant,
+                                 encoders=not self.stage.inputs, device=self.device))
         text = config.thinker_config.text_config
         self.max_len = min(x for x in (text.max_position_embeddings, self.options.max_model_len) if x)
 
@@ -53,7 +53,8 @@ class TalkerEngine(_Checkpoint, FedTalkerEngine):
 
     def load(self) -> None:
         config = self.open_checkpoint()
-        self.talker = Talker(self.checkpoint, config, self.dtype, batch_invariant=self.options.batch_invariant)
+        self.talker = Talker(self.checkpoint, config, self.dtype, batch_invariant=self.batch_invariant,
+                             device=self.device)
 
     def spoken_rows(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + embeds  # generate() feeds the Talker the sum (in this order)
@@ -68,7 +69,7 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
 
     def load(self) -> None:
         config = self.open_checkpoint()
-        self.t2w = Token2Wav(self.checkpoint, config, batch_invariant=self.options.batch_invariant)
+        self.t2w = Token2Wav(self.checkpoint, config, batch_invariant=self.batch_invariant, device=self.device)
 
     def step(self, states: list[SpeechChunkState]) -> list:
         return [(mel, to_pcm16(wav)) for mel, wav in self.t2w.decode_batch(states)]
@@ -80,7 +81,7 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
             chunk = await inputs.next()
             ended = chunk is None or chunk.end_of_stream
             if chunk is not None:
-                codes = tensor(chunk, "codes")
+                codes = self.on_device(tensor(chunk, "codes"))
                 if codes.dim() != 2 or codes.shape[0] != 1:
                     raise InputError(f"codes must be [1, tokens], got {list(codes.shape)}")
                 if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.t2w.codebook):
@@ -90,8 +91,8 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
                 except ValueError as e:
                     raise InputError(str(e)) from None
             else:
-                speech.add(torch.empty(0, dtype=torch.int64), ended=True)
-            pcm = torch.empty(0, dtype=torch.int16)
+                speech.add(torch.empty(0, dtype=torch.int64, device=self.device), ended=True)
+            pcm = torch.empty(0, dtype=torch.int16, device=self.device)
             queue_ms = compute_ms = 0.0
             if (work := speech.next_chunk()) is not None:
                 # Later chunks of an admitted request skip the queue limit: refusing them would break a stream.

@@ -90,14 +90,14 @@ class Thinker(DecoderLm):
     """The Thinker's text model stepped in packed batches, with the checkpoint's chat template."""
 
     def __init__(self, ckpt: ShardedCheckpoint, config, dtype: torch.dtype = torch.float32,
-                 batch_invariant: bool = True, encoders: bool = True):
+                 batch_invariant: bool = True, encoders: bool = True, device: torch.device | str = "cpu"):
         """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
         them)."""
         from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
 
         model = load_component(ckpt, "thinker.", Qwen2_5OmniThinkerForConditionalGeneration,
                                config.thinker_config, dtype, config.model_type,
-                               without=() if encoders else TOWERS)
+                               without=() if encoders else TOWERS, device=device)
         super().__init__(model, rope_axes=ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
         root = ckpt.root
         self.tokenizer = AutoTokenizer.from_pretrained(root)
@@ -147,11 +147,12 @@ class Talker:
     groups = 1  # one codec token per frame
 
     def __init__(self, ckpt: ShardedCheckpoint, config, dtype: torch.dtype = torch.float32,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, device: torch.device | str = "cpu"):
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration
 
         self.model = load_component(ckpt, "talker.", Qwen2_5OmniTalkerForConditionalGeneration,
-                                    config.talker_config, dtype, config.model_type)
+                                    config.talker_config, dtype, config.model_type, device=device)
+        self.device = self.model.device
         use_packed_attention(self.model.model)
         if batch_invariant:
             make_batch_invariant(self.model)
@@ -164,17 +165,18 @@ class Talker:
         names = sorted(self.speakers)
         # The Thinker embedding rows the Talker feeds: text end, text pad, each speaker's speech start.
         ids = [c.tts_text_end_token_id, c.tts_text_pad_token_id] + [int(self.speakers[n]["bos_token"]) for n in names]
-        rows = ckpt.rows(THINKER_EMBEDDINGS, ids).to(dtype)
+        rows = ckpt.rows(THINKER_EMBEDDINGS, ids).to(self.device, dtype)
         self.text_eos, self.text_pad = rows[0], rows[1]
         self.speech_bos = dict(zip(names, rows[2:]))
         t = config.thinker_config
-        self.multimodal_ids = torch.tensor([t.audio_token_index, t.image_token_index, t.video_token_index])
+        self.multimodal_ids = torch.tensor([t.audio_token_index, t.image_token_index, t.video_token_index],
+                                           device=self.device)
 
     def check_speaker(self, speaker: str) -> None:
         check_speaker(self.speakers, speaker)
 
     def codec_embedding(self, ids: list[int]) -> torch.Tensor:
-        return self.model.get_input_embeddings()(torch.tensor(ids))
+        return self.model.get_input_embeddings()(torch.tensor(ids, device=self.device))
 
     @torch.inference_mode()
     def new_state(self, prompt_ids: list[int], embeds: torch.Tensor, hidden: torch.Tensor,
@@ -185,7 +187,7 @@ class Talker:
         n = len(prompt_ids)
         emb = embeds[:n].clone()
         # Placeholder positions carry encoder features in the Thinker; generate() gives the Talker zeros there.
-        emb[torch.isin(torch.tensor(prompt_ids), self.multimodal_ids)] = 0
+        emb[torch.isin(torch.tensor(prompt_ids, device=self.device), self.multimodal_ids)] = 0
         one_token = len(embeds) == n  # the Thinker stopped after one token: its text ends at once
         first = self.text_eos if one_token else hidden[n] + embeds[n]
         codec = self.codec_embedding([self.codec_pad, self.codec_bos])
@@ -193,7 +195,7 @@ class Talker:
                             (first + codec[1])[None]])
         return TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(), prompt=prompt,
                            penalised=([self.codec_mask] if n else []) + [self.codec_pad, self.codec_bos],
-                           generator=None if sampling.greedy else new_generator(sampling.seed),
+                           generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
                            end_spoken=one_token)
 
     @torch.inference_mode()

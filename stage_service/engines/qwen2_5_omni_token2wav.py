@@ -13,6 +13,8 @@ the model allows:
   This is not exact, and cannot be made so at a bounded cost: each of the ODE's 36 DiT evaluations
   widens a frame's reach by the look-back / look-ahead blocks, so a frame depends on the whole
   utterance. The windows shrink that dependence to its near part (tested against a whole decode).
+  The seeded generator is a CPU one whatever the device (the noise then moves to the model's device),
+  so a seed starts the ODE from the same noise on a GPU as on the CPU.
 - **BigVGAN.** Convolutional, with a receptive field bounded by its config (`vocoder_context_frames`:
   40 mel frames each side for the published model). A chunk vocodes its mel frames with that many
   frames of context on each side, so its samples equal a whole decode's up to float rounding; the
@@ -86,12 +88,14 @@ class Token2Wav:
     GUIDANCE = 0.5
     SWAY = -1.0
 
-    def __init__(self, ckpt: ShardedCheckpoint, config, batch_invariant: bool = True):
+    def __init__(self, ckpt: ShardedCheckpoint, config, batch_invariant: bool = True,
+                 device: torch.device | str = "cpu"):
         from transformers import Qwen2_5OmniToken2WavModel
 
         # float32 whatever the stage's dtype: upstream runs Token2Wav in float32 only (generate() casts it).
         model = load_component(ckpt, "token2wav.", Qwen2_5OmniToken2WavModel, config.token2wav_config,
-                               torch.float32, config.model_type)
+                               torch.float32, config.model_type, device=device)
+        self.device = model.device
         if batch_invariant:
             make_batch_invariant(model)
         self.batch_invariant = batch_invariant
@@ -112,7 +116,8 @@ class Token2Wav:
 
     def voice(self, speaker: str) -> Voice:
         s = check_speaker(self.speakers, speaker)
-        return Voice(s["name"], s["cond"].float().reshape(1, -1), s["ref_mel"].float().reshape(1, -1, self.mel_dim))
+        return Voice(s["name"], s["cond"].to(self.device, torch.float32).reshape(1, -1),
+                     s["ref_mel"].to(self.device, torch.float32).reshape(1, -1, self.mel_dim))
 
     def stream(self, voice: Voice, seed: int) -> "SpeechStream":
         return SpeechStream(self, voice, seed)
@@ -125,13 +130,13 @@ class Token2Wav:
                            torch.cat([st.voice.cond for st in states]), torch.cat([st.voice.ref_mel for st in states]))
             new = [m[st.keep[0]:st.keep[1]] for m, st in zip(mel, states)]
         else:
-            new = [torch.empty(0, self.mel_dim) for _ in states]
+            new = [torch.empty(0, self.mel_dim, device=self.device) for _ in states]
         windows = [torch.cat([st.held_mel, m])[st.vocode[0]:st.vocode[1]] for st, m in zip(states, new)]
         if len(windows[0]):
             wav = self.vocode(torch.stack(windows))
             pcm = [w[st.emit[0] * self.hop:st.emit[1] * self.hop] for w, st in zip(wav, states)]
         else:
-            pcm = [torch.empty(0) for _ in states]
+            pcm = [torch.empty(0, device=self.device) for _ in states]
         for st in states:
             st.finished = True
         return list(zip(new, pcm))
@@ -149,7 +154,7 @@ class Token2Wav:
             guided, unguided = torch.chunk(out, 2, dim=0)
             return guided + (guided - unguided) * self.GUIDANCE
 
-        t = torch.linspace(0, 1, self.NUM_STEPS, dtype=cond.dtype)
+        t = torch.linspace(0, 1, self.NUM_STEPS, dtype=cond.dtype, device=cond.device)
         t = t + self.SWAY * (torch.cos(torch.pi / 2 * t) - 1 + t)
         return RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1]
 
@@ -180,17 +185,19 @@ def vocoder_context_frames(cfg) -> int:
 
 class SpeechStream:
     """One request's codec tokens on their way to audio: what has arrived, what has mel, what has audio.
-    Pure bookkeeping on the event loop; the model work is in the `SpeechChunkState`s it hands out."""
+    Pure bookkeeping on the event loop; the model work is in the `SpeechChunkState`s it hands out. Its
+    codes, noise and mel live on the model's device; the noise is drawn on the CPU (module docstring)."""
 
     def __init__(self, t2w: Token2Wav, voice: Voice, seed: int):
         self.t2w, self.voice = t2w, voice
-        self.generator = new_generator(seed)
+        self.generator = new_generator(seed)  # on the CPU whatever the device: see the module docstring
         self.base = 0                     # token index of codes[0] (older tokens are no window's any more)
-        self.codes = torch.empty(0, dtype=torch.int64)
-        self.noise = torch.empty(0, t2w.mel_dim)  # from mel frame base * repeats on
+        self.codes = torch.empty(0, dtype=torch.int64, device=t2w.device)
+        self.noise = torch.empty(0, t2w.mel_dim, device=t2w.device)  # from mel frame base * repeats on
         self.arrived = self.decoded = 0   # tokens
         self.mel_base = 0                 # mel frame index of mel[0]
-        self.mel = torch.empty(0, t2w.mel_dim)  # mel frames mel_base .. repeats * decoded, kept as context
+        # mel frames mel_base .. repeats * decoded, kept as context
+        self.mel = torch.empty(0, t2w.mel_dim, device=t2w.device)
         self.vocoded = 0                  # mel frames
         self.ended = False
 
@@ -200,8 +207,9 @@ class SpeechStream:
         if self.arrived + len(codes) > self.t2w.max_tokens:
             raise ValueError(f"{self.arrived + len(codes)} codec tokens exceed the DiT's "
                              f"{self.t2w.max_tokens} (max_position_embeddings / repeats)")
-        self.codes = torch.cat([self.codes, codes.to(torch.int64)])
-        self.noise = torch.cat([self.noise, torch.randn(len(codes) * r, self.t2w.mel_dim, generator=self.generator)])
+        self.codes = torch.cat([self.codes, codes.to(self.codes.device, torch.int64)])
+        noise = torch.randn(len(codes) * r, self.t2w.mel_dim, generator=self.generator)
+        self.noise = torch.cat([self.noise, noise.to(self.noise.device)])
         self.arrived += len(codes)
         self.ended = self.ended or ended
 

@@ -26,8 +26,8 @@ class ThinkerEngine(OmniThinkerEngine):
 
     def load(self) -> None:
         # Fed by an encoder stage, the Thinker neither reads nor keeps the encoders.
-        self.use_thinker(Thinker(self.model_dir, self.dtype, batch_invariant=self.options.batch_invariant,
-                                 encoders=not self.stage.inputs))
+        self.use_thinker(Thinker(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
+                                 encoders=not self.stage.inputs, device=self.device))
         self.checkpoint = self.thinker.checkpoint
         self.max_len = self.options.max_model_len
 
@@ -39,7 +39,8 @@ class TalkerEngine(FedTalkerEngine):
     REPETITION_PENALTY = 1.05  # as Qwen3-Omni's generate()
 
     def load(self) -> None:
-        self.talker = Talker(self.model_dir, self.dtype, batch_invariant=self.options.batch_invariant)
+        self.talker = Talker(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
+                             device=self.device)
         self.checkpoint = self.talker.checkpoint
 
     def spoken_rows(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,8 @@ class Code2WavEngine(AudioDecoderEngine):
     CPU_MAX_BATCHED_FRAMES = 100  # a frame becomes 1920 samples; past ~100 a CPU forward slows per frame
 
     def load(self) -> None:
-        self.c2w = Code2Wav(self.model_dir, self.dtype, batch_invariant=self.options.batch_invariant)
+        self.c2w = Code2Wav(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
+                            device=self.device)
         self.checkpoint = self.c2w.checkpoint
         self.codebook = self.c2w.model.config.codebook_size
 
@@ -62,15 +64,15 @@ class Code2WavEngine(AudioDecoderEngine):
         return [to_pcm16(w) for w in self.c2w.decode_batch(states)]
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
-        history = torch.empty((self.c2w.groups, 0), dtype=torch.int64)
+        history = torch.empty((self.c2w.groups, 0), dtype=torch.int64, device=self.device)
         admitted = False
         async for chunk in inputs.chunks():
-            codes = tensor(chunk, "codes")
+            codes = self.on_device(tensor(chunk, "codes"))
             if codes.dim() != 2 or codes.shape[0] != self.c2w.groups:
                 raise InputError(f"codes must be [{self.c2w.groups}, frames], got {list(codes.shape)}")
             if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook):
                 raise InputError(f"codes must lie in [0, {self.codebook})")
-            pcm = torch.empty(0, dtype=torch.int16)
+            pcm = torch.empty(0, dtype=torch.int16, device=self.device)
             queue_ms = compute_ms = 0.0
             if codes.shape[1]:
                 # Later chunks of an admitted request skip the queue limit: refusing them would break a stream.
@@ -84,7 +86,7 @@ class Code2WavEngine(AudioDecoderEngine):
                               queue_ms=queue_ms, compute_ms=compute_ms, transfer_ms=chunk.transfer_ms)
             if chunk.end_of_stream:
                 return
-        yield OutputChunk(tensors={"audio": torch.empty(0, dtype=torch.int16)},
+        yield OutputChunk(tensors={"audio": torch.empty(0, dtype=torch.int16, device=self.device)},
                           sample_rate=self.c2w.sample_rate, last=True)
 
 

@@ -86,7 +86,7 @@ class Thinker(DecoderLm):
     ROPE_AXES = 3  # multimodal RoPE: text positions are equal on every axis
 
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
-                 encoders: bool = True):
+                 encoders: bool = True, device: torch.device | str = "cpu"):
         """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
         them)."""
         from transformers import AutoTokenizer, Qwen3OmniMoeThinkerForConditionalGeneration
@@ -101,7 +101,7 @@ class Thinker(DecoderLm):
         self.checkpoint = ShardedCheckpoint(root)
         model = load_component(self.checkpoint, THINKER, Qwen3OmniMoeThinkerForConditionalGeneration,
                                cfg.thinker_config, dtype, cfg.model_type,
-                               without=() if encoders else TOWERS, **_moe_kwargs(batch_invariant))
+                               without=() if encoders else TOWERS, device=device, **_moe_kwargs(batch_invariant))
         super().__init__(model, rope_axes=self.ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.chat_template = load_chat_template(root, self.tokenizer)
@@ -147,13 +147,16 @@ class Talker:
     """Codec-token generation conditioned on the Thinker's rows (first code group by the talker,
     the residual groups by its code predictor), as transformers' generate does it, over a batch."""
 
-    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
+    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
+                 device: torch.device | str = "cpu"):
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
 
         combined = _config(root, "talker")
         self.checkpoint = ShardedCheckpoint(root)
         self.model = load_component(self.checkpoint, TALKER, Qwen3OmniMoeTalkerForConditionalGeneration,
-                                    combined.talker_config, dtype, combined.model_type, **_moe_kwargs(batch_invariant))
+                                    combined.talker_config, dtype, combined.model_type, device=device,
+                                    **_moe_kwargs(batch_invariant))
+        self.device = self.model.device
         use_packed_attention(self.model.model)
         if batch_invariant:
             make_batch_invariant(self.model)
@@ -163,16 +166,17 @@ class Talker:
         self.groups = cfg.num_code_groups
         self.eos = cfg.codec_eos_token_id
         vocab = cfg.text_config.vocab_size
-        self.suppress = torch.tensor([i for i in range(vocab - 1024, vocab) if i != self.eos], dtype=torch.long)
+        self.suppress = torch.tensor([i for i in range(vocab - 1024, vocab) if i != self.eos], dtype=torch.long,
+                                     device=self.device)
         special = self.checkpoint.rows(THINKER_EMBED, [combined.tts_bos_token_id, combined.tts_eos_token_id,
-                                                       combined.tts_pad_token_id]).to(dtype)
+                                                       combined.tts_pad_token_id]).to(self.device, dtype)
         with torch.inference_mode():
             self.tts_bos, self.tts_eos, self.tts_pad = self.model.text_projection(special[None])[0].unbind(0)
         self.speakers = dict(cfg.speaker_id or {})
         self.im_start, self.user_id, self.assistant_id = (combined.im_start_token_id, combined.user_token_id,
                                                           combined.assistant_token_id)
         t = combined.thinker_config  # generate() marks multimodal positions by the Thinker's ids
-        self.multimodal_ids = torch.tensor([t.audio_token_id, t.image_token_id, t.video_token_id])
+        self.multimodal_ids = torch.tensor([t.audio_token_id, t.image_token_id, t.video_token_id], device=self.device)
 
     def check_speaker(self, speaker: str) -> None:
         if speaker.lower() not in self.speakers:
@@ -188,7 +192,7 @@ class Talker:
         n = len(prompt_ids)
         first = embeds[n] if len(embeds) > n else torch.zeros_like(embeds[0])  # one token: nothing fed back
         return TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(),
-                           generator=None if sampling.greedy else new_generator(sampling.seed),
+                           generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
                            prompt=(list(prompt_ids), embeds[:n], hidden[:n], first))
 
     def assistant_start(self, prompt_ids: list[int]) -> int:
@@ -203,9 +207,9 @@ class Talker:
     def _prefill(self, prompt_ids: list[int], prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor,
                  first_token_embed: torch.Tensor, speaker: str) -> torch.Tensor:
         """The talker prompt rows [P, H], as generate() builds them."""
-        ids = torch.tensor(prompt_ids)
+        ids = torch.tensor(prompt_ids, device=self.device)
         starts = [i for i, t in enumerate(prompt_ids) if t == self.im_start]
-        user = torch.zeros(len(prompt_ids), dtype=torch.bool)
+        user = torch.zeros(len(prompt_ids), dtype=torch.bool, device=self.device)
         for s in starts:  # mark every position of each user turn, as generate() does
             if s + 1 < len(prompt_ids) and prompt_ids[s + 1] == self.user_id:
                 end = next((e for e in starts if e > s), len(prompt_ids))
@@ -220,8 +224,8 @@ class Talker:
         text_rows = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
         c = self.cfg
         codec_ids = torch.tensor([c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id,
-                                  self.speakers[speaker], c.codec_pad_id, c.codec_bos_id])
-        codec_rows = torch.cat([torch.zeros(3, text_rows.shape[1], dtype=text_rows.dtype),
+                                  self.speakers[speaker], c.codec_pad_id, c.codec_bos_id], device=self.device)
+        codec_rows = torch.cat([torch.zeros(3, text_rows.shape[1], dtype=text_rows.dtype, device=self.device),
                                 self.model.get_input_embeddings()(codec_ids)])
         return torch.cat([user_part, text_rows + codec_rows])
 
@@ -249,8 +253,9 @@ class Talker:
             last = st.tokens[-1]
             codes = residual[id(st)]
             frames.append([last] + codes)
-            embs = [self.model.get_input_embeddings()(torch.tensor(last))] + [
-                self.model.code_predictor.get_input_embeddings()[i](torch.tensor(code)) for i, code in enumerate(codes)]
+            embs = [self.model.get_input_embeddings()(torch.tensor(last, device=self.device))] + [
+                self.model.code_predictor.get_input_embeddings()[i](torch.tensor(code, device=self.device))
+                for i, code in enumerate(codes)]
             emb = torch.stack(embs).sum(0) + st.text_row(self.tts_eos, self.tts_pad)
             inputs.append(emb[None])
         last_hidden, _ = packed_forward(self.model.model, inputs, [st.kv for st in states], rope_axes=3,
@@ -275,7 +280,7 @@ class Talker:
         sampling fails gets its `RequestFailed` (its row goes on with a placeholder code its neighbours never see)."""
         cp = self.model.code_predictor
         cache = DynamicCache(config=cp.config)
-        last = self.model.get_input_embeddings()(torch.tensor([[st.tokens[-1]] for st in states]))
+        last = self.model.get_input_embeddings()(torch.tensor([[st.tokens[-1]] for st in states], device=self.device))
         emb = torch.cat([torch.cat([st.past_hidden for st in states]), last], dim=1)
         codes: list[list[int]] = [[] for _ in states]
         failed: dict[int, RequestFailed] = {}
@@ -289,7 +294,7 @@ class Talker:
                 if isinstance(code, RequestFailed):
                     failed[i], code = code, PLACEHOLDER_CODE
                 codes[i].append(code)
-            emb = cp.get_input_embeddings()[g](torch.tensor([[c[-1]] for c in codes]))
+            emb = cp.get_input_embeddings()[g](torch.tensor([[c[-1]] for c in codes], device=self.device))
         return [failed.get(i, c) for i, c in enumerate(codes)]
 
 
@@ -323,12 +328,15 @@ class Code2Wav:
 
     LEFT_CONTEXT = 25
 
-    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True):
+    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
+                 device: torch.device | str = "cpu"):
         from transformers import Qwen3OmniMoeCode2Wav
 
         combined = _config(root, "code2wav")
         self.checkpoint = ShardedCheckpoint(root)
-        self.model = load_component(self.checkpoint, CODE2WAV, Qwen3OmniMoeCode2Wav, combined.code2wav_config, dtype)
+        self.model = load_component(self.checkpoint, CODE2WAV, Qwen3OmniMoeCode2Wav, combined.code2wav_config, dtype,
+                                    device=device)
+        self.device = self.model.device
         if batch_invariant:
             make_batch_invariant(self.model)
         self.upsample = int(self.model.total_upsample)
@@ -336,9 +344,10 @@ class Code2Wav:
         self.groups = self.model.config.num_quantizers
 
     def chunk_state(self, history: torch.Tensor, new: torch.Tensor) -> AudioChunkState:
-        """`new` codes [groups, n] to decode after `history` (the codes before them)."""
+        """`new` codes [groups, n] to decode after `history` (the codes before them), on the model's device."""
         context = history[:, -self.LEFT_CONTEXT:] if history.numel() else history
-        return AudioChunkState(codes=torch.cat([context, new], dim=1), context=context.shape[1])
+        codes = torch.cat([context.to(self.device), new.to(self.device)], dim=1)
+        return AudioChunkState(codes=codes, context=context.shape[1])
 
     @torch.inference_mode()
     def decode_batch(self, states: list[AudioChunkState]) -> list[torch.Tensor]:

@@ -1,7 +1,9 @@
 """Next-token choice shared by the AR engines: greedy, or seeded sampling per request.
 
 Each request owns its torch.Generator, so a request's tokens do not depend on
-what else shares its batch.
+what else shares its batch. The generator lives on the device of the logits it
+samples (a CUDA generator for an engine on CUDA: torch.multinomial needs them
+together); on the CPU the draws are those of a plain `torch.Generator()`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ class SamplingSettings:
         return is_greedy(self.temperature)
 
 
-def new_generator(seed: int) -> torch.Generator:
-    g = torch.Generator()
+def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
 
@@ -36,7 +38,7 @@ def apply_repetition_penalty(logits: torch.Tensor, previous: list[int], penalty:
     """As transformers' RepetitionPenaltyLogitsProcessor: shrink the scores of tokens already produced."""
     if penalty == 1.0 or not previous:
         return logits
-    idx = torch.tensor(sorted(set(previous)), dtype=torch.long)
+    idx = torch.tensor(sorted(set(previous)), dtype=torch.long, device=logits.device)
     picked = logits[idx]
     logits = logits.clone()
     logits[idx] = torch.where(picked < 0, picked * penalty, picked / penalty)

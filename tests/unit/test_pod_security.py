@@ -155,6 +155,33 @@ def test_operator_pods_pass_restricted(example, cfg):
         assert restricted_violations(d["spec"]["template"]["spec"]) == [], d["metadata"]["name"]
 
 
+def on_gpu_nodes(doc: dict) -> dict:
+    """Every stage of an example on GPU nodes: one GPU per torch stage, tensor parallel 2 on vLLM, and the
+    placement fields a GPU pool needs (the memory-backed /dev/shm comes with them)."""
+    engines = {s["name"]: s["engine"] for s in doc["spec"]["topology"]["stages"]}
+    entries = doc["spec"]["deployment"].setdefault("stages", {})
+    for name, engine in engines.items():
+        entry = entries.setdefault(name, {}) or {}
+        entries[name] = entry
+        entry.update(gpus=1, nodeSelector={"nvidia.com/gpu.present": "true"}, runtimeClassName="nvidia",
+                     tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                     priorityClassName="gpu-serving", rollingUpdate={"maxSurge": 0, "maxUnavailable": 1})
+        if engine == "vllm":
+            entry.update(gpus=2, parallelism={"tensor": 2})
+    return doc
+
+
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+@pytest.mark.parametrize("example", EXAMPLE_FILES, ids=lambda p: p.stem)
+def test_gpu_stage_pods_pass_restricted(example, cfg):
+    doc = on_gpu_nodes(yaml.safe_load(example.read_text()))
+    children = build_children(parse(doc), CONFIGS[cfg])
+    for sc in children.stages.values():
+        pod = sc.deployment["spec"]["template"]["spec"]
+        assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])   # /dev/shm
+        assert restricted_violations(pod) == [], sc.deployment["metadata"]["name"]
+
+
 def test_a_host_path_model_store_is_the_one_setting_restricted_refuses():
     """hostPath (single-node and test clusters) is outside the profile: the checker says so."""
     doc = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())

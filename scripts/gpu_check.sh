@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The GPU check (issue 15): one idempotent script for a machine with a CUDA GPU and no network.
+#   scripts/gpu_check.sh
+# Prepare it on a machine with network first: `scripts/gpu_wheels.sh` (wheels the GPU machine lacks, into
+# gpu-wheels/) and `make protos` (the generated gRPC code); both travel with the working tree. Then:
+#   1. describes the machine (GPU model, driver, CUDA) and installs the carried wheels into .venv-gpu
+#      (a venv over the machine's own Python and its torch);
+#   2. builds the tiny models (models/);
+#   3. serves every example whose engines are installed there, on the CPU and with every stage on the GPU,
+#      and checks one request each (scripts/gpu_compare.py: same tokens, audio and images within tolerance);
+#   4. bench/stage_batching.py --quick, bench/transport.py --quick (CUDA memory over UCX, beside
+#      ucx_perftest -m cuda) and bench/e2e_vs_monolith.py --quick, each with --device cuda.
+# Writes bench/results/gpu/*.json (each names the machine) and prints a summary table. Each part runs
+# under its own time bound; a part that fails is reported and the others still run. Exit status: 0 when
+# every part passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error \
+       UCX_WARN_UNUSED_ENV_VARS=n PYTHONPATH="$PWD:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+start=$SECONDS
+declare -A status seconds
+
+step() {  # step NAME BOUND_S COMMAND...: run, record pass/fail and time, keep going
+  local name=$1 bound=$2; shift 2
+  local t0=$SECONDS
+  echo; echo "== $name (bound ${bound}s)"
+  if [ "$(type -t "$1")" = function ]; then BOUND=$bound "$@"; else timeout --kill-after=10 "$bound" "$@"; fi
+  local rc=$?
+  status[$name]=$([ $rc -eq 0 ] && echo pass || ([ $rc -ge 124 ] && echo "timeout" || echo "fail ($rc)"))
+  seconds[$name]=$((SECONDS - t0))
+  order+=("$name")
+}
+order=()
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi: not found"
+python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())'
+
+if [ ! -x .venv-gpu/bin/python ]; then
+  python3 -m venv --system-site-packages .venv-gpu
+fi
+PY=.venv-gpu/bin/python
+if compgen -G "gpu-wheels/*.whl" > /dev/null; then
+  # --no-deps: the machine's own packages (torch, transformers, numpy, ...) stay as they are
+  $PY -m pip install -q --no-index --no-deps gpu-wheels/*.whl 2>&1 | grep -v "^\s*$" | tail -3
+else
+  echo "no gpu-wheels/: run scripts/gpu_wheels.sh where there is network, and carry it"
+fi
+if ! compgen -G "omnistage/v1/*_pb2.py" > /dev/null; then
+  echo "no generated gRPC code in omnistage/v1: run \`make protos\` where there is network, and carry it"; exit 2
+fi
+$PY - <<'PY'
+import importlib.util
+for m in ("diffusers", "ucxx", "vllm", "grpc_health", "starlette", "cryptography"):
+    print(f"  {m:14s} {'yes' if importlib.util.find_spec(m) else 'no'}")
+PY
+
+build_models() {  # every tiny model at once, one process each (the machine has cores to spare)
+  local names pids=() rc=0
+  names=$($PY -c 'from omnistage.tiny_models import MODELS; print(" ".join(MODELS))')
+  for n in $names; do
+    timeout --kill-after=10 "$BOUND" $PY -m omnistage.cli models build models --only "$n" > "/tmp/gpu-check-model-$n.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  [ $rc -eq 0 ] || tail -n 5 /tmp/gpu-check-model-*.log
+  return $rc
+}
+
+# Bounds: 470 s in all, so the whole check stays under 8 minutes with the set-up above.
+step models 90 build_models
+step examples 150 $PY scripts/gpu_compare.py
+step stage_batching 100 $PY bench/stage_batching.py --quick --device cuda
+if $PY -c 'import ucxx' 2>/dev/null; then
+  step transport 40 $PY bench/transport.py --quick --device cuda
+else
+  echo; echo "== transport: skipped (ucxx is not installed here; scripts/gpu_wheels.sh says whether it fit)"
+  status[transport]="skipped (no ucxx)"; seconds[transport]=0; order+=(transport)
+fi
+step e2e_vs_monolith 90 $PY bench/e2e_vs_monolith.py --quick --device cuda
+
+echo; echo "== summary ($((SECONDS - start))s in all)"
+rc=0
+for name in "${order[@]}"; do
+  printf '  %-16s %-22s %5ss\n' "$name" "${status[$name]}" "${seconds[$name]}"
+  case ${status[$name]} in pass|skipped*) ;; *) rc=1 ;; esac
+done
+$PY - <<'PY'
+import json, pathlib
+for p in sorted(pathlib.Path("bench/results/gpu").glob("*.json")):
+    doc = json.loads(p.read_text())
+    print(f"\n{p}  ({doc['machine'].get('gpu', '')})")
+    for f in doc["figures"]:
+        print(f"  {f['name']:<48s} {f['value']:>12.4g} {f['unit']}")
+PY
+exit $rc

@@ -1,0 +1,147 @@
+"""Serve every example whose engines are installed twice, on the CPU and with every stage on the GPU, and
+check one request each: the same text tokens (greedy, fixed seed), audio within a tolerance (the same codec
+codes make the same waveform up to float rounding; other codes make another one), images within a tolerance.
+
+The GPU side runs in float32 with TF32 off (NVIDIA_TF32_OVERRIDE=0), so that it computes what the CPU does;
+every stage asks for one GPU and shares the first one (a fraction of its memory each).
+
+    python scripts/gpu_compare.py [--examples a,b] [--gpu-device cuda|cpu] [--models models]
+
+`--gpu-device cpu` runs the second side with `gpus: 1, device: cpu` (a dry run of this script where there is
+no GPU: the comparison must then be exact; nothing is written). Prints a table and writes
+bench/results/gpu/examples.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from common import engine_available, figure, on_gpu, print_table, write_results  # noqa: E402
+
+# One request per example: greedy text (and speech) or a seeded image.
+SPEECH = {"prompt": "Tell me about the harbour at night.", "max_tokens": 12, "temperature": 0.0, "seed": 7,
+          "max_codec_frames": 24}
+IMAGE = {"prompt": "a lighthouse on a cliff", "width": 32, "height": 32, "num_inference_steps": 4, "seed": 7}
+AUDIO_TOLERANCE = 64        # int16 units (0.2 % of full scale): rounding, not another codec code
+IMAGE_TOLERANCE = 4.0       # mean absolute difference of 8-bit pixel values
+UNITS = {"tokens_equal": "bool", "tokens": "tokens", "gpu_seconds": "s", "cpu_seconds": "s", "ok": "bool",
+         "audio_samples_equal_length": "bool", "audio_max_abs_diff": "int16", "image_mean_abs_diff": "levels"}
+
+
+def request_for(doc: dict) -> dict:
+    modalities = {o["modality"] for o in doc["spec"]["topology"].get("outputs", [])}
+    return IMAGE if "image" in modalities else SPEECH
+
+
+def serve_and_ask(doc: dict, models: Path, env: dict[str, str]) -> dict:
+    from omnistage.client import OmniClient
+    from omnistage.local import LocalPipeline
+    from omnistage.spec import parse_pipeline
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "pipeline.yaml"
+            path.write_text(yaml.safe_dump(doc, sort_keys=False))
+            local = LocalPipeline(path, parse_pipeline(doc), models, progress=lambda m: None)
+            try:
+                endpoint = local.start()
+                t0 = time.perf_counter()
+                with OmniClient(endpoint) as client:
+                    r = client.generate(timeout=300, **request_for(doc))
+                return {"tokens": list(r.token_ids), "text": r.text, "pcm": bytes(r.pcm),
+                        "images": [im.png for im in r.images], "seconds": time.perf_counter() - t0}
+            finally:
+                local.stop()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float64)
+
+
+def compare(cpu: dict, gpu: dict) -> dict:
+    """What differs between the two answers, as numbers; `ok` when within the tolerances."""
+    out = {"tokens_equal": float(cpu["tokens"] == gpu["tokens"]),
+           "tokens": len(cpu["tokens"]), "gpu_seconds": gpu["seconds"], "cpu_seconds": cpu["seconds"]}
+    ok = bool(out["tokens_equal"])
+    if cpu["pcm"] or gpu["pcm"]:
+        a, b = (np.frombuffer(x, dtype="<i2").astype(np.int64) for x in (cpu["pcm"], gpu["pcm"]))
+        out["audio_samples_equal_length"] = float(len(a) == len(b))
+        out["audio_max_abs_diff"] = float(np.abs(a - b).max()) if len(a) == len(b) and len(a) else float("inf")
+        ok = ok and out["audio_max_abs_diff"] <= AUDIO_TOLERANCE
+    if cpu["images"] or gpu["images"]:
+        same = len(cpu["images"]) == len(gpu["images"]) and all(
+            pixels(x).shape == pixels(y).shape for x, y in zip(cpu["images"], gpu["images"]))
+        out["image_mean_abs_diff"] = (max(float(np.abs(pixels(x) - pixels(y)).mean())
+                                          for x, y in zip(cpu["images"], gpu["images"])) if same else float("inf"))
+        ok = ok and out["image_mean_abs_diff"] <= IMAGE_TOLERANCE
+    out["ok"] = float(ok)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", default="", help="comma-separated example names (default: every example)")
+    ap.add_argument("--gpu-device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--models", default=str(ROOT / "models"))
+    args = ap.parse_args()
+    names = args.examples.split(",") if args.examples else sorted(p.stem for p in (ROOT / "examples").glob("*.yaml"))
+    if args.gpu_device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device here: use --gpu-device cpu for a dry run")
+    figures, rows, skipped = [], [], {}
+    for name in names:
+        doc = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+        missing = sorted({s["engine"] for s in doc["spec"]["topology"]["stages"]} - {
+            e for e in ("vllm", "transformers", "diffusers") if engine_available(e)})
+        if missing:
+            skipped[name] = f"engine {', '.join(missing)} not installed"
+            print(f"{name}: skipped ({skipped[name]})", flush=True)
+            continue
+        cpu = serve_and_ask(doc, Path(args.models), {})
+        gpu_doc = on_gpu(copy.deepcopy(doc), fraction=round(0.9 / len(doc["spec"]["deployment"]["stages"]), 2)
+                         if args.gpu_device == "cuda" else 0.0, dtype="float32")
+        if args.gpu_device == "cpu":
+            for sd in gpu_doc["spec"]["deployment"]["stages"].values():
+                sd["device"] = "cpu"
+        gpu = serve_and_ask(gpu_doc, Path(args.models), {"NVIDIA_TF32_OVERRIDE": "0"})
+        result = compare(cpu, gpu)
+        rows.append((name, result))
+        print(f"{name}: {'ok' if result['ok'] else 'DIFFERS'} {result}", flush=True)
+        figures += [figure(f"{name}.{k}", v, UNITS[k]) for k, v in result.items()]
+    if figures:
+        print_table(f"CPU against {args.gpu_device} (float32, greedy, seed {SPEECH['seed']})", figures)
+    extra = {"skipped": skipped, "tolerances": {"audio_max_abs_diff": AUDIO_TOLERANCE,
+                                                "image_mean_abs_diff": IMAGE_TOLERANCE}}
+    if args.gpu_device == "cuda":
+        print(f"wrote {write_results('gpu/examples', figures, extra)}")
+    return 0 if rows and all(r["ok"] for _, r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

