@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -74,12 +75,23 @@ def results_name(name: str, device: str) -> str:
     return f"gpu/{name}" if device == "cuda" else name
 
 
+@functools.cache
 def engine_available(engine: str) -> bool:
-    """Whether a stage engine can run here (the GPU check's machine has no vLLM)."""
-    import importlib.util
+    """Whether a stage engine's library imports here (the GPU check's machine has no vLLM; a library whose
+    own dependencies are too old there does not count either). Imported in a child process: vLLM's import
+    alone starts threads this process should not carry."""
+    import subprocess
 
     module = {"vllm": "vllm", "diffusers": "diffusers", "transformers": "transformers"}[engine]
-    return importlib.util.find_spec(module) is not None
+    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a `timeout` bound) exits through Python, so `finally` blocks stop the stage processes this
+    benchmark started (they run in sessions of their own, out of the signal's reach)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
 
 
 def on_gpu(doc: dict, fraction: float = 0.0, dtype: str | None = None) -> dict:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from common import (add_device_argument, figure, on_gpu, percentile, print_table, require_device,  # noqa: E402
-                    results_name, write_results)
+from common import (add_device_argument, exit_on_sigterm, figure, on_gpu, percentile, print_table,  # noqa: E402
+                    require_device, results_name, write_results)
 from omni_load import prompts, run_level, serve_local  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def monolith(prompt_set, frames: int, model_dir: Path, device: str = "cpu") -> d
 
 
 def staged(levels: dict[int, int], frames: int, models: Path, seed: int, device: str = "cpu") -> dict[int, dict]:
-    edit = (lambda doc: on_gpu(doc, fraction=0.3)) if device == "cuda" else None
+    edit = (lambda doc: on_gpu(doc, fraction=0.3, dtype="bfloat16")) if device == "cuda" else None
     with serve_local(models, edit) as endpoint:
         return {c: asyncio.run(run_level(endpoint, prompts(n, seed), frames, c)) for c, n in levels.items()}
 
@@ -74,6 +74,7 @@ def main() -> None:
     add_device_argument(ap)
     args = ap.parse_args()
     require_device(args.device)
+    exit_on_sigterm()
     model_dir = Path(args.models) / "qwen3-omni-tiny"
     frames = 50  # 4 s of audio per request
     n_mono = 6 if args.quick else 16

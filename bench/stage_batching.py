@@ -26,8 +26,9 @@ from typing import Callable
 
 import yaml
 
-from common import (add_device_argument, engine_available, figure, require_device, results_name,  # noqa: E402
-                    write_results) - bench/common.py, which also puts the repo on sys.path
+# bench/common.py, which also puts the repo on sys.path
+from common import (add_device_argument, engine_available, exit_on_sigterm, figure, require_device,  # noqa: E402
+                    results_name, write_results)
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
@@ -207,6 +208,7 @@ def main() -> int:
     add_device_argument(ap)
     args = ap.parse_args()
     require_device(args.device)
+    exit_on_sigterm()
     n = 32 if args.quick else 64
     load_at_start = os.getloadavg()[0]
     figures, rows, skipped = [], [], []

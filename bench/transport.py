@@ -44,7 +44,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from common import add_device_argument, figure, require_device, results_name, write_results  # noqa: E402
+from common import add_device_argument, exit_on_sigterm, figure, require_device, results_name, write_results  # noqa: E402
 
 from omnistage.connector import TensorKey, make_connector  # noqa: E402
 from omnistage.connector.ucx import UCX_DEFAULTS  # noqa: E402
@@ -134,7 +134,7 @@ async def measure_perftest(nbytes: int, *options: str) -> float:
     # plain subprocess (not asyncio's child watcher): UCX in this process may reap children first
     server = subprocess.Popen([exe, *common], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        await _until_listening(port)
+        await _until_listening(port, server)
         n = 2000 if latency else max(8, min(400, (2 * 1024 * MiB) // nbytes))
         client = await asyncio.to_thread(
             subprocess.run, [exe, "127.0.0.1", *common, "-t", "tag_lat" if latency else "tag_bw", "-s", str(nbytes),
@@ -159,11 +159,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _until_listening(port: int, timeout: float = 30) -> None:
-    """Poll /proc/net/tcp until something listens on `port` (state 0A)."""
+async def _until_listening(port: int, server: subprocess.Popen | None = None, timeout: float = 30) -> None:
+    """Poll /proc/net/tcp until something listens on `port` (state 0A); RuntimeError at once if `server`
+    exited first (e.g. its UCX could not load a memory type)."""
     want = f":{port:04X} "
     async with asyncio.timeout(timeout):
         while True:
+            if server is not None and server.poll() is not None:
+                raise RuntimeError(f"ucx_perftest server exited with {server.returncode} before listening")
             for table in ("/proc/net/tcp", "/proc/net/tcp6"):
                 with open(table) as f:
                     if any(want in line and line.split()[3] == "0A" for line in f):
@@ -268,7 +271,7 @@ async def run_cuda(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
                 if perftest:
                     try:
                         t["ucx_perftest"] = await measure_perftest(n, "-m cuda")
-                    except (RuntimeError, subprocess.SubprocessError) as e:  # its CUDA module may be missing
+                    except (RuntimeError, subprocess.SubprocessError, TimeoutError, OSError) as e:  # no CUDA module
                         perftest = False
                         notes.append(f"ucx_perftest -m cuda failed, measured without it: {str(e)[:200]}")
                 for backend in ("ucx", "shm"):
@@ -352,6 +355,7 @@ def main() -> None:
     p.add_argument("--serve-inline", action="store_true", help=argparse.SUPPRESS)
     add_device_argument(p)
     args = p.parse_args()
+    exit_on_sigterm()
     os.environ.setdefault("UCX_TLS", UCX_TLS[args.device])  # before ucxx loads; peer processes inherit it
     if args.serve_inline:
         asyncio.run(serve_inline())

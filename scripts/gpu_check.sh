@@ -36,24 +36,28 @@ echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi: not found"
 python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())'
 
-if [ ! -x .venv-gpu/bin/python ]; then
-  python3 -m venv --system-site-packages .venv-gpu
+# A venv over the machine's own Python (its torch and transformers); where that cannot be made or does not
+# see them (python3 itself a venv, no ensurepip), the wheels go into a folder on PYTHONPATH instead.
+PY=.venv-gpu/bin/python; target=()
+[ -x $PY ] || python3 -m venv --system-site-packages .venv-gpu > /dev/null 2>&1
+if ! $PY -c 'import torch, transformers' 2> /dev/null; then
+  echo "no usable venv over python3: installing the carried wheels into .gpu-site/"
+  PY=python3; export PYTHONPATH="$PWD/.gpu-site:$PYTHONPATH"
+  target=(--target .gpu-site --upgrade)
 fi
-PY=.venv-gpu/bin/python
 if compgen -G "gpu-wheels/*.whl" > /dev/null; then
   # --no-deps: the machine's own packages (torch, transformers, numpy, ...) stay as they are
-  $PY -m pip install -q --no-index --no-deps gpu-wheels/*.whl 2>&1 | grep -v "^\s*$" | tail -3
+  $PY -m pip install -q --no-index --no-deps "${target[@]}" gpu-wheels/*.whl 2>&1 | grep -v "^\s*$" | tail -3
 else
   echo "no gpu-wheels/: run scripts/gpu_wheels.sh where there is network, and carry it"
 fi
+$PY -c 'import torch, transformers' || { echo "python cannot import torch and transformers here"; exit 2; }
 if ! compgen -G "omnistage/v1/*_pb2.py" > /dev/null; then
   echo "no generated gRPC code in omnistage/v1: run \`make protos\` where there is network, and carry it"; exit 2
 fi
-$PY - <<'PY'
-import importlib.util
-for m in ("diffusers", "ucxx", "vllm", "grpc_health", "starlette", "cryptography"):
-    print(f"  {m:14s} {'yes' if importlib.util.find_spec(m) else 'no'}")
-PY
+for m in diffusers ucxx vllm grpc_health starlette cryptography soundfile; do  # imported, not only found
+  printf '  %-14s %s\n' "$m" "$($PY -c "import $m" > /dev/null 2>&1 && echo yes || echo no)"
+done
 
 build_models() {  # every tiny model at once, one process each (the machine has cores to spare)
   local names pids=() rc=0
@@ -68,14 +72,14 @@ build_models() {  # every tiny model at once, one process each (the machine has 
 }
 
 # Bounds: 470 s in all, so the whole check stays under 8 minutes with the set-up above.
-step models 90 build_models
+step models 70 build_models
 step examples 150 $PY scripts/gpu_compare.py
-step stage_batching 100 $PY bench/stage_batching.py --quick --device cuda
+step stage_batching 110 $PY bench/stage_batching.py --quick --device cuda
 if $PY -c 'import ucxx' 2>/dev/null; then
-  step transport 40 $PY bench/transport.py --quick --device cuda
+  step transport 50 $PY bench/transport.py --quick --device cuda
 else
-  echo; echo "== transport: skipped (ucxx is not installed here; scripts/gpu_wheels.sh says whether it fit)"
-  status[transport]="skipped (no ucxx)"; seconds[transport]=0; order+=(transport)
+  echo; echo "== transport: not run (ucxx is not installed here; scripts/gpu_wheels.sh says whether it fit)"
+  status[transport]="not run (no ucxx)"; seconds[transport]=0; order+=(transport)
 fi
 step e2e_vs_monolith 90 $PY bench/e2e_vs_monolith.py --quick --device cuda
 
@@ -83,7 +87,7 @@ echo; echo "== summary ($((SECONDS - start))s in all)"
 rc=0
 for name in "${order[@]}"; do
   printf '  %-16s %-22s %5ss\n' "$name" "${status[$name]}" "${seconds[$name]}"
-  case ${status[$name]} in pass|skipped*) ;; *) rc=1 ;; esac
+  [ "${status[$name]}" = pass ] || rc=1   # a part not run is not a pass
 done
 $PY - <<'PY'
 import json, pathlib
@@ -93,4 +97,11 @@ for p in sorted(pathlib.Path("bench/results/gpu").glob("*.json")):
     for f in doc["figures"]:
         print(f"  {f['name']:<48s} {f['value']:>12.4g} {f['unit']}")
 PY
+# On the device machine only $OUT comes back: the results and the logs of what failed.
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/results" "$OUT/logs"
+  cp -r bench/results/gpu/. "$OUT/results/" 2> /dev/null
+  cp /tmp/gpu-check-model-*.log "$OUT/logs/" 2> /dev/null
+  for d in /tmp/omnistage-*; do [ -d "$d" ] && cp -r "$d" "$OUT/logs/" 2> /dev/null; done
+fi
 exit $rc

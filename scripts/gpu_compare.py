@@ -18,9 +18,11 @@ import argparse
 import copy
 import io
 import os
+import signal
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +40,18 @@ SPEECH = {"prompt": "Tell me about the harbour at night.", "max_tokens": 12, "te
 IMAGE = {"prompt": "a lighthouse on a cliff", "width": 32, "height": 32, "num_inference_steps": 4, "seed": 7}
 AUDIO_TOLERANCE = 64        # int16 units (0.2 % of full scale): rounding, not another codec code
 IMAGE_TOLERANCE = 4.0       # mean absolute difference of 8-bit pixel values
-UNITS = {"tokens_equal": "bool", "tokens": "tokens", "gpu_seconds": "s", "cpu_seconds": "s", "ok": "bool",
+UNITS = {"tokens_equal": "bool", "tokens": "tokens", "first_differing_token": "index", "failed": "bool", "gpu_seconds": "s", "cpu_seconds": "s", "ok": "bool",
          "audio_samples_equal_length": "bool", "audio_max_abs_diff": "int16", "image_mean_abs_diff": "levels"}
+
+
+LIVE: set = set()  # pipelines being served, stopped on SIGTERM
+
+
+def stop_all_and_exit(*_) -> None:
+    """A bound's SIGTERM: stop every pipeline still served (their processes run in sessions of their own)."""
+    for local in list(LIVE):
+        local.stop(grace=5)
+    os._exit(124)
 
 
 def request_for(doc: dict) -> dict:
@@ -47,33 +59,26 @@ def request_for(doc: dict) -> dict:
     return IMAGE if "image" in modalities else SPEECH
 
 
-def serve_and_ask(doc: dict, models: Path, env: dict[str, str]) -> dict:
+def serve_and_ask(doc: dict, models: Path) -> dict:
     from omnistage.client import OmniClient
     from omnistage.local import LocalPipeline
     from omnistage.spec import parse_pipeline
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "pipeline.yaml"
-            path.write_text(yaml.safe_dump(doc, sort_keys=False))
-            local = LocalPipeline(path, parse_pipeline(doc), models, progress=lambda m: None)
-            try:
-                endpoint = local.start()
-                t0 = time.perf_counter()
-                with OmniClient(endpoint) as client:
-                    r = client.generate(timeout=300, **request_for(doc))
-                return {"tokens": list(r.token_ids), "text": r.text, "pcm": bytes(r.pcm),
-                        "images": [im.png for im in r.images], "seconds": time.perf_counter() - t0}
-            finally:
-                local.stop()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pipeline.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        local = LocalPipeline(path, parse_pipeline(doc), models, progress=lambda m: None)
+        LIVE.add(local)
+        try:
+            endpoint = local.start()
+            t0 = time.perf_counter()
+            with OmniClient(endpoint) as client:
+                r = client.generate(timeout=120, **request_for(doc))
+            return {"tokens": list(r.token_ids), "text": r.text, "pcm": bytes(r.pcm),
+                    "images": [im.png for im in r.images], "seconds": time.perf_counter() - t0}
+        finally:
+            local.stop()
+            LIVE.discard(local)
 
 
 def pixels(png: bytes) -> np.ndarray:
@@ -86,6 +91,9 @@ def compare(cpu: dict, gpu: dict) -> dict:
     """What differs between the two answers, as numbers; `ok` when within the tolerances."""
     out = {"tokens_equal": float(cpu["tokens"] == gpu["tokens"]),
            "tokens": len(cpu["tokens"]), "gpu_seconds": gpu["seconds"], "cpu_seconds": cpu["seconds"]}
+    if cpu["tokens"] != gpu["tokens"]:  # where they part (a near-tie on random weights, or a real difference)
+        out["first_differing_token"] = next((i for i, (a, b) in enumerate(zip(cpu["tokens"], gpu["tokens"]))
+                                             if a != b), min(len(cpu["tokens"]), len(gpu["tokens"])))
     ok = bool(out["tokens_equal"])
     if cpu["pcm"] or gpu["pcm"]:
         a, b = (np.frombuffer(x, dtype="<i2").astype(np.int64) for x in (cpu["pcm"], gpu["pcm"]))
@@ -107,6 +115,8 @@ def main() -> int:
     ap.add_argument("--examples", default="", help="comma-separated example names (default: every example)")
     ap.add_argument("--gpu-device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--models", default=str(ROOT / "models"))
+    ap.add_argument("--parallel", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
+                    help="examples served at once (default: a quarter of the cores, at most 4)")
     args = ap.parse_args()
     names = args.examples.split(",") if args.examples else sorted(p.stem for p in (ROOT / "examples").glob("*.yaml"))
     if args.gpu_device == "cuda":
@@ -114,33 +124,56 @@ def main() -> int:
 
         if not torch.cuda.is_available():
             sys.exit("no CUDA device here: use --gpu-device cpu for a dry run")
-    figures, rows, skipped = [], [], {}
+    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"   # float32 matmuls and convolutions as the CPU computes them
+    signal.signal(signal.SIGTERM, stop_all_and_exit)
+    skipped, runnable = {}, []
     for name in names:
         doc = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
         missing = sorted({s["engine"] for s in doc["spec"]["topology"]["stages"]} - {
             e for e in ("vllm", "transformers", "diffusers") if engine_available(e)})
         if missing:
-            skipped[name] = f"engine {', '.join(missing)} not installed"
+            skipped[name] = f"engine {', '.join(missing)} not available"
             print(f"{name}: skipped ({skipped[name]})", flush=True)
-            continue
-        cpu = serve_and_ask(doc, Path(args.models), {})
-        gpu_doc = on_gpu(copy.deepcopy(doc), fraction=round(0.9 / len(doc["spec"]["deployment"]["stages"]), 2)
-                         if args.gpu_device == "cuda" else 0.0, dtype="float32")
-        if args.gpu_device == "cpu":
-            for sd in gpu_doc["spec"]["deployment"]["stages"].values():
-                sd["device"] = "cpu"
-        gpu = serve_and_ask(gpu_doc, Path(args.models), {"NVIDIA_TF32_OVERRIDE": "0"})
-        result = compare(cpu, gpu)
-        rows.append((name, result))
-        print(f"{name}: {'ok' if result['ok'] else 'DIFFERS'} {result}", flush=True)
-        figures += [figure(f"{name}.{k}", v, UNITS[k]) for k, v in result.items()]
-    if figures:
-        print_table(f"CPU against {args.gpu_device} (float32, greedy, seed {SPEECH['seed']})", figures)
+        else:
+            runnable.append((name, doc))
+    results: dict[str, dict] = {}
     extra = {"skipped": skipped, "tolerances": {"audio_max_abs_diff": AUDIO_TOLERANCE,
                                                 "image_mean_abs_diff": IMAGE_TOLERANCE}}
+
+    def one(name: str, doc: dict) -> None:
+        try:
+            cpu = serve_and_ask(doc, Path(args.models))
+            gpu = serve_and_ask(placed(doc, args.gpu_device), Path(args.models))
+            result = compare(cpu, gpu)
+        except Exception as e:  # noqa: BLE001 - one example's failure is reported, the others still run
+            result = {"ok": 0.0, "failed": 1.0}
+            extra.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+        results[name] = result
+        print(f"{name}: {'ok' if result['ok'] else 'DIFFERS' if 'failed' not in result else 'FAILED'} "
+              f"{result} {extra.get('errors', {}).get(name, '')}", flush=True)
+        figures = [figure(f"{n}.{k}", v, UNITS[k]) for n, r in sorted(results.items()) for k, v in r.items()]
+        if args.gpu_device == "cuda":  # after every example: a bound reached later keeps what was measured
+            write_results("gpu/examples", figures, extra)
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for f in [pool.submit(one, name, doc) for name, doc in runnable]:
+            f.result()
+    figures = [figure(f"{n}.{k}", v, UNITS[k]) for n, r in sorted(results.items()) for k, v in r.items()]
+    if figures:
+        print_table(f"CPU against {args.gpu_device} (float32, greedy, seed {SPEECH['seed']})", figures)
     if args.gpu_device == "cuda":
-        print(f"wrote {write_results('gpu/examples', figures, extra)}")
-    return 0 if rows and all(r["ok"] for _, r in rows) else 1
+        print(f"wrote {ROOT / 'bench' / 'results' / 'gpu' / 'examples.json'}")
+    return 0 if results and all(r["ok"] for r in results.values()) else 1
+
+
+def placed(doc: dict, device: str) -> dict:
+    """The example with every stage on one shared GPU in float32 (`device: cpu` too for the dry run)."""
+    n = len(doc["spec"]["deployment"]["stages"])
+    out = on_gpu(copy.deepcopy(doc), fraction=round(0.9 / n, 2) if device == "cuda" else 0.0, dtype="float32")
+    if device == "cpu":
+        for sd in out["spec"]["deployment"]["stages"].values():
+            sd["device"] = "cpu"
+    return out
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ groups=(
   "diffusers==0.42.1 importlib_metadata==10.2.0 zipp==4.1.2 requests==2.34.2 urllib3==2.8.0 idna==3.20
    certifi==2026.10.19.post1 charset-normalizer==3.5.3"
   # UCX with CUDA transports (cuda_copy, cuda_ipc) for device-to-device edges
-  "ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 rmm-cu13==26.10.0 librmm-cu13==26.10.0
-   cuda-core==1.2.2 rapids-logger"
+  # (ucxx imports cuda.core, which needs cuda-bindings and cuda-pathfinder; only librmm, not rmm, is loaded)
+  "ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.22.0 librmm-cu13==26.10.0 rapids-logger
+   cuda-core==1.2.2 cuda-bindings==13.* cuda-pathfinder nvidia-ml-py"
 )
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)

@@ -315,7 +315,11 @@ class UcxStore(TensorStore):
         """Where a get lands: a new tensor on this consumer's CUDA device when its UCX carries device
         memory (whatever memory the producer sends from), else host memory."""
         if self.device != CPU and self.device_memory:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            # The caching allocator may hand back a block that kernels queued on torch's stream still read;
+            # UCX writes on streams of its own, so those kernels must be done first.
+            torch.cuda.current_stream(buf.device).synchronize()
+            return buf
         return empty_bytes(nbytes)
 
     async def _peer(self, address: str) -> _Peer:

@@ -188,9 +188,11 @@ class Engine(ABC):
         return torch.device(self.placement.device)
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """An input tensor on the engine's device (itself when already there). Copies to a GPU do not wait
-        (the GPU stream orders them before any use); a copy to the CPU waits, since the CPU reads it next."""
-        return t.to(self.device, non_blocking=self.placement.on_cuda)
+        """An input tensor on the engine's device and, when floating, in its dtype (an upstream stage may run
+        in another: bfloat16 on a GPU, float32 on the CPU); itself when already so. Copies to a GPU do not
+        wait (the GPU stream orders them before any use); a copy to the CPU waits, since the CPU reads it next."""
+        dtype = self.dtype if t.is_floating_point() else None
+        return t.to(self.device, dtype=dtype, non_blocking=self.placement.on_cuda)
 
 
 @dataclass(frozen=True)

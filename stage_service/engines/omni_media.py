@@ -325,6 +325,9 @@ def encode_batch(model, batch: list[MediaInputs]) -> list[EncodedPrompt]:
                                                           return_dict=True)
         per_item = list(features.pooler_output)  # one entry per image / video, in order
         deep = getattr(features, "deepstack_features", None)
+        if deep:  # transformers < 5.19 gives each layer as one tensor over every item: split it per item
+            sizes = [len(p) for p in per_item]
+            deep = [torch.split(layer, sizes) if torch.is_tensor(layer) else layer for layer in deep]
         at = 0
         for n, i in have:
             count = len(getattr(i, grid))

@@ -85,3 +85,10 @@ def test_images_compare_within_tolerance():
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
 def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], check=True)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "bench").glob("*.py")) + sorted((REPO / "scripts").glob("*.py")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_benchmarks_and_scripts_compile(path):
+    """No test imports every benchmark: at least each must compile (a GPU run must not die on a typo)."""
+    compile(path.read_text(), str(path), "exec")
