@@ -15,6 +15,15 @@ reported both ways: best UCX over best perftest, and the median of per-round rat
 perftest run right before (busy-polling perftest loses more than the connector when the cores are
 contended, so that one flatters UCX on a loaded machine).
 
+Shared memory hands the consumer a tensor over a mapping of the segment (no copy); so that it is
+compared with memcpy_new on equal terms, its time includes the consumer's first read of every page
+(the mapping's page faults). `shm` is the connector as shipped (reads below `shm.MAPPED_FROM` copy the
+bytes out); `shm_copy` and `shm_map` are the same hand-off with every read copied or mapped: mapped
+over copied at each size (`shm.map_over_copy.<size>`) is how that threshold was chosen.
+`shm_write_pwrite` / `shm_write_mapped` time the producer's one write of the bytes into a new
+segment, with `pwrite` (what `put` does) and through a shared mapping. The shm ratios
+(`shm.bw_<size>_over_memcpy_new`, `shm.map_over_copy.<size>`) are medians of per-round ratios.
+
 `--device cuda` measures device memory instead: the producer's tensor and the consumer's on the GPU,
 over UCX (device to device: CUDA IPC between the two processes of this host) beside `ucx_perftest -m
 cuda` (when the binary is there and runs), shared memory (staged through host memory at both ends) and
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -46,16 +56,18 @@ import torch  # noqa: E402
 
 from common import add_device_argument, exit_on_sigterm, figure, require_device, results_name, write_results  # noqa: E402
 
-from omnistage.connector import TensorKey, make_connector  # noqa: E402
+from omnistage.connector import TensorKey, make_connector, shm  # noqa: E402
 from omnistage.connector.ucx import UCX_DEFAULTS  # noqa: E402
+from omnistage.connector.wire import HEADER_BYTES, TensorHeader  # noqa: E402
 from omnistage.v1 import tensor_pb2  # noqa: E402
 from tests.connector_peer import PeerProcess, decode, make_tensor  # noqa: E402 (common puts the repo on sys.path)
 
 KiB, MiB = 1 << 10, 1 << 20
-SIZES = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "1MiB": MiB, "16MiB": 16 * MiB, "64MiB": 64 * MiB,
+SIZES = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "256KiB": 256 * KiB, "1MiB": MiB, "16MiB": 16 * MiB, "64MiB": 64 * MiB,
          "256MiB": 256 * MiB}
 QUICK_SIZES = ("4KiB", "1MiB", "16MiB", "64MiB")
-BACKENDS = ("ucx_perftest", "ucx", "shm", "inline_grpc", "memcpy", "memcpy_new")
+BACKENDS = ("ucx_perftest", "ucx", "shm", "shm_copy", "shm_map", "inline_grpc", "memcpy", "memcpy_new")
+SHM_RATIO_SIZES = ("1MiB", "16MiB", "64MiB")  # shm.bw_<size>_over_memcpy_new
 CUDA_BACKENDS = ("ucx_perftest", "ucx", "shm", "memcpy")  # with --device cuda, figures named cuda.<backend>...
 UCX_TLS = {"cpu": "tcp", "cuda": "tcp,cuda_copy,cuda_ipc"}  # shared-memory transports alone time out on listeners
 FETCH = "/omnistage.bench.Transport/Fetch"
@@ -93,16 +105,60 @@ def measure_memcpy(nbytes: int, fresh: bool, device: str = "cpu") -> float:
     return statistics.median(times[1:])
 
 
-async def measure_connector(producer: PeerProcess, consumer, transport: str, nbytes: int, tag: str) -> float:
+async def measure_connector(producer: PeerProcess, consumer, transport: str, nbytes: int, tag: str,
+                            first_read: bool = False) -> float:
+    """first_read: the time includes the consumer reading one byte of every page of what it got (a mapped
+    tensor's page faults; nearly nothing for a copied one)."""
     times = []
     for i in range(iterations(nbytes) + 1):
         r = await producer.call(op="put", key=[tag, "producer", i, "x"], dtype="uint8", shape=[nbytes], seed=1,
                                 transport=transport)
         msg = decode(r["tensor"])
         t0 = time.perf_counter()
-        await consumer.get(msg)
+        got = await consumer.get(msg)
+        if first_read:
+            got.reshape(-1).view(torch.uint8)[::PAGE].sum()
+        del got  # a mapped tensor is unmapped (and the consumed segment's pages freed) here
         _sync(consumer.device)
         times.append(r["seconds"] + time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+PAGE = 4096
+
+
+@contextlib.contextmanager
+def shm_reads(mapped: bool):
+    """Shared-memory gets in this process map the bytes (mapped) or copy them out, whatever their size."""
+    mapped_from, shm.MAPPED_FROM = shm.MAPPED_FROM, 0 if mapped else 1 << 62
+    try:
+        yield
+    finally:
+        shm.MAPPED_FROM = mapped_from
+
+
+def measure_shm_write(nbytes: int, mapped: bool) -> float:
+    """The producer's one write of `nbytes` into a new segment: pwrite (as `put`), or through a shared mapping."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    header = TensorHeader.of(src, 1)
+    times = []
+    for i in range(iterations(nbytes) + 1):
+        path = Path(f"/dev/shm/omnistage-bench-{os.getpid()}-{i}")
+        t0 = time.perf_counter()
+        if mapped:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, HEADER_BYTES + nbytes)
+                os.pwrite(fd, header.pack(), 0)
+                dst = torch.from_file(str(path), shared=True, size=HEADER_BYTES + nbytes, dtype=torch.uint8)
+                dst[HEADER_BYTES:].copy_(src)
+                del dst
+            finally:
+                os.close(fd)
+        else:
+            shm._write_segment(path, header, src)
+        times.append(time.perf_counter() - t0)
+        path.unlink()
     return statistics.median(times[1:])
 
 
@@ -220,22 +276,32 @@ async def run(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
     stub = channel.unary_unary(FETCH)
     seconds: dict[tuple[str, str], list[float]] = {}
     ratios: dict[str, list[float]] = {}
+    shm_ratios: dict[str, list[float]] = {}
     try:
         for rnd in range(rounds):
             for label in sizes:
                 n = SIZES[label]
                 t = {"ucx_perftest": await measure_perftest(n),
                      "ucx": await measure_connector(producer, consumer, "ucx", n, f"ucx{rnd}{label}"),
-                     "shm": await measure_connector(producer, consumer, "shm", n, f"shm{rnd}{label}"),
+                     "shm": await measure_connector(producer, consumer, "shm", n, f"shm{rnd}{label}", first_read=True),
                      "inline_grpc": await measure_inline_grpc(stub, consumer, n),
                      "memcpy": measure_memcpy(n, fresh=False),
                      "memcpy_new": measure_memcpy(n, fresh=True)}
+                for how in ("copy", "map"):
+                    with shm_reads(mapped=how == "map"):
+                        t[f"shm_{how}"] = await measure_connector(producer, consumer, "shm", n, f"shm{how}{rnd}{label}",
+                                                                  first_read=True)
+                if n >= MiB:
+                    t["shm_write_pwrite"] = measure_shm_write(n, mapped=False)
+                    t["shm_write_mapped"] = measure_shm_write(n, mapped=True)
                 if n >= 16 * MiB:
                     t["ucx_perftest_e"] = await measure_perftest(n, "-e")
                     t["ucx_perftest_sleep"] = await measure_perftest(n, "-E sleep")
                 for backend, s in t.items():
                     seconds.setdefault((backend, label), []).append(s)
                 ratios.setdefault(label, []).append(t["ucx_perftest"] / t["ucx"])
+                shm_ratios.setdefault(f"over_memcpy_new.{label}", []).append(t["memcpy_new"] / t["shm"])
+                shm_ratios.setdefault(f"map_over_copy.{label}", []).append(t["shm_copy"] / t["shm_map"])
                 print(f"  round {rnd + 1}/{rounds} {label:>6}: " + "  ".join(
                     f"{b} {n / s / 1e9:.2f}" for b, s in t.items()) + " GB/s", flush=True)
     finally:
@@ -245,7 +311,8 @@ async def run(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
         await consumer.close()
         await producer.close()
     return {"seconds": {k: min(v) for k, v in seconds.items()},
-            "ratios": {k: statistics.median(v) for k, v in ratios.items()}, "env": env}
+            "ratios": {k: statistics.median(v) for k, v in ratios.items()},
+            "shm_ratios": {k: statistics.median(v) for k, v in shm_ratios.items()}, "env": env}
 
 
 async def run_cuda(sizes: list[str], rounds: int, fragment_bytes: int) -> dict:
@@ -324,8 +391,11 @@ def figures_of(result: dict, sizes: list[str]) -> list[dict]:
                                "ratio"))
     if "64MiB" in sizes:
         figs.append(figure("shm.bw_64MiB_over_memcpy", sec[("memcpy", "64MiB")] / sec[("shm", "64MiB")], "ratio"))
-        figs.append(figure("shm.bw_64MiB_over_memcpy_new", sec[("memcpy_new", "64MiB")] / sec[("shm", "64MiB")],
-                           "ratio"))
+    for label in sizes:  # medians of paired rounds
+        if label in SHM_RATIO_SIZES:
+            figs.append(figure(f"shm.bw_{label}_over_memcpy_new", result["shm_ratios"][f"over_memcpy_new.{label}"],
+                               "ratio"))
+        figs.append(figure(f"shm.map_over_copy.{label}", result["shm_ratios"][f"map_over_copy.{label}"], "ratio"))
     if "1MiB" in sizes:
         figs.append(figure("inline.bw_1MiB_GBps", MiB / sec[("inline_grpc", "1MiB")] / 1e9, "GB/s"))
     return figs
@@ -333,7 +403,8 @@ def figures_of(result: dict, sizes: list[str]) -> list[dict]:
 
 def print_table(result: dict, sizes: list[str]) -> None:
     sec = result["seconds"]
-    cols = [b for b in BACKENDS + ("ucx_perftest_e", "ucx_perftest_sleep") if any((b, s) in sec for s in sizes)]
+    cols = [b for b in BACKENDS + ("ucx_perftest_e", "ucx_perftest_sleep", "shm_write_pwrite", "shm_write_mapped")
+            if any((b, s) in sec for s in sizes)]
     print("\nbest of rounds: bandwidth, GB/s (4 KiB: latency, us; ucx_perftest at 4 KiB: round trip)")
     print(f"{'size':>7} " + " ".join(f"{c:>14}" for c in cols) + f" {'ucx/perftest':>13}")
     for label in sizes:
@@ -378,7 +449,8 @@ def main() -> None:
         "quick": args.quick, "rounds": rounds, "sizes": sizes, "ucx_env": ucx,
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "method": "best over interleaved rounds of each round's median hand-off time (producer put + consumer "
-                  "get); ucx_over_perftest_paired_median: median of per-round ratios"}})
+                  "get; shm, shm_copy, shm_map: + the consumer's first read of every page); "
+                  "ucx_over_perftest_paired_median and the shm ratios: medians of per-round ratios"}})
     print(f"wrote {path}")
 
 

@@ -1,9 +1,13 @@
 """Shared-memory backend: one file in /dev/shm per tensor, for consumers on the same host.
 
-The producer writes a header and the bytes into a new segment; a consumer reads them out with one
-`preadv` (a copy into its own tensor, so nothing stays mapped) and counts itself off in the header
-under a file lock; the last reader unlinks the segment. The producer sees that as consumption
-(the name is gone) and stops counting the bytes. Release, cancel and TTL unlink from the producer.
+The producer writes a header and the bytes into a new segment (one copy); a consumer maps the segment
+privately and returns a tensor over the mapping (no second copy), then counts itself off in the header
+under a file lock; the last reader unlinks the segment. An unlinked segment stays valid while mapped:
+its pages go back to the system when the last view of the last reader's tensor dies. The mapping is
+copy-on-write, so a consumer writing into its tensor changes nothing another reader sees. Small
+segments are copied out with one `preadv` instead (below MAPPED_FROM a copy is cheaper than mapping).
+The producer sees the unlink as consumption (the name is gone) and stops counting the bytes. Release,
+cancel and TTL unlink from the producer.
 
 Segment names carry the producer's pid namespace and pid, so a store starting up removes the
 segments of producers in its own pid namespace that died without cleaning up (SIGKILL, OOM).
@@ -38,6 +42,9 @@ _SEGMENT_NAME = re.compile(rf"{SEGMENT_PREFIX}[A-Za-z0-9_-]{{1,200}}")
 # last reader never reaches 1 and never removes it: the producer does, on release, TTL or for room.
 KEPT_READERS = 1 << 30
 _IO_MAX = 1 << 30  # bytes per read/write call (Linux caps one call near 2 GiB)
+# Segments at least this big are mapped, smaller ones copied out: mapping costs a fixed mmap/munmap and page
+# faults, a copy grows with the size; chosen by measurement (bench/transport.py `shm.map_over_copy.<size>`).
+MAPPED_FROM = 256 << 10
 
 
 class ShmStore(TensorStore):
@@ -72,7 +79,9 @@ class ShmStore(TensorStore):
                                f'is on "{self.host_id}": shared memory works on the same host only')
         if not _SEGMENT_NAME.fullmatch(ref.address):
             raise BadReference(f'"{ref.address[:80]}" is not an omnistage shared-memory segment name')
-        return await off_loop(ref.nbytes, _read_segment, self.dir / ref.address, ref)
+        # A mapped read is a few system calls whatever its size: only a copy is worth a worker thread.
+        copied = ref.nbytes if ref.nbytes < MAPPED_FROM else 0
+        return await off_loop(copied, _read_segment, self.dir / ref.address, ref)
 
     def _free(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -168,14 +177,7 @@ def _read_segment(path: Path, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         if size < HEADER_BYTES + header.nbytes:  # before allocating: the header's length is only a claim
             raise BadReference(f"segment {ref.address} is {size} bytes, too short for the {header.nbytes} "
                                "its header declares")
-        raw = empty_bytes(header.nbytes)
-        view = memoryview(raw.numpy())
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:done + _IO_MAX]], HEADER_BYTES + done)
-            if n == 0:
-                raise ConnectorError(f"segment {ref.address} ended after {done} of {len(view)} bytes")
-            done += n
+        raw = _map_bytes(fd, header.nbytes) if header.nbytes >= MAPPED_FROM else _copy_bytes(fd, header.nbytes, ref)
         if header.readers <= 1:
             path.unlink(missing_ok=True)
         else:
@@ -183,3 +185,24 @@ def _read_segment(path: Path, ref: tensor_pb2.TensorRef) -> torch.Tensor:
     finally:
         os.close(fd)  # also drops the lock
     return from_bytes(raw, header)
+
+
+def _map_bytes(fd: int, nbytes: int) -> torch.Tensor:
+    """The segment's bytes as a tensor over a private (copy-on-write) mapping of it. torch owns the mapping:
+    it is unmapped when the last view of the tensor dies, and no file descriptor stays open for it. The
+    mapping starts at the header (mmap offsets are page multiples); the bytes at 128 are aligned for
+    every dtype."""
+    mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=HEADER_BYTES + nbytes, dtype=torch.uint8)
+    return mapped[HEADER_BYTES:]
+
+
+def _copy_bytes(fd: int, nbytes: int, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+    raw = empty_bytes(nbytes)
+    view = memoryview(raw.numpy())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:done + _IO_MAX]], HEADER_BYTES + done)
+        if n == 0:
+            raise ConnectorError(f"segment {ref.address} ended after {done} of {len(view)} bytes")
+        done += n
+    return raw

@@ -1,0 +1,120 @@
+"""Shared-memory reads over a mapping (no second copy): the bytes for every dtype, copy-on-write between
+readers, the last reader unlinking, the mapping living exactly as long as the last view of its tensor,
+and what a release does to readers that mapped already and to those that did not."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.connector import TensorKey, TensorNotFound, make_connector
+from omnistage.connector.shm import MAPPED_FROM
+
+from ..connector_peer import DTYPES, make_tensor
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def mappings_of(segment: str) -> int:
+    """How many mappings of `segment` this process has (an unlinked one stays listed, marked deleted)."""
+    return sum(segment in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def mapped_size(dtype: torch.dtype) -> list[int]:
+    """A shape whose bytes are at least MAPPED_FROM, so the read maps instead of copying."""
+    return [3, MAPPED_FROM // dtype.itemsize // 3 + 7]
+
+
+@pytest.fixture
+async def shm_pair():
+    producer = await make_connector("thinker", ("shm",), host_id="host-a")
+    consumer = await make_connector("talker", ("shm",), host_id="host-a")
+    yield producer, consumer
+    await consumer.close()
+    await producer.close()
+    assert producer.stores["shm"].segments() == []
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+async def test_a_mapped_read_holds_the_producers_bytes_for_every_dtype(shm_pair, dtype):
+    producer, consumer = shm_pair
+    t = make_tensor(dtype, mapped_size(DTYPES[dtype]), seed=5)
+    msg = await producer.put(TensorKey("r1", "thinker", 0, "x"), t, transport="shm")
+    got = await consumer.get(msg)
+    assert mappings_of(msg.ref.address) == 1  # a tensor over the segment, not a copy of it
+    assert same_bits(got, t) and got.data_ptr() % 64 == 0
+    assert producer.held_bytes == 0 and producer.stores["shm"].segments() == []  # the last reader unlinked
+
+
+async def test_small_segments_are_copied_not_mapped(shm_pair):
+    producer, consumer = shm_pair
+    t = make_tensor("float32", [MAPPED_FROM // 4 - 1], seed=6)
+    msg = await producer.put(TensorKey("r1", "thinker", 0, "x"), t, transport="shm")
+    got = await consumer.get(msg)
+    assert same_bits(got, t) and mappings_of(msg.ref.address) == 0
+
+
+async def test_writing_into_one_readers_tensor_changes_no_other_readers(shm_pair):
+    producer, consumer = shm_pair
+    t = make_tensor("float32", mapped_size(torch.float32), seed=7)
+    msg = await producer.put(TensorKey("r1", "thinker", 0, "x"), t, transport="shm", readers=3)
+    first = await consumer.get(msg)
+    first.fill_(1.5)  # before the next reader maps the segment
+    second = await consumer.get(msg)
+    assert same_bits(second, t)
+    third = await consumer.get(msg)
+    second.fill_(-2.5)  # after the third one mapped it
+    assert same_bits(third, t) and bool((first == 1.5).all()) and bool((second == -2.5).all())
+    assert producer.held_bytes == 0 and producer.stores["shm"].segments() == []
+
+
+async def test_the_last_reader_unlinks_and_the_mapping_lives_as_long_as_its_last_view(shm_pair):
+    producer, consumer = shm_pair
+    t = make_tensor("bfloat16", mapped_size(torch.bfloat16), seed=8)
+    msg = await producer.put(TensorKey("r1", "thinker", 0, "x"), t, transport="shm", readers=2)
+    segment = msg.ref.address
+    open_files = len(os.listdir("/proc/self/fd"))
+    first = await consumer.get(msg)
+    assert len(os.listdir("/proc/self/fd")) == open_files  # a mapping keeps no file descriptor open
+    assert producer.stores["shm"].segments() == [segment] and producer.held_bytes == t.nbytes
+    second = await consumer.get(msg)
+    assert producer.stores["shm"].segments() == [] and producer.held_bytes == 0  # consumed, as before
+    assert mappings_of(segment) == 2  # unlinked, still valid while mapped
+    assert same_bits(first, t) and same_bits(second, t)
+    row = second[1:2]  # a view keeps the mapping
+    del second
+    assert mappings_of(segment) == 2 and same_bits(row, t[1:2])
+    del row
+    assert mappings_of(segment) == 1
+    del first
+    assert mappings_of(segment) == 0
+
+
+async def test_a_release_leaves_mapped_readers_reading_and_refuses_later_ones(shm_pair):
+    producer, consumer = shm_pair
+    t = make_tensor("int64", mapped_size(torch.int64), seed=9)
+    key = TensorKey("r1", "thinker", 0, "x")
+    msg = await producer.put(key, t, transport="shm", readers=2)
+    got = await consumer.get(msg)
+    assert producer.release(key) == t.nbytes and producer.stores["shm"].segments() == []
+    assert same_bits(got, t)  # mapped before the release: reads right
+    with pytest.raises(TensorNotFound, match="r1/thinker/0/x"):
+        await consumer.get(msg)  # not opened before the release
+    got.add_(1)  # its own copy-on-write pages
+    assert torch.equal(got, t + 1)
+
+
+async def test_a_mapped_tensor_outlives_its_producer_and_consumer(shm_pair):
+    producer, consumer = shm_pair
+    t = make_tensor("float16", mapped_size(torch.float16), seed=10)
+    msg = await producer.put(TensorKey("r1", "thinker", 0, "x"), t, transport="shm", readers=2)
+    got = await consumer.get(msg)
+    await producer.close()  # unlinks what it still holds
+    await consumer.close()
+    assert same_bits(got, t) and mappings_of(msg.ref.address) == 1
