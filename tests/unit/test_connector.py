@@ -89,16 +89,6 @@ def test_impossible_transport_is_refused(requested, available, same_host, messag
         choose_transport(requested, 1 << 20, available=available, inline_threshold=64 * KIB, same_host=same_host)
 
 
-@pytest.fixture
-async def shm_pair():
-    producer = await make_connector("thinker", ("shm",), host_id="host-a")
-    consumer = await make_connector("talker", ("shm",), host_id="host-a")
-    yield producer, consumer
-    await consumer.close()
-    await producer.close()
-    assert producer.stores["shm"].segments() == []
-
-
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 async def test_every_dtype_moves_bit_for_bit(shm_pair, transport, dtype):

@@ -31,16 +31,6 @@ def mapped_size(dtype: torch.dtype) -> list[int]:
     return [3, MAPPED_FROM // dtype.itemsize // 3 + 7]
 
 
-@pytest.fixture
-async def shm_pair():
-    producer = await make_connector("thinker", ("shm",), host_id="host-a")
-    consumer = await make_connector("talker", ("shm",), host_id="host-a")
-    yield producer, consumer
-    await consumer.close()
-    await producer.close()
-    assert producer.stores["shm"].segments() == []
-
-
 @pytest.mark.parametrize("dtype", list(DTYPES))
 async def test_a_mapped_read_holds_the_producers_bytes_for_every_dtype(shm_pair, dtype):
     producer, consumer = shm_pair
