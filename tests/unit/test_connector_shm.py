@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnistage.connector import TensorKey, TensorNotFound, make_connector
+from omnistage.connector import TensorKey, TensorNotFound
 from omnistage.connector.shm import MAPPED_FROM
 
 from ..connector_peer import DTYPES, make_tensor
