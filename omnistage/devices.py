@@ -31,10 +31,15 @@ class DevicePlan:
         return self.device == CUDA
 
 
+def uses_gpus(sd: StageDeployment) -> bool:
+    """Whether the spec puts the stage's engine on GPUs: it has some and is not pinned to the CPU."""
+    return sd.gpus > 0 and sd.device != CPU
+
+
 def plan_device(stage: str, sd: StageDeployment, cuda_devices: int) -> DevicePlan:
     """The device and dtype of `stage`'s engine given the CUDA devices its process sees."""
     path = f"spec.deployment.stages.{stage}"
-    if sd.gpus == 0 or sd.device == CPU:
+    if not uses_gpus(sd):
         dtype = AUTO_DTYPE[CPU] if sd.dtype == "auto" else sd.dtype
         return DevicePlan(CPU, dtype)
     if cuda_devices < sd.gpus:

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from omnistage.devices import uses_gpus
 from omnistage.spec import StageDeployment
 
 ENV_VISIBLE = "CUDA_VISIBLE_DEVICES"
@@ -126,10 +127,6 @@ class _Demand:
     key: ReplicaKey
     gpus: int
     share: int        # millionths of each GPU; 0: whole GPUs
-
-
-def uses_gpus(sd: StageDeployment) -> bool:
-    return sd.gpus > 0 and sd.device != "cpu"
 
 
 def assign_gpus(deployments: Mapping[str, StageDeployment], gpus: Sequence[str] | MachineGpus,

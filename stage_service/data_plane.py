@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from omnistage import tensors as tensor_codec
 from omnistage.connector import ChunkReceiver, ChunkSender, Connector, TransferMetrics, make_connector
 from omnistage.connector.connector import default_host_id
-from omnistage.devices import CPU, CUDA
+from omnistage.devices import CPU, CUDA, uses_gpus
 from omnistage.launch import ENV_HOST_ID, ENV_POD_IP, ENV_SAME_HOST, ENV_TRANSPORTS
 from omnistage.spec import Pipeline, Stage
 from omnistage.v1 import stage_pb2, tensor_pb2
@@ -53,8 +53,7 @@ def ucx_available() -> bool:
 def spec_device(pipeline: Pipeline, stage: str) -> str:
     """Where the spec puts a stage's engine: CUDA when it has GPUs and is not pinned to the CPU (a
     replica that finds no CUDA device then refuses to start: omnistage.devices)."""
-    sd = pipeline.deployment.stages[stage]
-    return CUDA if sd.gpus > 0 and sd.device != CPU else CPU
+    return CUDA if uses_gpus(pipeline.deployment.stages[stage]) else CPU
 
 
 def wanted_transports(pipeline: Pipeline, stage: Stage, same_host: bool, env: Mapping[str, str]) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from omnistage.devices import uses_gpus
 from omnistage.launch import checkpoint_dir
 from omnistage.spec import Pipeline, Stage
 
@@ -61,7 +62,7 @@ def check_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None
     field = f"spec.topology.stages[{i}]"
     path = checkpoint_dir(stage, root)
     dep = pipeline.deployment.stages.get(stage.name)
-    device = "cuda" if dep is not None and dep.gpus > 0 and dep.device != "cpu" else "cpu"  # as omnistage.devices
+    device = "cuda" if dep is not None and uses_gpus(dep) else "cpu"
     try:
         if not path.is_dir():
             raise CheckpointError(f"{path}: no such model directory")

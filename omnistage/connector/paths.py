@@ -20,7 +20,8 @@ The path names the memory at both ends (a small fixed set: it labels a Prometheu
 
 from __future__ import annotations
 
-CPU, CUDA = "cpu", "cuda"  # devices (torch's names)
+from omnistage.devices import CPU, CUDA  # devices (torch's names)
+
 HOST = "host"              # memory of a CPU tensor or a staged one (a TensorRef's `memory`)
 DEVICES = (CPU, CUDA)
 PATHS = ("cuda-ipc", "cuda", "device-to-host", "host-to-device", "host-staged", "host")
