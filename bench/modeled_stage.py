@@ -5,6 +5,9 @@ queued requests, and holds each batch for `service_time` seconds (asyncio.sleep 
 model) before answering with `out_chunks` chunks. Its capacity is therefore exactly
 batch / service_time requests per second, which is what the orchestrator benchmark compares against.
 
+Several orchestrators may call the same replicas (each reports its load through GetLoad), as in a cluster
+with several orchestrator replicas.
+
 Run: python bench/modeled_stage.py SPEC_JSON  ->  prints {"stage": [ports...]} once serving.
 SPEC_JSON: {"stage": {"replicas": r, "batch": b, "service_time": t, "out_chunks": k, "max_queued": q}, ...}
 """
@@ -28,6 +31,13 @@ class ModeledStage(stage_pb2_grpc.StageServiceServicer):
     def __init__(self, name: str, batch: int, service_time: float, out_chunks: int = 1, max_queued: int = 0):
         self.name, self.batch, self.service_time, self.out_chunks = name, batch, service_time, out_chunks
         self.max_queued = max_queued or 2 * batch
+        # Every request gets the same answer, built once: the stages' own CPU per chunk (on a machine whose
+        # cores they share with the orchestrators being measured) is then gRPC's alone.
+        ref = tensor_pb2.Tensor(name="x", dtype=tensor_pb2.FLOAT32, shape=[1024, 64],
+                                ref=tensor_pb2.TensorRef(backend="ucx", address="127.0.0.1:1", key="k", nbytes=1 << 18))
+        self.outputs = [stage_pb2.StageOutput(chunk=stage_pb2.Chunk(stage=name, chunk_id=k, tensors=[ref],
+                                                                    end_of_stream=k == out_chunks - 1))
+                        for k in range(out_chunks)]
         self.jobs: asyncio.Queue = asyncio.Queue()
         self.running = 0
         self.worker = asyncio.get_event_loop().create_task(self._serve())
@@ -49,11 +59,8 @@ class ModeledStage(stage_pb2_grpc.StageServiceServicer):
         done = asyncio.Event()
         await self.jobs.put(done)
         await done.wait()
-        ref = tensor_pb2.Tensor(name="x", dtype=tensor_pb2.FLOAT32, shape=[1024, 64],
-                                ref=tensor_pb2.TensorRef(backend="ucx", address="127.0.0.1:1", key="k", nbytes=1 << 18))
-        for k in range(self.out_chunks):
-            yield stage_pb2.StageOutput(chunk=stage_pb2.Chunk(stage=self.name, chunk_id=k, tensors=[ref],
-                                                              end_of_stream=k == self.out_chunks - 1))
+        for out in self.outputs:
+            yield out
 
     async def GetLoad(self, request, context):
         return stage_pb2.StageLoad(stage=self.name, running=self.running, queued=self.jobs.qsize(),

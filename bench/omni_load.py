@@ -29,30 +29,52 @@ def prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
 
 
 async def run_level(endpoint: str, prompt_set, frames: int, concurrency: int) -> dict:
-    """Every prompt through the pipeline, `concurrency` at a time: rates, TTFP, latency, real-time factor."""
-    from omnistage.client import AsyncOmniClient
+    """Every prompt through the pipeline, `concurrency` at a time: rates, TTFP, latency, real-time factor,
+    and per request its audio chunks as (arrival s from the call, audio s) and what it got (tokens, audio s)."""
+    from omnistage.client import AsyncOmniClient, GenerateResult
 
-    ttfp, lat, rtf, tokens = [], [], [], 0
+    ttfp, lat, rtf, tokens, chunks, got = [], [], [], 0, [], []
     queue = list(prompt_set)
     async with AsyncOmniClient(endpoint) as client:
         async def worker():
             nonlocal tokens
             while queue:
                 text, max_tokens = queue.pop()
+                r, arrivals = GenerateResult(), []
                 t0 = time.perf_counter()
-                r = await client.generate(text, max_tokens=max_tokens, ignore_eos=True, max_codec_frames=frames,
-                                          timeout=600)
+                async for ev in client.stream(text, max_tokens=max_tokens, ignore_eos=True,
+                                              max_codec_frames=frames, timeout=600):
+                    elapsed = time.perf_counter() - t0
+                    before = len(r.pcm)
+                    r.add(ev, elapsed)
+                    if len(r.pcm) > before:
+                        arrivals.append((elapsed, (len(r.pcm) - before) / 2 / r.sample_rate))
                 dt = time.perf_counter() - t0
                 ttfp.append(r.first_audio_s)
                 lat.append(dt)
                 rtf.append(dt / r.audio_seconds)
                 tokens += len(r.token_ids)
+                chunks.append(arrivals)
+                got.append((len(r.token_ids), r.audio_seconds))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": ttfp, "latency": lat,
-            "rtf": sum(rtf) / len(rtf), "n": len(prompt_set)}
+            "rtf": sum(rtf) / len(rtf), "n": len(prompt_set), "chunks": chunks, "got": got}
+
+
+def playback_gaps(chunks: list[tuple[float, float]]) -> list[float]:
+    """Underruns of one request's audio played as it arrives: `chunks` are (arrival s, audio s) in order;
+    playback starts when the first arrives and each chunk plays once the one before has ended and it is
+    here. Returns, for each chunk after the first, how long the listener heard nothing before it: its
+    arrival minus the previous chunk's playback end, or 0 when it was already waiting."""
+    gaps, end = [], None
+    for arrival, seconds in chunks:
+        if end is not None:
+            gaps.append(max(0.0, arrival - end))
+        end = max(arrival, end if end is not None else arrival) + seconds
+    return gaps
 
 
 @contextlib.contextmanager

@@ -5,7 +5,14 @@ the client. "serial" is the same stage with scheduler.maxBatch 1 (one request at
 others queued) under the same 16-way load; c1/c4/c16 use maxBatch 16 with that many requests in
 flight. vLLM and the transformers AR engine serve the same tiny LM (models/qwen2-tiny).
 
-    .venv/bin/python bench/stage_batching.py [--quick] [--device cuda]
+Against the limit: after each stage, the same model alone (bench/raw_model.py, its own process, one
+thread: the library's own batched call on the same inputs, no service) at batch 1, 4 and 16 gives
+`<engine>.model_b1/_b4/_b16`, `<engine>.c16_over_model_b16` (the stage at concurrency 16 over the model
+at batch 16: what the service costs) and `<engine>.model_b16_over_b1` (the ceiling of batching on this
+machine). AR engines add `<engine>.engine_b16` (our step code alone) and
+`<engine>.engine_b16_over_model_b16`.
+
+    .venv/bin/python bench/stage_batching.py [--quick] [--device cuda] [--no-model]
 
 Prints a table and writes bench/results/stage_batching.json (with --device cuda: the stage on the first
 GPU, engines not installed there skipped, bench/results/gpu/stage_batching.json).
@@ -15,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +40,7 @@ from common import (add_device_argument, engine_available, exit_on_sigterm, figu
                     results_name, write_results)
 
 import grpc  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from omnistage import launch, tensors  # noqa: E402
@@ -51,6 +61,7 @@ class Case:
     units: Callable[[list[stage_pb2.Chunk]], int]
     engine: str | None = None  # override the stage's engine
     keep: list | None = None   # outputs to keep (a few), as inputs for a later case
+    model_args: tuple[str, ...] = ()  # bench/raw_model.py's arguments for the same inputs
 
 
 def header(i: int, **params) -> stage_pb2.StageInput:
@@ -93,11 +104,14 @@ def cases(quick: bool) -> list[Case]:
         lat = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(i))
         return header(i), [chunk("denoise", 0, True, latents=lat)]
 
+    same = ("--tokens", str(tokens), "--steps", str(steps), "--chunks", str(chunks), "--frames", "64")
     out = [
-        Case("ar_vllm", "llm-tiny", "llm", "tokens/s", lm, count_tokens),
-        Case("ar_transformers", "llm-tiny", "llm", "tokens/s", lm, count_tokens, engine="transformers"),
-        Case("diffusion", "text-to-image-tiny", "denoise", "steps/s", denoise, lambda out: steps),
-        Case("decoder", "qwen3-omni-tiny", "code2wav", "frames/s", code2wav, lambda out: 25 * chunks),
+        Case("ar_vllm", "llm-tiny", "llm", "tokens/s", lm, count_tokens, model_args=same),
+        Case("ar_transformers", "llm-tiny", "llm", "tokens/s", lm, count_tokens, engine="transformers",
+             model_args=same),
+        Case("diffusion", "text-to-image-tiny", "denoise", "steps/s", denoise, lambda out: steps, model_args=same),
+        Case("decoder", "qwen3-omni-tiny", "code2wav", "frames/s", code2wav, lambda out: 25 * chunks,
+             model_args=same),
     ]
     if not quick:
         thinker_outputs: list[list[stage_pb2.Chunk]] = []  # filled by the thinker case, read by the talker's
@@ -109,9 +123,10 @@ def cases(quick: bool) -> list[Case]:
             return sum(tensor_of(c, "codes").shape[1] for c in out)
 
         out += [
-            Case("thinker", "qwen3-omni-tiny", "thinker", "tokens/s", lm, count_tokens, keep=thinker_outputs),
-            Case("talker", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames),
-            Case("vae", "text-to-image-tiny", "vae-decode", "images/s", vae, lambda out: 1),
+            Case("thinker", "qwen3-omni-tiny", "thinker", "tokens/s", lm, count_tokens, keep=thinker_outputs,
+                 model_args=same),
+            Case("talker", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames, model_args=same),
+            Case("vae", "text-to-image-tiny", "vae-decode", "images/s", vae, lambda out: 1, model_args=same),
         ]
     return out
 
@@ -188,32 +203,84 @@ def case_engine(case: Case) -> str:
     return case.engine or next(s["engine"] for s in doc["spec"]["topology"]["stages"] if s["name"] == case.stage)
 
 
+def cpu_seconds(proc: psutil.Process, children: bool = True) -> float:
+    """User + system CPU seconds of a process and, by default, its children (vLLM's engine core is a child)."""
+    total = 0.0
+    for p in [proc, *(proc.children(recursive=True) if children else ())]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def measure(case: Case, n: int, workdir: Path, device: str = "cpu") -> dict[str, float]:
+    """Units/s serial and at each concurrency; at c16 also the CPU cores the stage and this client used."""
     result = {}
+    me = psutil.Process()
     for max_batch, label_conc in ((1, [("serial", 16)]), (16, [(f"c{c}", c) for c in CONCURRENCY])):
         stage = StageProcess(case, max_batch, workdir, device)
         try:
             port = stage.wait_ready()
+            proc = psutil.Process(stage.proc.pid)
             for label, conc in label_conc:
+                cpu0, mine0, t0 = cpu_seconds(proc), cpu_seconds(me, children=False), time.perf_counter()
                 result[label] = asyncio.run(throughput(port, case, n, conc))
+                wall = time.perf_counter() - t0
                 print(f"  {case.name:16s} {label:7s} {result[label]:10.1f} {case.unit}", flush=True)
+                if label == "c16":  # both sides of the 2-core machine: the stage's share and the client's
+                    result["c16_stage_cpu_cores"] = (cpu_seconds(proc) - cpu0) / wall
+                    result["c16_client_cpu_cores"] = (cpu_seconds(me, children=False) - mine0) / wall
         finally:
             stage.stop()
     return result
 
 
+MODEL_BATCHES = (1, 4, 16)
+
+
+def model_alone(case: Case, workdir: Path) -> dict[str, float]:
+    """The case's model alone at MODEL_BATCHES (bench/raw_model.py in its own process): units/s by batch."""
+    log = workdir / f"{case.name}-model.log"
+    argv = [sys.executable, str(REPO / "bench" / "raw_model.py"), case.name, *case.model_args,
+            "--batches", *map(str, MODEL_BATCHES)]
+    with open(log, "w") as err:
+        done = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, timeout=1800,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{case.name}: the model alone failed (see {log}):\n{log.read_text()[-2000:]}")
+    # the result is the last line (vLLM logs to stdout too)
+    r = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
+    for k, v in r.items():
+        print(f"  {case.name:16s} model {k:9s} {v:10.1f} {case.unit}", flush=True)
+    return r
+
+
+def limit_figures(case: Case, stage: dict[str, float], model: dict[str, float]) -> list[dict]:
+    """The stage against its model alone (see the module docstring)."""
+    out = [figure(f"{case.name}.model_{k}", v, case.unit) for k, v in model.items()]
+    out += [figure(f"{case.name}.c16_over_model_b16", stage["c16"] / model["b16"], "x"),
+            figure(f"{case.name}.model_b16_over_b1", model["b16"] / model["b1"], "x")]
+    if "engine_b16" in model:
+        out.append(figure(f"{case.name}.engine_b16_over_model_b16", model["engine_b16"] / model["b16"], "x"))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer and shorter requests, the four named engines only")
+    ap.add_argument("--no-model", action="store_true", help="skip the model-alone comparison")
+    ap.add_argument("--only", nargs="+", metavar="ENGINE", help="these cases only (e.g. ar_transformers talker)")
     add_device_argument(ap)
     args = ap.parse_args()
     require_device(args.device)
     exit_on_sigterm()
     n = 32 if args.quick else 64
     load_at_start = os.getloadavg()[0]
-    figures, rows, skipped = [], [], []
+    figures, rows, skipped, limits = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases(args.quick):
+            if args.only and case.name not in args.only and not (case.keep is not None and "talker" in args.only):
+                continue
             if not engine_available(case_engine(case)):
                 skipped.append(case.name)
                 print(f"  {case.name:16s} skipped: engine {case_engine(case)} is not installed here", flush=True)
@@ -221,8 +288,13 @@ def main() -> int:
             r = measure(case, n, Path(tmp), args.device)
             ratio = r["c16"] / r["serial"]
             rows.append((case.name, case.unit, r["serial"], r["c1"], r["c4"], r["c16"], ratio))
-            figures += [figure(f"{case.name}.{k}", v, case.unit) for k, v in r.items()]
+            figures += [figure(f"{case.name}.{k}", v, "cores" if k.endswith("_cores") else case.unit)
+                        for k, v in r.items()]
             figures.append(figure(f"{case.name}.c16_over_serial", ratio, "x"))
+            if not args.no_model and args.device == "cpu":
+                model = model_alone(case, Path(tmp))
+                figures += limit_figures(case, r, model)
+                limits.append((case.name, r, model))
     by = {f["name"]: f["value"] for f in figures}
     if "ar_vllm.c1" in by and "ar_transformers.c1" in by:
         for c in ("c1", "c16"):
@@ -233,6 +305,14 @@ def main() -> int:
     if "ar_vllm.c1" in by and "ar_transformers.c1" in by:
         print(f"\nvLLM over transformers (same tiny LM, tokens/s): c1 {by['ar_vllm.c1'] / by['ar_transformers.c1']:.2f}x, "
               f"c16 {by['ar_vllm.c16'] / by['ar_transformers.c16']:.2f}x")
+    if limits:
+        print(f"\n{'engine':16s} {'model b1':>9s} {'b4':>9s} {'b16':>9s} {'stage c16':>10s} {'c16/b16':>8s} "
+              f"{'b16/b1':>7s} {'ours b16':>9s} {'stage cores':>12s} {'client cores':>13s}")
+        for name, r, m in limits:
+            ours = f"{m['engine_b16']:9.1f}" if "engine_b16" in m else f"{'':9s}"
+            print(f"{name:16s} {m['b1']:9.1f} {m['b4']:9.1f} {m['b16']:9.1f} {r['c16']:10.1f} "
+                  f"{r['c16'] / m['b16']:8.2f} {m['b16'] / m['b1']:7.2f} {ours} {r['c16_stage_cpu_cores']:12.2f} "
+                  f"{r['c16_client_cpu_cores']:13.2f}")
     path = write_results(results_name("stage_batching", args.device), figures, {"settings": {
         "quick": args.quick, "requests_per_point": n, "load_average_at_start": load_at_start, "device": args.device,
         "skipped": skipped}})

@@ -400,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR/tls.key (default: plaintext on the loopback address)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="send one request to an orchestrator")
-    p.add_argument("--endpoint", required=True, help="orchestrator HOST:PORT")
+    p.add_argument("--endpoint", required=True,
+                   help="orchestrator HOST:PORT; several replicas as IP:PORT,IP:PORT, or a gRPC target "
+                        "(dns:///NAME:PORT)")
     p.add_argument("--tls-ca", default=None, metavar="FILE",
                    help="the orchestrator serves TLS: FILE is the CA certificate (PEM) that signed its certificate")
     p.add_argument("--api-key", default=os.environ.get(ENV_CLIENT_API_KEY), metavar="KEY",

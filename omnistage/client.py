@@ -8,11 +8,18 @@
 
 An orchestrator serving TLS on its client port: `OmniClient(endpoint, tls_ca="ca.crt")` (the CA that signed
 its certificate, a file or PEM bytes).
+
+Several orchestrator replicas: `OmniClient(["10.0.0.5:50051", "10.0.0.6:50051"])` (or "10.0.0.5:50051,10.0.0.6:50051")
+spreads requests over them, round robin per request, skipping a replica that is down; so does one DNS name
+that resolves to every replica (`dns:///omni-orchestrator-headless:50051`, a headless Service). See
+docs/orchestrator.md "Several orchestrator replicas".
 """
 
 from __future__ import annotations
 
 import io
+import ipaddress
+import json
 import os
 import time
 import wave
@@ -27,8 +34,19 @@ from omnistage.modalities import MODALITY_CODES
 from omnistage.spec import MAX_MESSAGE_BYTES
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
+ORCHESTRATOR_SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+# round_robin, not gRPC's default pick_first: every address the target names or resolves to gets a connection
+# and requests take turns, so several orchestrator replicas share the load (one address: no difference).
+# The health check (grpc.health.v1 Watch on the Orchestrator service) leaves out a replica that says it is
+# not serving, which a draining one says first: a rolling update then refuses no request. A server without
+# the health service counts as serving.
+BALANCING = json.dumps({"loadBalancingConfig": [{"round_robin": {}}],
+                        "healthCheckConfig": {"serviceName": ORCHESTRATOR_SERVICE}})
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+BALANCED = [("grpc.service_config", BALANCING)]  # a target naming (or resolving to) several replicas
+TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+Endpoints = str | Sequence[str]  # "HOST:PORT", any gRPC target, or several IP:PORT (a list, or joined by commas)
 
 
 @dataclass
@@ -206,6 +224,41 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
                                             return_trace=return_trace, priority=priority)
 
 
+def channel_target(endpoints: Endpoints) -> tuple[str, list[tuple[str, str]]]:
+    """The gRPC target for one or several orchestrator addresses, and the channel options it needs beyond
+    CHANNEL_OPTIONS. One address, or a gRPC target URI (`dns:///NAME:PORT`, `ipv4:A:P,B:Q`), is used as it
+    is. Several must be IP:PORT ([IPv6]:PORT) each: they become one `ipv4:`/`ipv6:` target that round_robin
+    spreads requests over; the channel's authority (the name TLS checks) is the first one's host, as if it
+    alone had been dialed. Host names are refused rather than resolved once here: one DNS name resolving to
+    every replica keeps following them. A target URI or several addresses get round_robin with the health
+    check (BALANCING); one plain address is dialed as before."""
+    if isinstance(endpoints, str) and endpoints.startswith(TARGET_SCHEMES):
+        return endpoints, BALANCED  # a gRPC target URI already (its own address list, if any, included)
+    addresses = [a.strip() for a in (endpoints.split(",") if isinstance(endpoints, str) else endpoints)]
+    addresses = [a for a in addresses if a]
+    if not addresses:
+        raise ValueError("no orchestrator endpoint given")
+    if len(addresses) == 1:
+        return addresses[0], []
+    families = {_ip_family(a) for a in addresses}
+    if len(families) > 1:
+        raise ValueError(f"orchestrator endpoints {addresses} mix IPv4 and IPv6: give one family")
+    host = addresses[0].rsplit(":", 1)[0]
+    return f"{families.pop()}:{','.join(addresses)}", [*BALANCED, ("grpc.default_authority", host)]
+
+
+def _ip_family(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    try:
+        if not sep or not port.isdigit():
+            raise ValueError
+        ip = ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+    except ValueError:
+        raise ValueError(f"orchestrator endpoint {address!r}: several endpoints must each be IP:PORT "
+                         "([IPv6]:PORT); for host names give one DNS name that resolves to every replica") from None
+    return f"ipv{ip.version}"
+
+
 def _tls_credentials(tls_ca: str | os.PathLike | bytes | None) -> grpc.ChannelCredentials | None:
     from omnistage.tls_grpc import client_credentials
 
@@ -220,12 +273,15 @@ def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 class OmniClient:
     """Blocking client. `generate` collects a whole result; `stream` yields events as they arrive. `tls_ca`
     (a PEM file or its bytes): the orchestrator serves TLS with a certificate this CA signed. `api_key`: sent
-    on every call when the orchestrator requires keys."""
+    on every call when the orchestrator requires keys. `endpoint`: one orchestrator, or several replicas that
+    requests are spread over (see `channel_target`)."""
 
-    def __init__(self, endpoint: str, tls_ca: str | os.PathLike | bytes | None = None, api_key: str | None = None):
-        creds = _tls_credentials(tls_ca)
-        self.channel = (grpc.secure_channel(endpoint, creds, options=CHANNEL_OPTIONS) if creds
-                        else grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS))
+    def __init__(self, endpoint: Endpoints, tls_ca: str | os.PathLike | bytes | None = None,
+                 api_key: str | None = None):
+        target, extra = channel_target(endpoint)
+        creds, options = _tls_credentials(tls_ca), CHANNEL_OPTIONS + extra
+        self.channel = (grpc.secure_channel(target, creds, options=options) if creds
+                        else grpc.insecure_channel(target, options=options))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
         self.metadata = _auth_metadata(api_key)
 
@@ -254,10 +310,12 @@ class OmniClient:
 class AsyncOmniClient:
     """OmniClient for asyncio."""
 
-    def __init__(self, endpoint: str, tls_ca: str | os.PathLike | bytes | None = None, api_key: str | None = None):
-        creds = _tls_credentials(tls_ca)
-        self.channel = (grpc.aio.secure_channel(endpoint, creds, options=CHANNEL_OPTIONS) if creds
-                        else grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS))
+    def __init__(self, endpoint: Endpoints, tls_ca: str | os.PathLike | bytes | None = None,
+                 api_key: str | None = None):
+        target, extra = channel_target(endpoint)
+        creds, options = _tls_credentials(tls_ca), CHANNEL_OPTIONS + extra
+        self.channel = (grpc.aio.secure_channel(target, creds, options=options) if creds
+                        else grpc.aio.insecure_channel(target, options=options))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
         self.metadata = _auth_metadata(api_key)
 

@@ -54,6 +54,8 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: 
         raise TensorFormatError(f"tensor of shape {list(shape)} and dtype {dtype} needs {numel * dtype.itemsize} "
                                 f"bytes, got {len(data)}")
     if numel == 0:
+        if max(shape, default=0) >= 1 << 62 or math.prod(d for d in shape if d) >= 1 << 62:
+            raise TensorFormatError(f"tensor of shape {list(shape)}: its strides overflow 64 bits")
         return torch.empty(shape, dtype=dtype)
     if dtype == torch.bool and bytes(data).translate(None, b"\0\1"):  # torch keeps them: truthy, yet != True
         raise TensorFormatError("a bool tensor's bytes must each be 0 or 1")

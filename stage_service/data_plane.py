@@ -121,7 +121,7 @@ class DataPlane:
                  ", UCX carries device memory" if self.connector.ucx_device_memory else "")
 
     async def close(self) -> None:
-        """Free everything held and stop the stores (a live UCX notifier thread would block exit)."""
+        """Free everything held and stop the stores (UCX: its endpoints, worker and listener)."""
         if self.sender is not None:
             await self.sender.close()
             self.sender = None

@@ -5,7 +5,13 @@ Per get: the consumer posts, all at once, a fixed-size request (key, size, reply
 size), the receive of the reply header and the receives of the bytes straight into the new tensor;
 the producer answers with the header on the reply tag and the bytes on the following tags, one
 message per fragment, all sent together from the held tensor itself. One round trip, no copies.
-A tensor counts as consumed once its last reader's send completed.
+A tensor counts as consumed once its last reader's send completed. Requests travel on the
+endpoint's stream (so the producer knows which consumer asked); replies on tags the consumer chose.
+
+Progress: each store owns a UCX worker that its event loop progresses (`_LoopWorker`): the loop
+waits on the worker's event file descriptor, progresses it and completes the waiting futures in
+the same thread. No progress or notifier thread stands between a completion and the coroutine
+that waits for it.
 
 Device memory: where the process's UCX context carries CUDA memory (decided once, when the context
 starts: `_Runtime.device_memory`), the producer holds a CUDA tensor on its device and sends from it,
@@ -31,6 +37,7 @@ from omnistage.v1 import tensor_pb2
 
 from .buffers import empty_bytes
 from .errors import ConnectorError, PeerUnreachable, TensorNotFound
+from .held import Held
 from .keys import TensorKey
 from .paths import CPU
 from .store import TensorStore
@@ -40,9 +47,15 @@ REQUEST_BYTES = 1024
 _REQUEST = struct.Struct("<4sHHQQQI")  # magic, op, pad, reply tag, fragment bytes, tensor bytes, key length
 _MAGIC = b"OSRQ"
 _GET, _BYE = 1, 2
+_HELLO = np.frombuffer(b"OSHELLO\0", dtype=np.uint8)  # the producer's first word on a new endpoint
 MAX_KEY_BYTES = REQUEST_BYTES - _REQUEST.size
 MIN_FRAGMENT_BYTES = 64 << 10
 MAX_FRAGMENTS = 1 << 16  # a request asking for more is malformed: answered with a refusal header only
+CONNECT_TIMEOUT_S = 5.0  # a listener that does not say hello within this is unreachable
+CLOSE_TIMEOUT_S = 1.0
+# The loop progresses the worker when its event descriptor fires; while requests are pending it also
+# looks this often, so that an event UCX did not signal cannot stall a transfer.
+_SAFETY_PROGRESS_S = 0.1
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
@@ -55,11 +68,17 @@ UCX_DEFAULTS = {"PROTO_ENABLE": "n"}
 log = logging.getLogger("omnistage.connector")
 
 
-def _ucxx():
-    """ucxx, imported on first use (an optional dependency), with UCX's unused-variable warnings off."""
+def _ucx_api():
+    """ucxx's core (non-asyncio) API, imported on first use (an optional dependency), with UCX's
+    unused-variable warnings off."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    import ucxx
-    return ucxx
+    import ucxx._lib.libucxx as api
+    return api
+
+
+def _ucx_error():
+    from ucxx.exceptions import UCXError
+    return UCXError
 
 
 def cuda_transports(context_info: str) -> set[str]:
@@ -76,71 +95,160 @@ def cuda_transports(context_info: str) -> set[str]:
     return found
 
 
-def _device_memory_support() -> tuple[bool, str]:
-    """Whether this process's UCX context carries CUDA memory, and why (for the log line)."""
+def _device_memory_support(context) -> tuple[bool, str]:
+    """Whether a UCX context carries CUDA memory, and why (for the log line)."""
     if not torch.cuda.is_available():
         return False, "torch sees no CUDA device"
-    ucxx = _ucxx()
-    context = getattr(ucxx.core._get_ctx(), "context", None)  # the UCXContext; cuda_support is build-time
-    if context is not None and not getattr(context, "cuda_support", True):
+    if not context.cuda_support:  # build-time
         return False, "this UCX build has no CUDA support"
-    found = cuda_transports(ucxx.get_ucp_context_info())
+    found = cuda_transports(context.info)
     if "cuda_copy" not in found:
         return False, "the UCX context opened no cuda_copy transport (UCX_TLS, driver)"
     return True, ", ".join(sorted(found))
 
 
 class _Runtime:
-    """The process's one UCX context, shared by every UCX store in it and reset when the last closes.
-
-    Progress runs on ucxx's progress thread and completions reach asyncio through its notifier
-    thread: the other modes busy-wait (a pending receive costs a core) or were slower (measured).
-    Whether the context carries device memory is decided once, when it starts.
-    """
+    """The process's one UCX context, shared by every UCX store in it and dropped when the last closes.
+    Whether it carries device memory is decided once, when it starts."""
 
     users = 0
-    owned = False  # this module started the context (not other ucxx code in the process)
+    context = None
     device_memory = False
 
     @classmethod
-    def acquire(cls, options: dict[str, str]) -> None:
-        ucxx = _ucxx()
+    def acquire(cls, options: dict[str, str]):
         if cls.users == 0:
-            try:
-                ucxx.init({**UCX_DEFAULTS, **options}, env_takes_precedence=True, progress_mode="thread",
-                          enable_python_future=True)
-                cls.owned = True
-            except RuntimeError:  # already started elsewhere in this process: use it as it is
-                cls.owned = False
-            cls.device_memory, why = _device_memory_support()
+            api = _ucx_api()
+            config = {k: v for k, v in {**UCX_DEFAULTS, **options}.items() if f"UCX_{k}" not in os.environ}
+            cls.context = api.UCXContext(config)
+            cls.device_memory, why = _device_memory_support(cls.context)
             if torch.cuda.is_available():
                 log.log(logging.INFO if cls.device_memory else logging.WARNING,
                         "UCX %s device memory (%s)%s", "carries" if cls.device_memory else "does not carry", why,
                         "" if cls.device_memory else ": CUDA tensors are staged through host memory")
         cls.users += 1
+        return cls.context
 
     @classmethod
     def release(cls) -> None:
         cls.users -= 1
-        if cls.users == 0 and cls.owned:
-            ucxx = _ucxx()
-            ucxx.stop_notifier_thread()  # a live notifier thread keeps the process from exiting
-            try:
-                ucxx.reset()
-            except ucxx.exceptions.UCXError as e:
-                log.warning("UCX context not reset: %s", str(e).splitlines()[0])
+        if cls.users == 0:
+            cls.context = None
+
+
+class _LoopWorker:
+    """A UCX worker progressed by one asyncio loop, in the loop's own thread.
+
+    The loop watches the worker's event descriptor (UCX's blocking progress mode): when it fires, or
+    right after something was posted, the loop progresses the worker and completes the future of every
+    request that finished, then arms the worker again (arming fails while events are unprocessed:
+    progress again). So a completion reaches its coroutine with no thread in between; ucxx's own
+    asyncio modes either hand it over from a progress thread through a notifier thread (about 1.5 ms
+    per round trip here) or poll with `asyncio.sleep(0)` (a core per waiting receive).
+    """
+
+    def __init__(self, context):
+        api = _ucx_api()
+        from ucxx._lib.arr import Array
+        self.api, self._Array, self.error = api, Array, _ucx_error()
+        self.worker = api.UCXWorker(context)  # no delayed submission, no Python futures: we complete requests
+        self.worker.init_blocking_progress_mode()
+        self.loop = asyncio.get_running_loop()
+        self._fd = self.worker.epoll_file_descriptor
+        self._pending: dict[object, tuple[asyncio.Future, object]] = {}  # request -> (future, buffer kept alive)
+        self._soon: asyncio.Handle | None = None
+        self._safety: asyncio.TimerHandle | None = None
+        self.loop.add_reader(self._fd, self.progress)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self._fd)
+        for handle in (self._soon, self._safety):
+            if handle is not None:
+                handle.cancel()
+        self.worker.progress()
+        self._complete()
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.set_exception(self.error("UCX worker closed"))
+        self._pending.clear()
+
+    def post(self, request, buffer=None) -> asyncio.Future:
+        """A future of a posted request: done when it completed, with its UCX error if it failed. `buffer`
+        is kept alive until then (a cancelled waiter leaves the request to finish, or to be cancelled
+        with its endpoint). Awaiting futures (not coroutines) costs no task and no extra turn of the loop."""
+        future = self.loop.create_future()
+        if request.completed:
+            _settle(request, future)
+        else:
+            self._pending[request] = (future, buffer)
+            self.kick()
+        return future
+
+    def kick(self) -> None:
+        """Progress soon: something was posted (UCX signals no event for what this process started)."""
+        if self._soon is None:
+            self._soon = self.loop.call_soon(self.progress)
+
+    def progress(self) -> None:
+        self._soon = None
+        while True:
+            self.worker.progress()
+            self._complete()
+            if self.worker.arm():  # armed: the descriptor fires on the next event
+                break
+        if self._pending and self._safety is None:
+            self._safety = self.loop.call_later(_SAFETY_PROGRESS_S, self._safety_progress)
+
+    def _safety_progress(self) -> None:
+        self._safety = None
+        self.progress()
+
+    def _complete(self) -> None:
+        for request in [r for r in self._pending if r.completed]:
+            future, _ = self._pending.pop(request)
+            if not future.done():  # else its waiter was cancelled
+                _settle(request, future)
+
+    # ---- operations: each posts at once and returns the request's future ------------------------
+
+    def _array(self, buffer):
+        return buffer if isinstance(buffer, self._Array) else self._Array(buffer)
+
+    def send(self, ep, buffer, tag: int) -> asyncio.Future:
+        return self.post(ep.tag_send(self._array(buffer), self.api.UCXXTag(tag)), buffer)
+
+    def recv(self, ep, buffer, tag: int) -> asyncio.Future:
+        return self.post(ep.tag_recv(self._array(buffer), self.api.UCXXTag(tag), self.api.UCXXTagMaskFull), buffer)
+
+    def stream_send(self, ep, buffer) -> asyncio.Future:
+        return self.post(ep.stream_send(self._array(buffer)), buffer)
+
+    def stream_recv(self, ep, buffer) -> asyncio.Future:
+        return self.post(ep.stream_recv(self._array(buffer)), buffer)
+
+    def close_endpoint(self, ep) -> None:
+        """Close `ep` (once: its owner calls this), flushing what was sent for at most CLOSE_TIMEOUT_S
+        (UCX progresses the worker meanwhile); receives still posted on it fail."""
+        with contextlib.suppress(Exception):
+            ep.close_blocking(period=int(CLOSE_TIMEOUT_S * 1e9), max_attempts=1)
+        ep.remove_close_callback()
+        self._complete()
+
+
+def _settle(request, future: asyncio.Future) -> None:
+    try:
+        request.check_error()
+    except Exception as e:  # noqa: BLE001 - any UCX error is the waiter's to raise
+        future.set_exception(e)
+    else:
+        future.set_result(None)
 
 
 @dataclass
 class _Peer:
     """A consumer's endpoint to one producer."""
     ep: object
-    next_tag: int = 1
     inflight: int = 0
-
-    def tags(self, n: int) -> int:
-        tag, self.next_tag = self.next_tag, self.next_tag + n
-        return tag
 
 
 def _fragments(nbytes: int, fragment_bytes: int) -> list[tuple[int, int]]:
@@ -164,22 +272,27 @@ class UcxStore(TensorStore):
         self.fragment_bytes = fragment_bytes
         self.get_timeout_s = get_timeout_s
         self.address = ""
+        self._worker: _LoopWorker | None = None
         self._listener = None
+        self._next_tag = 1  # reply tags: unique on this store's worker, whichever producer answers
         self._peers: OrderedDict[str, _Peer] = OrderedDict()  # consumer side, least recently used first
         self._connecting: dict[str, asyncio.Future] = {}
-        self._served: set = set()  # producer side: endpoints of connected consumers
-        self._all_served = asyncio.Event()
-        self._all_served.set()
+        self._served: dict[object, asyncio.Task] = {}  # producer side: endpoints of connected consumers
         self.options = options or {}
         self.device = device  # where a get puts the tensors it receives (CPU or CUDA)
         self._allow_device_memory = device_memory
         self.device_memory = False  # set at start: CUDA tensors sent and received as device memory
 
     async def start(self) -> None:
-        _Runtime.acquire(self.options)
+        context = _Runtime.acquire(self.options)
         try:
-            self._listener = _ucxx().create_listener(self._serve_peer, self.port)
+            self._worker = _LoopWorker(context)
+            self._listener = self._worker.api.UCXListener.create(self._worker.worker, self.port, self._accept,
+                                                                 deliver_endpoint=True)
         except BaseException:
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
             _Runtime.release()
             raise
         self.address = f"{self.host}:{self._listener.port}"
@@ -209,39 +322,41 @@ class UcxStore(TensorStore):
     def _free(self, tensor: torch.Tensor) -> None:
         pass  # dropping the reference frees it (an in-flight send keeps its own)
 
+    def _accept(self, ep) -> None:
+        """The listener's callback (inside a progress of this store's worker, on its loop)."""
+        if self._listener is None:
+            return
+        self._served[ep] = asyncio.get_running_loop().create_task(self._serve_peer(ep))
+
     async def _serve_peer(self, ep) -> None:
-        """One consumer's connection: answer its requests until it says bye or goes away."""
-        ucxx = _ucxx()
-        self._served.add(ep)
-        self._all_served.clear()
+        """One consumer's connection: say hello, then answer its requests until it says bye or goes away."""
+        worker = self._worker
         tasks: set[asyncio.Task] = set()
         request = np.empty(REQUEST_BYTES, dtype=np.uint8)
         try:
+            await worker.stream_send(ep, _HELLO)
             while True:
-                await ep.recv(request)
+                await worker.stream_recv(ep, request)
                 magic, op, _, tag, fragment_bytes, nbytes, keylen = _REQUEST.unpack_from(request)
                 if magic != _MAGIC or op != _GET:
                     break
                 key = bytes(request[_REQUEST.size:_REQUEST.size + keylen]).decode(errors="replace")
-                task = asyncio.create_task(self._send_tensor(ep, tag, fragment_bytes, nbytes, key))
+                task = asyncio.create_task(self._settle_reply(*self._reply(ep, tag, fragment_bytes, nbytes, key)))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-        except ucxx.exceptions.UCXError:
+        except worker.error:
             pass  # the consumer closed or died; its unconsumed tensors wait for release or the TTL
         finally:
             for task in tasks:
                 task.cancel()
-            self._served.discard(ep)
-            with contextlib.suppress(Exception):
-                await ep.close()
-            if not self._served:
-                self._all_served.set()
+            self._served.pop(ep, None)
+            worker.close_endpoint(ep)
 
-    async def _send_tensor(self, ep, tag: int, fragment_bytes: int, nbytes: int, wire_key: str) -> None:
-        """Reply to one get: the header on `tag`, then the bytes on the following tags (all posted at
-        once). A refusal still sends one empty message per expected fragment, so that the consumer,
-        which posted every receive up front, is left with none pending."""
-        ucxx = _ucxx()
+    def _reply(self, ep, tag: int, fragment_bytes: int, nbytes: int, wire_key: str) -> tuple[list, Held | None]:
+        """Post the reply to one get, at once: the header on `tag`, then the bytes on the following tags.
+        A refusal still sends one empty message per expected fragment, so that the consumer, which posted
+        every receive up front, is left with none pending. Returns the sends and the tensor sent (or None)."""
+        worker = self._worker
         try:
             held = self.held.get(TensorKey.parse(wire_key))
             status = NOT_FOUND if held is None else OK if held.nbytes == nbytes else BAD_REQUEST
@@ -255,12 +370,16 @@ class UcxStore(TensorStore):
             payload = [data[o:o + n] for o, n in frags]
         else:
             header, payload = TensorHeader(torch.uint8, (), 0, status=status), [_EMPTY] * len(frags)
-        try:
-            await asyncio.gather(ep.send(_header_buffer(header), tag=tag),
-                                 *(ep.send(p, tag=tag + 1 + i) for i, p in enumerate(payload)))
-        except ucxx.exceptions.UCXError:
+        sends = [worker.send(ep, _header_buffer(header), tag)]
+        sends += [worker.send(ep, p, tag + 1 + i) for i, p in enumerate(payload)]
+        return sends, held if status == OK else None
+
+    async def _settle_reply(self, sends: list, held: Held | None) -> None:
+        """Count the reader once every send of its reply completed."""
+        outcomes = await asyncio.gather(*sends, return_exceptions=True)
+        if any(isinstance(o, BaseException) for o in outcomes):
             return  # the consumer went away mid-send; the tensor stays held
-        if status == OK:
+        if held is not None:
             held.readers -= 1
             if held.readers <= 0:
                 self.consumed(held)
@@ -268,7 +387,9 @@ class UcxStore(TensorStore):
     # ---- consumer side -------------------------------------------------------------------------
 
     async def get(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
-        ucxx = _ucxx()
+        if self._worker is None:
+            raise ConnectorError("UCX store not started: call start() first")
+        ucx_error = self._worker.error
         peer = await self._peer(ref.address)
         peer.inflight += 1
         try:
@@ -277,7 +398,7 @@ class UcxStore(TensorStore):
         except TimeoutError:
             await self._drop(ref.address)  # closing the endpoint cancels its posted receives
             raise PeerUnreachable(f"UCX get of {ref.key} from {ref.address} took over {self.get_timeout_s} s") from None
-        except ucxx.exceptions.UCXError as e:
+        except ucx_error as e:
             await self._drop(ref.address)
             raise PeerUnreachable(f"UCX get of {ref.key} from {ref.address} failed: {type(e).__name__}: {e}") from None
         finally:
@@ -285,8 +406,9 @@ class UcxStore(TensorStore):
 
     async def _fetch(self, peer: _Peer, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         """Post the request, the header receive and every fragment receive at once: one round trip."""
+        worker = self._worker
         frags = _fragments(ref.nbytes, self.fragment_bytes)
-        tag = peer.tags(1 + len(frags))
+        tag, self._next_tag = self._next_tag, self._next_tag + 1 + len(frags)
         key = ref.key.encode()
         request = np.zeros(REQUEST_BYTES, dtype=np.uint8)
         _REQUEST.pack_into(request, 0, _MAGIC, _GET, 0, tag, self.fragment_bytes, ref.nbytes, len(key))
@@ -294,10 +416,12 @@ class UcxStore(TensorStore):
         reply = np.empty(HEADER_BYTES, dtype=np.uint8)
         raw = self._receive_buffer(ref.nbytes)
         buf = _sendable(raw)
-        done = await asyncio.gather(peer.ep.send(request), peer.ep.recv(reply, tag=tag),
-                                    *(peer.ep.recv(buf[o:o + n], tag=tag + 1 + i) for i, (o, n) in enumerate(frags)),
-                                    return_exceptions=True)
-        for outcome in done[:2]:
+        # receives first, so that the reply never arrives unexpected (UCX would buffer it)
+        posted = [worker.recv(peer.ep, reply, tag)]
+        posted += [worker.recv(peer.ep, buf[o:o + n], tag + 1 + i) for i, (o, n) in enumerate(frags)]
+        posted.append(worker.stream_send(peer.ep, request))
+        done = await asyncio.gather(*posted, return_exceptions=True)
+        for outcome in (done[-1], done[0]):
             if isinstance(outcome, BaseException):
                 raise outcome
         header = TensorHeader.unpack(reply.tobytes(), f"UCX reply from {ref.address}")
@@ -306,7 +430,7 @@ class UcxStore(TensorStore):
         if header.status != OK:
             raise ConnectorError(f'producer at {ref.address} refused "{ref.key}": the key is malformed or it holds '
                                  f"another size than the reference's {ref.nbytes} bytes")
-        for outcome in done[2:]:
+        for outcome in done[1:-1]:
             if isinstance(outcome, BaseException):
                 raise outcome
         return from_bytes(raw, header)
@@ -337,9 +461,18 @@ class UcxStore(TensorStore):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ConnectorError(f'UCX address "{address}" is not "host:port"')
+        worker = self._worker
+        ep = None
         try:
-            ep = await _ucxx().create_endpoint(host, int(port))
+            ep = worker.api.UCXEndpoint.create(worker.worker, host, int(port), True)
+            hello = np.empty_like(_HELLO)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await worker.stream_recv(ep, hello)  # the listener accepted and answers
+            if not np.array_equal(hello, _HELLO):
+                raise ConnectorError(f"the UCX listener at {address} is not an omnistage producer")
         except Exception as e:  # noqa: BLE001 - any failure to connect means the same to the caller
+            if ep is not None:
+                worker.close_endpoint(ep)
             raise PeerUnreachable(f"cannot connect to the UCX listener at {address}: {type(e).__name__}: {e}") from None
         peer = self._peers[address] = _Peer(ep)
         await self._evict_idle()
@@ -360,25 +493,25 @@ class UcxStore(TensorStore):
             with contextlib.suppress(Exception):
                 request = np.zeros(REQUEST_BYTES, dtype=np.uint8)
                 _REQUEST.pack_into(request, 0, _MAGIC, _BYE, 0, 0, 0, 0, 0)
-                await asyncio.wait_for(peer.ep.send(request), 1.0)
-        with contextlib.suppress(Exception):
-            await peer.ep.close()
+                await asyncio.wait_for(self._worker.stream_send(peer.ep, request), CLOSE_TIMEOUT_S)
+        self._worker.close_endpoint(peer.ep)
 
     async def close(self) -> None:
         if self._listener is None:
             return
         await super().close()
+        self._listener = None  # refuses new consumers; dropped with the worker below
         for address in list(self._peers):
             await self._drop(address, bye=True)
-        for ep in list(self._served):
-            with contextlib.suppress(Exception):
-                await ep.close()
-        try:  # each consumer's handler ends once its endpoint is closed
-            await asyncio.wait_for(self._all_served.wait(), 5.0)
-        except TimeoutError:
-            log.warning("UCX store %s: %d consumer handlers still running at close", self.address, len(self._served))
-        self._listener.close()
-        self._listener = None
+        served = list(self._served.values())
+        for task in served:  # each consumer's handler closes its endpoint as it ends
+            task.cancel()
+        if served:
+            _, running = await asyncio.wait(served, timeout=5.0)
+            if running:
+                log.warning("UCX store %s: %d consumer handlers still running at close", self.address, len(running))
+        self._worker.close()
+        self._worker = None
         _Runtime.release()
 
 

@@ -25,6 +25,7 @@ class Adapter:
     reads: frozenset[str] = frozenset()      # what it can take from a producer's edge
     needs: frozenset[str] = frozenset()      # what some input edge must carry (a subset of reads)
     inputs: frozenset[str] = frozenset({"text"})  # the request's content parts it reads (text, image, ...)
+    initial_chunk: bool = False              # emits its first chunk at the stage's initialChunkSize
 
     @property
     def is_entry(self) -> bool:
@@ -46,7 +47,7 @@ def _omni(family: str, decoder: str) -> tuple[Adapter, Adapter, Adapter, Adapter
     return (Adapter(f"{family}-thinker", ("transformers",), "ar", "thinker", frozenset({"text", "tokens", "hidden"}),
                     reads=frozenset({"media"}), inputs=MEDIA_INPUTS),
             Adapter(f"{family}-talker", ("transformers",), "ar", "talker", frozenset({"codes"}),
-                    reads=frozenset({"hidden"}), needs=frozenset({"hidden"})),
+                    reads=frozenset({"hidden"}), needs=frozenset({"hidden"}), initial_chunk=True),
             Adapter(f"{family}-{decoder}", ("transformers",), "generation", decoder, frozenset({"audio"}),
                     reads=frozenset({"codes"}), needs=frozenset({"codes"})),
             Adapter(f"{family}-encoder", ("transformers",), "encoder", "encoder", frozenset({"media"}),
@@ -103,7 +104,8 @@ def _check_catalog() -> None:
     for a in ADAPTERS:
         for e in a.engines:
             first = adapter_for(e, a.kind, a.component)
-            if (a.emits, a.reads, a.needs, a.inputs) != (first.emits, first.reads, first.needs, first.inputs):
+            if (a.emits, a.reads, a.needs, a.inputs, a.initial_chunk) != (
+                    first.emits, first.reads, first.needs, first.inputs, first.initial_chunk):
                 raise AssertionError(f"adapters {first.name} and {a.name} serve the same stages but read or emit "
                                      "different things: validation could not tell which one a stage gets")
 

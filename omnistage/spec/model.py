@@ -89,6 +89,26 @@ class Stage:
                                          item="input")
     chunk_size: int = api_field("Units (tokens, frames, steps) per chunk on every edge leaving this stage; "
                                 "0 is the whole result in one chunk.", default=0, minimum=0)
+    initial_chunk_size: int = api_field("Units in the first chunk on every edge leaving this stage, smaller "
+                                        "than chunkSize so consumers (and the client's first audio) start "
+                                        "sooner; at most chunkSize, and only on stages that emit one (Talker "
+                                        "stages: codec frames). 0: the same as chunkSize.", default=0, minimum=0)
+
+    def chunk_units(self, index: int) -> int:
+        """Units the stage's chunk number `index` (0 first) holds before it is handed on; 0: the whole
+        result (the last chunk holds whatever is left in any case)."""
+        if index == 0 and self.chunk_size and self.initial_chunk_size:
+            return self.initial_chunk_size
+        return self.chunk_size
+
+    def chunk_due(self, index: int, pending: int, done: bool) -> bool:
+        """Whether the stage, holding `pending` units not yet handed on, hands on its chunk number `index`
+        now: once that chunk is full, and at the end with whatever is left (an empty chunk only when it is
+        the first, so every consumer sees an end of stream)."""
+        if done:
+            return pending > 0 or index == 0
+        every = self.chunk_units(index)
+        return bool(every) and pending >= every
 
 
 @dataclass(frozen=True)

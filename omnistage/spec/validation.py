@@ -264,7 +264,23 @@ class _Relations:
             if isinstance(e, str) and e not in adapter.emits:
                 self.w.err(f"{path}.emits[{j}]", f'the {adapter.name} adapter does not emit "{e}" (it emits '
                                                  f"{_words(adapter.emits)})")
+        self.initial_chunk(s, path, adapter)
         return adapter
+
+    def initial_chunk(self, s: dict, path: str, adapter: engines.Adapter) -> None:
+        """A smaller first chunk needs chunks (chunkSize > 0), no larger than the rest, from an adapter
+        that emits one."""
+        first, every = s.get("initialChunkSize", 0), s.get("chunkSize", 0)
+        if type(first) is not int or type(every) is not int or first <= 0:
+            return   # not a count (reported by pass 1), or unset
+        key = f"{path}.initialChunkSize"
+        if not adapter.initial_chunk:
+            self.w.err(key, f"the {adapter.name} adapter emits every chunk at chunkSize (initialChunkSize applies "
+                            f"to {_words(a.name for a in engines.ADAPTERS if a.initial_chunk)})")
+        elif every == 0:
+            self.w.err(key, "needs chunkSize > 0: with chunkSize 0 the whole result is one chunk")
+        elif first > every:
+            self.w.err(key, f"must be <= chunkSize ({every}), got {first}: the first chunk is the small one")
 
     def outputs(self) -> set[str]:
         found: set[str] = set()

@@ -146,7 +146,7 @@ class ThinkerFeed:
 
 class FedTalkerEngine(SteppedEngine):
     """A Talker stage on the step scheduler that consumes the Thinker's rows as they arrive and emits
-    `codes` [groups, frames] every `chunkSize` frames.
+    `codes` [groups, frames] every `chunkSize` frames (the first chunk at `initialChunkSize` when set).
 
     A family's `load` sets `self.talker`, with `groups` (codes per frame), `check_speaker(speaker)`,
     `new_state(prompt_ids, embeds, hidden, sampling, max_frames, speaker)` (the state whose first step
@@ -177,9 +177,8 @@ class FedTalkerEngine(SteppedEngine):
         if feed.ended:
             st.inbox.append(END_OF_TEXT)
         del embeds, hidden
-        every = self.stage.chunk_size
         frames: list[list[int]] = []
-        first, compute_before = True, 0.0
+        sent, compute_before = 0, 0.0  # chunks handed on so far; the first may be smaller (chunk_units)
         async with self.scheduler.submit(req.request_id, st) as stream:
             feeder = None if st.text_ended() else asyncio.create_task(self._feed(inputs, st, stream))
             try:
@@ -187,14 +186,14 @@ class FedTalkerEngine(SteppedEngine):
                     if step.frame is not None:
                         frames.append(step.frame)
                     done = step.finish_reason is not None
-                    if frames and (done or (every and len(frames) >= every)) or (done and first):
+                    if self.stage.chunk_due(sent, len(frames), done):
                         codes = torch.tensor(frames, dtype=torch.int64).T if frames else torch.empty(
                             (self.talker.groups, 0), dtype=torch.int64)
                         yield OutputChunk(tensors={"codes": codes.contiguous()}, last=done,
                                           finish_reason=step.finish_reason or "",
-                                          queue_ms=stream.queue_ms if first else 0.0,
+                                          queue_ms=stream.queue_ms if not sent else 0.0,
                                           compute_ms=stream.compute_ms - compute_before)
-                        first, frames, compute_before = False, [], stream.compute_ms
+                        sent, frames, compute_before = sent + 1, [], stream.compute_ms
             finally:
                 if feeder is not None:
                     feeder.cancel()

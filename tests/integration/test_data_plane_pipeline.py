@@ -35,8 +35,9 @@ def by_reference(thinker_talker: str = "ucx", talker_code2wav: str = "shm", talk
         stages = {s["name"]: s for s in doc["spec"]["topology"]["stages"]}
         stages["talker"]["inputs"][0]["transport"] = thinker_talker
         stages["code2wav"]["inputs"][0]["transport"] = talker_code2wav
-        if talker_chunk is not None:
+        if talker_chunk is not None:  # every chunk this size, the first too
             stages["talker"]["chunkSize"] = talker_chunk
+            stages["talker"].pop("initialChunkSize", None)
     return edit
 
 

@@ -31,7 +31,7 @@ async def test_text_and_audio_stream_back_with_a_trace(pipeline):
     r = await client.generate("Hello there", max_tokens=8, ignore_eos=True, max_codec_frames=30,
                               return_trace=True, timeout=120)
     assert r.text and len(r.token_ids) == 8
-    assert r.sample_rate == 24000 and len(r.pcm) > 0 and r.audio_chunks == 2  # 30 frames in chunks of 25
+    assert r.sample_rate == 24000 and len(r.pcm) > 0 and r.audio_chunks == 2  # 30 frames: a first chunk of 15, then 15
     assert r.final.usage.completion_tokens == 8 and r.final.usage.prompt_tokens > 0
     assert r.final.usage.audio_samples == len(r.pcm) // 2
     assert [s.stage for s in r.final.trace.stages] == ["thinker", "talker", "code2wav"]

@@ -52,15 +52,18 @@ async def test_talker_and_code2wav_turn_thinker_rows_into_audio(servers):
     codes = [tensor_of(c, "codes") for c in talker_out]
     assert all(c.shape[0] == 4 and c.dtype == torch.int64 for c in codes)
     frames = sum(c.shape[1] for c in codes)
-    assert 0 < frames <= 30 and codes[0].shape[1] == min(25, frames)
+    first = PIPELINE.stage("talker").chunk_units(0)  # initialChunkSize 15 as shipped: 30 frames are 15 + 15
+    assert first == 15 and 0 < frames <= 30 and codes[0].shape[1] == min(first, frames)
     assert talker_out[-1].end_of_stream and talker_out[-1].finish_reason in ("stop", "length")
     wav_out = await call_stage(servers["code2wav"].port, header(), talker_out)
     pcm = torch.cat([tensor_of(c, "audio") for c in wav_out])
     assert all(c.sample_rate == 24000 for c in wav_out) and wav_out[-1].end_of_stream
-    # Streaming decode equals transformers' chunked_decode at the talker's chunk size, sample for sample.
+    # Streaming decode equals transformers' chunked_decode at the talker's chunk size, sample for sample
+    # (every chunk here holds `first` frames or fewer; tests/integration/test_initial_chunk.py checks
+    # chunks of two sizes).
     c2w = servers["code2wav"].engine.c2w
     with torch.inference_mode():
-        ref = c2w.model.chunked_decode(torch.cat(codes, 1)[None], chunk_size=25, left_context_size=25)
+        ref = c2w.model.chunked_decode(torch.cat(codes, 1)[None], chunk_size=first, left_context_size=25)
     assert torch.equal(pcm, to_pcm16(ref[0, 0])) and len(pcm) > frames * 1920 * 0.9
 
 
