@@ -40,7 +40,8 @@ LABEL_VALUE_HINT = ('must be a label value: at most 63 letters, digits, "-", "_"
                     "with a letter or digit")
 ROLLOUT_STRATEGIES = ("OneStageAtATime", "Parallel")
 FAIRNESS_POLICIES = ("InFlightFirst", "ShortestFirst")
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+# Planned: set by the stage planner (autoscaling); its reason says the last decision.
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Planned")
 CONDITION_STATUSES = ("True", "False", "Unknown")
 DEFAULT_IMAGE = "ghcr.io/omnistage/omnistage:0.1.0"
 
@@ -369,12 +370,77 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class AutoscalingTargets:
+    """What the stage planner sizes the stages to meet; each target 0 is no target."""
+
+    ttfp_p95_ms: float = api_field("Target 95th-percentile time to first packet of output (the first text or "
+                                   "audio the client receives), in milliseconds. 0: no target.", default=0.0,
+                                   minimum=0)
+    rtf: float = api_field("Target real-time factor of audio output: compute seconds per second of audio (below "
+                           "1: faster than real time). 0: no target.", default=0.0, minimum=0)
+    queue_seconds: float = api_field("The longest a request should wait in any stage's queue, in seconds. "
+                                     "0: no target.", default=1.0, minimum=0)
+    utilization: float = api_field("The share of a replica's measured capacity the planner plans to use; the "
+                                   "rest is headroom for bursts (0.8: 20% spare).", default=0.8, minimum=0.05,
+                                   maximum=1)
+
+
+@dataclass(frozen=True)
+class AutoscalingBudget:
+    """Bounds on what the autoscaled stages use together."""
+
+    max_gpus: int = api_field("GPUs all stages may use together (each stage's replicas x its "
+                              "spec.deployment.stages.<name>.gpus, summed); at least what every stage needs at "
+                              "its minReplicas. 0: no bound.", default=0, minimum=0, maximum=1_000_000)
+    max_replicas: int = api_field("Replicas of all stages together; at least the sum of every stage's "
+                                  "minReplicas. 0: no bound.", default=0, minimum=0, maximum=1_000_000)
+
+
+@dataclass(frozen=True)
+class StageAutoscaling:
+    """One stage's replica bounds under autoscaling."""
+
+    min_replicas: int = api_field("Fewest replicas the planner keeps; at least 1 (a stage is never scaled to "
+                                  "zero).", default=1, minimum=1, maximum=1000)
+    max_replicas: int = api_field("Most replicas the planner gives the stage; at least minReplicas.", default=8,
+                                  minimum=1, maximum=1000)
+    scale_down_delay_seconds: float = api_field("How long a lower desired count must hold before replicas are "
+                                                "removed, in seconds. 0: removed at once.", default=60.0,
+                                                minimum=0)
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """The stage planner: it sizes every stage from live measurements, within per-stage bounds and a budget."""
+
+    enabled: bool = api_field("Let the stage planner set each stage's replicas from live measurements, within "
+                              "`stages` and `budget`. Then spec.deployment.stages.<name>.replicas is the starting "
+                              "count only (the planner clamps it to the stage's bounds); false: replicas is the "
+                              "count.", default=False)
+    interval_seconds: float = api_field("How often the planner observes the stages and decides, in seconds.",
+                                        default=1.0, minimum=0.1, maximum=60)
+    targets: AutoscalingTargets = api_field("What the planner sizes the stages to meet.",
+                                            default_factory=AutoscalingTargets)
+    budget: AutoscalingBudget = api_field("Bounds on GPUs and replicas of all stages together.",
+                                          default_factory=AutoscalingBudget)
+    stages: Mapping[str, StageAutoscaling] = api_field(
+        "Replica bounds per stage, by stage name; a stage not listed gets the defaults (minReplicas 1, "
+        "maxReplicas 8, scaleDownDelaySeconds 60).", default_factory=dict)
+
+    def bounds(self, stage: str) -> StageAutoscaling:
+        """The stage's bounds: its entry under `stages`, else the defaults."""
+        return self.stages.get(stage, StageAutoscaling())
+
+
+@dataclass(frozen=True)
 class Deployment:
     stages: Mapping[str, StageDeployment] = api_field("One entry per stage of the topology, by stage name.",
                                                       required=True, nullable=True)
     orchestrator: OrchestratorDeployment = api_field("The orchestrator: admission, routing, the client API.",
                                                      default_factory=OrchestratorDeployment)
     rollout: Rollout = api_field("How changes roll out.", default_factory=Rollout)
+    autoscaling: Autoscaling = api_field("The stage planner: replicas of every stage set from live "
+                                         "measurements; off by default.", default_factory=Autoscaling)
     image: str = api_field("Default image of every stage and the orchestrator.", default=DEFAULT_IMAGE)
 
 
@@ -417,11 +483,20 @@ class ReplicaStatus:
     last_failure: ContainerFailure = api_field(
         "While replicas are missing: the newest failure of a pod that is not ready (absent otherwise).",
         default_factory=ContainerFailure)
+    desired_replicas: int = api_field("Replicas the planner wants (autoscaling enabled); 0: not planned.",
+                                      default=0, int_format="int32")
+    capacity: float = api_field("Work units per second one replica serves, as the planner measured it (0: not "
+                                "measured yet); capacityUnit says the unit.", default=0.0)
+    capacity_unit: str = api_field("The unit of capacity: tokens/s, frames/s, steps/s, ... (empty: not measured "
+                                   "yet).", default="", empty_ok=True)
+    utilization: float = api_field("Offered load over the capacity of the replicas running, as measured: above 1 "
+                                   "the stage is the bottleneck.", default=0.0)
 
 
 @dataclass(frozen=True)
 class Condition:
-    type: str = api_field("Ready, Progressing or Degraded.", required=True, enum=CONDITION_TYPES)
+    type: str = api_field("Ready, Progressing, Degraded or Planned (set by the stage planner when autoscaling "
+                          "is enabled).", required=True, enum=CONDITION_TYPES)
     status: str = api_field("True, False or Unknown.", required=True, enum=CONDITION_STATUSES)
     reason: str = api_field("Why, in CamelCase.", default="")
     message: str = api_field("Why, for a person.", default="")
@@ -438,7 +513,7 @@ class Status:
                                            default="")
     stages: Mapping[str, ReplicaStatus] = api_field("Replicas of each stage, by stage name.", default_factory=dict)
     orchestrator: ReplicaStatus = api_field("Replicas of the orchestrator.", default_factory=ReplicaStatus)
-    conditions: tuple[Condition, ...] = api_field("Ready, Progressing and Degraded.", default=(),
+    conditions: tuple[Condition, ...] = api_field("Ready, Progressing, Degraded and Planned.", default=(),
                                                   list_map_key="type", item="condition")
 
 

@@ -4,8 +4,9 @@ Two passes. The first walks the document against the model's declarations (`mode
 types, bounds, enums, patterns, required and unknown fields (with a "did you mean" hint). The second
 checks what one field cannot say alone: the stage graph (edges name stages, no cycle, every stage feeds
 an output), each stage against its engine adapter (`engines.py`: what it emits, what its edges carry),
-name lengths that add up, defaults within their maximums, a deployment entry for every stage, and an
-HTTP API port apart from the orchestrator's other ports.
+name lengths that add up, defaults within their maximums, a deployment entry for every stage, the
+autoscaling bounds against the stages and the budget, and an HTTP API port apart from the orchestrator's
+other ports.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from . import engines
 from .fields import QUANTITY_PATTERN, ApiField, FreeForm, ListOf, MapOf, Obj, Quantity, Scalar, Shape, api_fields
 from .graph import ancestors, find_cycle
 from .model import (API_GROUP, API_VERSION, ENGINES, KIND, LABEL_KEY, LABEL_KEY_HINT, LABEL_VALUE, LABEL_VALUE_HINT, LIMIT_DEFAULTS, MAX_MESSAGE_BYTES, MAX_NAME_LEN, RESERVED_STAGE_NAMES, Limits,
-                    Metadata, Spec)
+                    Metadata, Spec, StageAutoscaling, StageDeployment)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ class _Relations:
                     self.w.err(f"spec.topology.stages[{i}]", f'stage "{s["name"]}" feeds no pipeline output')
         self.limits()
         self.stage_deployments()
+        self.autoscaling()
         self.api_port()
 
     def stage_graph(self) -> dict[str, list[str]]:
@@ -366,6 +368,53 @@ class _Relations:
             if t.get("tolerationSeconds") and t.get("effect") != "NoExecute":
                 self.w.err(f"{path}.tolerations[{i}].tolerationSeconds", "applies to effect NoExecute only")
 
+    def autoscaling(self) -> None:
+        """The planner's bounds: per-stage entries name stages and have min <= max, and the budget leaves
+        room for every stage at its minReplicas. A value of the wrong type (reported by pass 1) skips the
+        rules that read it."""
+        path = "spec.deployment.autoscaling"
+        auto = _dict(self.deployment.get("autoscaling"))
+        default = StageAutoscaling()
+        floor: dict[str, Any] = {n: default.min_replicas for n in self.names}   # every stage's minReplicas
+        for name, entry in _dict(auto.get("stages")).items():
+            if not self.known(f"{path}.stages.{name}", name):
+                continue
+            if not isinstance(entry, dict):
+                floor[name] = None
+                continue
+            lo, hi = entry.get("minReplicas", default.min_replicas), entry.get("maxReplicas", default.max_replicas)
+            floor[name] = lo if type(lo) is int else None
+            if type(lo) is int and type(hi) is int and lo > hi:
+                said = "" if "maxReplicas" in entry else ", the default"
+                self.w.err(f"{path}.stages.{name}.minReplicas", f"must be <= maxReplicas ({hi}{said}), got {lo}")
+        if any(v is None for v in floor.values()):
+            return
+        budget = _dict(auto.get("budget"))
+        max_replicas, max_gpus = budget.get("maxReplicas", 0), budget.get("maxGpus", 0)
+        if type(max_replicas) is int and 0 < max_replicas < sum(floor.values()):
+            each = ", ".join(f"{n} {lo}" for n, lo in floor.items())
+            self.w.err(f"{path}.budget.maxReplicas",
+                       f"must be >= {sum(floor.values())}, the sum of every stage's minReplicas ({each}), got "
+                       f"{max_replicas}: the planner could not keep every stage at its minimum")
+        if type(max_gpus) is int and max_gpus > 0:
+            self.gpu_budget(f"{path}.budget.maxGpus", max_gpus, floor)
+
+    def gpu_budget(self, path: str, max_gpus: int, floor: dict[str, int]) -> None:
+        """maxGpus against each stage's GPUs per replica (a stage needing more could never run) and against
+        what every stage needs at its minReplicas."""
+        entries = _dict(self.deployment.get("stages"))
+        gpus = {n: _dict(entries.get(n)).get("gpus", StageDeployment().gpus) for n in floor}
+        if not all(type(g) is int for g in gpus.values()):
+            return
+        too_big = [n for n, g in gpus.items() if g > max_gpus]
+        for n in too_big:
+            self.w.err(path, f'stage "{n}" needs {gpus[n]} GPUs per replica (spec.deployment.stages.{n}.gpus), more '
+                             f"than maxGpus ({max_gpus}): it could never get a replica")
+        total = sum(floor[n] * gpus[n] for n in floor)
+        if not too_big and max_gpus < total:
+            each = ", ".join(f"{n} {floor[n]} x {gpus[n]}" for n in floor if gpus[n])
+            self.w.err(path, f"must be >= {total}, the GPUs every stage needs at its minReplicas (minReplicas x "
+                             f"gpus: {each}), got {max_gpus}")
 
     def api_port(self) -> None:
         """The API's port shares the orchestrator pod with the fixed gRPC and status ports."""

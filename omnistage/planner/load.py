@@ -1,0 +1,104 @@
+"""What a stage is offered and what one of its replicas serves, from the counters its replicas export.
+
+Every stage replica counts, in its Prometheus metrics, the work units it produced
+(`omnistage_stage_units`), the time its engine spent in steps (`omnistage_stage_step_ms`), the
+requests that ended (`omnistage_stage_requests`) and what it holds now (queue depth, running). Two
+snapshots of those counters, a window apart, give per stage:
+
+- throughput: units per second, all replicas together;
+- busy: engine-step seconds per second (0 to one per replica);
+- capacity of one replica: units per busy second, i.e. what a replica would serve if it stepped all the
+  time at the batch sizes it runs now. Batching makes a fuller replica faster, so the estimate keeps the
+  best rate seen and lets it fade slowly (`CAPACITY_MEMORY`): a replica at low load does not make the
+  planner believe the stage is slow;
+- offered load: the throughput plus the queued work spread over the queue target (`queue_seconds`):
+  a stage that keeps up has no queue and its load is its throughput; one that does not is offered
+  more than it serves, by what it must drain to meet the target.
+
+Pure: snapshots in, numbers out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .sizing import StageNeed
+
+# Busy time below this share of a second is too little to say what a replica serves.
+MIN_BUSY = 0.02
+# Each window the best capacity seen keeps this share of itself against a lower measurement.
+CAPACITY_MEMORY = 0.95
+
+
+@dataclass(frozen=True)
+class ReplicaCounters:
+    """One replica's counters at one moment (totals since it started, and gauges)."""
+
+    at: float                 # seconds, on the observer's monotonic clock
+    units: float = 0.0        # work units produced
+    busy_seconds: float = 0.0 # engine-step time
+    finished: float = 0.0     # requests ended (any outcome)
+    queued: int = 0
+    running: int = 0
+
+
+@dataclass(frozen=True)
+class StageWindow:
+    """A stage over one window, its replicas summed."""
+
+    stage: str
+    replicas: int
+    seconds: float
+    units_per_s: float
+    busy: float               # replica-seconds of engine steps per second
+    requests_per_s: float
+    queued: int
+    running: int
+
+
+def window(stage: str, before: Mapping[str, ReplicaCounters], after: Mapping[str, ReplicaCounters]) -> StageWindow:
+    """The stage between two snapshots of its replicas (by replica name). A replica that restarted (a
+    counter went down) counts from zero; one in `after` only counts what it did since it appeared; one
+    gone by `after` counts nothing (its last window is lost, as the planner can no longer read it)."""
+    units = busy = finished = span = 0.0
+    for name, b in after.items():
+        a = before.get(name)
+        if a is None or b.units < a.units or b.busy_seconds < a.busy_seconds or b.finished < a.finished:
+            a = ReplicaCounters(at=a.at if a is not None else b.at)
+        units += b.units - a.units
+        busy += b.busy_seconds - a.busy_seconds
+        finished += b.finished - a.finished
+        span = max(span, b.at - a.at)
+    per_s = 1.0 / span if span > 0 else 0.0
+    return StageWindow(stage, len(after), span, units * per_s, busy * per_s, finished * per_s,
+                       sum(c.queued for c in after.values()), sum(c.running for c in after.values()))
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """What the planner believes of a stage, carried from window to window."""
+
+    stage: str
+    capacity: float = 0.0           # units per second of one replica (0: not measured yet)
+    units_per_request: float = 0.0  # the stage's work per request, as recently seen
+    load: float = 0.0               # offered units per second
+    utilization: float = 0.0        # load over the capacity of the replicas running
+
+
+def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float) -> StageEstimate:
+    """The next estimate from the last one and a new window (see the module docstring)."""
+    capacity = prev.capacity * CAPACITY_MEMORY
+    if w.busy >= MIN_BUSY and w.units_per_s > 0:
+        capacity = max(capacity, w.units_per_s / w.busy)
+    per_request = w.units_per_s / w.requests_per_s if w.requests_per_s > 0 else prev.units_per_request
+    backlog = w.queued * per_request
+    load = w.units_per_s + (backlog / queue_seconds if queue_seconds > 0 else 0.0)
+    util = load / (w.replicas * capacity) if w.replicas and capacity > 0 else 0.0
+    return StageEstimate(w.stage, capacity, per_request, load, util)
+
+
+def need(est: StageEstimate, min_replicas: int, max_replicas: int, gpus: int = 0, unit: str = "units/s",
+         default_capacity: float = 1.0) -> StageNeed:
+    """The sizing's view of a stage; before its capacity is measured, `default_capacity` stands in."""
+    return StageNeed(est.stage, est.load, est.capacity or default_capacity, min_replicas, max_replicas, gpus, unit)

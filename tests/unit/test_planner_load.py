@@ -1,0 +1,71 @@
+"""The planner's measurements: per-stage windows from replica counters, and the estimates built on them."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnistage.planner.load import (CAPACITY_MEMORY, ReplicaCounters, StageEstimate, StageWindow, estimate, need,
+                                    window)
+
+
+def C(at, units=0.0, busy=0.0, finished=0.0, queued=0, running=0):
+    return ReplicaCounters(at, units, busy, finished, queued, running)
+
+
+def test_window_sums_replicas_over_the_span():
+    before = {"r1": C(10, units=100, busy=1, finished=10), "r2": C(10, units=50, busy=2, finished=5)}
+    after = {"r1": C(12, units=300, busy=2.5, finished=14, queued=3, running=2),
+             "r2": C(12, units=150, busy=3, finished=7, queued=1, running=1)}
+    w = window("talker", before, after)
+    assert w == StageWindow("talker", 2, 2.0, 150.0, 1.25, 3.0, 4, 3)
+
+
+def test_a_restarted_replica_counts_from_zero_and_a_new_one_from_when_it_appeared():
+    before = {"r1": C(0, units=1000, busy=10, finished=100)}
+    after = {"r1": C(2, units=40, busy=0.5, finished=2), "r2": C(2, units=20, busy=0.2, finished=1)}
+    w = window("a", before, after)
+    assert (w.replicas, w.units_per_s, w.busy, w.requests_per_s) == (2, 30.0, 0.35, 1.5)
+
+
+def test_a_replica_gone_by_the_second_snapshot_counts_nothing():
+    w = window("a", {"r1": C(0, units=10), "r2": C(0, units=10)}, {"r1": C(1, units=30)})
+    assert (w.replicas, w.units_per_s) == (1, 20.0)
+
+
+def test_no_span_gives_zero_rates():
+    w = window("a", {"r1": C(5, units=1)}, {"r1": C(5, units=1)})
+    assert (w.units_per_s, w.busy, w.requests_per_s) == (0.0, 0.0, 0.0)
+
+
+def W(units_per_s, busy, requests_per_s=1.0, queued=0, replicas=1):
+    return StageWindow("a", replicas, 1.0, units_per_s, busy, requests_per_s, queued, 0)
+
+
+def test_capacity_is_units_per_busy_second_and_remembers_the_best():
+    e = estimate(StageEstimate("a"), W(50, 0.5), queue_seconds=1)
+    assert (e.capacity, e.load, e.utilization) == (100.0, 50.0, 0.5)
+    # at low load a replica batches less: the best seen fades slowly instead of dropping
+    e2 = estimate(e, W(10, 0.2), queue_seconds=1)
+    assert e2.capacity == pytest.approx(100.0 * CAPACITY_MEMORY)
+    # too little busy time says nothing about capacity
+    e3 = estimate(StageEstimate("a", capacity=80), W(1, 0.001), queue_seconds=1)
+    assert e3.capacity == pytest.approx(80 * CAPACITY_MEMORY)
+
+
+def test_a_queue_adds_its_work_over_the_queue_target():
+    # 4 requests/s of 25 units each; 8 queued = 200 units to drain within 2 s
+    e = estimate(StageEstimate("a"), W(100, 1.0, requests_per_s=4, queued=8), queue_seconds=2)
+    assert (e.units_per_request, e.load, e.utilization) == (25.0, 200.0, 2.0)
+    # no queue target: the queue adds nothing
+    assert estimate(StageEstimate("a"), W(100, 1.0, 4, 8), queue_seconds=0).load == 100.0
+
+
+def test_units_per_request_is_kept_when_nothing_finished():
+    e = estimate(StageEstimate("a", capacity=10, units_per_request=25), W(0, 0, requests_per_s=0, queued=2), 1)
+    assert (e.units_per_request, e.load) == (25.0, 50.0)
+
+
+def test_need_stands_in_a_capacity_until_one_is_measured():
+    n = need(StageEstimate("a", load=5), 1, 4, gpus=1, unit="frames/s", default_capacity=20)
+    assert (n.capacity, n.load, n.min_replicas, n.max_replicas, n.gpus, n.unit) == (20, 5, 1, 4, 1, "frames/s")
+    assert need(StageEstimate("a", capacity=7), 1, 4).capacity == 7
