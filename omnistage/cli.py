@@ -136,9 +136,12 @@ def cmd_serve(args) -> int:
     print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)")
     print(f"  {_hops_line(local)}")
     _print_endpoints(local)
+    autoscaler = _autoscaler(local) if args.autoscale else None
     code = 0
     try:
         while stop["sig"] is None:
+            if autoscaler is not None:
+                autoscaler.tick()
             dead = local.dead()
             if dead:
                 for p in dead:
@@ -150,8 +153,23 @@ def cmd_serve(args) -> int:
             time.sleep(0.2)
     finally:
         print("stopping ...", flush=True)
+        if autoscaler is not None:
+            autoscaler.close()
         local.stop()
     return code
+
+
+def _autoscaler(local):
+    from omnistage.local_autoscale import LocalAutoscaler
+
+    a = local.pipeline.deployment.autoscaling
+    auto = LocalAutoscaler(local)
+    bounds = ", ".join(f"{s} {a.bounds(s).min_replicas}-{a.bounds(s).max_replicas}" for s in auto.planner.bounds)
+    print(f"  planner: every {a.interval_seconds:g}s, utilisation target {a.targets.utilization:g}, queue target "
+          f"{a.targets.queue_seconds:g}s, replicas {bounds}; decisions at {auto.metrics_url}", flush=True)
+    if auto.fixed:
+        print(f"  planner: {', '.join(sorted(auto.fixed))} on GPUs: kept at the replicas they started with", flush=True)
+    return auto
 
 
 def _gen_kwargs(args) -> dict:
@@ -398,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-tls-dir", default=None, metavar="DIR",
                    help="serve the client-facing gRPC and OpenAI API ports over TLS with DIR/tls.crt and "
                         "DIR/tls.key (default: plaintext on the loopback address)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="run the stage planner: add and drain CPU stage replicas as measured load asks, within "
+                        "spec.deployment.autoscaling (targets, budget, per-stage bounds; see docs/planner.md)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="send one request to an orchestrator")
     p.add_argument("--endpoint", required=True,

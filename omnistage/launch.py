@@ -118,9 +118,11 @@ ORCHESTRATOR_FLAGS = (
     *_SERVING,
     Flag("stage_endpoint", "static replicas of a stage (repeat per stage)", repeat=True,
          metavar="NAME=HOST:PORT[,HOST:PORT]"),
-    Flag("discovery", "static: --stage-endpoint flags; kubernetes: watch the endpoints of the stage Services "
+    Flag("discovery", "static: --stage-endpoint flags; file: the --endpoints-file, re-read when it changes (what "
+                      "omnistage serve writes as it scales); kubernetes: watch the endpoints of the stage Services "
                       f"(<pipeline>-<stage>, port {GRPC_PORT_NAME}) in --namespace",
-         default="static", choices=("static", "kubernetes")),
+         default="static", choices=("static", "file", "kubernetes")),
+    Flag("endpoints_file", 'with --discovery file: a JSON object, stage name -> ["host:port", ...]', metavar="FILE"),
     Flag("namespace", f"namespace to watch (default ${ENV_POD_NAMESPACE} or {DEFAULT_NAMESPACE})",
          default=DEFAULT_NAMESPACE, env=ENV_POD_NAMESPACE),
     Flag("wait_for_stages", "seconds to wait at start-up for every stage replica to be SERVING", float,

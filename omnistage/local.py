@@ -40,6 +40,10 @@ from omnistage.launch import (API_PATH, ENV_API_KEYS, ENV_CLIENT_TLS_DIR, ENV_TL
 from omnistage.spec import Pipeline
 
 TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
+ENDPOINTS_FILE = "endpoints.json"           # in the log folder: the orchestrator's stage replicas (--discovery file)
+# A drained replica is told to stop this long after the orchestrator's endpoints file dropped it (a few of the
+# orchestrator's polls): no new call reaches it by then, and the ones it has it finishes (its drain contract).
+DRAIN_AFTER_UNLISTED_S = 1.0
 SCRAPE_JOB = "omnistage"
 LOCAL_NAMESPACE = "local"           # the namespace part of every local process's identity
 
@@ -60,6 +64,7 @@ class Proc:
     ports: ReadyPorts | None = None  # once ready
     started: float = 0.0
     ready_after: float | None = None
+    stop_at: float | None = None     # a replica being drained: when it gets SIGTERM
 
     @property
     def port(self) -> int | None:
@@ -98,6 +103,12 @@ class LocalPipeline:
         self.targets_file = self.log_dir / TARGETS_FILE
         self.tls_root: Path | None = None   # the private folder of this run's certificates, while running
         self.gpu_assignment: dict[gpu_placement.ReplicaKey, tuple[str, ...]] = {}   # once placed
+        self.endpoints_file = self.log_dir / ENDPOINTS_FILE
+        self.starting: list[Proc] = []   # replicas added while serving, not ready yet
+        self.draining: list[Proc] = []   # replicas taken out of service, finishing what they hold
+        self._env: dict[str, str] = {}
+        self._tls_dirs: dict[str | None, Path] = {}
+        self._added = 0
 
     def replica_counts(self) -> dict[str, int]:
         """Replicas each stage runs here, in stage order (a stage scaled to 0 in the file still runs one)."""
@@ -153,25 +164,20 @@ class LocalPipeline:
         # refused keys and GPU placements: before anything starts; the orchestrator never uses a GPU
         orchestrator_env = {**env, **self._api_key_env(), **gpu_placement.replica_env()}
         machine = self.place_gpus(env)
-        tls_dirs = self._issue_certificates() if self.tls else {}
+        self._tls_dirs = tls_dirs = self._issue_certificates() if self.tls else {}
+        self._env = env
         for (stage, i), gpus in self.gpu_assignment.items():   # every stage replica, in stage order
-            tag = f"{stage}-{i}"
-            ready_file = self.log_dir / f"{tag}.ready"
-            argv = stage_command(self.pipeline_file, stage, host=self.host, port=0, http_port=0,
-                                 model_dir=self.model_dir, ready_file=ready_file, tls_dir=tls_dirs.get(stage))
-            proc = Proc(f"stage {stage}[{i}]", argv, self.log_dir / f"{tag}.log", ready_file, stage=stage, gpus=gpus)
+            proc = self._stage_proc(stage, f"{stage}-{i}", f"stage {stage}[{i}]", gpus)
             self._spawn(proc, {**env, **gpu_placement.replica_env(gpus, machine)})
             self.stages.append(proc)
         self.progress(f"starting {len(self.stages)} stage process(es) for {self.pipeline.name} "
                       f"(logs in {self.log_dir})")
         self._wait_ready(self.stages, timeout)
-        endpoints: dict[str, list[str]] = {}
-        for p in self.stages:
-            endpoints.setdefault(p.stage, []).append(f"{self.host}:{p.port}")
+        self.write_endpoints()
         ready_file = self.log_dir / "orchestrator.ready"
         argv = orchestrator_command(self.pipeline_file, host=self.host, port=self.port, http_port=0,
-                                    api_port=self.api_port, stage_endpoints=endpoints, wait_for_stages=30,
-                                    ready_file=ready_file, tls_dir=tls_dirs.get(None),
+                                    api_port=self.api_port, discovery="file", endpoints_file=self.endpoints_file,
+                                    wait_for_stages=30, ready_file=ready_file, tls_dir=tls_dirs.get(None),
                                     client_tls_dir=self.client_tls_dir)
         self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log", ready_file)
         self._spawn(self.orchestrator, orchestrator_env)
@@ -179,6 +185,71 @@ class LocalPipeline:
         self.endpoint = f"{self.host}:{self.orchestrator.port}"
         self.targets_file.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
         return self.endpoint
+
+    def _stage_proc(self, stage: str, tag: str, name: str, gpus: tuple[str, ...] = ()) -> Proc:
+        ready_file = self.log_dir / f"{tag}.ready"
+        argv = stage_command(self.pipeline_file, stage, host=self.host, port=0, http_port=0,
+                             model_dir=self.model_dir, ready_file=ready_file, tls_dir=self._tls_dirs.get(stage))
+        return Proc(name, argv, self.log_dir / f"{tag}.log", ready_file, stage=stage, gpus=gpus)
+
+    def write_endpoints(self) -> None:
+        """The ready replicas in service, as the orchestrator reads them (`--discovery file`); written whole
+        and renamed into place, so a reader never sees half of it."""
+        endpoints: dict[str, list[str]] = {st.name: [] for st in self.pipeline.stages}
+        for p in self.stages:
+            endpoints[p.stage].append(f"{self.host}:{p.port}")
+        tmp = self.endpoints_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(endpoints, indent=2) + "\n")
+        os.replace(tmp, self.endpoints_file)
+
+    # ------------------------------------------------------------ scaling while serving
+    def add_replica(self, stage: str) -> Proc:
+        """Start one more replica of a CPU stage; it joins the orchestrator's replicas once ready
+        (`poll_scaling`). A GPU stage keeps the replicas it started with (its GPUs were placed then)."""
+        if any(p.gpus for p in self.stages if p.stage == stage):
+            raise LaunchError(f"stage {stage} runs on GPUs: serve places GPUs at start and does not add replicas")
+        self._added += 1
+        proc = self._stage_proc(stage, f"{stage}-added{self._added}", f"stage {stage}[+{self._added}]")
+        self._spawn(proc, {**self._env, **gpu_placement.replica_env()})
+        self.starting.append(proc)
+        return proc
+
+    def drain_replica(self, stage: str) -> Proc | None:
+        """Take the newest ready replica of a stage out of service (never its last): it leaves the
+        orchestrator's endpoints now and gets SIGTERM (its drain) shortly after, in `poll_scaling`."""
+        mine = [p for p in self.stages if p.stage == stage]
+        if len(mine) < 2:
+            return None
+        proc = max(mine, key=lambda p: p.started)
+        self.stages.remove(proc)
+        self.write_endpoints()
+        proc.stop_at = time.monotonic() + DRAIN_AFTER_UNLISTED_S
+        self.draining.append(proc)
+        return proc
+
+    def poll_scaling(self) -> list[str]:
+        """Advance the replicas being added and drained; returns what happened, one line each."""
+        events = []
+        for p in list(self.starting):
+            p.ports = read_ready(p.ready_file)
+            if p.ports is not None:
+                p.ready_after = time.monotonic() - p.started
+                self.starting.remove(p)
+                self.stages.append(p)
+                self.write_endpoints()
+                events.append(f"{p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s, in service")
+            elif p.popen.poll() is not None:
+                self.starting.remove(p)
+                events.append(f"{p.name} exited with code {p.popen.returncode} while starting; last log lines "
+                              f"({p.log_path}):\n{p.tail()}")
+        for p in list(self.draining):
+            if p.stop_at is not None and time.monotonic() >= p.stop_at:
+                _signal_group(p.popen, signal.SIGTERM)
+                p.stop_at = None
+            elif p.popen.poll() is not None:
+                self.draining.remove(p)
+                events.append(f"{p.name}: drained, exited with code {p.popen.returncode}")
+        return events
 
     def _issue_certificates(self) -> dict[str | None, Path]:
         """A throwaway CA and a leaf for the orchestrator (key None) and each stage, each in its own folder
@@ -252,7 +323,7 @@ class LocalPipeline:
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every process group, wait up to `grace`, then SIGKILL what is left."""
-        procs = [p for p in self.all_procs() if p.popen is not None]
+        procs = [p for p in [*self.all_procs(), *self.starting, *self.draining] if p.popen is not None]
         for p in procs:
             _signal_group(p.popen, signal.SIGTERM)
         end = time.monotonic() + grace

@@ -1,6 +1,9 @@
 """Where the stage replicas are.
 
-Local mode: static `--stage-endpoint` addresses. In a cluster: watch the
+Local mode: static `--stage-endpoint` addresses, or an endpoints file that
+`omnistage serve` rewrites as it adds and drains replicas (`--discovery file`:
+a JSON object, stage name -> list of `host:port`, polled; every stage listed,
+a bad file logged and the last good one kept). In a cluster: watch the
 EndpointSlices of each stage's Service (`<pipeline>-<stage>`, port `grpc`;
 `discovery.k8s.io/v1` where served, else `v1beta1`) and keep the router's
 replica set equal to the ready addresses, so scaled, drained and replaced
@@ -12,9 +15,11 @@ loopback pod IPs, which the e2e harness gives every pod.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 from omnistage.launch import GRPC_PORT_NAME, stage_service_name
@@ -117,3 +122,76 @@ class KubernetesDiscovery:
                 log.warning("endpointslice watch in %s failed (%s); retrying in %.1fs", self.namespace, e, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+
+FILE_POLL_S = 0.2
+
+
+def read_endpoints_file(path: str | os.PathLike, pipeline: Pipeline) -> dict[str, list[str]]:
+    """The endpoints file's stage -> addresses; ValueError naming what is wrong with it."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    known = [s.name for s in pipeline.stages]
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object of stage name -> list of host:port")
+    unknown = sorted(set(doc) - set(known))
+    missing = [n for n in known if n not in doc]
+    if unknown or missing:
+        raise ValueError(f"{path}: " + "; ".join(x for x in (f"unknown stage(s) {', '.join(unknown)}" if unknown else "",
+                                                              f"no entry for {', '.join(missing)}" if missing else "")
+                                                 if x))
+    for name, addrs in doc.items():
+        if not isinstance(addrs, list) or not all(isinstance(a, str) and a for a in addrs):
+            raise ValueError(f"{path}: {name}: expected a list of host:port")
+    return {n: sorted(set(doc[n])) for n in known}
+
+
+class FileDiscovery:
+    """Polls an endpoints file (see the module docstring) on the event loop; applies each stage's addresses
+    when the file changes."""
+
+    def __init__(self, pipeline: Pipeline, path: str | os.PathLike, apply: Callable[[str, list[str]], None],
+                 poll_s: float = FILE_POLL_S):
+        self.pipeline = pipeline
+        self.path = Path(path)
+        self.apply = apply
+        self.poll_s = poll_s
+        self.synced = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._seen: tuple[int, int] | None = None
+        self._applied: dict[str, list[str]] = {}
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="endpoints-file")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def poll(self) -> None:
+        """Read the file if it changed since the last look, and apply what changed in it."""
+        try:
+            st = self.path.stat()
+        except OSError as e:
+            log.warning("endpoints file %s: %s", self.path, e)
+            return
+        if (st.st_mtime_ns, st.st_size) == self._seen:
+            return
+        self._seen = (st.st_mtime_ns, st.st_size)
+        try:
+            endpoints = read_endpoints_file(self.path, self.pipeline)
+        except ValueError as e:
+            log.error("endpoints file: %s (keeping the replicas known before)", e)
+            return
+        for stage, addrs in endpoints.items():
+            if self._applied.get(stage) != addrs:
+                self.apply(stage, addrs)
+        self._applied = endpoints
+        self.synced.set()
+
+    async def _run(self) -> None:
+        while True:
+            self.poll()
+            await asyncio.sleep(self.poll_s)

@@ -25,7 +25,7 @@ from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
 from .api_keys import ApiKeyError, ApiKeys
-from .discovery import KubernetesDiscovery
+from .discovery import FileDiscovery, KubernetesDiscovery, read_endpoints_file
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .routing import Router
@@ -62,7 +62,7 @@ class OrchestratorServer:
                  port: int = 0, http_port: int | None = None, drain_seconds: float | None = None,
                  namespace: str | None = None, api_port: int | None = None, api_keys: Sequence[str] = (),
                  tls_dir: str | None = None, client_tls_dir: str | None = None,
-                 tls_reload_s: float = tls_grpc.RELOAD_INTERVAL_S):
+                 tls_reload_s: float = tls_grpc.RELOAD_INTERVAL_S, endpoints_file: str | None = None):
         self.pipeline = pipeline
         self.router = Router(pipeline)
         # Stage channels over mutual TLS as this orchestrator's identity; the client-facing ports over TLS.
@@ -89,8 +89,11 @@ class OrchestratorServer:
         self._drain_called = False
         self.http: HttpStatusServer | None = None
         # In a cluster: stage replicas come from the Endpoints of their Services.
+        # Locally: from the endpoints file `omnistage serve` rewrites as it scales.
         self.discovery = (KubernetesDiscovery(pipeline, namespace, self.router.set_endpoints)
-                          if namespace is not None else None)
+                          if namespace is not None else
+                          FileDiscovery(pipeline, endpoints_file, self.router.set_endpoints)
+                          if endpoints_file is not None else None)
 
     async def start(self, wait_for_stages: float | None = None) -> int:
         # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
@@ -194,6 +197,16 @@ async def serve(args: argparse.Namespace) -> int:
             return 2
         endpoints = {}
         namespace = args.namespace
+    elif args.discovery == "file":
+        if args.stage_endpoint or not args.endpoints_file:
+            print("orchestrator: --discovery file takes --endpoints-file and no --stage-endpoint", file=sys.stderr)
+            return 2
+        try:  # read once here: a bad file at start is an error, later ones are logged and skipped
+            read_endpoints_file(args.endpoints_file, pipeline)
+        except ValueError as e:
+            print(f"orchestrator: {e}", file=sys.stderr)
+            return 2
+        endpoints = {}
     else:
         try:
             endpoints = parse_endpoints(args.stage_endpoint, pipeline)
@@ -202,7 +215,8 @@ async def serve(args: argparse.Namespace) -> int:
             return 2
     srv = OrchestratorServer(pipeline, endpoints, args.host, args.port, args.http_port, args.drain_seconds,
                              namespace=namespace, api_port=args.api_port, api_keys=args.api_key,
-                             tls_dir=args.tls_dir, client_tls_dir=args.client_tls_dir)
+                             tls_dir=args.tls_dir, client_tls_dir=args.client_tls_dir,
+                             endpoints_file=args.endpoints_file if args.discovery == "file" else None)
     on_signals(lambda: asyncio.ensure_future(srv.drain()))
     try:
         await srv.start(wait_for_stages=args.wait_for_stages)

@@ -7,6 +7,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from omnistage.planner.scrape import QUEUE_DEPTH, REQUESTS, RUNNING, STEP_MS, UNITS  # what the planner reads
+
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 RATE_WINDOW_S = 10.0
 
@@ -15,19 +17,19 @@ class StageMetrics:
     def __init__(self, stage: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, ["stage"]
-        self.requests = Counter("omnistage_stage_requests", "Requests ended, by outcome "
+        self.requests = Counter(REQUESTS, "Requests ended, by outcome "
                                 "(finished, cancelled, failed, rejected, invalid, timeout)",
                                 ["stage", "outcome"], registry=r)
-        self.queue_depth = Gauge("omnistage_stage_queue_depth", "Requests admitted, waiting for the engine",
+        self.queue_depth = Gauge(QUEUE_DEPTH, "Requests admitted, waiting for the engine",
                                  labels, registry=r)
-        self.running = Gauge("omnistage_stage_running", "Requests the engine is working on", labels, registry=r)
+        self.running = Gauge(RUNNING, "Requests the engine is working on", labels, registry=r)
         self.batch_size = Histogram("omnistage_stage_batch_size", "Requests per engine step", labels,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.step_ms = Histogram("omnistage_stage_step_ms", "Engine step time (ms)", labels,
+        self.step_ms = Histogram(STEP_MS, "Engine step time (ms)", labels,
                                  buckets=_MS_BUCKETS, registry=r)
         self.queue_ms = Histogram("omnistage_stage_queue_ms", "Time a request waited before its first step (ms)",
                                   labels, buckets=_MS_BUCKETS, registry=r)
-        self.units = Counter("omnistage_stage_units", "Work units produced (tokens, frames, steps, images, chunks)",
+        self.units = Counter(UNITS, "Work units produced (tokens, frames, steps, images, chunks)",
                              ["stage", "unit"], registry=r)
         self.units_per_second = Gauge("omnistage_stage_units_per_second",
                                       f"Work units produced per second over the last {RATE_WINDOW_S:.0f} s",

@@ -1,0 +1,84 @@
+"""The planner's memory between decisions: recent counters, estimates and each stage's scale.
+
+A controller (the operator's, or `omnistage serve --autoscale`'s) reads every stage replica's counters
+each `intervalSeconds` and hands them to `observe`; `decide` then measures each stage over the last
+`WINDOW_S` (long enough that one slow step or one burst does not move it, short enough to react
+within a few seconds), updates the estimates, plans and decides. What the controller does with the
+result is its own: write Deployments' replicas, or start and drain local processes until each stage
+runs `scales[stage].replicas`.
+
+No I/O: time comes in as arguments, so tests drive it with a clock of their own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping
+
+from omnistage.spec.model import Autoscaling
+
+from .decisions import Change, StageScale, decide
+from .load import ReplicaCounters, StageEstimate, estimate, need, window
+from .sizing import Budget, Plan, plan
+
+WINDOW_S = 3.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    plan: Plan
+    changes: list[Change]
+    estimates: Mapping[str, StageEstimate]
+    units: Mapping[str, str]   # per stage, what its capacity counts ("tokens/s"; "" before its first step)
+
+
+class Planner:
+    def __init__(self, autoscaling: Autoscaling, replicas: Mapping[str, int], gpus: Mapping[str, int] | None = None,
+                 window_s: float = WINDOW_S):
+        """`replicas`: each stage's count now (the file's `replicas`: a starting point, clamped to the
+        stage's bounds); `gpus`: GPUs per replica of each stage."""
+        self.config = autoscaling
+        self.gpus = dict(gpus or {})
+        self.window_s = window_s
+        self.bounds = {s: autoscaling.bounds(s) for s in replicas}
+        self.scales = {s: StageScale(min(max(n, self.bounds[s].min_replicas), self.bounds[s].max_replicas))
+                       for s, n in replicas.items()}
+        self.estimates = {s: StageEstimate(s) for s in replicas}
+        self.units = {s: "" for s in replicas}
+        self._history: dict[str, deque[dict[str, ReplicaCounters]]] = {s: deque() for s in replicas}
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.config.budget.max_replicas, self.config.budget.max_gpus)
+
+    def observe(self, stage: str, counters: Mapping[str, ReplicaCounters], unit: str = "") -> None:
+        """One reading of every replica of a stage (by replica name), all taken at about the same time."""
+        if not counters:
+            return
+        hist = self._history[stage]
+        hist.append(dict(counters))
+        newest = max(c.at for c in counters.values())
+        while len(hist) > 2 and max(c.at for c in hist[1].values()) <= newest - self.window_s:
+            hist.popleft()  # keep one reading at least a window old
+        if unit:
+            self.units[stage] = unit
+
+    def decide(self, now: float) -> Decision:
+        targets = self.config.targets
+        needs = []
+        for stage, hist in self._history.items():
+            if len(hist) >= 2:
+                self.estimates[stage] = estimate(self.estimates[stage], window(stage, hist[0], hist[-1]),
+                                                 targets.queue_seconds)
+            est, b = self.estimates[stage], self.bounds[stage]
+            unit = f"{self.units[stage] or 'units'}/s"
+            needs.append(need(est, b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
+                              default_capacity=max(est.load, 1.0) / targets.utilization))
+        p = plan(needs, self.budget, targets.utilization)
+        delays = {s: b.scale_down_delay_seconds for s, b in self.bounds.items()}
+        self.scales, changes = decide(self.scales, p, now, delays, self.gpus, self.budget)
+        return Decision(p, changes, dict(self.estimates), {s: f"{u}/s" if u else "" for s, u in self.units.items()})
+
+    def desired(self) -> dict[str, int]:
+        return {s: sc.replicas for s, sc in self.scales.items()}

@@ -1,0 +1,36 @@
+"""The planner's decisions as Prometheus metrics, for users whose own autoscaler acts on them (a KEDA
+ScaledObject or an HPA external metric on `omnistage_planner_desired_replicas`): docs/planner.md."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .controller import Decision, Planner
+
+DESIRED_REPLICAS = "omnistage_planner_desired_replicas"
+
+
+class PlannerMetrics:
+    def __init__(self, pipeline: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        labels, r = ["pipeline", "stage"], self.registry
+        self.pipeline = pipeline
+        self.desired = Gauge(DESIRED_REPLICAS, "Replicas the stage planner wants for the stage", labels, registry=r)
+        self.capacity = Gauge("omnistage_planner_capacity", "Work units per second one replica serves, as measured",
+                              labels, registry=r)
+        self.load = Gauge("omnistage_planner_offered_load", "Work units per second offered to the stage, queue "
+                          "to drain included", labels, registry=r)
+        self.utilization = Gauge("omnistage_planner_utilization", "Offered load over the capacity of the replicas "
+                                 "running (above 1: the stage is the bottleneck)", labels, registry=r)
+        self.changes = Counter("omnistage_planner_changes", "Replica count changes the planner made, by direction",
+                               [*labels, "direction"], registry=r)
+
+    def record(self, planner: Planner, decision: Decision) -> None:
+        for stage, n in planner.desired().items():
+            est = decision.estimates[stage]
+            self.desired.labels(self.pipeline, stage).set(n)
+            self.capacity.labels(self.pipeline, stage).set(est.capacity)
+            self.load.labels(self.pipeline, stage).set(est.load)
+            self.utilization.labels(self.pipeline, stage).set(est.utilization)
+        for c in decision.changes:
+            self.changes.labels(self.pipeline, c.stage, "up" if c.after > c.before else "down").inc()
