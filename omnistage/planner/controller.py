@@ -2,8 +2,9 @@
 
 A controller (the operator's, or `omnistage serve --autoscale`'s) reads every stage replica's counters
 each `intervalSeconds` and hands them to `observe`; `decide` then measures each stage over the last
-`WINDOW_S` (long enough that one slow step or one burst does not move it, short enough to react
-within a few seconds), updates the estimates, plans and decides. What the controller does with the
+`WINDOW_S` (throughput: long enough that a few requests more or less do not move it) and the last
+`RECENT_S` (queue growth: a load step shows within a second or two), updates the estimates, plans and
+decides. What the controller does with the
 result is its own: write Deployments' replicas, or start and drain local processes until each stage
 runs `scales[stage].replicas`.
 
@@ -13,16 +14,20 @@ No I/O: time comes in as arguments, so tests drive it with a clock of their own.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from omnistage.spec.model import Autoscaling
 
 from .decisions import Change, StageScale, decide
-from .load import ReplicaCounters, StageEstimate, estimate, need, window
+from .load import ReplicaCounters, StageEstimate, estimate, need, recent_load, window
 from .sizing import Budget, Plan, plan
 
-WINDOW_S = 3.0
+WINDOW_S = 10.0
+RECENT_S = 3.0
+# The recent window's load counts at this share: it adds replicas only when the stage's replicas are nearly
+# full right now (about 0.9 busy at a 0.8 target), not on every short burst a steady Poisson load has.
+RECENT_WEIGHT = 0.9
 
 
 @dataclass(frozen=True)
@@ -68,10 +73,20 @@ class Planner:
         targets = self.config.targets
         needs = []
         for stage, hist in self._history.items():
+            load = None
             if len(hist) >= 2:
-                self.estimates[stage] = estimate(self.estimates[stage], window(stage, hist[0], hist[-1]),
-                                                 targets.queue_seconds)
+                newest = max(c.at for c in hist[-1].values())
+                recent = next((h for h in reversed(hist) if max(c.at for c in h.values()) <= newest - RECENT_S),
+                              hist[0])
+                short = window(stage, recent, hist[-1])
+                prev = self.estimates[stage]
+                self.estimates[stage] = estimate(prev, window(stage, hist[0], hist[-1]), targets.queue_seconds, short)
+                # what the last few seconds say, at RECENT_WEIGHT: a load step shows there first
+                load = max(self.estimates[stage].load,
+                           recent_load(self.estimates[stage], short, targets.queue_seconds) * RECENT_WEIGHT)
             est, b = self.estimates[stage], self.bounds[stage]
+            if load is not None:
+                est = replace(est, load=load)
             unit = f"{self.units[stage] or 'units'}/s"
             needs.append(need(est, b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
                               default_capacity=max(est.load, 1.0) / targets.utilization))

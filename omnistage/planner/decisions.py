@@ -8,7 +8,10 @@ steady load from flapping. Replicas freed by a scale-down drain before they stop
 contract), so removing one fails no request.
 
 Scale-ups are granted against the budget with the replicas that still run: when the bottleneck moves
-under a full budget, the stage it moved to grows only as the one it left shrinks.
+under a full budget, the stage it moved to grows only as the one it left shrinks. The one it left then
+shrinks sooner than its own delay: once fewer replicas have been enough for it for `REBALANCE_S`, a
+replica it no longer needs goes to the bottleneck that waits for the budget (the delay guards a stage
+against its own load coming back; it must not keep a pipeline's bottleneck starved).
 
 Pure: the state of each stage, a plan and the time in; the next state out.
 """
@@ -19,6 +22,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .sizing import Budget, Plan
+
+
+REBALANCE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,22 +59,39 @@ def decide(current: Mapping[str, StageScale], plan: Plan, now: float, delays: Ma
         else:
             nxt[stage] = _down_or_wait(cur.replicas, cur.lower_since, max(cur.lower_to, p.keep_down_to), now,
                                        delays.get(stage, 0.0))
-    # Grant scale-ups one replica at a time to the most loaded, while the budget holds with what runs.
+    # Grant scale-ups one replica at a time to the most loaded, while the budget holds with what runs;
+    # a stage waiting out its delay with replicas it no longer needs gives them up first.
     ups.sort(key=lambda s: (-plan.stages[s].utilization, s))
+
+    def fits(stage: str) -> bool:
+        total = sum(s.replicas for s in nxt.values()) + 1
+        used = sum(s.replicas * gpus.get(n, 0) for n, s in nxt.items()) + gpus.get(stage, 0)
+        return budget.fits(total, used)
+
     granted = True
     while granted:
         granted = False
         for stage in ups:
             if nxt[stage].replicas >= plan.stages[stage].replicas:
                 continue
-            total = sum(s.replicas for s in nxt.values()) + 1
-            used = sum(s.replicas * gpus.get(n, 0) for n, s in nxt.items()) + gpus.get(stage, 0)
-            if budget.fits(total, used):
+            if not fits(stage):
+                _give_up_one(nxt, now, gpus.get(stage, 0), gpus)
+            if fits(stage):
                 nxt[stage] = StageScale(nxt[stage].replicas + 1)
                 granted = True
                 break
     changes = [Change(s, current[s].replicas, nxt[s].replicas) for s in current if nxt[s].replicas != current[s].replicas]
     return nxt, changes
+
+
+def _give_up_one(nxt: dict[str, StageScale], now: float, wanted_gpus: int, gpus: Mapping[str, int]) -> None:
+    """One replica from a stage that has had more than it needs for REBALANCE_S (the longest so first), when
+    that frees what the waiting stage needs (a replica; its GPUs)."""
+    donors = [(s, sc) for s, sc in nxt.items() if sc.lower_since is not None and sc.replicas > sc.lower_to
+              and now - sc.lower_since >= REBALANCE_S and gpus.get(s, 0) >= min(wanted_gpus, 1)]
+    if donors:
+        s, sc = min(donors, key=lambda d: (d[1].lower_since, d[0]))
+        nxt[s] = StageScale(sc.replicas - 1, sc.lower_since, sc.lower_to)
 
 
 def _down_or_wait(replicas: int, since: float, lower_to: int, now: float, delay: float) -> StageScale:

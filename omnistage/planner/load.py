@@ -11,9 +11,13 @@ snapshots of those counters, a window apart, give per stage:
   time at the batch sizes it runs now. Batching makes a fuller replica faster, so the estimate keeps the
   best rate seen and lets it fade slowly (`CAPACITY_MEMORY`): a replica at low load does not make the
   planner believe the stage is slow;
-- offered load: the throughput plus the queued work spread over the queue target (`queue_seconds`):
-  a stage that keeps up has no queue and its load is its throughput; one that does not is offered
-  more than it serves, by what it must drain to meet the target.
+- offered load: what arrives, plus the queued work to drain. A stage that keeps up has no queue and
+  what arrives is its throughput; one that does not serves less than arrives, and the difference is
+  how fast its queue grows. So: the throughput over a long window (smooth: a few requests more or less
+  in a window must not add a replica), plus the queue's growth over a short one (a load step shows
+  there within a second or two, long before throughput could), plus the queued work spread over
+  `drain_seconds` (the larger of the queue target and `MIN_DRAIN_S`: a backlog is worked off by
+  headroom, not by replicas that start after it is gone).
 
 Pure: snapshots in, numbers out.
 """
@@ -29,6 +33,10 @@ from .sizing import StageNeed
 MIN_BUSY = 0.02
 # Each window the best capacity seen keeps this share of itself against a lower measurement.
 CAPACITY_MEMORY = 0.95
+# Each window moves the work-per-request estimate by this much less than the window says.
+PER_REQUEST_MEMORY = 0.8
+# A backlog is planned to be gone within this long at least (see the module docstring).
+MIN_DRAIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class StageWindow:
     requests_per_s: float
     queued: int
     running: int
+    queued_before: int = 0    # at the window's start
 
 
 def window(stage: str, before: Mapping[str, ReplicaCounters], after: Mapping[str, ReplicaCounters]) -> StageWindow:
@@ -72,7 +81,8 @@ def window(stage: str, before: Mapping[str, ReplicaCounters], after: Mapping[str
         span = max(span, b.at - a.at)
     per_s = 1.0 / span if span > 0 else 0.0
     return StageWindow(stage, len(after), span, units * per_s, busy * per_s, finished * per_s,
-                       sum(c.queued for c in after.values()), sum(c.running for c in after.values()))
+                       sum(c.queued for c in after.values()), sum(c.running for c in after.values()),
+                       sum(c.queued for c in before.values()))
 
 
 @dataclass(frozen=True)
@@ -86,16 +96,30 @@ class StageEstimate:
     utilization: float = 0.0        # load over the capacity of the replicas running
 
 
-def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float) -> StageEstimate:
-    """The next estimate from the last one and a new window (see the module docstring)."""
+def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float, recent: StageWindow | None = None) -> StageEstimate:
+    """The next estimate from the last one, a long window `w` and a `recent` short one (default: `w`)
+    (see the module docstring)."""
+    recent = recent or w
     capacity = prev.capacity * CAPACITY_MEMORY
     if w.busy >= MIN_BUSY and w.units_per_s > 0:
         capacity = max(capacity, w.units_per_s / w.busy)
-    per_request = w.units_per_s / w.requests_per_s if w.requests_per_s > 0 else prev.units_per_request
-    backlog = w.queued * per_request
-    load = w.units_per_s + (backlog / queue_seconds if queue_seconds > 0 else 0.0)
+    per_request = prev.units_per_request
+    if w.requests_per_s > 0:  # smoothed: units are counted as they are made, requests only as they end
+        seen = w.units_per_s / w.requests_per_s
+        per_request = seen if not per_request else PER_REQUEST_MEMORY * per_request + (1 - PER_REQUEST_MEMORY) * seen
+    load = recent_load(StageEstimate(w.stage, units_per_request=per_request), recent, queue_seconds)
+    load += w.units_per_s - recent.units_per_s  # the long window's throughput, the recent one's queue
     util = load / (w.replicas * capacity) if w.replicas and capacity > 0 else 0.0
     return StageEstimate(w.stage, capacity, per_request, load, util)
+
+
+def recent_load(est: StageEstimate, recent: StageWindow, queue_seconds: float) -> float:
+    """Offered load as the recent window alone says it (its throughput, its queue's growth, the backlog), with
+    the work per request of the longer estimate `est` (a few seconds see too few requests end to say it)."""
+    per_request = est.units_per_request
+    growth = (recent.queued - recent.queued_before) * per_request / recent.seconds if recent.seconds > 0 else 0.0
+    backlog = recent.queued * per_request / max(queue_seconds, MIN_DRAIN_S)
+    return max(recent.units_per_s + growth, 0.0) + backlog
 
 
 def need(est: StageEstimate, min_replicas: int, max_replicas: int, gpus: int = 0, unit: str = "units/s",

@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnistage.planner.decisions import Change, StageScale, decide
+from omnistage.planner.decisions import REBALANCE_S, Change, StageScale, decide
 from omnistage.planner.sizing import Budget, Plan, StageNeed, StagePlan, plan
 
 
@@ -59,14 +59,24 @@ def test_zero_delay_scales_down_at_once():
     assert changes == [(0.0, Change("a", 5, 2))]
 
 
-def test_a_moved_bottleneck_grows_only_as_the_old_one_shrinks_under_a_full_budget():
+def test_a_moved_bottleneck_grows_as_the_old_one_gives_up_what_it_no_longer_needs():
+    """Under a full budget the stage the bottleneck left gives a replica to the one it moved to once fewer
+    have been enough for it for REBALANCE_S, before its own scale-down delay."""
     budget = Budget(max_replicas=5)
     start = {"talker": StageScale(3), "code2wav": StageScale(2)}
     moved = P(talker=(2, 2, 0.6), code2wav=(3, 3, 1.3))
-    state, changes = run(start, [(0.0, moved), (10.0, moved), (30.0, moved)], {"talker": 30, "code2wav": 30},
-                         budget)
-    assert changes == [(30.0, Change("talker", 3, 2)), (30.0, Change("code2wav", 2, 3))]
+    state, changes = run(start, [(0.0, moved), (REBALANCE_S - 1, moved), (REBALANCE_S, moved)],
+                         {"talker": 30, "code2wav": 30}, budget)
+    assert changes == [(REBALANCE_S, Change("talker", 3, 2)), (REBALANCE_S, Change("code2wav", 2, 3))]
     assert sum(s.replicas for s in state.values()) == 5
+
+
+def test_no_stage_gives_up_a_replica_it_still_needs():
+    budget = Budget(max_replicas=5)
+    start = {"talker": StageScale(3), "code2wav": StageScale(2)}
+    both = P(talker=(3, 3, 0.9), code2wav=(3, 3, 1.3))
+    _, changes = run(start, [(t, both) for t in (0.0, 10.0, 60.0)], {"talker": 30, "code2wav": 30}, budget)
+    assert changes == []
 
 
 def test_scale_ups_share_a_budget_most_loaded_first():

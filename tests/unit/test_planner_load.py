@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omnistage.planner.load import (CAPACITY_MEMORY, ReplicaCounters, StageEstimate, StageWindow, estimate, need,
-                                    window)
+from omnistage.planner.load import (CAPACITY_MEMORY, MIN_DRAIN_S, PER_REQUEST_MEMORY, ReplicaCounters, StageEstimate,
+                                    StageWindow, estimate, need, recent_load, window)
 
 
 def C(at, units=0.0, busy=0.0, finished=0.0, queued=0, running=0):
@@ -17,7 +17,7 @@ def test_window_sums_replicas_over_the_span():
     after = {"r1": C(12, units=300, busy=2.5, finished=14, queued=3, running=2),
              "r2": C(12, units=150, busy=3, finished=7, queued=1, running=1)}
     w = window("talker", before, after)
-    assert w == StageWindow("talker", 2, 2.0, 150.0, 1.25, 3.0, 4, 3)
+    assert w == StageWindow("talker", 2, 2.0, 150.0, 1.25, 3.0, 4, 3, 0)
 
 
 def test_a_restarted_replica_counts_from_zero_and_a_new_one_from_when_it_appeared():
@@ -37,8 +37,9 @@ def test_no_span_gives_zero_rates():
     assert (w.units_per_s, w.busy, w.requests_per_s) == (0.0, 0.0, 0.0)
 
 
-def W(units_per_s, busy, requests_per_s=1.0, queued=0, replicas=1):
-    return StageWindow("a", replicas, 1.0, units_per_s, busy, requests_per_s, queued, 0)
+def W(units_per_s, busy, requests_per_s=1.0, queued=0, replicas=1, queued_before=None, seconds=1.0):
+    return StageWindow("a", replicas, seconds, units_per_s, busy, requests_per_s, queued, 0,
+                       queued if queued_before is None else queued_before)
 
 
 def test_capacity_is_units_per_busy_second_and_remembers_the_best():
@@ -52,17 +53,35 @@ def test_capacity_is_units_per_busy_second_and_remembers_the_best():
     assert e3.capacity == pytest.approx(80 * CAPACITY_MEMORY)
 
 
-def test_a_queue_adds_its_work_over_the_queue_target():
-    # 4 requests/s of 25 units each; 8 queued = 200 units to drain within 2 s
-    e = estimate(StageEstimate("a"), W(100, 1.0, requests_per_s=4, queued=8), queue_seconds=2)
-    assert (e.units_per_request, e.load, e.utilization) == (25.0, 200.0, 2.0)
-    # no queue target: the queue adds nothing
-    assert estimate(StageEstimate("a"), W(100, 1.0, 4, 8), queue_seconds=0).load == 100.0
+def test_a_growing_queue_is_load_that_arrives_and_is_not_served():
+    # 4 requests/s of 25 units each served; the queue went from 0 to 8 in 2 s: 100 units/s more arrive
+    e = estimate(StageEstimate("a"), W(100, 1.0, requests_per_s=4, queued=8, queued_before=0, seconds=2), 1)
+    assert e.units_per_request == 25.0
+    assert e.load == pytest.approx(100 + 100 + 8 * 25 / MIN_DRAIN_S)
+    assert e.utilization == pytest.approx(e.load / 100)
 
 
-def test_units_per_request_is_kept_when_nothing_finished():
+def test_a_standing_queue_is_drained_over_the_longer_of_the_target_and_min_drain():
+    standing = W(100, 1.0, requests_per_s=4, queued=8)
+    assert estimate(StageEstimate("a"), standing, queue_seconds=1).load == pytest.approx(100 + 200 / MIN_DRAIN_S)
+    assert estimate(StageEstimate("a"), standing, queue_seconds=100).load == pytest.approx(100 + 200 / 100)
+    # a shrinking queue: less arrives than is served
+    shrinking = W(100, 1.0, requests_per_s=4, queued=0, queued_before=4, seconds=2)
+    assert estimate(StageEstimate("a"), shrinking, 1).load == pytest.approx(50.0)
+
+
+def test_the_recent_window_brings_its_queue_the_long_one_its_throughput():
+    long, recent = W(100, 1.0, requests_per_s=4), W(160, 1.0, requests_per_s=4, queued=6, queued_before=0, seconds=3)
+    e = estimate(StageEstimate("a"), long, 1, recent)
+    assert e.load == pytest.approx(100 + 6 * 25 / 3 + 6 * 25 / MIN_DRAIN_S)
+    assert recent_load(e, recent, 1) == pytest.approx(160 + 6 * 25 / 3 + 6 * 25 / MIN_DRAIN_S)
+
+
+def test_work_per_request_is_smoothed_and_kept_when_nothing_finished():
     e = estimate(StageEstimate("a", capacity=10, units_per_request=25), W(0, 0, requests_per_s=0, queued=2), 1)
-    assert (e.units_per_request, e.load) == (25.0, 50.0)
+    assert e.units_per_request == 25.0
+    e2 = estimate(e, W(100, 1.0, requests_per_s=2), 1)   # this window says 50
+    assert e2.units_per_request == pytest.approx(PER_REQUEST_MEMORY * 25 + (1 - PER_REQUEST_MEMORY) * 50)
 
 
 def test_need_stands_in_a_capacity_until_one_is_measured():

@@ -1,0 +1,395 @@
+"""The stage planner against the best allocation and against per-stage HPA-style scaling.
+
+MODELED STAGES, on purpose: a Thinker -> Talker -> Code2Wav pipeline simulated in virtual time (steps of
+`DT`), each stage replica a model of a batching engine: up to `BATCH` requests in service at once, each
+advancing at capacity/BATCH units per second (tokens or codec frames: batching keeps a request's speed),
+the rest queued at the stage; a new replica serves `STARTUP_S` after it is asked for (a modeled pod
+start and model load; it holds its share of the budget from the moment it is asked for); a replica
+removed finishes what it serves first (the drain contract). The planner is the real one
+(`omnistage.planner.controller.Planner`, the code `omnistage serve --autoscale` runs), fed the counters
+a real replica exports (units, busy seconds, finished requests, queue and running) every second.
+
+Three controllers over the same arrivals (same seed):
+- planner: omnistage's planner;
+- optimal: an oracle that knows the true capacities and each instant's load, sizes every stage with
+  the same sizing (utilisation 0.8, the same budget) and whose replicas start at once;
+- hpa: each stage on its own, as the Kubernetes HPA does on a CPU-like utilisation metric (the share
+  of its replicas' batch slots in use): every 15 s, desired = ceil(replicas x utilisation / 0.8) outside
+  a 10% tolerance, scale-up at most max(4, 100%) per period, scale-down to the highest recommendation
+  of the last 300 s; replicas beyond the budget are never granted (pending pods).
+
+Scenarios: a load step (x4 at 60 s), a ramp (x1 to x4 over 300 s), a steady load, and a request mix
+that moves the bottleneck (text-heavy: the Thinker; speech-heavy: the Talker) every 120 s under a fixed
+budget. A request meets its target when its latency is at most `SLO_FACTOR` times its latency alone;
+goodput is those per second. Figures:
+
+- `planner.goodput_per_replica_over_optimal.step` / `.ramp`: (goodput per replica-second) over the
+  oracle's (goal >= 0.9);
+- `planner.react_s`: load step to the first scale-up decision (goal <= 5);
+- `planner.to_target_s`: load step to the trailing 10 s share of requests meeting their target back at
+  95% (with STARTUP_S stated);
+- `planner.changes_under_steady_load` after the first minute (goal 0);
+- `planner_over_per_stage_hpa.goodput` on the moving bottleneck (goal >= 1.3);
+- `planner.failed_requests_on_scale_down`: requests failed while replicas were drained (the model's
+  drains finish their work; the real run of `tests/local/test_serve_autoscale.py` checks real drains).
+
+    .venv/bin/python bench/planner.py [--quick]
+
+Prints a table and writes bench/results/planner.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from common import figure, finish, print_table  # noqa: E402 (bench/common.py puts the repo on sys.path)
+
+from omnistage.planner.controller import Planner  # noqa: E402
+from omnistage.planner.load import ReplicaCounters  # noqa: E402
+from omnistage.planner.sizing import Budget, StageNeed, offered_load, plan  # noqa: E402
+from omnistage.spec.model import (Autoscaling, AutoscalingBudget, AutoscalingTargets,  # noqa: E402
+                                  StageAutoscaling)
+
+DT = 0.1
+BATCH = 8
+STARTUP_S = 15.0
+INTERVAL_S = 1.0
+UTILIZATION = 0.8
+SLO_FACTOR = 2.0
+STAGES = {"thinker": 400.0, "talker": 200.0, "code2wav": 1000.0}   # units per second per replica, full batch
+UNITS = {"thinker": "tokens", "talker": "frames", "code2wav": "frames"}
+CLASSES = {"text": {"thinker": 256}, "speech": {"thinker": 24, "talker": 120, "code2wav": 120}}
+WARMUP_S = 60.0           # figures count from here (every controller starts at one replica per stage)
+STEADY_AFTER_S = 240.0    # the steady load's changes are counted from here (after the cold start settled)
+MAX_REPLICAS = 8          # per stage
+BUDGET = 12               # replicas of all stages
+
+
+def alone_s(cls: str) -> float:
+    """A request's latency with no queue: each stage at one batch slot's speed."""
+    return sum(units / (STAGES[s] / BATCH) for s, units in CLASSES[cls].items())
+
+
+# ------------------------------------------------------------------ the model
+
+
+@dataclass(eq=False)
+class Request:
+    cls: str
+    born: float
+    stages: list[str]
+    left: float = 0.0
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str
+    ready_at: float
+    draining: bool = False
+    serving: list[Request] = field(default_factory=list)
+    units: float = 0.0
+    busy: float = 0.0
+    finished: float = 0.0
+
+
+class Stage:
+    def __init__(self, name: str, capacity: float, replicas: int):
+        self.name, self.capacity = name, capacity
+        self.queue: deque[Request] = deque()
+        self.replicas: list[Replica] = []
+        self._made = 0
+        for _ in range(replicas):
+            self.add(0.0)
+
+    def add(self, ready_at: float) -> None:
+        self._made += 1
+        self.replicas.append(Replica(f"{self.name}-{self._made}", ready_at))
+
+    def in_service(self, t: float) -> list[Replica]:
+        return [r for r in self.replicas if r.ready_at <= t and not r.draining]
+
+    def counted(self) -> int:
+        """Replicas that hold budget: serving, starting or draining."""
+        return len(self.replicas)
+
+    def drain_one(self, t: float) -> bool:
+        live = [r for r in self.replicas if not r.draining]
+        if len(live) < 2:
+            return False
+        starting = [r for r in live if r.ready_at > t]
+        victim = starting[-1] if starting else live[-1]   # a replica still starting goes first
+        victim.draining = True
+        return True
+
+    def step(self, t: float, dt: float) -> list[Request]:
+        ready = self.in_service(t)
+        while self.queue and ready:
+            r = min(ready, key=lambda x: len(x.serving))
+            if len(r.serving) >= BATCH:
+                break
+            r.serving.append(self.queue.popleft())
+        done = []
+        speed = self.capacity / BATCH * dt
+        for r in self.replicas:
+            if r.ready_at > t:
+                continue
+            r.busy += len(r.serving) / BATCH * dt
+            for req in list(r.serving):
+                used = min(speed, req.left)
+                req.left -= used
+                r.units += used
+                if req.left <= 1e-9:
+                    r.serving.remove(req)
+                    r.finished += 1
+                    done.append(req)
+        self.replicas = [r for r in self.replicas if not (r.draining and not r.serving)]
+        return done
+
+    def counters(self, t: float) -> dict[str, ReplicaCounters]:
+        ready = self.in_service(t)
+        return {r.name: ReplicaCounters(t, r.units, r.busy, r.finished, len(self.queue) // max(len(ready), 1),
+                                        len(r.serving)) for r in ready}
+
+
+@dataclass
+class Scenario:
+    name: str
+    horizon: float
+    rates: Callable[[float], Mapping[str, float]]   # requests per second per class at time t
+    budget: int = BUDGET
+
+
+@dataclass
+class Outcome:
+    done: list[tuple[float, float, bool]] = field(default_factory=list)   # (finish time, latency, met)
+    replica_seconds: float = 0.0
+    changes: list[tuple[float, str, int, int]] = field(default_factory=list)
+    failed: int = 0
+
+    def goodput(self, start: float, end: float) -> float:
+        return sum(1 for t, _, met in self.done if start <= t < end and met) / (end - start)
+
+    def goodput_per_replica(self, start: float, end: float) -> float:
+        return self.goodput(start, end) / (self.replica_seconds / (end - start))
+
+
+def simulate(sc: Scenario, controller, seed: int = 1, warmup: float = 0.0) -> Outcome:
+    rng = random.Random(seed)
+    stages = {name: Stage(name, cap, 1) for name, cap in STAGES.items()}
+    out, t, next_decision = Outcome(), 0.0, 0.0
+    while t < sc.horizon:
+        for cls, rate in sc.rates(t).items():
+            for _ in range(_poisson(rng, rate * DT)):
+                order = [s for s in STAGES if CLASSES[cls].get(s)]
+                req = Request(cls, t, order, CLASSES[cls][order[0]])
+                stages[order[0]].queue.append(req)
+        for name in STAGES:
+            for req in stages[name].step(t, DT):
+                i = req.stages.index(name)
+                if i + 1 < len(req.stages):
+                    req.left = CLASSES[req.cls][req.stages[i + 1]]
+                    stages[req.stages[i + 1]].queue.append(req)
+                else:
+                    latency = t + DT - req.born
+                    out.done.append((t + DT, latency, latency <= SLO_FACTOR * alone_s(req.cls)))
+        if t >= warmup:
+            out.replica_seconds += sum(s.counted() for s in stages.values()) * DT
+        if t >= next_decision - 1e-9:
+            next_decision += INTERVAL_S
+            want = controller.decide(t, stages)
+            _reconcile(t, stages, want, sc.budget, out, getattr(controller, "instant", False))
+        t = round(t + DT, 6)
+    return out
+
+
+def _reconcile(t, stages, want, budget, out, instant) -> None:
+    for name, n in want.items():
+        st = stages[name]
+        live = sum(not r.draining for r in st.replicas)
+        for _ in range(live - n):
+            st.drain_one(t)
+        for _ in range(n - live):
+            if sum(s.counted() for s in stages.values()) >= budget:
+                break  # beyond the budget: a pending pod that never starts
+            st.add(t if instant else t + STARTUP_S)
+        now_live = sum(not r.draining for r in st.replicas)
+        if now_live != live:
+            out.changes.append((t, name, live, now_live))
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    n, p, limit = 0, 1.0, math.exp(-mean)
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return n
+        n += 1
+
+
+# ------------------------------------------------------------------ the controllers
+
+
+class PlannerControl:
+    def __init__(self, budget: int):
+        cfg = Autoscaling(enabled=True, interval_seconds=INTERVAL_S,
+                          targets=AutoscalingTargets(queue_seconds=1.0, utilization=UTILIZATION),
+                          budget=AutoscalingBudget(max_replicas=budget),
+                          stages={s: StageAutoscaling(1, MAX_REPLICAS, 30.0) for s in STAGES})
+        self.planner = Planner(cfg, {s: 1 for s in STAGES})
+
+    def decide(self, t, stages) -> dict[str, int]:
+        for name, st in stages.items():
+            self.planner.observe(name, st.counters(t), UNITS[name])
+        self.planner.decide(t)
+        return self.planner.desired()
+
+
+class OracleControl:
+    instant = True
+
+    def __init__(self, rates, budget: int):
+        self.rates, self.budget = rates, budget
+
+    def decide(self, t, stages) -> dict[str, int]:
+        load = offered_load(self.rates(t), CLASSES)
+        needs = [StageNeed(s, load.get(s, 0.0), cap, 1, MAX_REPLICAS) for s, cap in STAGES.items()]
+        return plan(needs, Budget(max_replicas=self.budget), UTILIZATION).replicas()
+
+
+class HpaControl:
+    PERIOD_S, TOLERANCE, DOWN_WINDOW_S = 15.0, 0.1, 300.0
+
+    def __init__(self):
+        self.next = 0.0
+        self.last: dict[str, tuple[float, float]] = {}
+        self.recommended: dict[str, deque] = {s: deque() for s in STAGES}
+        self.current = {s: 1 for s in STAGES}
+
+    def decide(self, t, stages) -> dict[str, int]:
+        if t < self.next:
+            return self.current
+        self.next = t + self.PERIOD_S
+        for name, st in stages.items():
+            ready = st.in_service(t)
+            busy = sum(r.busy for r in st.replicas)
+            b0, t0 = self.last.get(name, (busy, t))
+            self.last[name] = (busy, t)
+            if t <= t0 or not ready:
+                continue
+            util = (busy - b0) / (t - t0) / len(ready)
+            n = self.current[name]
+            ratio = util / UTILIZATION
+            desired = n if abs(ratio - 1) <= self.TOLERANCE else math.ceil(n * ratio)
+            desired = min(desired, max(n + 4, 2 * n), MAX_REPLICAS)
+            rec = self.recommended[name]
+            rec.append((t, max(desired, 1)))
+            while rec and rec[0][0] < t - self.DOWN_WINDOW_S:
+                rec.popleft()
+            self.current[name] = desired if desired > n else max(d for _, d in rec)
+        return self.current
+
+
+# ------------------------------------------------------------------ the figures
+
+
+def base_rates(scale: float, speech_share: float = 0.7) -> dict[str, float]:
+    """Requests per second; scale 1 keeps a replica of each stage busy at about half."""
+    total = 1.2 * scale
+    return {"speech": total * speech_share, "text": total * (1 - speech_share)}
+
+
+def to_target(out: Outcome, step_at: float, horizon: float, share: float = 0.95, hold: float = 20.0) -> float:
+    """Seconds from the step until the trailing 10 s share of requests meeting their target is back at
+    `share` and stays there `hold` seconds."""
+    t = step_at
+    good_since = None
+    while t < horizon:
+        window = [met for ft, _, met in out.done if t - 10 <= ft < t]
+        ok = window and sum(window) / len(window) >= share
+        good_since = (good_since if good_since is not None else t) if ok else None
+        if good_since is not None and t - good_since >= hold:
+            return good_since - step_at
+        t += 1.0
+    return float("inf")
+
+
+def seed_figures(scenarios, results, step_at) -> list[dict]:
+    figures = []
+    for name in ("step", "ramp"):
+        sc = scenarios[name]
+        ours, best = results[(name, "planner")], results[(name, "optimal")]
+        figures.append(figure(f"planner.goodput_per_replica_over_optimal.{name}",
+                              ours.goodput_per_replica(WARMUP_S, sc.horizon) /
+                              best.goodput_per_replica(WARMUP_S, sc.horizon), "x"))
+    step = results[("step", "planner")]
+    react = min((t for t, _, before, after in step.changes if t >= step_at and after > before), default=math.inf)
+    figures.append(figure("planner.react_s", react - step_at, "s"))
+    figures.append(figure("planner.to_target_s", to_target(step, step_at, scenarios["step"].horizon), "s"))
+    figures.append(figure("planner.startup_s_modeled", STARTUP_S, "s"))
+    steady = results[("steady", "planner")]
+    figures.append(figure("planner.changes_under_steady_load",
+                          sum(1 for t, *_ in steady.changes if t >= STEADY_AFTER_S), "changes"))
+    figures.append(figure("planner.failed_requests_on_scale_down", sum(o.failed for o in results.values()),
+                          "requests"))
+    mix = scenarios["mix"]
+    figures.append(figure("planner_over_per_stage_hpa.goodput",
+                          results[("mix", "planner")].goodput(WARMUP_S, mix.horizon) /
+                          results[("mix", "hpa")].goodput(WARMUP_S, mix.horizon), "x"))
+    figures.append(figure("planner_over_optimal.goodput.mix",
+                          results[("mix", "planner")].goodput(WARMUP_S, mix.horizon) /
+                          results[("mix", "optimal")].goodput(WARMUP_S, mix.horizon), "x"))
+    return figures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="shorter scenarios")
+    args = ap.parse_args()
+    started = time.perf_counter()
+    seeds = (7,) if args.quick else (7, 8, 9, 10, 11)
+    k = 1.0
+    step_at = 60.0
+    scenarios = {
+        "step": Scenario("step", 60 + 300 * k, lambda t: base_rates(1.0 if t < step_at else 4.0)),
+        "ramp": Scenario("ramp", 60 + 300 * k, lambda t: base_rates(1.0 + 3.0 * min(max(t - 60, 0) / (300 * k), 1))),
+        "steady": Scenario("steady", 600, lambda t: base_rates(3.0)),
+        # the bottleneck moves: speech-heavy (the Talker) and text-heavy (the Thinker) every 120 s
+        "mix": Scenario("mix", 60 + 480 * k, lambda t: base_rates(5.0, 0.9 if int(t // 120) % 2 == 0 else 0.15),
+                        budget=8),
+    }
+    figures, rows = [], []
+    per_seed = []
+    for seed in seeds:
+        results: dict[tuple[str, str], Outcome] = {}
+        for name, sc in scenarios.items():
+            for label, ctl in (("planner", PlannerControl(sc.budget)), ("optimal", OracleControl(sc.rates, sc.budget)),
+                               ("hpa", HpaControl())):
+                out = results[(name, label)] = simulate(sc, ctl, seed=seed, warmup=WARMUP_S)
+                span = sc.horizon - WARMUP_S
+                g, gpr = out.goodput(WARMUP_S, sc.horizon), out.goodput_per_replica(WARMUP_S, sc.horizon)
+                rows.append((seed, name, label, g, gpr, out.replica_seconds / span, len(out.changes)))
+                print(f"  seed {seed} {name:7s} {label:8s} goodput {g:6.2f} req/s  per replica {gpr:6.3f}  "
+                      f"replicas {out.replica_seconds / span:5.2f}  changes {len(out.changes)}", flush=True)
+        per_seed.append(seed_figures(scenarios, results, step_at))
+    figures = [figure(f["name"], statistics.mean(s[i]["value"] for s in per_seed), f["unit"])
+               for i, f in enumerate(per_seed[0])]
+    print_table("stage planner (modeled stages, virtual time)", figures)
+    finish("planner", figures, started, {"model": {"dt_s": DT, "batch": BATCH, "startup_s": STARTUP_S,
+                                                   "capacities": STAGES, "classes": CLASSES, "budget": BUDGET,
+                                                   "slo_factor": SLO_FACTOR},
+                                         "seeds": list(seeds),
+                                         "runs": [{"seed": r[0], "scenario": r[1], "controller": r[2],
+                                                   "goodput": round(r[3], 3), "goodput_per_replica": round(r[4], 4),
+                                                   "mean_replicas": round(r[5], 2), "changes": r[6]} for r in rows]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
