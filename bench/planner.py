@@ -33,6 +33,13 @@ goodput is those per second. Figures:
 - `planner.failed_requests_on_scale_down`: requests failed while replicas were drained (the model's
   drains finish their work; the real run of `tests/local/test_serve_autoscale.py` checks real drains).
 
+Then one run with the real tiny Qwen3-Omni stages under `omnistage serve --autoscale` (not with
+--quick): budget 4 replicas for 3 stages (the planner must pick the bottleneck for the fourth),
+speech requests from `REAL_CLIENTS` clients for `REAL_LOAD_S` seconds, then none: `planner_real.react_s`
+(load start to the first scale-up), `planner_real.failed_requests` (goal 0, scale-downs included),
+`planner_real.changes`, `planner_real.drained` (replicas drained after the load), and which stage
+it grew (in the results file).
+
     .venv/bin/python bench/planner.py [--quick]
 
 Prints a table and writes bench/results/planner.json.
@@ -43,10 +50,16 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping
 
 from common import figure, finish, print_table  # noqa: E402 (bench/common.py puts the repo on sys.path)
@@ -57,6 +70,7 @@ from omnistage.planner.sizing import Budget, StageNeed, offered_load, plan  # no
 from omnistage.spec.model import (Autoscaling, AutoscalingBudget, AutoscalingTargets,  # noqa: E402
                                   StageAutoscaling)
 
+REPO = Path(__file__).resolve().parent.parent
 DT = 0.1
 BATCH = 8
 STARTUP_S = 15.0
@@ -348,6 +362,80 @@ def seed_figures(scenarios, results, step_at) -> list[dict]:
     return figures
 
 
+REAL_CLIENTS = 6
+REAL_LOAD_S = 60.0
+
+
+def real_run(tmp: Path) -> tuple[list[dict], dict]:
+    """The tiny Qwen3-Omni stages under `omnistage serve --autoscale` (see the module docstring)."""
+    import yaml
+
+    from omnistage.client import OmniClient
+
+    doc = yaml.safe_load((REPO / "examples" / "qwen3-omni-tiny.yaml").read_text())
+    doc["spec"]["deployment"]["autoscaling"] = {
+        "enabled": True, "intervalSeconds": 1.0, "budget": {"maxReplicas": 4},
+        "stages": {s: {"minReplicas": 1, "maxReplicas": 2, "scaleDownDelaySeconds": 10} for s in STAGES}}
+    path = tmp / "qwen3-omni-auto.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    log = tmp / "serve.out"
+    serve = subprocess.Popen([sys.executable, "-m", "omnistage.cli", "serve", str(path), "--autoscale", "--no-api",
+                              "--no-tls", "--models", str(REPO / "models"), "--log-dir", str(tmp / "logs")],
+                             stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+
+    def wait_for(pattern: str, timeout: float) -> re.Match:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            m = re.search(pattern, log.read_text())
+            if m:
+                return m
+            if serve.poll() is not None:
+                raise RuntimeError(f"serve exited with {serve.returncode}:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"no {pattern!r} in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+    try:
+        endpoint = wait_for(r"serving on (127\.0\.0\.1:\d+)", 600).group(1)
+        stop, ok, failed = threading.Event(), [], []
+
+        def client(i: int) -> None:
+            with OmniClient(endpoint) as c:
+                while not stop.is_set():
+                    try:
+                        c.generate(f"say something {i}", max_tokens=16, max_codec_frames=100, timeout=300)
+                        ok.append(1)
+                    except Exception as e:  # noqa: BLE001 - a failed request is what this counts
+                        failed.append(repr(e))
+
+        t0 = time.monotonic()
+        load_start = len(log.read_text())
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(REAL_CLIENTS)]
+        for t in threads:
+            t.start()
+        up = wait_for(r"planner: (\S+) 1 -> 2 replicas", REAL_LOAD_S)
+        react = time.monotonic() - t0
+        grown = up.group(1)
+        time.sleep(max(0.0, REAL_LOAD_S - (time.monotonic() - t0)))
+        stop.set()
+        for t in threads:
+            t.join(300)
+        wait_for(r"drained, exited with code 0", 120)
+        time.sleep(3)
+        out = log.read_text()[load_start:]
+    finally:
+        serve.terminate()
+        serve.wait(120)
+    changes = len(re.findall(r"^planner: \S+ \d+ -> \d+ replicas", out, re.M))
+    drained = len(re.findall(r"drained, exited with code 0", out))
+    figures = [figure("planner_real.react_s", react, "s"), figure("planner_real.failed_requests", len(failed), "requests"),
+               figure("planner_real.requests", len(ok), "requests"), figure("planner_real.changes", changes, "changes"),
+               figure("planner_real.drained", drained, "replicas")]
+    print(f"  real: grew {grown} after {react:.1f}s; {len(ok)} requests, {len(failed)} failed; {changes} changes, "
+          f"{drained} drained", flush=True)
+    return figures, {"real_run": {"grown_first": grown, "failures": failed[:5],
+                                  "decisions": re.findall(r"^planner: .*$", out, re.M)}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter scenarios")
@@ -380,11 +468,17 @@ def main() -> int:
         per_seed.append(seed_figures(scenarios, results, step_at))
     figures = [figure(f["name"], statistics.mean(s[i]["value"] for s in per_seed), f["unit"])
                for i, f in enumerate(per_seed[0])]
-    print_table("stage planner (modeled stages, virtual time)", figures)
+    real_extra: dict = {}
+    if not args.quick:
+        with tempfile.TemporaryDirectory() as tmp:
+            real, real_extra = real_run(Path(tmp))
+        figures += real
+    print_table("stage planner (modeled stages in virtual time; planner_real: tiny Qwen3-Omni, serve --autoscale)",
+                figures)
     finish("planner", figures, started, {"model": {"dt_s": DT, "batch": BATCH, "startup_s": STARTUP_S,
                                                    "capacities": STAGES, "classes": CLASSES, "budget": BUDGET,
                                                    "slo_factor": SLO_FACTOR},
-                                         "seeds": list(seeds),
+                                         **real_extra, "seeds": list(seeds),
                                          "runs": [{"seed": r[0], "scenario": r[1], "controller": r[2],
                                                    "goodput": round(r[3], 3), "goodput_per_replica": round(r[4], 4),
                                                    "mean_replicas": round(r[5], 2), "changes": r[6]} for r in rows]})

@@ -62,7 +62,9 @@ class LocalAutoscaler:
         d = self.last = self.planner.decide(now)
         self.metrics.record(self.planner, d)
         for c in d.changes:
-            self.progress(f"planner: {c.stage} {c.before} -> {c.after} replicas ({d.plan.reason})")
+            est, unit = d.estimates[c.stage], d.units[c.stage] or "units/s"
+            self.progress(f"planner: {c.stage} {c.before} -> {c.after} replicas ({c.stage}: {est.load:.3g} {unit} "
+                          f"offered, {est.capacity:.3g} per replica; {d.plan.reason})")
         self._reconcile()
 
     def _observe(self) -> None:
