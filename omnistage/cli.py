@@ -136,7 +136,7 @@ def cmd_serve(args) -> int:
     print(f"pipeline {local.pipeline.name} serving on {endpoint} (cold start {time.monotonic() - t0:.1f}s)")
     print(f"  {_hops_line(local)}")
     _print_endpoints(local)
-    autoscaler = _autoscaler(local) if args.autoscale else None
+    autoscaler = _autoscaler(local) if args.autoscale or local.pipeline.deployment.autoscaling.enabled else None
     code = 0
     try:
         while stop["sig"] is None:
@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR/tls.key (default: plaintext on the loopback address)")
     p.add_argument("--autoscale", action="store_true",
                    help="run the stage planner: add and drain CPU stage replicas as measured load asks, within "
-                        "spec.deployment.autoscaling (targets, budget, per-stage bounds; see docs/planner.md)")
+                        "spec.deployment.autoscaling (targets, budget, per-stage bounds; see docs/planner.md); "
+                        "on by itself when the file sets spec.deployment.autoscaling.enabled")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="send one request to an orchestrator")
     p.add_argument("--endpoint", required=True,

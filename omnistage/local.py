@@ -44,6 +44,7 @@ ENDPOINTS_FILE = "endpoints.json"           # in the log folder: the orchestrato
 # A drained replica is told to stop this long after the orchestrator's endpoints file dropped it (a few of the
 # orchestrator's polls): no new call reaches it by then, and the ones it has it finishes (its drain contract).
 DRAIN_AFTER_UNLISTED_S = 1.0
+DRAIN_KILL_MARGIN_S = 10.0   # past its drainSeconds and this, a drained replica that has not exited is killed
 SCRAPE_JOB = "omnistage"
 LOCAL_NAMESPACE = "local"           # the namespace part of every local process's identity
 
@@ -65,6 +66,7 @@ class Proc:
     started: float = 0.0
     ready_after: float | None = None
     stop_at: float | None = None     # a replica being drained: when it gets SIGTERM
+    kill_at: float | None = None     # ... and SIGKILL, when its drain bound has passed and it is still there
 
     @property
     def port(self) -> int | None:
@@ -183,7 +185,7 @@ class LocalPipeline:
         self._spawn(self.orchestrator, orchestrator_env)
         self._wait_ready([self.orchestrator], 60)
         self.endpoint = f"{self.host}:{self.orchestrator.port}"
-        self.targets_file.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
+        self.write_targets()
         return self.endpoint
 
     def _stage_proc(self, stage: str, tag: str, name: str, gpus: tuple[str, ...] = ()) -> Proc:
@@ -201,6 +203,11 @@ class LocalPipeline:
         tmp = self.endpoints_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(endpoints, indent=2) + "\n")
         os.replace(tmp, self.endpoints_file)
+        if self.orchestrator is not None:  # once serving, the scrape targets follow the replicas too
+            self.write_targets()
+
+    def write_targets(self) -> None:
+        self.targets_file.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
 
     # ------------------------------------------------------------ scaling while serving
     def add_replica(self, stage: str) -> Proc:
@@ -212,6 +219,18 @@ class LocalPipeline:
         proc = self._stage_proc(stage, f"{stage}-added{self._added}", f"stage {stage}[+{self._added}]")
         self._spawn(proc, {**self._env, **gpu_placement.replica_env()})
         self.starting.append(proc)
+        return proc
+
+    def cancel_starting(self, stage: str) -> Proc | None:
+        """Stop the newest replica of a stage that is still starting (it serves nothing yet), if any."""
+        mine = [p for p in self.starting if p.stage == stage]
+        if not mine:
+            return None
+        proc = max(mine, key=lambda p: p.started)
+        self.starting.remove(proc)
+        _signal_group(proc.popen, signal.SIGTERM)
+        proc.stop_at, proc.kill_at = None, time.monotonic() + DRAIN_KILL_MARGIN_S
+        self.draining.append(proc)   # reaped (or killed) there
         return proc
 
     def drain_replica(self, stage: str) -> Proc | None:
@@ -243,12 +262,18 @@ class LocalPipeline:
                 events.append(f"{p.name} exited with code {p.popen.returncode} while starting; last log lines "
                               f"({p.log_path}):\n{p.tail()}")
         for p in list(self.draining):
-            if p.stop_at is not None and time.monotonic() >= p.stop_at:
+            now = time.monotonic()
+            if p.stop_at is not None and now >= p.stop_at:
                 _signal_group(p.popen, signal.SIGTERM)
                 p.stop_at = None
+                p.kill_at = now + self.pipeline.deployment.stages[p.stage].drain_seconds + DRAIN_KILL_MARGIN_S
             elif p.popen.poll() is not None:
                 self.draining.remove(p)
                 events.append(f"{p.name}: drained, exited with code {p.popen.returncode}")
+            elif p.kill_at is not None and now >= p.kill_at:
+                _signal_group(p.popen, signal.SIGKILL)
+                p.kill_at = None
+                events.append(f"{p.name}: still there past its drain bound; killed")
         return events
 
     def _issue_certificates(self) -> dict[str | None, Path]:

@@ -11,6 +11,7 @@ metrics on a status port of their own (`omnistage_planner_desired_replicas`, ...
 
 from __future__ import annotations
 
+import http.client
 import time
 import urllib.request
 from typing import Callable
@@ -37,7 +38,8 @@ class LocalAutoscaler:
         self.config = dep.autoscaling
         self.fixed = {s.name for s in local.pipeline.stages if uses_gpus(dep.stages[s.name])}
         gpus = {s.name: dep.stages[s.name].gpus if s.name in self.fixed else 0 for s in local.pipeline.stages}
-        self.planner = Planner(self.config, self._in_service(), gpus)
+        counts = self._in_service()
+        self.planner = Planner(self.config, counts, gpus, fixed=frozenset(s for s in self.fixed if counts[s]))
         self.metrics = PlannerMetrics(local.pipeline.name)
         self.http = HttpStatusServer(local.host, 0, self.metrics.registry, lambda: True).start()
         self.metrics_url = http_url(local.host, self.http.port, METRICS_PATH)
@@ -75,9 +77,9 @@ class LocalAutoscaler:
                 with urllib.request.urlopen(http_url(self.local.host, p.ports.http, METRICS_PATH),
                                             timeout=SCRAPE_TIMEOUT_S) as r:
                     text = r.read().decode()
-            except OSError:
-                continue  # a replica that does not answer this time is measured next time
-            counters, unit = replica_counters(text, self.clock())
+                counters, unit = replica_counters(text, self.clock())
+            except (OSError, http.client.HTTPException, ValueError):
+                continue  # a replica that does not answer (or answers half) this time is measured next time
             by_stage.setdefault(p.stage, {})[p.name] = counters
             units[p.stage] = unit or units.get(p.stage, "")
         for stage, counters in by_stage.items():
@@ -96,7 +98,11 @@ class LocalAutoscaler:
                     self.progress(f"planner: {e}")
                     break
                 self.progress(f"  {p.name}: starting (pid {p.popen.pid})")
-            for _ in range(have - want):
+            for _ in range(have - want):  # a replica still starting goes first: it serves nothing yet
+                p = self.local.cancel_starting(stage)
+                if p is not None:
+                    self.progress(f"  {p.name}: no longer needed while starting, stopped")
+                    continue
                 p = self.local.drain_replica(stage)
                 if p is None:
                     break

@@ -130,8 +130,16 @@ FILE_POLL_S = 0.2
 def read_endpoints_file(path: str | os.PathLike, pipeline: Pipeline) -> dict[str, list[str]]:
     """The endpoints file's stage -> addresses; ValueError naming what is wrong with it."""
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return parse_endpoints_text(text, path, pipeline)
+
+
+def parse_endpoints_text(text: str, path: str | os.PathLike, pipeline: Pipeline) -> dict[str, list[str]]:
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     known = [s.name for s in pipeline.stages]
     if not isinstance(doc, dict):
@@ -160,7 +168,7 @@ class FileDiscovery:
         self.poll_s = poll_s
         self.synced = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._seen: tuple[int, int] | None = None
+        self._seen: str | None = None
         self._applied: dict[str, list[str]] = {}
 
     def start(self) -> None:
@@ -171,17 +179,18 @@ class FileDiscovery:
             self._task.cancel()
 
     def poll(self) -> None:
-        """Read the file if it changed since the last look, and apply what changed in it."""
+        """Read the file, and apply what changed in it since the last look (its text is compared: two
+        writes within one timestamp tick, of the same size, are still two changes)."""
         try:
-            st = self.path.stat()
+            text = self.path.read_text()
         except OSError as e:
             log.warning("endpoints file %s: %s", self.path, e)
             return
-        if (st.st_mtime_ns, st.st_size) == self._seen:
+        if text == self._seen:
             return
-        self._seen = (st.st_mtime_ns, st.st_size)
+        self._seen = text
         try:
-            endpoints = read_endpoints_file(self.path, self.pipeline)
+            endpoints = parse_endpoints_text(text, self.path, self.pipeline)
         except ValueError as e:
             log.error("endpoints file: %s (keeping the replicas known before)", e)
             return

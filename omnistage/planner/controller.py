@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from omnistage.spec.model import Autoscaling
+from omnistage.spec.model import Autoscaling, StageAutoscaling
 
 from .decisions import Change, StageScale, decide
 from .load import ReplicaCounters, StageEstimate, estimate, need, recent_load, window
@@ -40,13 +40,15 @@ class Decision:
 
 class Planner:
     def __init__(self, autoscaling: Autoscaling, replicas: Mapping[str, int], gpus: Mapping[str, int] | None = None,
-                 window_s: float = WINDOW_S):
+                 window_s: float = WINDOW_S, fixed: frozenset[str] = frozenset()):
         """`replicas`: each stage's count now (the file's `replicas`: a starting point, clamped to the
-        stage's bounds); `gpus`: GPUs per replica of each stage."""
+        stage's bounds); `gpus`: GPUs per replica of each stage; `fixed`: stages the controller cannot
+        scale (planned at the count they have, so the budget counts what really runs)."""
         self.config = autoscaling
         self.gpus = dict(gpus or {})
         self.window_s = window_s
-        self.bounds = {s: autoscaling.bounds(s) for s in replicas}
+        self.bounds = {s: StageAutoscaling(replicas[s], replicas[s], autoscaling.bounds(s).scale_down_delay_seconds)
+                       if s in fixed else autoscaling.bounds(s) for s in replicas}
         self.scales = {s: StageScale(min(max(n, self.bounds[s].min_replicas), self.bounds[s].max_replicas))
                        for s, n in replicas.items()}
         self.estimates = {s: StageEstimate(s) for s in replicas}

@@ -31,7 +31,8 @@ from .sizing import StageNeed
 
 # Busy time below this share of a second is too little to say what a replica serves.
 MIN_BUSY = 0.02
-# Each window the best capacity seen keeps this share of itself against a lower measurement.
+# Each window the best capacity seen keeps this share of itself against a lower measurement (a window too
+# idle to measure keeps it whole).
 CAPACITY_MEMORY = 0.95
 # Each window moves the work-per-request estimate by this much less than the window says.
 PER_REQUEST_MEMORY = 0.8
@@ -46,7 +47,7 @@ class ReplicaCounters:
     at: float                 # seconds, on the observer's monotonic clock
     units: float = 0.0        # work units produced
     busy_seconds: float = 0.0 # engine-step time
-    finished: float = 0.0     # requests ended (any outcome)
+    finished: float = 0.0     # requests that ended after reaching the engine (finished, cancelled, failed, timed out)
     queued: int = 0
     running: int = 0
 
@@ -68,21 +69,23 @@ class StageWindow:
 
 def window(stage: str, before: Mapping[str, ReplicaCounters], after: Mapping[str, ReplicaCounters]) -> StageWindow:
     """The stage between two snapshots of its replicas (by replica name). A replica that restarted (a
-    counter went down) counts from zero; one in `after` only counts what it did since it appeared; one
-    gone by `after` counts nothing (its last window is lost, as the planner can no longer read it)."""
+    counter went down) counts from zero. One missing from `before` (new, or not read then) counts nothing
+    this window: its totals may span its whole life, not the window. One gone by `after` counts nothing
+    (the planner can no longer read it)."""
     units = busy = finished = span = 0.0
+    queued_before = 0
     for name, b in after.items():
-        a = before.get(name)
-        if a is None or b.units < a.units or b.busy_seconds < a.busy_seconds or b.finished < a.finished:
-            a = ReplicaCounters(at=a.at if a is not None else b.at)
+        a = before.get(name, b)
+        if b.units < a.units or b.busy_seconds < a.busy_seconds or b.finished < a.finished:
+            a = ReplicaCounters(at=a.at, queued=a.queued)
         units += b.units - a.units
         busy += b.busy_seconds - a.busy_seconds
         finished += b.finished - a.finished
+        queued_before += a.queued
         span = max(span, b.at - a.at)
     per_s = 1.0 / span if span > 0 else 0.0
     return StageWindow(stage, len(after), span, units * per_s, busy * per_s, finished * per_s,
-                       sum(c.queued for c in after.values()), sum(c.running for c in after.values()),
-                       sum(c.queued for c in before.values()))
+                       sum(c.queued for c in after.values()), sum(c.running for c in after.values()), queued_before)
 
 
 @dataclass(frozen=True)
@@ -100,15 +103,15 @@ def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float, recent: 
     """The next estimate from the last one, a long window `w` and a `recent` short one (default: `w`)
     (see the module docstring)."""
     recent = recent or w
-    capacity = prev.capacity * CAPACITY_MEMORY
+    capacity = prev.capacity  # a window too idle to measure leaves it as it was
     if w.busy >= MIN_BUSY and w.units_per_s > 0:
-        capacity = max(capacity, w.units_per_s / w.busy)
+        capacity = max(prev.capacity * CAPACITY_MEMORY, w.units_per_s / w.busy)
     per_request = prev.units_per_request
     if w.requests_per_s > 0:  # smoothed: units are counted as they are made, requests only as they end
         seen = w.units_per_s / w.requests_per_s
         per_request = seen if not per_request else PER_REQUEST_MEMORY * per_request + (1 - PER_REQUEST_MEMORY) * seen
-    load = recent_load(StageEstimate(w.stage, units_per_request=per_request), recent, queue_seconds)
-    load += w.units_per_s - recent.units_per_s  # the long window's throughput, the recent one's queue
+    growth, backlog = _queue_terms(per_request, recent, queue_seconds)
+    load = max(w.units_per_s + growth, 0.0) + backlog  # the long window's throughput, the recent one's queue
     util = load / (w.replicas * capacity) if w.replicas and capacity > 0 else 0.0
     return StageEstimate(w.stage, capacity, per_request, load, util)
 
@@ -116,10 +119,14 @@ def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float, recent: 
 def recent_load(est: StageEstimate, recent: StageWindow, queue_seconds: float) -> float:
     """Offered load as the recent window alone says it (its throughput, its queue's growth, the backlog), with
     the work per request of the longer estimate `est` (a few seconds see too few requests end to say it)."""
-    per_request = est.units_per_request
-    growth = (recent.queued - recent.queued_before) * per_request / recent.seconds if recent.seconds > 0 else 0.0
-    backlog = recent.queued * per_request / max(queue_seconds, MIN_DRAIN_S)
+    growth, backlog = _queue_terms(est.units_per_request, recent, queue_seconds)
     return max(recent.units_per_s + growth, 0.0) + backlog
+
+
+def _queue_terms(per_request: float, w: StageWindow, queue_seconds: float) -> tuple[float, float]:
+    """Units per second by which the queue grew over `w` (negative: it shrank), and its backlog's share."""
+    growth = (w.queued - w.queued_before) * per_request / w.seconds if w.seconds > 0 else 0.0
+    return growth, w.queued * per_request / max(queue_seconds, MIN_DRAIN_S)
 
 
 def need(est: StageEstimate, min_replicas: int, max_replicas: int, gpus: int = 0, unit: str = "units/s",

@@ -15,7 +15,8 @@ QUEUE_DEPTH = "omnistage_stage_queue_depth"  # gauge
 RUNNING = "omnistage_stage_running"          # gauge
 STEP_MS = "omnistage_stage_step_ms"          # histogram: its sum is the engine's busy time
 UNITS = "omnistage_stage_units"              # counter, labels stage, unit
-FINISHED = "finished"                        # the outcome of a request that ran to its end
+# Outcomes of requests that reached the engine (rejected and invalid ones never did): their work counts.
+RAN = frozenset({"finished", "cancelled", "failed", "timeout"})
 
 
 def replica_counters(text: str, at: float) -> tuple[ReplicaCounters, str]:
@@ -31,7 +32,7 @@ def replica_counters(text: str, at: float) -> tuple[ReplicaCounters, str]:
                 unit = s.labels.get("unit", unit)
             elif s.name == f"{STEP_MS}_sum":
                 busy += s.value / 1e3
-            elif s.name == f"{REQUESTS}_total" and s.labels.get("outcome") == FINISHED:
+            elif s.name == f"{REQUESTS}_total" and s.labels.get("outcome") in RAN:
                 finished += s.value
             elif s.name == QUEUE_DEPTH:
                 queued += int(s.value)

@@ -94,13 +94,15 @@ def plan(needs: Sequence[StageNeed], budget: Budget = Budget(), utilization: flo
             break
         worst = max(short, key=lambda n: n.utilization(got[n.stage]))  # ties: the first in the given order
         got[worst.stage] += 1
+    limited = any(got[s] < want[s] for s in got)
     stages = {}
     for n in needs:
-        down = max(n.replicas_for(utilization * SCALE_DOWN_MARGIN), got[n.stage])
+        # While the budget binds, its allocation is the plan: no band above it, or a stage holding replicas
+        # it needs less than the bottleneck does would never give one up.
+        down = got[n.stage] if limited else max(n.replicas_for(utilization * SCALE_DOWN_MARGIN), got[n.stage])
         stages[n.stage] = StagePlan(n.stage, got[n.stage], down, want[n.stage], n.utilization(got[n.stage]))
     loaded = [n for n in needs if n.load > 0]
     bottleneck = max(loaded, key=lambda n: stages[n.stage].utilization).stage if loaded else None
-    limited = any(got[s] < want[s] for s in got)
     return Plan(stages, bottleneck, limited, _reason(stages, by_name, bottleneck, limited, budget))
 
 

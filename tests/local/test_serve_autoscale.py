@@ -1,5 +1,6 @@
-"""`omnistage serve --autoscale`: under load the planner adds a replica that serves, and once the load is
-gone it drains it; no request fails on the way. Real processes, a real tiny LM (transformers)."""
+"""`omnistage serve` of a file with autoscaling enabled: under load the planner adds a replica that serves,
+and once the load is gone it drains it; no request fails on the way. Real processes, a real tiny LM
+(transformers)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def units_served(metrics_url: str) -> float:
 
 
 def test_a_replica_is_added_under_load_serves_and_is_drained_after(model_dir, tmp_path):
-    served = Served(autoscaled_llm(tmp_path), model_dir, tmp_path, "--autoscale", "--no-api", "--no-tls")
+    # no --autoscale: the file's `enabled: true` is enough, as it is for the operator
+    served = Served(autoscaled_llm(tmp_path), model_dir, tmp_path, "--no-api", "--no-tls")
     stop, failures, done = threading.Event(), [], []
 
     def client():

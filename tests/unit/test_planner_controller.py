@@ -20,7 +20,8 @@ def test_counters_from_a_stage_replicas_metrics():
         m.outcome(outcome)
     m.load(3, 2)
     counters, unit = replica_counters(generate_latest(m.registry).decode(), at=7.0)
-    assert counters == ReplicaCounters(7.0, units=150.0, busy_seconds=1.0, finished=2.0, queued=2, running=3)
+    # requests that reached the engine count (finished and cancelled), the rejected one does not
+    assert counters == ReplicaCounters(7.0, units=150.0, busy_seconds=1.0, finished=3.0, queued=2, running=3)
     assert unit == "frames"
     assert replica_counters("", 1.0) == (ReplicaCounters(1.0), "")
 
@@ -80,3 +81,13 @@ def test_the_users_replicas_are_clamped_to_the_bounds_and_exported():
     metrics.record(planner, planner.decide(0.0))
     text = generate_latest(metrics.registry).decode()
     assert f'{DESIRED_REPLICAS}{{pipeline="p",stage="talker"}} 8.0' in text
+
+
+def test_a_stage_the_controller_cannot_scale_is_planned_at_what_it_runs():
+    """serve does not add GPU replicas: such a stage is planned at its count, so the budget holds what runs."""
+    planner = Planner(config(thinker=(1, 4, 60.0)), {"thinker": 1, "talker": 1}, fixed=frozenset({"thinker"}))
+    thinker = Replicas(100.0, 20)
+    for tick in range(10):
+        planner.observe("thinker", thinker.run(["t0"], tick * 0.5, 0.5, 400.0), "tokens")
+        planner.decide(tick * 0.5)
+    assert planner.desired()["thinker"] == 1

@@ -108,3 +108,15 @@ def test_a_noisy_steady_load_never_scales_down(load, capacity, seed):
         changes += made
     assert all(c.after > c.before for c in changes), changes
     assert state["a"].replicas <= StageNeed("a", load * 1.05, capacity, 1, 1000).replicas_for(0.8)
+
+
+def test_under_a_full_budget_a_stage_above_its_allocation_gives_up_replicas_it_still_could_use():
+    """The budget's allocation is the plan: A (load 300) holds 4 of 6 while B (load 600) has 2; A goes to 2
+    and B to 4, A's replicas moving once A has been over its allocation for REBALANCE_S."""
+    needs = [StageNeed("a", 300, 100, 1, 8), StageNeed("b", 600, 100, 1, 8)]
+    p = plan(needs, Budget(max_replicas=6))
+    assert p.replicas() == {"a": 2, "b": 4} and p.stages["a"].keep_down_to == 2
+    state, changes = run({"a": StageScale(4), "b": StageScale(2)}, [(t, p) for t in (0.0, REBALANCE_S, 2 * REBALANCE_S)],
+                         {"a": 60, "b": 60}, Budget(max_replicas=6))
+    assert {s: sc.replicas for s, sc in state.items()} == {"a": 2, "b": 4}
+    assert all(t >= REBALANCE_S for t, _ in changes)
