@@ -28,17 +28,16 @@ goodput is those per second. Figures:
 - `planner.react_s`: load step to the first scale-up decision (goal <= 5);
 - `planner.to_target_s`: load step to the trailing 10 s share of requests meeting their target back at
   95% (with STARTUP_S stated);
-- `planner.changes_under_steady_load` after the first minute (goal 0);
+- `planner.changes_under_steady_load` after the first 4 minutes (the cold start settled; goal 0);
 - `planner_over_per_stage_hpa.goodput` on the moving bottleneck (goal >= 1.3);
-- `planner.failed_requests_on_scale_down`: requests failed while replicas were drained (the model's
-  drains finish their work; the real run of `tests/local/test_serve_autoscale.py` checks real drains).
 
 Then one run with the real tiny Qwen3-Omni stages under `omnistage serve --autoscale` (not with
 --quick): budget 4 replicas for 3 stages (the planner must pick the bottleneck for the fourth),
 speech requests from `REAL_CLIENTS` clients for `REAL_LOAD_S` seconds, then none: `planner_real.react_s`
-(load start to the first scale-up), `planner_real.failed_requests` (goal 0, scale-downs included),
-`planner_real.changes`, `planner_real.drained` (replicas drained after the load), and which stage
-it grew (in the results file).
+(load start to the first scale-up), `planner_real.failed_requests` (goal 0), `planner_real.changes`,
+`planner_real.drained` (replicas drained after the load), and which stage it grew (in the results file).
+The drain comes after the load stopped, so it says nothing of requests failed by a scale-down under
+traffic: the issue's `planner.failed_requests_on_scale_down` is not measured here (docs/planner.md).
 
     .venv/bin/python bench/planner.py [--quick]
 
@@ -185,7 +184,6 @@ class Outcome:
     done: list[tuple[float, float, bool]] = field(default_factory=list)   # (finish time, latency, met)
     replica_seconds: float = 0.0
     changes: list[tuple[float, str, int, int]] = field(default_factory=list)
-    failed: int = 0
 
     def goodput(self, start: float, end: float) -> float:
         return sum(1 for t, _, met in self.done if start <= t < end and met) / (end - start)
@@ -350,8 +348,6 @@ def seed_figures(scenarios, results, step_at) -> list[dict]:
     steady = results[("steady", "planner")]
     figures.append(figure("planner.changes_under_steady_load",
                           sum(1 for t, *_ in steady.changes if t >= STEADY_AFTER_S), "changes"))
-    figures.append(figure("planner.failed_requests_on_scale_down", sum(o.failed for o in results.values()),
-                          "requests"))
     mix = scenarios["mix"]
     figures.append(figure("planner_over_per_stage_hpa.goodput",
                           results[("mix", "planner")].goodput(WARMUP_S, mix.horizon) /
@@ -438,18 +434,17 @@ def real_run(tmp: Path) -> tuple[list[dict], dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="shorter scenarios")
+    ap.add_argument("--quick", action="store_true", help="one seed, no run with the real stages")
     args = ap.parse_args()
     started = time.perf_counter()
     seeds = (7,) if args.quick else (7, 8, 9, 10, 11)
-    k = 1.0
     step_at = 60.0
     scenarios = {
-        "step": Scenario("step", 60 + 300 * k, lambda t: base_rates(1.0 if t < step_at else 4.0)),
-        "ramp": Scenario("ramp", 60 + 300 * k, lambda t: base_rates(1.0 + 3.0 * min(max(t - 60, 0) / (300 * k), 1))),
+        "step": Scenario("step", 360, lambda t: base_rates(1.0 if t < step_at else 4.0)),
+        "ramp": Scenario("ramp", 360, lambda t: base_rates(1.0 + 3.0 * min(max(t - 60, 0) / 300, 1))),
         "steady": Scenario("steady", 600, lambda t: base_rates(3.0)),
         # the bottleneck moves: speech-heavy (the Talker) and text-heavy (the Thinker) every 120 s
-        "mix": Scenario("mix", 60 + 480 * k, lambda t: base_rates(5.0, 0.9 if int(t // 120) % 2 == 0 else 0.15),
+        "mix": Scenario("mix", 540, lambda t: base_rates(5.0, 0.9 if int(t // 120) % 2 == 0 else 0.15),
                         budget=8),
     }
     figures, rows = [], []

@@ -38,13 +38,11 @@ class LocalAutoscaler:
         self.config = dep.autoscaling
         self.fixed = {s.name for s in local.pipeline.stages if uses_gpus(dep.stages[s.name])}
         gpus = {s.name: dep.stages[s.name].gpus if s.name in self.fixed else 0 for s in local.pipeline.stages}
-        counts = self._in_service()
-        self.planner = Planner(self.config, counts, gpus, fixed=frozenset(s for s in self.fixed if counts[s]))
+        self.planner = Planner(self.config, self._in_service(), gpus, fixed=frozenset(self.fixed))
         self.metrics = PlannerMetrics(local.pipeline.name)
         self.http = HttpStatusServer(local.host, 0, self.metrics.registry, lambda: True).start()
         self.metrics_url = http_url(local.host, self.http.port, METRICS_PATH)
         self._next = 0.0
-        self.last = None  # the last Decision
 
     def _in_service(self) -> dict[str, int]:
         counts = {s.name: 0 for s in self.local.pipeline.stages}
@@ -61,11 +59,11 @@ class LocalAutoscaler:
             return
         self._next = now + self.config.interval_seconds
         self._observe()
-        d = self.last = self.planner.decide(now)
+        d = self.planner.decide(now)
         self.metrics.record(self.planner, d)
         for c in d.changes:
-            est, unit = d.estimates[c.stage], d.units[c.stage] or "units/s"
-            self.progress(f"planner: {c.stage} {c.before} -> {c.after} replicas ({c.stage}: {est.load:.3g} {unit} "
+            est = d.estimates[c.stage]
+            self.progress(f"planner: {c.stage} {c.before} -> {c.after} replicas ({c.stage}: {est.load:.3g} {d.units[c.stage]} "
                           f"offered, {est.capacity:.3g} per replica; {d.plan.reason})")
         self._reconcile()
 
@@ -87,9 +85,7 @@ class LocalAutoscaler:
 
     def _reconcile(self) -> None:
         """Start or drain replicas until each stage runs what the planner wants (starting ones count)."""
-        for stage, want in self.planner.desired().items():
-            if stage in self.fixed:
-                continue
+        for stage, want in self.planner.desired().items():  # GPU stages are planned at what they run
             have = sum(p.stage == stage for p in [*self.local.stages, *self.local.starting])
             for _ in range(want - have):
                 try:

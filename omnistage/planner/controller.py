@@ -35,7 +35,7 @@ class Decision:
     plan: Plan
     changes: list[Change]
     estimates: Mapping[str, StageEstimate]
-    units: Mapping[str, str]   # per stage, what its capacity counts ("tokens/s"; "" before its first step)
+    units: Mapping[str, str]   # per stage, what its capacity counts ("tokens/s"; "units/s" before its first step)
 
 
 class Planner:
@@ -75,27 +75,24 @@ class Planner:
         targets = self.config.targets
         needs = []
         for stage, hist in self._history.items():
-            load = None
-            if len(hist) >= 2:
-                newest = max(c.at for c in hist[-1].values())
-                recent = next((h for h in reversed(hist) if max(c.at for c in h.values()) <= newest - RECENT_S),
-                              hist[0])
-                short = window(stage, recent, hist[-1])
-                prev = self.estimates[stage]
-                self.estimates[stage] = estimate(prev, window(stage, hist[0], hist[-1]), targets.queue_seconds, short)
-                # what the last few seconds say, at RECENT_WEIGHT: a load step shows there first
-                load = max(self.estimates[stage].load,
-                           recent_load(self.estimates[stage], short, targets.queue_seconds) * RECENT_WEIGHT)
             est, b = self.estimates[stage], self.bounds[stage]
-            if load is not None:
-                est = replace(est, load=load)
             unit = f"{self.units[stage] or 'units'}/s"
-            needs.append(need(est, b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
-                              default_capacity=max(est.load, 1.0) / targets.utilization))
+            if len(hist) < 2:  # not measured over a window yet: held where it is (a 0 s delay must not cut it)
+                held = self.scales[stage].replicas
+                needs.append(need(est, held, held, self.gpus.get(stage, 0), unit, default_capacity=1.0))
+                continue
+            newest = max(c.at for c in hist[-1].values())
+            recent = next((h for h in reversed(hist) if max(c.at for c in h.values()) <= newest - RECENT_S), hist[0])
+            short = window(stage, recent, hist[-1])
+            est = self.estimates[stage] = estimate(est, window(stage, hist[0], hist[-1]), targets.queue_seconds, short)
+            # what the last few seconds say, at RECENT_WEIGHT: a load step shows there first
+            load = max(est.load, recent_load(est, short, targets.queue_seconds) * RECENT_WEIGHT)
+            needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
+                              default_capacity=max(load, 1.0) / targets.utilization))
         p = plan(needs, self.budget, targets.utilization)
         delays = {s: b.scale_down_delay_seconds for s, b in self.bounds.items()}
         self.scales, changes = decide(self.scales, p, now, delays, self.gpus, self.budget)
-        return Decision(p, changes, dict(self.estimates), {s: f"{u}/s" if u else "" for s, u in self.units.items()})
+        return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs})
 
     def desired(self) -> dict[str, int]:
         return {s: sc.replicas for s, sc in self.scales.items()}

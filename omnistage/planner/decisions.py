@@ -54,10 +54,9 @@ def decide(current: Mapping[str, StageScale], plan: Plan, now: float, delays: Ma
             ups.append(stage)
         elif p.keep_down_to >= cur.replicas:
             nxt[stage] = StageScale(cur.replicas)
-        elif cur.lower_since is None:
-            nxt[stage] = _down_or_wait(cur.replicas, now, p.keep_down_to, now, delays.get(stage, 0.0))
-        else:
-            nxt[stage] = _down_or_wait(cur.replicas, cur.lower_since, max(cur.lower_to, p.keep_down_to), now,
+        else:  # fewer would do: count the delay from when that began (lower_to is 0 before)
+            since = now if cur.lower_since is None else cur.lower_since
+            nxt[stage] = _down_or_wait(cur.replicas, since, max(cur.lower_to, p.keep_down_to), now,
                                        delays.get(stage, 0.0))
     # Grant scale-ups one replica at a time to the most loaded, while the budget holds with what runs;
     # a stage waiting out its delay with replicas it no longer needs gives them up first.

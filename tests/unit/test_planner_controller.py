@@ -91,3 +91,14 @@ def test_a_stage_the_controller_cannot_scale_is_planned_at_what_it_runs():
         planner.observe("thinker", thinker.run(["t0"], tick * 0.5, 0.5, 400.0), "tokens")
         planner.decide(tick * 0.5)
     assert planner.desired()["thinker"] == 1
+
+
+def test_a_stage_not_yet_measured_over_a_window_is_held_where_it_is():
+    """Before two readings nothing says the load is low: a 0 s scale-down delay must not cut the file's
+    starting replicas to the minimum."""
+    planner = Planner(config(talker=(1, 4, 0.0)), {"thinker": 1, "talker": 3})
+    assert planner.decide(0.0).changes == [] and planner.desired()["talker"] == 3
+    planner.observe("talker", {"t0": ReplicaCounters(0.0)}, "frames")
+    assert planner.decide(0.5).changes == [] and planner.desired()["talker"] == 3
+    planner.observe("talker", {"t0": ReplicaCounters(1.0)}, "frames")  # a window with no work: now it may shrink
+    assert planner.decide(1.0).changes and planner.desired()["talker"] == 1
