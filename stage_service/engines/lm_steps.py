@@ -79,12 +79,12 @@ class DecoderLm:
     def step_batch(self, states: list[TokenState]) -> list[TokenStep | RequestFailed]:
         """One step of every state: the prompt of those that just joined, the last token of the others; a
         state whose sampling fails gets its `RequestFailed` (per_request.py)."""
-        inputs, pos, deep = [], [], []
+        inputs, pos, deep, fed = [], [], [], []  # fed: (input index, token ids) of the states fed tokens
         for st in states:
             mm, st.prompt_rows = st.prompt_rows, None
             if mm is None:
-                ids = torch.tensor(st.generated[-1:] if st.generated else st.prompt_ids, device=self.device)
-                inputs.append(self.embed(ids))
+                fed.append((len(inputs), st.generated[-1:] if st.generated else st.prompt_ids))
+                inputs.append(None)
                 pos.append(positions(st.kv.length() + st.rope_delta, 1, self.rope_axes, self.device)
                            if st.rope_delta else None)
                 deep.append(None)
@@ -93,6 +93,10 @@ class DecoderLm:
                 pos.append(mm.positions)
                 deep.append((mm.visual_mask, mm.deepstack) if mm.deepstack else None)
                 st.rope_delta = mm.rope_delta
+        if fed:  # one lookup for all: an embedding row is a copy, the same in any batch
+            ids = torch.tensor([t for _, x in fed for t in x], device=self.device)
+            for (i, _), emb in zip(fed, self.embed(ids).split([len(x) for _, x in fed])):
+                inputs[i] = emb
         last, rows = packed_forward(self.decoder, inputs, [st.kv for st in states], self.rope_axes,
                                     hidden_states=self.keep_rows, min_rows=self.min_rows, position_ids=pos,
                                     deepstack=deep)

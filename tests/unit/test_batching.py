@@ -5,13 +5,17 @@ tiny random decoder built in memory: no files."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from stage_service.engines.invariance import make_batch_invariant, pad_rows
-from stage_service.engines.packed import SequenceKV, packed_forward, use_packed_attention
+import stage_service.engines.packed as packed_module
+from stage_service.engines.invariance import MIN_MATMUL_ROWS, make_batch_invariant, pad_rows
+from stage_service.engines.packed import SequenceKV, _KvBlock, packed_forward, use_packed_attention
 
 
 def seeded(n: int, *shape) -> torch.Tensor:
@@ -42,8 +46,20 @@ def test_conv_and_group_norm_rows_are_the_same_alone_and_in_a_batch(batch):
 
 def test_pad_rows():
     x = torch.ones(2, 3)
-    assert pad_rows(x).shape == (4, 3) and pad_rows(x)[2:].abs().sum() == 0
-    assert pad_rows(torch.ones(5, 3)).shape == (5, 3)
+    assert pad_rows(x).shape == (MIN_MATMUL_ROWS, 3) and pad_rows(x)[2:].abs().sum() == 0
+    assert pad_rows(torch.ones(MIN_MATMUL_ROWS + 1, 3)).shape == (MIN_MATMUL_ROWS + 1, 3)
+    assert pad_rows(x, 4).shape == (4, 3)
+
+
+def test_padded_matmuls_are_row_invariant_on_this_cpu():
+    """The reason for MIN_MATMUL_ROWS, measured here: from that many rows up, a row's result does not depend
+    on how many rows share the call (the inner sizes of the models' layers, up to 1024)."""
+    g = torch.Generator().manual_seed(0)
+    for k in (32, 128, 320, 1024):
+        w, x = torch.randn(64, k, generator=g), torch.randn(300, k, generator=g)
+        ref = torch.nn.functional.linear(x, w)[:1]
+        for n in (MIN_MATMUL_ROWS, MIN_MATMUL_ROWS + 1, 31, 64, 300):
+            assert torch.equal(torch.nn.functional.linear(x[:n], w)[:1], ref), (k, n)
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +75,17 @@ def tiny_lm():
     return reference, packed
 
 
-def run_packed(model, prompts: list[list[int]], steps: int, join_at: list[int] | None = None):
-    """Greedy decode; sequence i joins at step join_at[i]. Returns each sequence's last-position logits per step."""
+def run_packed(model, prompts: list[list[int]], steps: int | list[int], join_at: list[int] | None = None):
+    """Greedy decode; sequence i joins at step join_at[i] and takes steps[i] steps. Returns each sequence's
+    last-position logits per step."""
     join_at = join_at or [0] * len(prompts)
+    steps = steps if isinstance(steps, list) else [steps] * len(prompts)
     caches = [SequenceKV() for _ in prompts]
     fed: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     with torch.inference_mode():
-        for step in range(steps + max(join_at)):
-            live = [i for i in range(len(prompts)) if join_at[i] <= step < join_at[i] + steps]
+        for step in range(max(j + n for j, n in zip(join_at, steps))):
+            live = [i for i in range(len(prompts)) if join_at[i] <= step < join_at[i] + steps[i]]
             inputs = [torch.tensor(fed[i][-1:] if fed[i] else prompts[i]) for i in live]
             last, _ = packed_forward(model.get_decoder(), inputs, [caches[i] for i in live],
                                      embed=model.get_input_embeddings())
@@ -101,10 +119,76 @@ def test_a_sequence_joining_a_running_batch_gets_the_numbers_it_gets_alone(tiny_
         assert all(torch.equal(x, y) for x, y in zip(a, t))
 
 
+def test_sequences_of_equal_shape_share_an_attention_call_and_get_their_numbers_alone(tiny_lm, monkeypatch):
+    """Sequences with as many cached rows decode in one SDPA call per layer (a `_Group` over one `_KvBlock`),
+    bit for bit what each computes alone: three that join together, one that catches up with them (its
+    rows move into their block) and one of them leaving early (the others move into a new block)."""
+    _, packed = tiny_lm
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    join_at, steps = [0, 1, 0, 0], [6, 6, 3, 6]  # the second has as many rows as the others from step 2
+    alone = [run_packed(packed, [p], steps=[n])[0][0] for p, n in zip(prompts, steps)]
+    calls = []
+    monkeypatch.setattr(packed_module, "sdpa_attention_forward",
+                        lambda *a, **k: calls.append(1) or sdpa_attention_forward(*a, **k))
+    together, _ = run_packed(packed, prompts, steps=steps, join_at=join_at)
+    for a, t in zip(alone, together):
+        assert len(a) == len(t) and all(torch.equal(x, y) for x, y in zip(a, t))
+    per_sequence = sum(steps) * packed.config.num_hidden_layers
+    assert len(calls) <= per_sequence // 2  # grouped, not one call per sequence
+
+
+@pytest.mark.parametrize("new_rows, kv_len", [(1, 1), (1, 7), (1, 33), (1, 100), (1, 300), (5, 5), (5, 7), (5, 100)])
+def test_a_stacked_attention_call_computes_each_sequence_as_alone(new_rows, kv_len):
+    """The kernel facts `_Group` and `_KvBlock` rest on (tiny-LM shapes: 4 query heads over 2 KV heads,
+    head_dim 64): a batch entry's result is the one it gets alone, and over views of the first rows of
+    bigger buffers (with other numbers after them) the one over contiguous copies."""
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 2, True
+    g = torch.Generator().manual_seed(kv_len)
+    q, k_buf, v_buf = (torch.randn(6, heads, n, 64, generator=g)
+                       for heads, n in ((4, new_rows), (2, 2 * kv_len + 3), (2, 2 * kv_len + 3)))
+    k, v = k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
+    past = kv_len - new_rows
+    mask = torch.ones(new_rows, kv_len, dtype=torch.bool).tril(past)[None, None] if new_rows > 1 and past > 0 else None
+    with torch.inference_mode():
+        stacked, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.125, is_causal=True)
+        copies, _ = sdpa_attention_forward(layer, q, k.contiguous(), v.contiguous(), mask, scaling=0.125,
+                                           is_causal=True)
+        assert torch.equal(stacked, copies)
+        for i in range(6):
+            one, _ = sdpa_attention_forward(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], mask, scaling=0.125,
+                                            is_causal=True)
+            assert torch.equal(one, stacked[i:i + 1])
+
+
+def test_a_cache_grows_in_place_and_keeps_its_rows():
+    kv = SequenceKV()
+    rows = seeded(1, 2, 100, 4)
+    for s, e in [(0, 3), (3, 4), (4, 40), *((i, i + 1) for i in range(40, 100))]:
+        k, v = kv.append(1, rows[:, :, s:e], -rows[:, :, s:e])
+        assert torch.equal(k, rows[:, :, :e]) and torch.equal(v, -rows[:, :, :e])
+    assert kv.length(1) == 100 and kv.length(0) == 0
+    assert 2 * rows.nbytes <= kv.nbytes <= 4 * 2 * rows.nbytes  # spare room at most doubles it (plus MIN_ROWS)
+
+
+def test_a_block_mate_leaving_is_counted_against_the_survivor_until_its_next_step_frees_the_block():
+    a, c = SequenceKV(), SequenceKV()
+    block = _KvBlock.of([a, c])
+    block.append(0, torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4))
+    assert a.nbytes == c.nbytes == block.nbytes // 2
+    a.clear()
+    assert c.nbytes == block.nbytes   # it alone holds the block now: held bytes say so
+    gone = weakref.ref(block)
+    del block
+    c.append(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))   # its next step: a block of its own
+    gc.collect()
+    assert gone() is None and c.length(0) == 4 and 0 < c.nbytes
+
+
 def test_a_sequence_leaves_by_dropping_its_cache():
     kv = SequenceKV()
     kv.append(0, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
     kv.append(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
-    assert kv.length(0) == 4 and kv.nbytes == 2 * 2 * 4 * 4 * 4
+    assert kv.length(0) == 4 and kv.nbytes >= 2 * 2 * 4 * 4 * 4
     kv.clear()
     assert kv.length(0) == 0 and kv.nbytes == 0
