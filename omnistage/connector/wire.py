@@ -66,6 +66,8 @@ class TensorHeader:
             raise ConnectorError(f"{where}: {e}") from None
         if any(d < 0 for d in shape):
             raise ConnectorError(f"{where}: negative dimension in shape {list(shape)}")
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 1 << 63:   # torch's numel would overflow
+            raise ConnectorError(f"{where}: shape {list(shape)} is too large for a tensor")
         if nbytes != math.prod(shape) * dtype.itemsize:
             raise ConnectorError(f"{where}: {nbytes} bytes do not hold a {dtype} tensor of shape {list(shape)}")
         return cls(dtype, tuple(shape), nbytes, readers, status)

@@ -78,6 +78,7 @@ def check_decoded(h: TensorHeader) -> None:
 @example(raw_header(OK, 0, 0, 0, 1, [])).via("dtype code 0: TensorFormatError leaked")
 @example(raw_header(OK, 1, 4, 1, 1, [-1])).via("a negative dimension was accepted")
 @example(raw_header(OK, 1, 8, 1, 1, [1])).via("nbytes disagreeing with the shape was accepted")
+@example(raw_header(OK, 1, 0, 3, 1, [1 << 32, 0, 1 << 32])).via("an empty shape whose other sizes overflow numel")
 def test_any_bytes_decode_to_a_consistent_header_or_a_connector_error(raw):
     try:
         h = TensorHeader.unpack(raw, "fuzz")

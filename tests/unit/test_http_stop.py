@@ -25,6 +25,8 @@ def run(stops, deltas) -> tuple[list[str], bool]:
     (("\n\n", "!"), ["a\n", "b!c"], ["a", "\nb"], True),
     (("x",), ["abc"], ["abc", ""], False),
     (("abc",), ["abc"], [""], True),
+    ((".", "a.a"), ["aa.a"], ["aa"], True),      # "." completes before "a.a", though "a.a" starts first
+    ((".", "a.a"), ["aa.", "a"], ["aa", ""], True),  # the same, split
 ])
 def test_stop_table(stops, deltas, sent, stopped):
     assert run(stops, deltas) == (sent, stopped)
@@ -46,9 +48,10 @@ def test_held_back_at_most_the_longest_stop_less_one():
 def test_any_split_sends_the_text_before_the_first_stop(text, cuts, stops):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    # the first stop completed, as a generator checking after every character would see it
+    found = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
     got, stopped = run(stops, deltas)
-    assert "".join(got) == (text[:min(found)] if found else text)
+    assert "".join(got) == (text[:min(found)[1]] if found else text)
     assert stopped is bool(found)
     # Nothing sent ever held the start of a stop string it then completed.
     prefix = ""
