@@ -33,11 +33,15 @@ goodput is those per second. Figures:
 
 Then one run with the real tiny Qwen3-Omni stages under `omnistage serve --autoscale` (not with
 --quick): budget 4 replicas for 3 stages (the planner must pick the bottleneck for the fourth),
-speech requests from `REAL_CLIENTS` clients for `REAL_LOAD_S` seconds, then none: `planner_real.react_s`
-(load start to the first scale-up), `planner_real.failed_requests` (goal 0), `planner_real.changes`,
-`planner_real.drained` (replicas drained after the load), and which stage it grew (in the results file).
-The drain comes after the load stopped, so it says nothing of requests failed by a scale-down under
-traffic: the issue's `planner.failed_requests_on_scale_down` is not measured here (docs/planner.md).
+speech requests from `REAL_CLIENTS` clients for `REAL_LOAD_S` seconds, then `REAL_LIGHT_CLIENTS` of them
+go on while the planner drains the replica it added, then none: `planner_real.react_s` (load start to
+the first scale-up), `planner_real.failed_requests` (goal 0), `planner_real.changes`,
+`planner_real.drained`, and which stage it grew (in the results file). The light phase gives
+`planner.failed_requests_on_scale_down` (requests failed from the end of the heavy load until
+`REAL_AFTER_DRAIN_S` after the drained replica exited; goal 0), `planner_real.scale_down_requests`
+(requests served meanwhile) and `planner_real.scale_down_after_s` (the heavy load's end to the
+scale-down). The planner's estimates every second (load, capacity, utilisation, desired replicas per
+stage) go to the results file.
 
     .venv/bin/python bench/planner.py [--quick]
 
@@ -47,6 +51,7 @@ Prints a table and writes bench/results/planner.json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import re
@@ -360,18 +365,39 @@ def seed_figures(scenarios, results, step_at) -> list[dict]:
 
 REAL_CLIENTS = 6
 REAL_LOAD_S = 60.0
+REAL_LIGHT_CLIENTS = 2     # kept on while the planner drains the added replica (two: the orchestrator sends a lone
+                           # request to the same replica every time, so one client would leave the drained one idle)
+REAL_DRAIN_WAIT_S = 180.0  # the light phase ends this long after the heavy one at the latest
+REAL_AFTER_DRAIN_S = 10.0  # ... or this long after the drained replica exited
+# Longer than a replica takes to start here (~18 s): the replica added under load serves before fewer replicas
+# can be judged enough (with 10 s, the noisy load often gave it up while it started, and another stage grew).
+REAL_SCALE_DOWN_DELAY_S = 20.0
+
+
+def estimates_line(t: float, gauges: Mapping[str, Mapping[str, float]]) -> str:
+    """One reading of the planner's gauges, one line: "12s talker 171/345=0.49 x2 ..." (per stage: offered load
+    over the capacity of one replica, units per second, their utilisation, and the replicas it wants)."""
+    return f"{t:.0f}s " + " ".join(
+        f"{stage} {g.get('offered_load', 0):.0f}/{g.get('capacity', 0):.0f}={g.get('utilization', 0):.2f} "
+        f"x{g.get('desired_replicas', 0):.0f}" for stage, g in gauges.items())
 
 
 def real_run(tmp: Path) -> tuple[list[dict], dict]:
     """The tiny Qwen3-Omni stages under `omnistage serve --autoscale` (see the module docstring)."""
+    import urllib.request
+
     import yaml
 
     from omnistage.client import OmniClient
+    from omnistage.launch import METRICS_PATH
+    from omnistage.local import TARGETS_FILE
+    from omnistage.planner.scrape import replica_counters
 
     doc = yaml.safe_load((REPO / "examples" / "qwen3-omni-tiny.yaml").read_text())
     doc["spec"]["deployment"]["autoscaling"] = {
         "enabled": True, "intervalSeconds": 1.0, "budget": {"maxReplicas": 4},
-        "stages": {s: {"minReplicas": 1, "maxReplicas": 2, "scaleDownDelaySeconds": 10} for s in STAGES}}
+        "stages": {s: {"minReplicas": 1, "maxReplicas": 2, "scaleDownDelaySeconds": REAL_SCALE_DOWN_DELAY_S}
+                   for s in STAGES}}
     path = tmp / "qwen3-omni-auto.yaml"
     path.write_text(yaml.safe_dump(doc))
     log = tmp / "serve.out"
@@ -379,57 +405,135 @@ def real_run(tmp: Path) -> tuple[list[dict], dict]:
                               "--no-tls", "--models", str(REPO / "models"), "--log-dir", str(tmp / "logs")],
                              stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
 
-    def wait_for(pattern: str, timeout: float) -> re.Match:
+    def wait_for(pattern: str, timeout: float, since: int = 0) -> re.Match | None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            m = re.search(pattern, log.read_text())
+            m = re.search(pattern, log.read_text()[since:], re.M)
             if m:
                 return m
             if serve.poll() is not None:
                 raise RuntimeError(f"serve exited with {serve.returncode}:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        raise RuntimeError(f"no {pattern!r} in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+        return None
+
+    def must(m: re.Match | None, what: str) -> re.Match:
+        if m is None:
+            raise RuntimeError(f"no {what}:\n{log.read_text()[-3000:]}")
+        return m
+
+    trace: list[str] = []   # every second, the planner's estimates (its own metrics): `estimates_line`
+    added: dict[str, list[tuple[float, float, int]]] = {}   # added replica -> (time, requests ended, held)
+
+    def sample(url: str, t0: float, stop: threading.Event) -> None:
+        while not stop.wait(1.0):
+            try:
+                text = urllib.request.urlopen(url, timeout=2).read().decode()
+                targets = json.loads((tmp / "logs" / TARGETS_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            gauges: dict[str, dict[str, float]] = {}
+            for m in re.finditer(r'^omnistage_planner_(\w+)\{pipeline="[^"]*",stage="(\w+)"\} (\S+)$', text, re.M):
+                gauges.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+            trace.append(estimates_line(time.monotonic() - t0, gauges))
+            for target in targets:   # the replicas in service; one drained leaves this file first
+                name = target["labels"]["process"]
+                if "[+" in name:
+                    try:
+                        text = urllib.request.urlopen(f"http://{target['targets'][0]}{METRICS_PATH}", timeout=1).read()
+                    except OSError:
+                        continue
+                    c, _ = replica_counters(text.decode(), 0.0)
+                    added.setdefault(name, []).append((time.monotonic(), c.finished, c.queued + c.running))
 
     try:
-        endpoint = wait_for(r"serving on (127\.0\.0\.1:\d+)", 600).group(1)
-        stop, ok, failed = threading.Event(), [], []
+        endpoint = must(wait_for(r"serving on (127\.0\.0\.1:\d+)", 600), "endpoint").group(1)
+        metrics_url = must(wait_for(r"decisions at (\S+)", 10), "planner metrics").group(1)
+        heavy_stop, light_stop, sampler_stop = threading.Event(), threading.Event(), threading.Event()
+        ok: list[float] = []
+        failed: list[tuple[float, str]] = []
 
-        def client(i: int) -> None:
+        def client(i: int, stop: threading.Event) -> None:
             with OmniClient(endpoint) as c:
                 while not stop.is_set():
                     try:
                         c.generate(f"say something {i}", max_tokens=16, max_codec_frames=100, timeout=300)
-                        ok.append(1)
+                        ok.append(time.monotonic())
                     except Exception as e:  # noqa: BLE001 - a failed request is what this counts
-                        failed.append(repr(e))
+                        failed.append((time.monotonic(), repr(e)))
 
         t0 = time.monotonic()
         load_start = len(log.read_text())
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(REAL_CLIENTS)]
+        sampler = threading.Thread(target=sample, args=(metrics_url, t0, sampler_stop), daemon=True)
+        sampler.start()
+        threads = [threading.Thread(target=client, args=(i, light_stop if i < REAL_LIGHT_CLIENTS else heavy_stop))
+                   for i in range(REAL_CLIENTS)]
         for t in threads:
             t.start()
-        up = wait_for(r"planner: (\S+) 1 -> 2 replicas", REAL_LOAD_S)
+        up = must(wait_for(r"^planner: (\S+) 1 -> 2 replicas", REAL_LOAD_S, load_start), "scale-up under load")
         react = time.monotonic() - t0
         grown = up.group(1)
         time.sleep(max(0.0, REAL_LOAD_S - (time.monotonic() - t0)))
-        stop.set()
+        # The light phase: REAL_LIGHT_CLIENTS keep sending while the planner drains the added replica.
+        heavy_stop.set()
+        light_at, light_from = time.monotonic(), len(log.read_text())
+        # the stage grown by then (the first one may have been given up while it started, another grown instead)
+        counts = {m.group(1): int(m.group(2)) for m in
+                  re.finditer(r"^planner: (\S+) \d+ -> (\d+) replicas", log.read_text()[load_start:], re.M)}
+        at_two = "|".join(re.escape(s) for s, n in counts.items() if n == 2) or "(?!)"
+        # a drain of a replica in service (one given up while still starting serves nothing: not a drain)
+        down = wait_for(rf"stage ({at_two})\[(\+\d+)\]: out of service, draining(?: \(holding (\d+) request)?",
+                        REAL_DRAIN_WAIT_S, light_from)
+        down_s = time.monotonic() - light_at if down else None
+        drained, held = (down.group(1), down.group(3)) if down else (None, None)
+        gone = wait_for(re.escape(f"stage {drained}[{down.group(2)}]: drained, exited with code ") + r"(-?\d+)",
+                        max(0.0, REAL_DRAIN_WAIT_S - (time.monotonic() - light_at)), light_from) if down else None
+        time.sleep(REAL_AFTER_DRAIN_S if gone else 0.0)
+        light_end = time.monotonic()
+        light_stop.set()
         for t in threads:
             t.join(300)
-        wait_for(r"drained, exited with code 0", 120)
+        wait_for(r"drained, exited with code 0", 0 if gone else 120, load_start)   # counted below
         time.sleep(3)
+        sampler_stop.set()
         out = log.read_text()[load_start:]
     finally:
         serve.terminate()
         serve.wait(120)
     changes = len(re.findall(r"^planner: \S+ \d+ -> \d+ replicas", out, re.M))
-    drained = len(re.findall(r"drained, exited with code 0", out))
-    figures = [figure("planner_real.react_s", react, "s"), figure("planner_real.failed_requests", len(failed), "requests"),
+    drains = len(re.findall(r"drained, exited with code 0", out))
+    light_ok = sum(1 for t in ok if light_at <= t <= light_end)
+    # the drained replica in the light phase, until it left service: requests it ended, the most it held at a reading
+    seen = [(f, h) for t, f, h in added.get(f"stage {drained}[{down.group(2)}]", []) if t >= light_at] if down else []
+    served_light = seen[-1][0] - seen[0][0] if seen else None
+    held_most = max(h for _, h in seen) if seen else None
+    light_failed = [e for t, e in failed if light_at <= t <= light_end]
+    figures = [figure("planner_real.react_s", react, "s"),
+               figure("planner_real.failed_requests", len(failed), "requests"),
                figure("planner_real.requests", len(ok), "requests"), figure("planner_real.changes", changes, "changes"),
-               figure("planner_real.drained", drained, "replicas")]
+               figure("planner_real.drained", drains, "replicas")]
+    if gone:  # a drain under traffic happened: what it failed
+        figures += [figure("planner.failed_requests_on_scale_down", len(light_failed), "requests"),
+                    figure("planner_real.scale_down_requests", light_ok, "requests"),
+                    figure("planner_real.scale_down_after_s", down_s, "s")]
     print(f"  real: grew {grown} after {react:.1f}s; {len(ok)} requests, {len(failed)} failed; {changes} changes, "
-          f"{drained} drained", flush=True)
-    return figures, {"real_run": {"grown_first": grown, "failures": failed[:5],
-                                  "decisions": re.findall(r"^planner: .*$", out, re.M)}}
+          f"{drains} drained", flush=True)
+    print(f"  real, {REAL_LIGHT_CLIENTS} clients on: " + (
+        f"{drained} 2 -> 1 after {down_s:.1f}s (the replica had ended {served_light} requests since the heavy "
+        f"load, held up to {held_most}, {held} when drained), exited with code {gone.group(1)}; "
+        f"{light_ok} requests, {len(light_failed)} failed meanwhile" if gone else
+        f"no drain within {REAL_DRAIN_WAIT_S:.0f}s ({light_ok} requests, {len(light_failed)} failed)"), flush=True)
+    return figures, {"real_run": {
+        "grown_first": grown, "failures": [e for _, e in failed][:5],
+        "decisions": re.findall(r"^planner: .*$", out, re.M),
+        "replicas": re.findall(r"^  stage \S+\[\+\d+\]: .*$", out, re.M),   # the added ones
+        "scale_down_under_traffic": {
+            "clients": REAL_LIGHT_CLIENTS, "phase_s": round(light_end - light_at, 1), "stage": drained,
+            "down_after_s": round(down_s, 1) if down_s is not None else None,
+            "drained_exit_code": int(gone.group(1)) if gone else None,
+            "held_when_drained": int(held) if held is not None else None,
+            "drained_replica_ended_requests": served_light, "drained_replica_held_most": held_most,
+            "requests": light_ok, "failed": len(light_failed), "failures": light_failed[:5]},
+        "estimates": trace}}
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ CACHE = Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnista
 BIN = Path(os.environ.get("OMNISTAGE_K8S_BIN", CACHE / "k8s-1.20.2" / "bin"))
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 OPERATOR_USER = "omnistage-operator"
+OPERATOR_METRICS_PORT = 9464   # the local operator's Prometheus metrics (the stage planner's decisions)
 PIPELINE_CA = "omnistage-pipeline-ca"  # the CA Secret of the pipelines' mTLS (the chart's is <release>-pipeline-ca)
 E2E_WEBHOOK_ROLE = "omnistage-e2e-webhook-config"
 
@@ -203,7 +204,8 @@ class Cluster:
                     "OMNISTAGE_MODEL_VOLUME": f"hostPath:{REPO / 'models'}", "OMNISTAGE_RESYNC_SECONDS": "60",
                     "OMNISTAGE_WEBHOOK_CERT": str(self.run / "pki" / "webhook.crt"),
                     "OMNISTAGE_WEBHOOK_KEY": str(self.run / "pki" / "webhook.key"),
-                    "OMNISTAGE_WEBHOOK_ADDR": "127.0.0.1", "OMNISTAGE_WEBHOOK_PORT": "9443", **env}
+                    "OMNISTAGE_WEBHOOK_ADDR": "127.0.0.1", "OMNISTAGE_WEBHOOK_PORT": "9443",
+                    "OMNISTAGE_METRICS_ADDR": "127.0.0.1", "OMNISTAGE_METRICS_PORT": str(OPERATOR_METRICS_PORT), **env}
         cmd = [PYTHON, "-m", "kopf", "run", "-m", "omnistage_operator.handlers",
                *[f"--namespace={ns}" for ns in namespaces]]
         proc = self._spawn("operator", cmd, settings)

@@ -43,6 +43,7 @@ class LocalAutoscaler:
         self.http = HttpStatusServer(local.host, 0, self.metrics.registry, lambda: True).start()
         self.metrics_url = http_url(local.host, self.http.port, METRICS_PATH)
         self._next = 0.0
+        self._in_hand: dict[str, int] = {}   # per replica, the requests it held (queued, running) when last read
 
     def _in_service(self) -> dict[str, int]:
         counts = {s.name: 0 for s in self.local.pipeline.stages}
@@ -61,11 +62,14 @@ class LocalAutoscaler:
         self._observe()
         d = self.planner.decide(now)
         self.metrics.record(self.planner, d)
+        scales = self.config.scales   # mode Recommend: decisions are printed and exported, nothing is started
         for c in d.changes:
             est = d.estimates[c.stage]
-            self.progress(f"planner: {c.stage} {c.before} -> {c.after} replicas ({c.stage}: {est.load:.3g} {d.units[c.stage]} "
-                          f"offered, {est.capacity:.3g} per replica; {d.plan.reason})")
-        self._reconcile()
+            self.progress(f"planner: {c.stage} {c.before} -> {c.after} replicas{'' if scales else ' recommended'} "
+                          f"({c.stage}: {est.load:.3g} {d.units[c.stage]} offered, {est.capacity:.3g} per replica; "
+                          f"{d.plan.reason})")
+        if scales:
+            self._reconcile()
 
     def _observe(self) -> None:
         by_stage: dict[str, dict[str, ReplicaCounters]] = {}
@@ -79,6 +83,7 @@ class LocalAutoscaler:
             except (OSError, http.client.HTTPException, ValueError):
                 continue  # a replica that does not answer (or answers half) this time is measured next time
             by_stage.setdefault(p.stage, {})[p.name] = counters
+            self._in_hand[p.name] = counters.queued + counters.running
             units[p.stage] = unit or units.get(p.stage, "")
         for stage, counters in by_stage.items():
             self.planner.observe(stage, counters, units.get(stage, ""))
@@ -102,7 +107,9 @@ class LocalAutoscaler:
                 p = self.local.drain_replica(stage)
                 if p is None:
                     break
-                self.progress(f"  {p.name}: out of service, draining")
+                held = self._in_hand.pop(p.name, None)  # read this interval, just before the decision
+                self.progress(f"  {p.name}: out of service, draining"
+                              + (f" (holding {held} request{'s' if held != 1 else ''})" if held is not None else ""))
 
     def close(self) -> None:
         self.http.stop()

@@ -8,9 +8,15 @@ snapshots of those counters, a window apart, give per stage:
 - throughput: units per second, all replicas together;
 - busy: engine-step seconds per second (0 to one per replica);
 - capacity of one replica: units per busy second, i.e. what a replica would serve if it stepped all the
-  time at the batch sizes it runs now. Batching makes a fuller replica faster, so the estimate keeps the
-  best rate seen and lets it fade slowly (`CAPACITY_MEMORY`): a replica at low load does not make the
-  planner believe the stage is slow;
+  time at the batch sizes it runs. Batching makes a fuller replica faster (the tiny Talker makes about
+  8.7x the frames per busy second at batch 16 as at batch 1), so the estimate keeps the best rate seen,
+  with how full its steps ran (units per step), and lets a lower rate lower it only slowly
+  (`CAPACITY_MEMORY`), and only when it says the replica got slower. A replica at low load runs small
+  batches and is slower per busy second by design, so a rate measured with emptier steps is first scaled
+  up to the best's fill, as if a fuller step took no longer (batching's best case, so an upper bound):
+  only if even that is lower has the replica got slower (contention, a slower step). Were light batches
+  to lower the capacity as they are, one client that keeps a replica stepping at batch 1 would make the
+  stage look full;
 - offered load: what arrives, plus the queued work to drain. A stage that keeps up has no queue and
   what arrives is its throughput; one that does not serves less than arrives, and the difference is
   how fast its queue grows. So: the throughput over a long window (smooth: a few requests more or less
@@ -50,6 +56,7 @@ class ReplicaCounters:
     finished: float = 0.0     # requests that ended after reaching the engine (finished, cancelled, failed, timed out)
     queued: int = 0
     running: int = 0
+    steps: float = 0.0        # engine steps (0: not counted; then how full they ran is not known)
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,12 @@ class StageWindow:
     queued: int
     running: int
     queued_before: int = 0    # at the window's start
+    steps_per_s: float = 0.0  # engine steps, all replicas together (0: not counted)
+
+    @property
+    def units_per_step(self) -> float:
+        """How full the steps ran (the batch, for a stage making one unit per request per step); 0: not known."""
+        return self.units_per_s / self.steps_per_s if self.steps_per_s > 0 else 0.0
 
 
 def window(stage: str, before: Mapping[str, ReplicaCounters], after: Mapping[str, ReplicaCounters]) -> StageWindow:
@@ -72,20 +85,22 @@ def window(stage: str, before: Mapping[str, ReplicaCounters], after: Mapping[str
     counter went down) counts from zero. One missing from `before` (new, or not read then) counts nothing
     this window: its totals may span its whole life, not the window. One gone by `after` counts nothing
     (the planner can no longer read it)."""
-    units = busy = finished = span = 0.0
+    units = busy = finished = steps = span = 0.0
     queued_before = 0
     for name, b in after.items():
         a = before.get(name, b)
-        if b.units < a.units or b.busy_seconds < a.busy_seconds or b.finished < a.finished:
+        if b.units < a.units or b.busy_seconds < a.busy_seconds or b.finished < a.finished or b.steps < a.steps:
             a = ReplicaCounters(at=a.at, queued=a.queued)
         units += b.units - a.units
         busy += b.busy_seconds - a.busy_seconds
         finished += b.finished - a.finished
+        steps += b.steps - a.steps
         queued_before += a.queued
         span = max(span, b.at - a.at)
     per_s = 1.0 / span if span > 0 else 0.0
     return StageWindow(stage, len(after), span, units * per_s, busy * per_s, finished * per_s,
-                       sum(c.queued for c in after.values()), sum(c.running for c in after.values()), queued_before)
+                       sum(c.queued for c in after.values()), sum(c.running for c in after.values()), queued_before,
+                       steps * per_s)
 
 
 @dataclass(frozen=True)
@@ -97,15 +112,14 @@ class StageEstimate:
     units_per_request: float = 0.0  # the stage's work per request, as recently seen
     load: float = 0.0               # offered units per second
     utilization: float = 0.0        # load over the capacity of the replicas running
+    capacity_fill: float = 0.0      # units per step when the capacity was measured (0: not known)
 
 
 def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float, recent: StageWindow | None = None) -> StageEstimate:
     """The next estimate from the last one, a long window `w` and a `recent` short one (default: `w`)
     (see the module docstring)."""
     recent = recent or w
-    capacity = prev.capacity  # a window too idle to measure leaves it as it was
-    if w.busy >= MIN_BUSY and w.units_per_s > 0:
-        capacity = max(prev.capacity * CAPACITY_MEMORY, w.units_per_s / w.busy)
+    capacity, fill = capacity_seen(prev.capacity, prev.capacity_fill, w)
     per_request = prev.units_per_request
     if w.requests_per_s > 0:  # smoothed: units are counted as they are made, requests only as they end
         seen = w.units_per_s / w.requests_per_s
@@ -113,7 +127,21 @@ def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float, recent: 
     growth, backlog = _queue_terms(per_request, recent, queue_seconds)
     load = max(w.units_per_s + growth, 0.0) + backlog  # the long window's throughput, the recent one's queue
     util = load / (w.replicas * capacity) if w.replicas and capacity > 0 else 0.0
-    return StageEstimate(w.stage, capacity, per_request, load, util)
+    return StageEstimate(w.stage, capacity, per_request, load, util, fill)
+
+
+def capacity_seen(best: float, best_fill: float, w: StageWindow) -> tuple[float, float]:
+    """The capacity of one replica after window `w`, and how full the steps ran when it was measured (see the
+    module docstring). A window too idle to measure leaves it as it was; where either side did not count
+    steps (fill 0), the rate is taken as it is."""
+    if w.busy < MIN_BUSY or w.units_per_s <= 0:
+        return best, best_fill
+    rate, fill = w.units_per_s / w.busy, w.units_per_step
+    if rate >= best:
+        return rate, fill
+    # emptier steps: what the replica would serve at the best's fill if a step took no longer
+    at_best_fill = rate * best_fill / fill if 0 < fill < best_fill else rate
+    return max(best * CAPACITY_MEMORY, min(at_best_fill, best)), best_fill
 
 
 def recent_load(est: StageEstimate, recent: StageWindow, queue_seconds: float) -> float:

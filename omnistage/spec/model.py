@@ -40,6 +40,8 @@ LABEL_VALUE_HINT = ('must be a label value: at most 63 letters, digits, "-", "_"
                     "with a letter or digit")
 ROLLOUT_STRATEGIES = ("OneStageAtATime", "Parallel")
 FAIRNESS_POLICIES = ("InFlightFirst", "ShortestFirst")
+AUTOSCALING_SCALE, AUTOSCALING_RECOMMEND = "Scale", "Recommend"
+AUTOSCALING_MODES = (AUTOSCALING_SCALE, AUTOSCALING_RECOMMEND)
 # Planned: set by the stage planner (autoscaling); its reason says the last decision.
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Planned")
 CONDITION_STATUSES = ("True", "False", "Unknown")
@@ -420,6 +422,11 @@ class Autoscaling:
                               "`stages` and `budget`. Then spec.deployment.stages.<name>.replicas is the starting "
                               "count only (the planner clamps it to the stage's bounds); false: replicas is the "
                               "count.", default=False)
+    mode: str = api_field("Scale: the planner sets each stage's replicas (the stage Deployments' scale "
+                          "subresource; local replica processes under serve). Recommend: it only decides and "
+                          "reports (status, events, omnistage_planner_desired_replicas), for an autoscaler of "
+                          "your own (a KEDA ScaledObject, an HPA external metric) to act on; replicas are then "
+                          "left to it.", default=AUTOSCALING_SCALE, enum=AUTOSCALING_MODES)
     interval_seconds: float = api_field("How often the planner observes the stages and decides, in seconds.",
                                         default=1.0, minimum=0.1, maximum=60)
     targets: AutoscalingTargets = api_field("What the planner sizes the stages to meet.",
@@ -433,6 +440,11 @@ class Autoscaling:
     def bounds(self, stage: str) -> StageAutoscaling:
         """The stage's bounds: its entry under `stages`, else the defaults."""
         return self.stages.get(stage, StageAutoscaling())
+
+    @property
+    def scales(self) -> bool:
+        """Whether the planner sets replicas itself (mode Scale), rather than only recommending them."""
+        return self.mode == AUTOSCALING_SCALE
 
 
 @dataclass(frozen=True)

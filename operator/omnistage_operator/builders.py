@@ -19,6 +19,7 @@ from omnistage.spec import OrchestratorHttp, Pipeline, StageDeployment
 
 from .certificates import Leaf, build_certificate, leaves
 from .config import TLS_CERT_MANAGER, OperatorConfig
+from .planning import autoscaled, starting_replicas
 from .vocabulary import (ANNOTATION_CONFIG_HASH, COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT,
                          LABEL_MANAGED_BY, LABEL_PIPELINE, LABEL_STAGE, MANAGED_BY, ORCHESTRATOR, PIPELINE_DIR,
                          PIPELINE_FILE, config_map_name, network_policy_name, orchestrator_network_policy_name,
@@ -144,7 +145,8 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
     pod.update(_stage_placement(sd))
     labels = selector(p.name, COMPONENT_STAGE, stage)
     surge = {"maxSurge": sd.rolling_update.max_surge, "maxUnavailable": sd.rolling_update.max_unavailable}
-    return _deployment(p, stage_object_name(p.name, stage), labels, sd.replicas, pod, config_hash(p, stage),
+    return _deployment(p, stage_object_name(p.name, stage), labels, starting_replicas(p, stage), pod,
+                       config_hash(p, stage),
                        rolling_update=surge)
 
 
@@ -256,13 +258,16 @@ def build_network_policy(p: Pipeline, cfg: OperatorConfig) -> dict:
     """Stage pods accept: the pipeline's orchestrator pods on the gRPC port only; the pipeline's own stage
     pods on any port (a consumer calls its producer's gRPC and pulls chunks over UCX, whose listener and
     TCP lanes use ports picked at start, so no fixed port can name them); optionally metrics scrapes on
-    `http`. Nothing else, not even other pipelines' pods in the same namespace."""
+    `http`, and under autoscaling the operator's pods on `http` (its planner reads /metrics). Nothing else, not
+    even other pipelines' pods in the same namespace."""
     ingress: list[dict] = [
         {"from": [{"podSelector": {"matchLabels": selector(p.name, COMPONENT_ORCHESTRATOR)}}],
          "ports": [_tcp(GRPC_PORT_NAME)]},
         {"from": [{"podSelector": {"matchLabels": selector(p.name, COMPONENT_STAGE)}}]},
         *_metrics_ingress(cfg),
     ]
+    if cfg.operator_peer and autoscaled(p):   # the stage planner reads /metrics (autoscaler.py)
+        ingress.append({"from": [dict(cfg.operator_peer)], "ports": [_tcp(HTTP_PORT_NAME)]})
     return _network_policy(p, network_policy_name(p.name), COMPONENT_STAGE, ingress)
 
 

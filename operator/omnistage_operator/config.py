@@ -12,6 +12,11 @@ OMNISTAGE_METRICS_NAMESPACE_LABEL  `key=value` of namespaces allowed to scrape s
                              (port http) past the NetworkPolicy; empty: only the pipeline's own pods
 OMNISTAGE_ORCHESTRATOR_CLIENTS_FROM  a JSON list of NetworkPolicy peers allowed to the orchestrators' client
                              ports (gRPC, OpenAI-compatible API); empty: from anywhere
+OMNISTAGE_OPERATOR_PEER      a JSON NetworkPolicy peer naming the operator's pods: autoscaled pipelines' stage
+                             pods accept it on port http (the stage planner reads their /metrics); empty:
+                             no such rule (a cluster without NetworkPolicy enforcement needs none)
+OMNISTAGE_METRICS_ADDR/PORT  where the operator serves its Prometheus metrics (the stage planner's decisions,
+                             /metrics); port 0 or unset: not served
 OMNISTAGE_RESYNC_SECONDS     every pipeline is reconciled at least this often (300)
 OMNISTAGE_WORKERS            pipelines reconciled at once (4)
 OMNISTAGE_WEBHOOK            `managed` (kopf serves it and writes its configuration, URL from
@@ -78,6 +83,9 @@ class OperatorConfig:
     run_as_user: int = 1000
     metrics_namespace_label: tuple[str, str] | None = None
     orchestrator_clients_from: tuple[dict, ...] = ()
+    operator_peer: dict | None = None
+    metrics_addr: str = "127.0.0.1"
+    metrics_port: int = 0
     resync_seconds: float = 300.0
     workers: int = 4
     webhook: str = "managed"
@@ -140,6 +148,14 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
     if not isinstance(clients, list) or not all(isinstance(c, dict) and c for c in clients):
         raise ConfigError("OMNISTAGE_ORCHESTRATOR_CLIENTS_FROM: expected a JSON list of NetworkPolicy peers "
                           "(objects with podSelector, namespaceSelector or ipBlock)")
+    peer_raw = env.get("OMNISTAGE_OPERATOR_PEER", "")
+    try:
+        peer = json.loads(peer_raw) if peer_raw.strip() else None
+    except ValueError as e:
+        raise ConfigError(f"OMNISTAGE_OPERATOR_PEER: not JSON ({e})") from None
+    if peer is not None and not (isinstance(peer, dict) and peer):
+        raise ConfigError("OMNISTAGE_OPERATOR_PEER: expected a JSON NetworkPolicy peer (an object with "
+                          "podSelector and/or namespaceSelector)")
     peering = env.get("OMNISTAGE_PEERING") or None
     if peering and not env.get("POD_ID"):
         raise ConfigError(f"OMNISTAGE_PEERING={peering!r} needs POD_ID (this replica's name, kopf's identity)")
@@ -169,6 +185,9 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
         run_as_user=num("OMNISTAGE_RUN_AS_USER", d.run_as_user),
         metrics_namespace_label=metrics,
         orchestrator_clients_from=tuple(clients),
+        operator_peer=peer,
+        metrics_addr=env.get("OMNISTAGE_METRICS_ADDR") or d.metrics_addr,
+        metrics_port=num("OMNISTAGE_METRICS_PORT", d.metrics_port),
         resync_seconds=num("OMNISTAGE_RESYNC_SECONDS", d.resync_seconds, float),
         workers=num("OMNISTAGE_WORKERS", d.workers),
         webhook=webhook,

@@ -1,5 +1,5 @@
 """kopf wiring, nothing else: watch OmniPipelines, their children and their failing pods into the work
-queue, serve the validating webhook, start and stop the reconcile workers.
+queue, serve the validating webhook, start and stop the reconcile workers and the stage planner (autoscaler.py).
 
 Run: `python -m kopf run -m omnistage_operator.handlers --all-namespaces` (or `--namespace=NS`).
 Watch events only enqueue; the reconcile is level-based (reconcile.py), so kopf keeps no per-object
@@ -17,11 +17,14 @@ import logging
 import os
 
 import kopf
+import prometheus_client
 
+from .autoscaler import Autoscaler, autoscaling_enabled
 from .config import TLS_CERT_MANAGER, ConfigError, from_env
 from .kube import Kube
 from .leadership import follow_peering, start_priority
 from .pipeline_object import validation_errors
+from .planning import Plans
 from .reconcile import reconcile
 from .status import last_failure
 from .vocabulary import GROUP, LABEL_PIPELINE, PLURAL, VERSION
@@ -86,12 +89,20 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
             follow_peering(read, cfg.pod_id, settings.peering.priority, active)))
     else:
         settings.peering.standalone = True      # one replica
-    run = functools.partial(reconcile, kube, cfg)
+    memo.plans = Plans()
+    memo.autoscaler = Autoscaler(kube, memo.plans)
+    run = functools.partial(reconcile, kube, cfg, plans=memo.plans)
     memo.tasks += [asyncio.create_task(worker(memo.queue, run, f"worker-{i}", active)) for i in range(cfg.workers)]
+    memo.tasks.append(asyncio.create_task(memo.autoscaler.run(memo.queue, active)))
+    memo.metrics_server = None
+    if cfg.metrics_port:
+        memo.metrics_server, _ = prometheus_client.start_http_server(cfg.metrics_port, cfg.metrics_addr,
+                                                                     memo.autoscaler.registry)
     memo.tasks.append(asyncio.create_task(resync(memo.queue, cfg.resync_seconds)))
     logger.info("omnistage operator: %d workers, PodDisruptionBudget %s, models %s, webhook %s, peering %s, "
-                "pipeline TLS %s", cfg.workers, kube.pdb_api_version, cfg.model_volume, cfg.webhook,
-                cfg.peering or "standalone", cfg.tls_issuer)
+                "pipeline TLS %s, metrics %s", cfg.workers, kube.pdb_api_version, cfg.model_volume, cfg.webhook,
+                cfg.peering or "standalone", cfg.tls_issuer,
+                f"{cfg.metrics_addr}:{cfg.metrics_port}" if cfg.metrics_port else "off")
 
 
 @kopf.on.cleanup()
@@ -99,12 +110,17 @@ async def stop(memo: kopf.Memo, **_) -> None:
     for task in getattr(memo, "tasks", ()):
         task.cancel()
     await asyncio.gather(*getattr(memo, "tasks", ()), return_exceptions=True)
+    if getattr(memo, "autoscaler", None) is not None:
+        memo.autoscaler.close()
+    if getattr(memo, "metrics_server", None) is not None:
+        memo.metrics_server.shutdown()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def pipeline_event(type: str | None, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo,
                          **_) -> None:  # noqa: A002
     key = (namespace, name)
+    memo.autoscaler.track(key, type != "DELETED" and autoscaling_enabled(body))
     if type == "DELETED":
         memo.queue.forget(key)
         memo.seen.pop(key, None)

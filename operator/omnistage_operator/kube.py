@@ -92,15 +92,19 @@ class Kube:
     def list_children(self, namespace: str, pipeline: str) -> dict[tuple[str, str], dict]:
         """Every child carrying the pipeline's label, by (kind, name)."""
         def one_kind(kind: str) -> list[dict]:
-            res = self._resources[kind]
-            items = res.get(namespace=namespace, label_selector=f"{LABEL_PIPELINE}={pipeline}", **RAW)["items"]
-            for obj in items:
-                obj.update(apiVersion=res.group_version, kind=kind)   # list items carry neither
-            return items
+            return self.list_kind(kind, namespace, pipeline)
 
         # Eight small lists, one round trip of waiting: the latency of a reconcile is mostly these.
         lists = list(self._readers.map(one_kind, self._resources))
         return {(kind, obj["metadata"]["name"]): obj for kind, items in zip(self._resources, lists) for obj in items}
+
+    def list_kind(self, kind: str, namespace: str, pipeline: str) -> list[dict]:
+        """The children of one kind carrying the pipeline's label."""
+        res = self._resources[kind]
+        items = res.get(namespace=namespace, label_selector=f"{LABEL_PIPELINE}={pipeline}", **RAW)["items"]
+        for obj in items:
+            obj.update(apiVersion=res.group_version, kind=kind)   # list items carry neither
+        return items
 
     def list_pods(self, namespace: str, pipeline: str) -> list[dict]:
         """The pods of every stage and of the orchestrator (read, never written: they are the
@@ -159,6 +163,12 @@ class Kube:
             self._resource(kind).delete(name=name, namespace=namespace, **RAW)
         except NotFoundError:
             pass
+
+    def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:
+        """Set a Deployment's replicas through its scale subresource (what `kubectl scale` and HPA write)."""
+        self._wrote()
+        self._resources[kind].scale.patch(body={"spec": {"replicas": replicas}}, name=name, namespace=namespace,
+                                          content_type=MERGE_PATCH, **RAW)
 
     def patch_status(self, namespace: str, name: str, status_patch: dict) -> None:
         self._wrote()

@@ -21,6 +21,7 @@ from .conditions import now_rfc3339
 from .config import TLS_CHART, OperatorConfig
 from .kube import Kube, controller_uid, owned_by
 from .pipeline_object import parse, plain
+from .planning import Plans, autoscaled, planned_replicas, ready_floor
 from .rollout import UnitState, deployment_rolled_out, plan_rollout, rollout_order
 from .status import build_status, invalid_status, new_failures, pods_by_unit, status_patch, unit_counts
 from .vocabulary import LABEL_STAGE, ORCHESTRATOR, R_INVALID_SPEC, R_STAGE_FAILING, orchestrator_endpoint
@@ -42,7 +43,7 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
 
 
-def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Outcome:
+def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str, plans: Plans | None = None) -> Outcome:
     body = kube.get_pipeline(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return Outcome(gone=True)   # the garbage collector removes what it owned
@@ -71,6 +72,10 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
 
     deployments = _unit_deployments(pipeline, children)
     observed = {unit: live.get(("Deployment", d["metadata"]["name"])) for unit, d in deployments.items()}
+    if autoscaled(pipeline):   # the planner owns the count (autoscaler.py): set at creation, never written after
+        for s in pipeline.stages:
+            if observed[s.name] is not None:
+                del deployments[s.name]["spec"]["replicas"]
     units = [UnitState(unit, exists=observed[unit] is not None,
                        in_sync=observed[unit] is not None and matches(d, observed[unit]),
                        rolled_out=deployment_rolled_out(observed[unit])[0])
@@ -94,10 +99,13 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str) -> Out
     if out.created or out.updated or out.deleted:
         kube.post_event(body, "Normal", "ChildrenApplied", _summary(out))
     counts = _unit_counts(kube, pipeline, observed)
+    view = plans.get((namespace, name)) if plans is not None else None
     new = build_status(
         body.get("status"), generation=generation, stages={s.name: counts[s.name] for s in pipeline.stages},
         orchestrator=counts[ORCHESTRATOR], deployments=observed, plan=plan,
-        endpoint=orchestrator_endpoint(pipeline.name, namespace), now=now_rfc3339())
+        endpoint=orchestrator_endpoint(pipeline.name, namespace), now=now_rfc3339(),
+        floors={s.name: ready_floor(pipeline, s.name, counts[s.name]["replicas"]) for s in pipeline.stages},
+        autoscaled=autoscaled(pipeline), planned=view)
     if _write_status(kube, body, new):
         for failure in new_failures(body.get("status"), new):   # once per new message, not per restart
             kube.post_event(body, "Warning", R_STAGE_FAILING, failure)
@@ -165,7 +173,7 @@ def _read_ca(kube: Kube, cfg: OperatorConfig) -> CertificateAuthority:
 def _unit_counts(kube: Kube, p: Pipeline, observed: dict[str, dict | None]) -> dict[str, dict]:
     """Each unit's status entry; when any is short of ready replicas, its pods say why (one list of
     the pipeline's pods, only then: a settled pipeline costs no pod reads)."""
-    desired = {s.name: p.deployment.stages[s.name].replicas for s in p.stages}
+    desired = {s.name: planned_replicas(p, s.name, observed[s.name]) for s in p.stages}
     desired[ORCHESTRATOR] = p.deployment.orchestrator.replicas
     counts = {unit: unit_counts(want, observed[unit]) for unit, want in desired.items()}
     if all(c["readyReplicas"] >= c["replicas"] for c in counts.values()):

@@ -12,6 +12,11 @@ Conditions:
                names the unit and carries its termination message), True/ProgressDeadlineExceeded or
                True/ReplicaFailure from a Deployment, True/StageUnavailable when replicas went missing
                after the pipeline was ready (or stay missing since); False/AsExpected
+  Planned      (autoscaling enabled) the stage planner's last decision (planning.py): True/Sized,
+               True/BudgetLimited, True/NoLoad, Unknown/Measuring
+Under autoscaling a stage's `replicas` is what its Deployment runs (the planner sets it), with the planner's
+`desiredReplicas`, `capacity`, `capacityUnit` and `utilization`; replicas it added are not counted missing
+while they start (only those below the stage's minReplicas are).
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ from typing import Any, Iterable, Mapping
 
 from .conditions import condition, is_true, set_condition
 from .pipeline_object import plain
+from .planning import PlannedView
 from .rollout import RolloutPlan, deadline_exceeded
 from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, DEGRADED, LABEL_COMPONENT, LABEL_STAGE,
-                         ORCHESTRATOR, PROGRESSING, READY, R_ALL_READY, R_AS_EXPECTED, R_INVALID_SPEC, R_NOT_READY,
+                         ORCHESTRATOR, PLANNED, PROGRESSING, READY, R_ALL_READY, R_AS_EXPECTED, R_INVALID_SPEC, R_NOT_READY,
                          R_PROGRESS_DEADLINE, R_REPLICA_FAILURE, R_ROLLING_OUT, R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO,
                          R_STAGE_FAILING, R_STAGE_UNAVAILABLE)
 
 MAX_MESSAGE = 1000
+# A stage entry's fields the stage planner sets (planning.planned_view).
+PLANNER_FIELDS = frozenset({"desiredReplicas", "capacity", "capacityUnit", "utilization"})
 # The kubelet's own bound on one container's termination message (it keeps the end, as we do).
 MAX_TERMINATION_MESSAGE = 4096
 # Waiting reasons of a container on its way up; any other says why it cannot start (ImagePullBackOff,
@@ -127,12 +135,22 @@ def new_failures(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[
 
 def build_status(old: Mapping[str, Any] | None, *, generation: int, stages: Mapping[str, dict],
                  orchestrator: dict, deployments: Mapping[str, Mapping | None], plan: RolloutPlan,
-                 endpoint: str, now: str) -> dict:
-    """`stages`/`orchestrator`: unit_counts; `deployments`: live Deployment by unit name."""
+                 endpoint: str, now: str, floors: Mapping[str, int] | None = None,
+                 autoscaled: bool = False, planned: PlannedView | None = None) -> dict:
+    """`stages`/`orchestrator`: unit_counts; `deployments`: live Deployment by unit name; `floors`: per unit,
+    the ready replicas below which it is short (default: all of them); `autoscaled`: the planner runs, and
+    `planned` is its last view, merged into the stage entries with its Planned condition (None: no view yet
+    in this process, e.g. after a restart: the status keeps what it said)."""
     old = dict(old or {})
+    floors = floors or {}
+    if autoscaled:
+        kept = {name: {k: v for k, v in ((old.get("stages") or {}).get(name) or {}).items() if k in PLANNER_FIELDS}
+                for name in stages}
+        got = planned.stages if planned is not None else kept
+        stages = {name: {**entry, **got.get(name, {})} for name, entry in stages.items()}
     units = {**stages, ORCHESTRATOR: orchestrator}
     short = [f"{name} {c['readyReplicas']}/{c['replicas']} ready" for name, c in units.items()
-             if c["readyReplicas"] < c["replicas"]]
+             if c["readyReplicas"] < floors.get(name, c["replicas"])]
     zero = [name for name, c in units.items() if c["replicas"] == 0]
     conditions = copy.deepcopy(list(old.get("conditions") or []))
     was_ready, was_degraded = is_true(conditions, READY), is_true(conditions, DEGRADED)
@@ -173,10 +191,16 @@ def build_status(old: Mapping[str, Any] | None, *, generation: int, stages: Mapp
         degraded = condition(DEGRADED, False, R_AS_EXPECTED, "no replica missing, no Deployment failing",
                              generation)
 
-    for c in (ready, progressing, degraded):
+    own = [ready, progressing, degraded]
+    if planned is not None and autoscaled:
+        own.append({**planned.condition, "observedGeneration": generation})
+    elif not autoscaled:
+        conditions = [c for c in conditions if c.get("type") != PLANNED]   # autoscaling turned off
+    for c in own:
         c["message"] = c["message"][:MAX_MESSAGE]
         set_condition(conditions, c, now)
-    ready_stages = sum(1 for c in stages.values() if c["replicas"] > 0 and c["readyReplicas"] >= c["replicas"])
+    ready_stages = sum(1 for name, c in stages.items()
+                       if c["replicas"] > 0 and c["readyReplicas"] >= floors.get(name, c["replicas"]))
     return {"observedGeneration": generation, "stagesReady": f"{ready_stages}/{len(stages)}",
             "orchestratorEndpoint": endpoint, "stages": dict(stages), "orchestrator": orchestrator,
             "conditions": conditions}

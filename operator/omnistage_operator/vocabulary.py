@@ -36,6 +36,14 @@ R_STAGE_UNAVAILABLE = "StageUnavailable"
 R_STAGE_FAILING = "StageFailing"          # a unit short of replicas has a failing container
 R_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 R_REPLICA_FAILURE = "ReplicaFailure"
+# The stage planner's condition (autoscaling enabled) and its reasons; its events say Scaled.
+PLANNED = "Planned"
+R_SIZED = "Sized"                    # every stage has what it needs at the target utilisation
+R_BUDGET_LIMITED = "BudgetLimited"   # the budget cannot meet the target: the best goodput within it
+R_NO_LOAD = "NoLoad"                 # nothing offered: every stage at its minimum
+R_MEASURING = "Measuring"            # no stage has shown its capacity yet
+R_SCALED = "Scaled"
+R_RECOMMENDED = "Recommended"        # mode Recommend: what it would set, for the user's own autoscaler
 
 PIPELINE_DIR, PIPELINE_FILE = "/etc/omnistage", "pipeline.yaml"
 K8S_NAME_MAX = 63

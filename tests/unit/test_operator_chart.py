@@ -316,7 +316,7 @@ def test_operator_network_policy():
                 "networkPolicy.webhookFrom[0].ipBlock.cidr=10.0.0.0/16")[("NetworkPolicy", "omnistage")]
     assert np["spec"]["ingress"] == [
         {"ports": [{"protocol": "TCP", "port": "webhook"}], "from": [{"ipBlock": {"cidr": "10.0.0.0/16"}}]},
-        {"ports": [{"protocol": "TCP", "port": "health"}],
+        {"ports": [{"protocol": "TCP", "port": "health"}, {"protocol": "TCP", "port": "metrics"}],
          "from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]}]
     assert ("NetworkPolicy", "omnistage") not in render("networkPolicy.enabled=false")
 
@@ -329,6 +329,25 @@ def test_orchestrator_clients_reach_the_operator_as_json():
     env["POD_ID"] = "omnistage-0"   # the downward API's part
     from omnistage_operator.config import from_env
     assert from_env(env).orchestrator_clients_from == ({"namespaceSelector": {"matchLabels": {"role": "gateway"}}},)
+
+
+@needs_helm
+def test_the_operator_names_its_own_pods_for_the_stage_planners_scrapes_and_may_scale_deployments():
+    objs = render()
+    dep = objs[("Deployment", "omnistage")]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    env["POD_ID"] = "omnistage-0"
+    from omnistage_operator.config import from_env
+    peer = from_env(env).operator_peer
+    assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "omnistage-system"}}
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert peer["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    verbs = rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])
+    assert verbs["apps/deployments/scale"] == {"get", "patch", "update"}
+    # the planner's decisions as Prometheus metrics, on the container's metrics port
+    cfg = from_env({**env, "POD_IP": "10.1.2.3"})
+    assert cfg.metrics_port == 8081 and {"name": "metrics", "containerPort": 8081} in c["ports"]
 
 
 @needs_helm

@@ -21,7 +21,8 @@ def test_counters_from_a_stage_replicas_metrics():
     m.load(3, 2)
     counters, unit = replica_counters(generate_latest(m.registry).decode(), at=7.0)
     # requests that reached the engine count (finished and cancelled), the rejected one does not
-    assert counters == ReplicaCounters(7.0, units=150.0, busy_seconds=1.0, finished=3.0, queued=2, running=3)
+    assert counters == ReplicaCounters(7.0, units=150.0, busy_seconds=1.0, finished=3.0, queued=2, running=3,
+                                       steps=2.0)
     assert unit == "frames"
     assert replica_counters("", 1.0) == (ReplicaCounters(1.0), "")
 
@@ -102,3 +103,33 @@ def test_a_stage_not_yet_measured_over_a_window_is_held_where_it_is():
     assert planner.decide(0.5).changes == [] and planner.desired()["talker"] == 3
     planner.observe("talker", {"t0": ReplicaCounters(1.0)}, "frames")  # a window with no work: now it may shrink
     assert planner.decide(1.0).changes and planner.desired()["talker"] == 1
+
+
+def test_one_light_client_lets_a_stage_that_batches_give_up_its_added_replica():
+    """The real run's Talker: a replica makes FRAMES_PER_STEP_S frames per busy second per request in its
+    batch. Six clients keep two replicas at batch 3; then one client keeps one replica stepping 85% of the
+    time at batch 1 (the orchestrator sends a lone request to the same replica), the other idle. Measured
+    at batch 1 a replica looks a third as fast: had that lowered the capacity, the stage would look 0.85
+    utilised at one replica and keep both. Only steps as full as the best's may lower it."""
+    planner = Planner(config(talker=(1, 2, 10.0)), {"talker": 2})
+    frames_per_step_s, light_load = 65.0, 55.0
+    counters = {n: ReplicaCounters(0.0) for n in ("t0", "t1")}
+    down_at = None
+    for tick in range(1, 181):
+        now = tick * 1.0
+        heavy = now <= 60
+        for name, c in counters.items():
+            batch = 3 if heavy else (1 if name == "t0" else 0)
+            units = 125.0 if heavy else (light_load if name == "t0" else 0.0)
+            busy = units / (frames_per_step_s * batch) if batch else 0.0
+            counters[name] = ReplicaCounters(now, c.units + units, c.busy_seconds + busy, c.finished + units / 100,
+                                             0, batch, c.steps + (units / batch if batch else 0.0))
+        planner.observe("talker", {n: counters[n] for n in ("t0", "t1")[:planner.desired()["talker"]]}, "frames")
+        d = planner.decide(now)
+        if heavy:
+            assert planner.desired()["talker"] == 2, d.estimates["talker"]  # 0.64 utilised: both are needed
+        elif d.changes and down_at is None:
+            down_at = now
+    assert down_at is not None and 10 <= down_at - 60 <= 25, down_at
+    est = planner.estimates["talker"]
+    assert est.capacity > 2.5 * frames_per_step_s and est.utilization < 0.35  # a batch-3 rate, not batch 1's

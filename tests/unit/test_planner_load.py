@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from omnistage.planner.load import (CAPACITY_MEMORY, MIN_DRAIN_S, PER_REQUEST_MEMORY, ReplicaCounters, StageEstimate,
-                                    StageWindow, estimate, need, recent_load, window)
+from omnistage.planner.load import (CAPACITY_MEMORY, MIN_BUSY, MIN_DRAIN_S, PER_REQUEST_MEMORY, ReplicaCounters,
+                                    StageEstimate, StageWindow, capacity_seen, estimate, need, recent_load, window)
 
 
-def C(at, units=0.0, busy=0.0, finished=0.0, queued=0, running=0):
-    return ReplicaCounters(at, units, busy, finished, queued, running)
+def C(at, units=0.0, busy=0.0, finished=0.0, queued=0, running=0, steps=0.0):
+    return ReplicaCounters(at, units, busy, finished, queued, running, steps)
 
 
 def test_window_sums_replicas_over_the_span():
@@ -18,6 +20,17 @@ def test_window_sums_replicas_over_the_span():
              "r2": C(12, units=150, busy=3, finished=7, queued=1, running=1)}
     w = window("talker", before, after)
     assert w == StageWindow("talker", 2, 2.0, 150.0, 1.25, 3.0, 4, 3, 0)
+    assert w.units_per_step == 0.0  # steps not counted: how full they ran is not known
+
+
+def test_window_counts_steps_and_how_full_they_ran():
+    before = {"r1": C(0, units=100, busy=1, steps=50), "r2": C(0, units=0, busy=0, steps=0)}
+    after = {"r1": C(2, units=300, busy=2, steps=100), "r2": C(2, units=100, busy=1, steps=100)}
+    w = window("talker", before, after)
+    assert (w.steps_per_s, w.units_per_step) == (75.0, 2.0)
+    # a replica whose step count went down restarted: it counts from zero
+    w = window("talker", {"r1": C(0, units=10, busy=1, steps=500)}, {"r1": C(1, units=40, busy=2, steps=10)})
+    assert (w.units_per_s, w.steps_per_s) == (40.0, 10.0)
 
 
 def test_a_restarted_replica_counts_from_zero_and_one_not_read_before_counts_nothing():
@@ -41,9 +54,10 @@ def test_no_span_gives_zero_rates():
     assert (w.units_per_s, w.busy, w.requests_per_s) == (0.0, 0.0, 0.0)
 
 
-def W(units_per_s, busy, requests_per_s=1.0, queued=0, replicas=1, queued_before=None, seconds=1.0):
+def W(units_per_s, busy, requests_per_s=1.0, queued=0, replicas=1, queued_before=None, seconds=1.0, batch=0.0):
+    """`batch`: units per step (0: steps not counted)."""
     return StageWindow("a", replicas, seconds, units_per_s, busy, requests_per_s, queued, 0,
-                       queued if queued_before is None else queued_before)
+                       queued if queued_before is None else queued_before, units_per_s / batch if batch else 0.0)
 
 
 def test_capacity_is_units_per_busy_second_and_remembers_the_best():
@@ -57,6 +71,53 @@ def test_capacity_is_units_per_busy_second_and_remembers_the_best():
     for _ in range(300):
         e3 = estimate(e3, W(1, 0.001), queue_seconds=1)
     assert e3.capacity == 80
+
+
+@pytest.mark.parametrize("name, best, best_fill, w, expected", [
+    ("first reading", 0.0, 0.0, W(60, 0.8, batch=1), (75.0, 1.0)),
+    ("a faster one is the new best, at its fill", 75.0, 1.0, W(250, 0.9, batch=5), (250 / 0.9, 5.0)),
+    # the real run's Talker: 270 frames per busy second at batch 5 (18.5 ms a step); one client: batch 1,
+    # 70 per busy second (14 ms a step). At batch 5 that step would make 350: the replica is not slower
+    ("light steps, each no slower: kept", 270.0, 5.0, W(60, 0.857, batch=1), (270.0, 5.0)),
+    ("light steps, each as slow: kept", 270.0, 5.0, W(54, 1.0, batch=1), (270.0, 5.0)),
+    ("light steps, each slower: it fades", 270.0, 5.0, W(40, 1.0, batch=1), (270.0 * CAPACITY_MEMORY, 5.0)),
+    ("... no lower than the light steps say", 270.0, 5.0, W(53, 1.0, batch=1), (265.0, 5.0)),
+    # an early reading at batch 5.9 made 554 per busy second; the heavy load then runs batch 4.4 at 183
+    ("an outlier fades under the real load", 554.0, 5.88, W(183, 1.0, batch=4.44), (554.0 * CAPACITY_MEMORY, 5.88)),
+    ("as full and slower: it fades", 270.0, 5.0, W(200, 1.0, batch=5), (270.0 * CAPACITY_MEMORY, 5.0)),
+    ("fuller and slower: it fades", 270.0, 5.0, W(200, 1.0, batch=6), (270.0 * CAPACITY_MEMORY, 5.0)),
+    ("fades no lower than what it just served", 270.0, 5.0, W(260, 1.0, batch=6), (260.0, 5.0)),
+    ("steps not counted now: the rate as it is", 270.0, 5.0, W(60, 0.85), (270.0 * CAPACITY_MEMORY, 5.0)),
+    ("steps not counted then: the rate as it is", 270.0, 0.0, W(60, 0.85, batch=1), (270.0 * CAPACITY_MEMORY, 0.0)),
+    ("too idle to measure", 270.0, 5.0, W(5, MIN_BUSY / 2, batch=6), (270.0, 5.0)),
+    ("nothing made", 270.0, 5.0, W(0, 0.5, batch=6), (270.0, 5.0)),
+])
+def test_capacity_table(name, best, best_fill, w, expected):
+    assert capacity_seen(best, best_fill, w) == pytest.approx(expected), name
+
+
+def test_one_light_client_does_not_make_a_batched_stage_look_full():
+    """The real run's Talker: ~270 frames per busy second at batch ~5 under six clients; then one client keeps
+    it stepping 85% of the time at batch 1 (~70 frames per busy second). Its utilisation stays what the load
+    asks of a replica that batches, not 0.85."""
+    e = estimate(StageEstimate("talker"), W(250, 0.92, requests_per_s=2.5, batch=5), 1)
+    for _ in range(300):
+        e = estimate(e, W(60, 0.85, requests_per_s=0.6, batch=1), 1)
+    assert e.capacity == pytest.approx(250 / 0.92)
+    assert e.utilization == pytest.approx(60 / (250 / 0.92)) and e.utilization < 0.25
+
+
+@given(st.floats(1.0, 1e4), st.floats(1.0, 32.0), st.floats(0.01, 1e4), st.floats(MIN_BUSY, 2.0),
+       st.floats(0.01, 1.0), st.floats(1.0, 10.0))
+def test_steps_no_slower_than_the_best_never_lower_the_capacity(best, best_fill, units, busy, share, step_time):
+    """Emptier steps (`share` of the best's fill) that each took no longer than the best's (`step_time` x
+    shorter) leave the capacity as it was, or raise it; any reading lowers it by CAPACITY_MEMORY at most."""
+    fill = best_fill * share
+    rate = best / best_fill * fill * step_time   # units per busy second: fill units per step, steps this fast
+    capacity, kept_fill = capacity_seen(best, best_fill, W(rate * busy, busy, batch=fill))
+    assert capacity >= best * (1 - 1e-9) and kept_fill in (best_fill, pytest.approx(fill))
+    slower, _ = capacity_seen(best, best_fill, W(units, busy, batch=fill))
+    assert slower >= best * CAPACITY_MEMORY * (1 - 1e-9)
 
 
 def test_a_growing_queue_is_load_that_arrives_and_is_not_served():

@@ -23,6 +23,7 @@ AUTO = "spec.deployment.autoscaling"
 
 FULL = {
     "enabled": True,
+    "mode": "Recommend",
     "intervalSeconds": 2,
     "targets": {"ttfpP95Ms": 2000, "rtf": 0.8, "queueSeconds": 0.5, "utilization": 0.7},
     "budget": {"maxGpus": 8, "maxReplicas": 12},
@@ -49,6 +50,7 @@ def test_absent_is_off_with_the_defaults():
     got = parse_pipeline(BASE).deployment.autoscaling
     assert got == Autoscaling()
     assert (got.enabled, got.interval_seconds, got.stages) == (False, 1.0, {})
+    assert got.mode == "Scale" and got.scales
     assert got.targets == AutoscalingTargets(ttfp_p95_ms=0.0, rtf=0.0, queue_seconds=1.0, utilization=0.8)
     assert got.budget == AutoscalingBudget(max_gpus=0, max_replicas=0)
 
@@ -62,6 +64,7 @@ def test_an_empty_block_takes_the_defaults(auto):
 def test_a_full_block_loads_into_the_model():
     got = parse_pipeline(with_autoscaling(FULL, gpus={"thinker": 1, "talker": 1})).deployment.autoscaling
     assert got.enabled is True and got.interval_seconds == 2.0 and isinstance(got.interval_seconds, float)
+    assert got.mode == "Recommend" and not got.scales   # decides and reports; the user's autoscaler acts
     assert got.targets == AutoscalingTargets(ttfp_p95_ms=2000.0, rtf=0.8, queue_seconds=0.5, utilization=0.7)
     assert got.budget == AutoscalingBudget(max_gpus=8, max_replicas=12)
     assert got.stages == {"talker": StageAutoscaling(min_replicas=2, max_replicas=4, scale_down_delay_seconds=30.0)}
@@ -164,6 +167,9 @@ BAD = [
     ("autoscaling not a mapping",
      True, None,
      [f"{AUTO}: must be a mapping, got bool"]),
+    ("unknown mode",
+     {"mode": "Auto"}, None,
+     [f'{AUTO}.mode: "Auto" is not one of Scale, Recommend']),
     ("typo in a field name",
      {"stages": {"talker": {"maxReplica": 2}}}, None,
      [f'{AUTO}.stages.talker.maxReplica: unknown field (did you mean "maxReplicas"?)']),
@@ -237,8 +243,10 @@ ROOT = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 def test_the_crd_carries_the_autoscaling_schema():
     auto = _node(ROOT, "spec", "deployment", "autoscaling")
-    assert list(auto["properties"]) == ["enabled", "intervalSeconds", "targets", "budget", "stages"]
+    assert list(auto["properties"]) == ["enabled", "mode", "intervalSeconds", "targets", "budget", "stages"]
     assert auto["properties"]["enabled"]["default"] is False
+    assert (auto["properties"]["mode"]["enum"], auto["properties"]["mode"]["default"]) == (["Scale", "Recommend"],
+                                                                                           "Scale")
     assert {k: auto["properties"]["intervalSeconds"].get(k) for k in ("minimum", "maximum", "default")} == {
         "minimum": 0.1, "maximum": 60, "default": 1.0}
     targets = auto["properties"]["targets"]["properties"]

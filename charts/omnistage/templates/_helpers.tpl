@@ -76,6 +76,10 @@ list or watch (tls.issuer chart only); cert-manager Certificates instead with tl
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
+# The stage planner (autoscaling) sets stage replicas as an HPA does.
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  verbs: [get, patch, update]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
