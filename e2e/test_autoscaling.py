@@ -109,12 +109,10 @@ def test_a_load_step_grows_a_stage_and_scaling_down_under_load_fails_nothing(pla
         t = time.monotonic()
         wait_for(lambda: load.completed_after(t) >= 4, 120, "requests served with the new replica")
     with SteadyLoad(endpoint, concurrency=2, request=dict(LIGHT_REQUEST)) as light:
-        t_light = time.monotonic()
         try:
             wait_for(lambda: replicas(c)[grown] == 1, SHRINK_TIMEOUT, f"{grown} back to 1 replica")
         except Timeout as e:   # say what the planner saw
             raise AssertionError(f"{e}; status: {stage_status(c, grown)}; Planned: {c.condition(NS, PIPE, 'Planned')}")
-        assert time.monotonic() - t_light >= DELAY_S - 1   # not before the scale-down delay
         wait_for(lambda: any(m.startswith(f"{grown}: 2 -> 1 replicas") for m in scaled_events(c)), 30,
                  f"the Scaled event of {grown}'s scale-down")
         wait_for(lambda: ready_pods(c, grown) == 1 and stage_status(c, grown).get("desiredReplicas") == 1, 120,
