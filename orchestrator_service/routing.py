@@ -5,8 +5,9 @@ its own `GetLoad` answers, polled in the background; the load this
 orchestrator puts on it is counted exactly as calls open and close. A replica
 that is draining, unreachable or just failed gets no new work; one that refused
 a connection is ejected (outliers.py) until a probe answers. The choice is the
-ready replica with the least outstanding work relative to what it holds,
-and a replica is never sent more than it holds: dispatch waits for room.
+ready replica with the least outstanding work relative to what it holds (of
+equals, the one that got a call longest ago), and a replica is never sent more
+than it holds: dispatch waits for room.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Replica:
     reachable: bool = True
     failures: int = 0
     outlier: Outlier = field(default_factory=Outlier)
+    picked: int = 0                 # the pool's pick count when this replica last got a call (0: never)
 
     @property
     def ready(self) -> bool:
@@ -84,6 +86,7 @@ class StagePool:
     replicas: dict[str, Replica] = field(default_factory=dict)
     waiting: int = 0            # dispatches of in-flight requests waiting for room
     peak_backlog: int = 0
+    picks: int = 0              # calls placed so far
 
     def __post_init__(self):
         self.room = asyncio.Event()
@@ -92,15 +95,16 @@ class StagePool:
         return [r for r in self.replicas.values() if r.ready and r.address not in exclude]
 
     def choose(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
-        """The ready replica with room and the least load for what it holds; None when all are full;
-        NoReplica when there is no ready replica at all."""
+        """The ready replica with room and the least load for what it holds, of equals the one that got a
+        call longest ago (so a light load still spreads, and a replica just added takes its turn); None
+        when all are full; NoReplica when there is no ready replica at all."""
         ready = self.candidates(exclude)
         if not ready:
             raise NoReplica(self.stage)
         roomy = [r for r in ready if r.has_room]
         if not roomy:
             return None
-        return min(roomy, key=lambda r: (r.load / max(1, r.holds), r.failures, r.address))
+        return min(roomy, key=lambda r: (r.load / max(1, r.holds), r.failures, r.picked, r.address))
 
     def capacity(self) -> int:
         return sum(r.holds for r in self.replicas.values() if r.ready)
@@ -232,6 +236,8 @@ class Router:
                 r = pool.choose(exclude)
                 if r is not None:
                     r.outstanding += 1
+                    pool.picks += 1
+                    r.picked = pool.picks
                     if counted:
                         pool.waiting -= 1
                         counted = False

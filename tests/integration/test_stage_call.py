@@ -245,3 +245,15 @@ async def test_cancel_ends_the_call_on_the_replica_and_frees_its_slot():
         await wait_until(lambda: script.open == 0, what="the replica seeing the cancel")
         assert all(r.outstanding == 0 for r in replicas.pool.replicas.values())
         assert not run.ended.done()  # a cancelled call reports nothing: the request cancelled it
+
+
+async def test_equally_idle_replicas_take_calls_in_turn():
+    """One call at a time (a light load) still spreads: of equally loaded replicas the one that got a call
+    longest ago is next, so a replica just added takes its share at once."""
+    async with Replicas(ScriptedStage()) as replicas:
+        got = []
+        for _ in range(4):
+            r = await replicas.router.acquire(STAGE, set(), timeout=5)
+            got.append(r.address)
+            replicas.router.release(r)
+        assert got[0] != got[1] and got[:2] == got[2:]
