@@ -39,7 +39,9 @@ def planned(operator):
     doc = yaml.safe_load((REPO / "examples" / "qwen3-omni-tiny.yaml").read_text())
     doc["metadata"]["name"] = PIPE
     doc["spec"]["deployment"]["autoscaling"] = {
-        "enabled": True, "intervalSeconds": 1, "targets": {"utilization": 0.3},
+        # a first-packet target never missed here: the operator reads the orchestrator pods too, and
+        # sizing stays utilisation's
+        "enabled": True, "intervalSeconds": 1, "targets": {"utilization": 0.3, "ttfpP95Ms": 600000},
         "budget": {"maxReplicas": len(STAGES) + 1},
         "stages": {s: {"minReplicas": 1, "maxReplicas": 2 if s == GROWS else 1, "scaleDownDelaySeconds": DELAY_S}
                    for s in STAGES}}

@@ -22,7 +22,7 @@ from omnistage.local import LaunchError, LocalPipeline
 from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import replica_counters
+from omnistage.planner.scrape import first_output_buckets, replica_counters
 from omnistage.serving import HttpStatusServer
 
 SCRAPE_TIMEOUT_S = 1.0
@@ -76,9 +76,7 @@ class LocalAutoscaler:
         units: dict[str, str] = {}
         for p in self.local.stages:
             try:
-                with urllib.request.urlopen(http_url(self.local.host, p.ports.http, METRICS_PATH),
-                                            timeout=SCRAPE_TIMEOUT_S) as r:
-                    text = r.read().decode()
+                text = self._read(http_url(self.local.host, p.ports.http, METRICS_PATH))
                 counters, unit = replica_counters(text, self.clock())
             except (OSError, http.client.HTTPException, ValueError):
                 continue  # a replica that does not answer (or answers half) this time is measured next time
@@ -87,6 +85,18 @@ class LocalAutoscaler:
             units[p.stage] = unit or units.get(p.stage, "")
         for stage, counters in by_stage.items():
             self.planner.observe(stage, counters, units.get(stage, ""))
+        orch = self.local.orchestrator
+        if orch is not None and self.config.targets.ttfp_p95_ms > 0:   # the first-packet target's measure
+            try:
+                text = self._read(http_url(self.local.host, orch.ports.http, METRICS_PATH))
+                self.planner.observe_first_output({orch.name: first_output_buckets(text)}, self.clock())
+            except (OSError, http.client.HTTPException, ValueError):
+                pass
+
+    @staticmethod
+    def _read(url: str) -> str:
+        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as r:
+            return r.read().decode()
 
     def _reconcile(self) -> None:
         """Start or drain replicas until each stage runs what the planner wants (starting ones count)."""

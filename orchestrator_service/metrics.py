@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from omnistage.planner.scrape import FIRST_OUTPUT_MS  # the stage planner reads it (targets.ttfpP95Ms)
+
 _MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 
 
@@ -20,7 +22,7 @@ class OrchestratorMetrics:
                                          "at admission (ms)", buckets=_MS, registry=r)
         self.latency_ms = Histogram("omnistage_request_latency_ms", "End-to-end request latency (ms)",
                                     buckets=_MS, registry=r)
-        self.first_output_ms = Histogram("omnistage_first_output_ms", "Time to the first output event (ms)",
+        self.first_output_ms = Histogram(FIRST_OUTPUT_MS, "Time to the first output event (ms)",
                                          buckets=_MS, registry=r)
         self.stage_ms = Histogram("omnistage_stage_time_ms", "Per-stage time of a request (ms) by part "
                                   "(queue, compute, transfer, first_chunk, total)", ["stage", "part"],

@@ -20,8 +20,9 @@ from typing import Mapping
 from omnistage.spec.model import Autoscaling, StageAutoscaling
 
 from .decisions import Change, StageScale, decide
+from .latency import Buckets, merged, p95_ms, pressure
 from .load import ReplicaCounters, StageEstimate, estimate, need, recent_load, window
-from .sizing import Budget, Plan, plan
+from .sizing import Budget, Plan, StageNeed, plan
 
 WINDOW_S = 10.0
 RECENT_S = 3.0
@@ -54,6 +55,8 @@ class Planner:
         self.estimates = {s: StageEstimate(s) for s in replicas}
         self.units = {s: "" for s in replicas}
         self._history: dict[str, deque[dict[str, ReplicaCounters]]] = {s: deque() for s in replicas}
+        self._first_output: deque[tuple[float, dict[float, float]]] = deque()   # (at, merged buckets)
+        self.ttfp_p95_ms: float | None = None   # over the last window, when enough requests were seen
 
     @property
     def budget(self) -> Budget:
@@ -70,6 +73,31 @@ class Planner:
             hist.popleft()  # keep one reading at least a window old
         if unit:
             self.units[stage] = unit
+
+    def observe_first_output(self, readings: Mapping[str, Buckets], at: float) -> None:
+        """One reading of every orchestrator replica's time-to-first-packet histogram (by replica name)."""
+        if not readings:
+            return
+        hist = self._first_output
+        hist.append((at, merged(readings)))
+        while len(hist) > 2 and hist[1][0] <= at - self.window_s:
+            hist.popleft()
+
+    def _latency_pressure(self, needs: list[StageNeed]) -> tuple[list[StageNeed], str]:
+        """Needs with the bottleneck's load raised while the first-packet p95 misses its target
+        (latency.py), and what the plan's reason should add."""
+        target = self.config.targets.ttfp_p95_ms
+        hist = self._first_output
+        self.ttfp_p95_ms = p95_ms(hist[0][1], hist[-1][1]) if len(hist) >= 2 else None
+        factor = pressure(target, self.ttfp_p95_ms)
+        # the busiest stage that may still grow (one at its maximum would take nothing from it)
+        growable = [n for n in needs if n.load > 0 and self.scales[n.stage].replicas < n.max_replicas]
+        if factor <= 1.0 or not growable:
+            return needs, ""
+        worst = max(growable, key=lambda n: n.utilization(self.scales[n.stage].replicas))
+        raised = [replace(n, load=n.load * factor) if n is worst else n for n in needs]
+        return raised, (f"; first packet p95 {self.ttfp_p95_ms:.0f} ms over the {target:.0f} ms target: "
+                        f"{worst.stage} planned at {factor:.2f}x its load")
 
     def decide(self, now: float) -> Decision:
         targets = self.config.targets
@@ -89,7 +117,10 @@ class Planner:
             load = max(est.load, recent_load(est, short, targets.queue_seconds) * RECENT_WEIGHT)
             needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
                               default_capacity=max(load, 1.0) / targets.utilization))
+        needs, why = self._latency_pressure(needs)
         p = plan(needs, self.budget, targets.utilization)
+        if why:
+            p = replace(p, reason=p.reason + why)
         delays = {s: b.scale_down_delay_seconds for s, b in self.bounds.items()}
         self.scales, changes = decide(self.scales, p, now, delays, self.gpus, self.budget)
         return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs})

@@ -1,7 +1,9 @@
-"""A stage replica's counters, read from its Prometheus metrics (the text its status port serves).
+"""A stage replica's counters, and an orchestrator's time to first packet, read from their Prometheus
+metrics (the text their status ports serve).
 
-The metric names the planner reads are declared here and the stage's metrics (stage_service/metrics.py)
-are registered under them: one home for the contract between the two.
+The metric names the planner reads are declared here and the stage's and orchestrator's metrics
+(stage_service/metrics.py, orchestrator_service/metrics.py) are registered under them: one home for the
+contract between them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ QUEUE_DEPTH = "omnistage_stage_queue_depth"  # gauge
 RUNNING = "omnistage_stage_running"          # gauge
 STEP_MS = "omnistage_stage_step_ms"          # histogram: its sum is the engine's busy time, its count its steps
 UNITS = "omnistage_stage_units"              # counter, labels stage, unit
+FIRST_OUTPUT_MS = "omnistage_first_output_ms"  # orchestrator histogram: time to the first output event
 # Outcomes of requests that reached the engine (rejected and invalid ones never did): their work counts.
 RAN = frozenset({"finished", "cancelled", "failed", "timeout"})
 
@@ -41,3 +44,14 @@ def replica_counters(text: str, at: float) -> tuple[ReplicaCounters, str]:
             elif s.name == RUNNING:
                 running += int(s.value)
     return ReplicaCounters(at, units, busy, finished, queued, running, steps), unit
+
+
+def first_output_buckets(text: str) -> dict[float, float]:
+    """An orchestrator's cumulative histogram of time to first packet: upper bound (ms) -> count."""
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == f"{FIRST_OUTPUT_MS}_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + s.value
+    return out

@@ -376,12 +376,13 @@ class AutoscalingTargets:
     """What the stage planner sizes the stages to meet; each target 0 is no target."""
 
     ttfp_p95_ms: float = api_field("Target 95th-percentile time to first packet of output (the first text or "
-                                   "audio the client receives), in milliseconds. 0: no target. Accepted and "
-                                   "checked, not yet acted on: this version sizes by utilization and "
-                                   "queueSeconds (docs/planner.md).", default=0.0, minimum=0)
+                                   "audio the client receives), in milliseconds, as the orchestrators measure "
+                                   "it. While missed, the busiest stage that may grow is planned for up to "
+                                   "twice its load (p95 over target), so it gets the next replica. 0: no "
+                                   "target.", default=0.0, minimum=0)
     rtf: float = api_field("Target real-time factor of audio output: compute seconds per second of audio (below "
                            "1: faster than real time). 0: no target. Accepted and checked, not yet acted on "
-                           "(as ttfpP95Ms).", default=0.0, minimum=0)
+                           "(docs/planner.md).", default=0.0, minimum=0)
     queue_seconds: float = api_field("How soon a stage's queued work should be worked off, in seconds (the "
                                      "planner spreads a backlog over this or 30 s, whichever is longer). 0: the "
                                      "30 s alone.", default=1.0, minimum=0)

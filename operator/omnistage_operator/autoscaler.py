@@ -37,13 +37,14 @@ from omnistage.launch import METRICS_PATH, http_url
 from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import replica_counters
+from omnistage.planner.scrape import first_output_buckets, replica_counters
 from omnistage.spec import Pipeline, SpecError
 
 from .kube import Kube
 from .pipeline_object import parse
 from .planning import Plans, ScrapeTarget, autoscaled, change_message, planned_view, scrape_targets
-from .vocabulary import COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, R_RECOMMENDED, R_SCALED, stage_object_name
+from .vocabulary import (COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, ORCHESTRATOR, R_RECOMMENDED, R_SCALED,
+                         stage_object_name)
 from .workqueue import WorkQueue
 
 log = logging.getLogger("omnistage.operator.autoscaler")
@@ -164,23 +165,33 @@ class Autoscaler:
 
     def _observe(self, planner: Planner, pods: list[dict]) -> None:
         targets = scrape_targets(pods)
-        flat = [(stage, t) for stage, ts in targets.items() if stage in planner.estimates for t in ts]
-        read = list(self._pool.map(lambda st: self._read(st[1]), flat))
+        if planner.config.targets.ttfp_p95_ms <= 0:
+            targets.pop(ORCHESTRATOR, None)   # read only for the first-packet target
+        flat = [(unit, t) for unit, ts in targets.items() if unit in planner.estimates or unit == ORCHESTRATOR
+                for t in ts]
+        read = list(self._pool.map(lambda ut: self._read(ut[1]), flat))
         by_stage: dict[str, dict[str, ReplicaCounters]] = {}
         units: dict[str, str] = {}
-        for (stage, target), got in zip(flat, read):
-            if got is None:
+        first_output: dict[str, dict[float, float]] = {}
+        for (unit, target), text in zip(flat, read):
+            if text is None:
                 continue   # a pod that does not answer this time is measured next time
-            counters, unit = got
-            by_stage.setdefault(stage, {})[target.pod] = counters
-            units[stage] = unit or units.get(stage, "")
+            try:
+                if unit == ORCHESTRATOR:
+                    first_output[target.pod] = first_output_buckets(text)
+                    continue
+                counters, work = replica_counters(text, self.clock())
+            except ValueError:
+                continue
+            by_stage.setdefault(unit, {})[target.pod] = counters
+            units[unit] = work or units.get(unit, "")
         for stage, counters in by_stage.items():
             planner.observe(stage, counters, units.get(stage, ""))
+        planner.observe_first_output(first_output, self.clock())
 
-    def _read(self, target: ScrapeTarget) -> tuple[ReplicaCounters, str] | None:
+    def _read(self, target: ScrapeTarget) -> str | None:
         try:
-            text = self.fetch(target)
-            return replica_counters(text, self.clock())
+            return self.fetch(target)
         except (OSError, http.client.HTTPException, ValueError):
             return None
 

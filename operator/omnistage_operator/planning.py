@@ -19,7 +19,7 @@ from omnistage.planner.decisions import Change
 from omnistage.spec import Pipeline
 
 from .conditions import condition
-from .vocabulary import (COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, PLANNED, R_BUDGET_LIMITED, R_MEASURING,
+from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, ORCHESTRATOR, PLANNED, R_BUDGET_LIMITED, R_MEASURING,
                          R_NO_LOAD, R_SIZED)
 
 # Between decisions that change nothing, the status's measured figures are refreshed at most this often (a
@@ -36,19 +36,22 @@ class ScrapeTarget:
 
 
 def scrape_targets(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[ScrapeTarget]]:
-    """Per stage, the pods to measure: ready (they serve: a starting replica has no counters worth
-    reading, and the orchestrator sends it nothing yet), not being deleted, with an IP."""
+    """Per stage, the pods to measure, and under ORCHESTRATOR the orchestrator pods (their time to first
+    packet, for targets.ttfpP95Ms): ready (they serve: a starting replica has no counters worth reading,
+    and the orchestrator sends it nothing yet), not being deleted, with an IP."""
     out: dict[str, list[ScrapeTarget]] = {}
     for pod in pods:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
-        if labels.get(LABEL_COMPONENT) != COMPONENT_STAGE or meta.get("deletionTimestamp"):
+        component = labels.get(LABEL_COMPONENT)
+        unit = labels.get(LABEL_STAGE) if component == COMPONENT_STAGE else (
+            ORCHESTRATOR if component == COMPONENT_ORCHESTRATOR else None)
+        if not unit or meta.get("deletionTimestamp"):
             continue
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
-        if not ready or not status.get("podIP") or not labels.get(LABEL_STAGE):
+        if not ready or not status.get("podIP"):
             continue
-        out.setdefault(labels[LABEL_STAGE], []).append(ScrapeTarget(meta.get("name", ""), status["podIP"],
-                                                                    _http_port(pod)))
+        out.setdefault(unit, []).append(ScrapeTarget(meta.get("name", ""), status["podIP"], _http_port(pod)))
     return out
 
 

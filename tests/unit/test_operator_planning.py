@@ -60,12 +60,13 @@ def pod(name, *, stage="talker", ready=True, ip="127.0.1.5", deleting=False, com
     return {"metadata": meta, "spec": {"containers": [{"name": "stage", "ports": ports}]}, "status": status}
 
 
-def test_only_ready_stage_pods_with_an_ip_are_measured_on_their_http_port():
+def test_only_ready_pods_with_an_ip_are_measured_on_their_http_port_stages_and_orchestrators_apart():
     pods = [pod("t-a", port=9090), pod("t-b"), pod("t-starting", ready=False), pod("t-going", deleting=True),
             pod("t-no-ip", ip=""), pod("orch", component="orchestrator"), pod("c-a", stage="code2wav", ip="127.0.1.9")]
     assert scrape_targets(pods) == {
         "talker": [ScrapeTarget("t-a", "127.0.1.5", 9090), ScrapeTarget("t-b", "127.0.1.5", 8080)],
-        "code2wav": [ScrapeTarget("c-a", "127.0.1.9", 8080)]}
+        "code2wav": [ScrapeTarget("c-a", "127.0.1.9", 8080)],
+        "orchestrator": [ScrapeTarget("orch", "127.0.1.5", 8080)]}   # its first packets, for ttfpP95Ms
 
 
 # ------------------------------------------------------------------------------------ replicas
