@@ -72,3 +72,33 @@ def test_a_replica_is_added_under_load_serves_and_is_drained_after(model_dir, tm
     assert failures == []
     assert done and set(done) == {48}
     assert served.stop() == 0
+
+
+def test_a_missed_first_packet_target_adds_a_replica_utilisation_alone_would_not(model_dir, tmp_path):
+    # one client at a time: the stage is busy but never queues, and planned at full utilisation it needs one
+    # replica; a first-packet target no request can meet (1 ms) makes the planner give it a second
+    path = autoscaled_llm(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["deployment"]["autoscaling"]["targets"] = {"utilization": 1.0, "ttfpP95Ms": 1}
+    path.write_text(yaml.safe_dump(doc))
+    served = Served(path, model_dir, tmp_path, "--no-api", "--no-tls")
+    stop, failures = threading.Event(), []
+
+    def client():
+        with OmniClient(served.endpoint) as c:
+            while not stop.is_set():
+                try:
+                    c.generate("count to ten", max_tokens=16, ignore_eos=True, timeout=120)
+                except Exception as e:  # noqa: BLE001 - any failure is what the test reports
+                    failures.append(repr(e))
+
+    t = threading.Thread(target=client)
+    try:
+        t.start()
+        line = served.wait_for(r"(planner: llm 1 -> 2 replicas .*)", 90)
+        assert re.search(r"first packet p95 \d+ ms over the 1 ms target: llm planned at [\d.]+x its load", line), line
+    finally:
+        stop.set()
+        t.join(180)
+    assert failures == []
+    assert served.stop() == 0
