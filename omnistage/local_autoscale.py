@@ -64,10 +64,8 @@ class LocalAutoscaler:
         self.metrics.record(self.planner, d)
         scales = self.config.scales   # mode Recommend: decisions are printed and exported, nothing is started
         for c in d.changes:
-            est = d.estimates[c.stage]
             self.progress(f"planner: {c.stage} {c.before} -> {c.after} replicas{'' if scales else ' recommended'} "
-                          f"({c.stage}: {est.load:.3g} {d.units[c.stage]} offered, {est.capacity:.3g} per replica; "
-                          f"{d.plan.reason})")
+                          f"({c.stage}: {d.figures(c.stage)}; {d.plan.reason})")
         if scales:
             self._reconcile()
 

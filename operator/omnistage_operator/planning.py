@@ -19,8 +19,8 @@ from omnistage.planner.decisions import Change
 from omnistage.spec import Pipeline
 
 from .conditions import condition
-from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, ORCHESTRATOR, PLANNED, R_BUDGET_LIMITED, R_MEASURING,
-                         R_NO_LOAD, R_SIZED)
+from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, ORCHESTRATOR, PLANNED,
+                         R_BUDGET_LIMITED, R_MEASURING, R_NO_LOAD, R_SIZED)
 
 # Between decisions that change nothing, the status's measured figures are refreshed at most this often (a
 # changed replica count or condition reason is written at once): a status write per interval would load
@@ -78,9 +78,10 @@ def starting_replicas(p: Pipeline, stage: str) -> int:
 
 
 def planned_replicas(p: Pipeline, stage: str, live: Mapping[str, Any] | None) -> int:
-    """The replicas a stage Deployment should have in this reconcile: under autoscaling, what the live one
-    has (the planner writes it through the scale subresource; the reconcile never fights it) or, before it
-    exists, the starting count; without autoscaling, the spec's count."""
+    """The replicas a stage is asked to run (its status's `replicas`): under autoscaling, what the live
+    Deployment has (the planner writes it through the scale subresource; the reconcile never writes it
+    after creating the Deployment) or, before it exists, the starting count; without autoscaling, the
+    spec's count."""
     if autoscaled(p) and live is not None:
         return int((live.get("spec") or {}).get("replicas", starting_replicas(p, stage)))
     return starting_replicas(p, stage)
@@ -126,10 +127,9 @@ def planned_view(decision: Decision, desired: Mapping[str, int]) -> PlannedView:
 
 def change_message(decision: Decision, change: Change, scales: bool = True) -> str:
     """A change's Event: the stage's own figures, then the plan's reason."""
-    est = decision.estimates[change.stage]
     verb = "replicas" if scales else "replicas recommended"
-    return (f"{change.stage}: {change.before} -> {change.after} {verb} ({est.load:.3g} {decision.units[change.stage]} "
-            f"offered, {est.capacity:.3g} per replica); {decision.plan.reason}")
+    return (f"{change.stage}: {change.before} -> {change.after} {verb} ({decision.figures(change.stage)}); "
+            f"{decision.plan.reason}")
 
 
 def _round(x: float) -> float:

@@ -15,13 +15,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.planner.controller import Planner
+from omnistage.planner.decisions import Change
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
 from omnistage_operator.autoscaler import _Merged, autoscaling_enabled, signature
 from omnistage_operator.builders import build_children
 from omnistage_operator.config import ConfigError, ModelVolume, OperatorConfig, from_env
 from omnistage_operator.pipeline_object import parse
-from omnistage_operator.planning import (STATUS_REFRESH_S, Plans, PlannedView, ScrapeTarget, planned_replicas,
+from omnistage_operator.planning import (STATUS_REFRESH_S, Plans, PlannedView, ScrapeTarget, change_message,
+                                         planned_replicas,
                                          planned_view, ready_floor, scrape_targets, starting_replicas)
 from omnistage_operator.rollout import RolloutPlan
 from omnistage_operator.status import build_status
@@ -252,3 +254,12 @@ def test_every_pipelines_decisions_are_one_exposition():
     assert len([f for f in families if f.name == desired.name]) == 1   # one family, both pipelines' samples
     del by_pipeline[("a", "p")]                                          # a pipeline forgotten leaves it
     assert "a/p" not in generate_latest(registry).decode()
+
+
+def test_a_change_is_told_with_the_stages_own_figures_and_the_plans_reason_in_either_mode():
+    planner = Planner(config(), {"thinker": 1, "talker": 2, "code2wav": 1})
+    d = run(planner, 12, {"thinker": (50.0, 0.5, 0), "talker": (100.0, 0.95, 30), "code2wav": (80.0, 0.2, 0)})
+    scaled = change_message(d, Change("talker", 2, 3))
+    assert scaled.startswith("talker: 2 -> 3 replicas (") and "frames/s offered" in scaled
+    assert scaled.endswith(f"); {d.plan.reason}")
+    assert change_message(d, Change("talker", 2, 3), scales=False).startswith("talker: 2 -> 3 replicas recommended (")
