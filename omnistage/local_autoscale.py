@@ -22,7 +22,7 @@ from omnistage.local import LaunchError, LocalPipeline
 from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import first_output_buckets, replica_counters
+from omnistage.planner.scrape import orchestrator_buckets, replica_counters
 from omnistage.serving import HttpStatusServer
 
 SCRAPE_TIMEOUT_S = 1.0
@@ -84,10 +84,10 @@ class LocalAutoscaler:
         for stage, counters in by_stage.items():
             self.planner.observe(stage, counters, units.get(stage, ""))
         orch = self.local.orchestrator
-        if orch is not None and self.config.targets.ttfp_p95_ms > 0:   # the first-packet target's measure
+        if orch is not None and self.planner.reads_orchestrators:   # the first-packet and rtf targets' measures
             try:
                 text = self._read(http_url(self.local.host, orch.ports.http, METRICS_PATH))
-                self.planner.observe_first_output({orch.name: first_output_buckets(text)}, self.clock())
+                self.planner.observe_orchestrators({orch.name: orchestrator_buckets(text)}, self.clock())
             except (OSError, http.client.HTTPException, ValueError):
                 pass
 

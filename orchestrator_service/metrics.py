@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from omnistage.planner.scrape import FIRST_OUTPUT_MS  # the stage planner reads it (targets.ttfpP95Ms)
+# the stage planner reads them (targets.ttfpP95Ms, targets.rtf)
+from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF
 
 _MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
+# Real-time factors: fine around 1 (where a target sits: its p95 is read as the upper bound of a bucket)
+_RTF = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
 
 class OrchestratorMetrics:
@@ -24,6 +27,9 @@ class OrchestratorMetrics:
                                     buckets=_MS, registry=r)
         self.first_output_ms = Histogram(FIRST_OUTPUT_MS, "Time to the first output event (ms)",
                                          buckets=_MS, registry=r)
+        self.rtf = Histogram(RTF, "Real-time factor of a finished request's audio: seconds from its arrival to its "
+                             "last audio chunk over the seconds of audio it produced (below 1: faster than real "
+                             "time)", buckets=_RTF, registry=r)
         self.stage_ms = Histogram("omnistage_stage_time_ms", "Per-stage time of a request (ms) by part "
                                   "(queue, compute, transfer, first_chunk, total)", ["stage", "part"],
                                   buckets=_MS, registry=r)
@@ -39,6 +45,11 @@ class OrchestratorMetrics:
                               ["stage"], registry=r)
         self.stage_errors = Counter("omnistage_stage_errors", "Stage calls that failed", ["stage", "code"],
                                     registry=r)
+
+    def observe_audio(self, to_last_audio_s: float, audio_s: float) -> None:
+        """A finished request's real-time factor; one that produced no audio says nothing of it."""
+        if audio_s > 0:
+            self.rtf.observe(to_last_audio_s / audio_s)
 
     def observe_admission(self, admission, router) -> None:
         self.waiting_peak.set(admission.peak_queued)

@@ -198,14 +198,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             run = RequestRun(self.pipeline, self.router, rid, request.params, outputs, deadline,
                              max_attempts=self.max_attempts, on_dispatched=lambda: self.admission.arrived(ticket))
             self.runs[rid] = run
-            first = True
+            first, last_audio = True, t0
             async with contextlib.aclosing(run.events()) as events:  # closed now, not at GC, if we stop early
                 async for ev in events:
                     if first:
                         m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
                         first = False
+                    if ev.HasField("audio"):
+                        last_audio = time.perf_counter()
                     ev.client_request_id = label
                     yield ev
+            m.observe_audio(last_audio - t0, run.assembler.usage.audio_seconds)
             final = orchestrator_pb2.Final(finish_reason=run.finish_reason or "stop", usage=run.assembler.usage)
             trace = run.trace(ticket.wait_ms, media_decode_ms)
             for st in trace.stages:

@@ -20,8 +20,9 @@ from typing import Mapping
 from omnistage.spec.model import Autoscaling, StageAutoscaling
 
 from .decisions import Change, StageScale, decide
-from .latency import Buckets, merged, p95_ms, pressure
+from .latency import Buckets, merged, missed, p95, read_from_orchestrators
 from .load import ReplicaCounters, StageEstimate, estimate, need, recent_load, window
+from .scrape import ORCHESTRATOR_HISTOGRAMS
 from .sizing import Budget, Plan, StageNeed, plan
 
 WINDOW_S = 10.0
@@ -60,11 +61,18 @@ class Planner:
         self.estimates = {s: StageEstimate(s) for s in replicas}
         self.units = {s: "" for s in replicas}
         self._history: dict[str, deque[dict[str, ReplicaCounters]]] = {s: deque() for s in replicas}
-        self._first_output: deque[tuple[float, dict[float, float]]] = deque()   # (at, merged buckets)
+        # per orchestrator histogram (scrape.ORCHESTRATOR_HISTOGRAMS): (at, its buckets merged over replicas)
+        self._orchestrators: dict[str, deque[tuple[float, dict[float, float]]]] = {
+            name: deque() for name in ORCHESTRATOR_HISTOGRAMS}
 
     @property
     def budget(self) -> Budget:
         return Budget(self.config.budget.max_replicas, self.config.budget.max_gpus)
+
+    @property
+    def reads_orchestrators(self) -> bool:
+        """Whether a target is measured at the orchestrators (ttfpP95Ms, rtf): else they need no scrape."""
+        return read_from_orchestrators(self.config.targets)
 
     def observe(self, stage: str, counters: Mapping[str, ReplicaCounters], unit: str = "") -> None:
         """One reading of every replica of a stage (by replica name), all taken at about the same time."""
@@ -78,30 +86,28 @@ class Planner:
         if unit:
             self.units[stage] = unit
 
-    def observe_first_output(self, readings: Mapping[str, Buckets], at: float) -> None:
-        """One reading of every orchestrator replica's time-to-first-packet histogram (by replica name)."""
+    def observe_orchestrators(self, readings: Mapping[str, Mapping[str, Buckets]], at: float) -> None:
+        """One reading of every orchestrator replica's histograms (by replica name, then histogram name:
+        scrape.orchestrator_buckets), for the targets read from them (latency.py)."""
         if not readings:
             return
-        hist = self._first_output
-        hist.append((at, merged(readings)))
-        while len(hist) > 2 and hist[1][0] <= at - self.window_s:
-            hist.popleft()
+        for name, hist in self._orchestrators.items():
+            hist.append((at, merged({r: hs.get(name, {}) for r, hs in readings.items()})))
+            while len(hist) > 2 and hist[1][0] <= at - self.window_s:
+                hist.popleft()   # keep one reading at least a window old
 
-    def _latency_pressure(self, needs: list[StageNeed]) -> tuple[list[StageNeed], str]:
-        """Needs with the bottleneck's load raised while the first-packet p95 misses its target
-        (latency.py), and what the plan's reason should add."""
-        target = self.config.targets.ttfp_p95_ms
-        hist = self._first_output
-        p95 = p95_ms(hist[0][1], hist[-1][1]) if len(hist) >= 2 else None
-        factor = pressure(target, p95)
+    def _target_pressure(self, needs: list[StageNeed]) -> tuple[list[StageNeed], str]:
+        """Needs with the bottleneck's load raised while a target the orchestrators measure is missed (the
+        larger pressure when both are: latency.py), and what the plan's reason should add."""
+        p95s = {name: p95(h[0][1], h[-1][1]) if len(h) >= 2 else None for name, h in self._orchestrators.items()}
+        factor, told = missed(self.config.targets, p95s)
         # the busiest stage that may still grow (one at its maximum would take nothing from it)
         growable = [n for n in needs if n.load > 0 and self.scales[n.stage].replicas < n.max_replicas]
         if factor <= 1.0 or not growable:
             return needs, ""
         worst = max(growable, key=lambda n: n.utilization(self.scales[n.stage].replicas))
         raised = [replace(n, load=n.load * factor) if n is worst else n for n in needs]
-        return raised, (f"; first packet p95 {p95:.0f} ms over the {target:.0f} ms target: "
-                        f"{worst.stage} planned at {factor:.2f}x its load")
+        return raised, f"; {', '.join(told)}: {worst.stage} planned at {factor:.2f}x its load"
 
     def decide(self, now: float) -> Decision:
         targets = self.config.targets
@@ -121,7 +127,7 @@ class Planner:
             load = max(est.load, recent_load(est, short, targets.queue_seconds) * RECENT_WEIGHT)
             needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
                               default_capacity=max(load, 1.0) / targets.utilization))
-        needs, why = self._latency_pressure(needs)
+        needs, why = self._target_pressure(needs)
         p = plan(needs, self.budget, targets.utilization)
         if why:
             p = replace(p, reason=p.reason + why)

@@ -1,12 +1,13 @@
-"""The pipeline's time to first packet against its target (`targets.ttfpP95Ms`), from the orchestrators'
-histogram of it (`omnistage_first_output_ms`).
+"""The pipeline targets the orchestrators measure (`targets.ttfpP95Ms`, `targets.rtf`) against their
+values, from the orchestrators' histograms of them (`omnistage_first_output_ms`, `omnistage_rtf`).
 
 Utilisation sizes each stage for throughput; a latency target can still be missed at a utilisation that
-looks fine (bursts queue, a long prompt holds a step). So when the p95 over the window is above the
-target, the planner plans the bottleneck (the stage with the highest utilisation at the replicas it runs)
-as if its load were higher by p95 / target (at most `MAX_PRESSURE`): it gets the next replica though its
-utilisation alone would not ask for one. Below the target nothing changes: utilisation and the scale-down
-band decide as before.
+looks fine (bursts queue, a long prompt holds a step, audio comes out slower than it plays). So when a
+target's p95 over the window is above it, the planner plans the bottleneck (the stage with the highest
+utilisation at the replicas it runs) as if its load were higher by p95 / target (at most `MAX_PRESSURE`):
+it gets the next replica though its utilisation alone would not ask for one. Both targets missed: the
+larger pressure (one stage planned once, not twice over). Below every target nothing changes: utilisation
+and the scale-down band decide as before.
 
 Pure: cumulative bucket counts in, numbers out.
 """
@@ -14,17 +15,38 @@ Pure: cumulative bucket counts in, numbers out.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
-# Fewer first packets than this in a window say nothing of a p95.
+from omnistage.spec.model import AutoscalingTargets
+
+from .scrape import FIRST_OUTPUT_MS, RTF
+
+# Fewer requests than this in a window say nothing of a p95.
 MIN_REQUESTS = 5
 # A missed target raises the bottleneck's planned load by at most this factor per decision.
 MAX_PRESSURE = 2.0
 
-Buckets = Mapping[float, float]   # upper bound in ms (math.inf last) -> cumulative count
+Buckets = Mapping[float, float]   # upper bound (math.inf last) -> cumulative count
 
 
-def p95_ms(before: Buckets, after: Buckets) -> float | None:
+@dataclass(frozen=True)
+class OrchestratorTarget:
+    """A pipeline target read from an orchestrator histogram."""
+
+    histogram: str                                  # the metric it is read from (scrape.py)
+    value: Callable[[AutoscalingTargets], float]    # the target's value in the spec; 0: no target
+    told: str                                       # a miss for a person, formatted with (p95, target)
+
+
+TARGETS = (
+    OrchestratorTarget(FIRST_OUTPUT_MS, lambda t: t.ttfp_p95_ms,
+                       "first packet p95 {:.0f} ms over the {:.0f} ms target"),
+    OrchestratorTarget(RTF, lambda t: t.rtf, "rtf p95 {:.2f} over the {:.2f} target"),
+)
+
+
+def p95(before: Buckets, after: Buckets) -> float | None:
     """The 95th percentile over the requests between two readings (an orchestrator restarted counts from
     zero): the upper bound of the bucket that holds it; None below MIN_REQUESTS."""
     bounds = sorted(after)
@@ -38,12 +60,30 @@ def p95_ms(before: Buckets, after: Buckets) -> float | None:
     return next(b for b in bounds if delta[b] >= 0.95 * total)
 
 
-def pressure(target_ms: float, p95: float | None) -> float:
+def pressure(target: float, measured: float | None) -> float:
     """How much more load the bottleneck is planned for: p95 / target above the target (capped at
     MAX_PRESSURE; an unbounded bucket counts as the cap), else 1."""
-    if target_ms <= 0 or p95 is None or p95 <= target_ms:
+    if target <= 0 or measured is None or measured <= target:
         return 1.0
-    return MAX_PRESSURE if math.isinf(p95) else min(p95 / target_ms, MAX_PRESSURE)
+    return MAX_PRESSURE if math.isinf(measured) else min(measured / target, MAX_PRESSURE)
+
+
+def missed(targets: AutoscalingTargets, p95s: Mapping[str, float | None]) -> tuple[float, list[str]]:
+    """The pressure on the bottleneck from every orchestrator target (`p95s` by histogram name): the
+    largest of the missed ones' (1 when all are met or unmeasured), and each miss told."""
+    factor, told = 1.0, []
+    for t in TARGETS:
+        target, measured = t.value(targets), p95s.get(t.histogram)
+        f = pressure(target, measured)
+        if f > 1.0:
+            factor = max(factor, f)
+            told.append(t.told.format(measured, target))
+    return factor, told
+
+
+def read_from_orchestrators(targets: AutoscalingTargets) -> bool:
+    """Whether any target is read from the orchestrators (else they need not be scraped)."""
+    return any(t.value(targets) > 0 for t in TARGETS)
 
 
 def merged(readings: Mapping[str, Buckets]) -> dict[float, float]:

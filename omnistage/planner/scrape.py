@@ -1,5 +1,5 @@
-"""A stage replica's counters, and an orchestrator's time to first packet, read from their Prometheus
-metrics (the text their status ports serve).
+"""A stage replica's counters, and an orchestrator's time to first packet and real-time factor, read from
+their Prometheus metrics (the text their status ports serve).
 
 The metric names the planner reads are declared here and the stage's and orchestrator's metrics
 (stage_service/metrics.py, orchestrator_service/metrics.py) are registered under them: one home for the
@@ -18,6 +18,8 @@ RUNNING = "omnistage_stage_running"          # gauge
 STEP_MS = "omnistage_stage_step_ms"          # histogram: its sum is the engine's busy time, its count its steps
 UNITS = "omnistage_stage_units"              # counter, labels stage, unit
 FIRST_OUTPUT_MS = "omnistage_first_output_ms"  # orchestrator histogram: time to the first output event
+RTF = "omnistage_rtf"                          # orchestrator histogram: a finished request's audio real-time factor
+ORCHESTRATOR_HISTOGRAMS = (FIRST_OUTPUT_MS, RTF)
 # Outcomes of requests that reached the engine (rejected and invalid ones never did): their work counts.
 RAN = frozenset({"finished", "cancelled", "failed", "timeout"})
 
@@ -46,12 +48,16 @@ def replica_counters(text: str, at: float) -> tuple[ReplicaCounters, str]:
     return ReplicaCounters(at, units, busy, finished, queued, running, steps), unit
 
 
-def first_output_buckets(text: str) -> dict[float, float]:
-    """An orchestrator's cumulative histogram of time to first packet: upper bound (ms) -> count."""
-    out: dict[float, float] = {}
+def orchestrator_buckets(text: str) -> dict[str, dict[float, float]]:
+    """An orchestrator's cumulative histograms the planner's targets read (ORCHESTRATOR_HISTOGRAMS):
+    histogram name -> upper bound -> count. One the orchestrator does not export is empty."""
+    out: dict[str, dict[float, float]] = {name: {} for name in ORCHESTRATOR_HISTOGRAMS}
     for family in text_string_to_metric_families(text):
+        if family.name not in out:
+            continue
+        into = out[family.name]
         for s in family.samples:
-            if s.name == f"{FIRST_OUTPUT_MS}_bucket":
+            if s.name == f"{family.name}_bucket":
                 le = float(s.labels["le"])
-                out[le] = out.get(le, 0.0) + s.value
+                into[le] = into.get(le, 0.0) + s.value
     return out

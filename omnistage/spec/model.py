@@ -380,9 +380,12 @@ class AutoscalingTargets:
                                    "it. While missed, the busiest stage that may grow is planned for up to "
                                    "twice its load (p95 over target), so it gets the next replica. 0: no "
                                    "target.", default=0.0, minimum=0)
-    rtf: float = api_field("Target real-time factor of audio output: compute seconds per second of audio (below "
-                           "1: faster than real time). 0: no target. Accepted and checked, not yet acted on "
-                           "(docs/planner.md).", default=0.0, minimum=0)
+    rtf: float = api_field("Target 95th-percentile real-time factor of audio output: a request's seconds from "
+                           "its arrival to its last audio chunk over the seconds of audio it produced (below 1: "
+                           "faster than real time), as the orchestrators measure it for requests with audio. "
+                           "While missed, the busiest stage that may grow is planned for up to twice its load "
+                           "(p95 over target; with ttfpP95Ms also missed, the larger), so it gets the next "
+                           "replica. 0: no target.", default=0.0, minimum=0)
     queue_seconds: float = api_field("How soon a stage's queued work should be worked off, in seconds (the "
                                      "planner spreads a backlog over this or 30 s, whichever is longer). 0: the "
                                      "30 s alone.", default=1.0, minimum=0)

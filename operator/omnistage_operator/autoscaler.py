@@ -37,7 +37,7 @@ from omnistage.launch import METRICS_PATH, http_url
 from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import first_output_buckets, replica_counters
+from omnistage.planner.scrape import orchestrator_buckets, replica_counters
 from omnistage.spec import Pipeline, SpecError
 
 from .kube import Kube
@@ -165,20 +165,20 @@ class Autoscaler:
 
     def _observe(self, planner: Planner, pods: list[dict]) -> None:
         targets = scrape_targets(pods)
-        if planner.config.targets.ttfp_p95_ms <= 0:
-            targets.pop(ORCHESTRATOR, None)   # read only for the first-packet target
+        if not planner.reads_orchestrators:
+            targets.pop(ORCHESTRATOR, None)   # read only for the first-packet and rtf targets
         flat = [(unit, t) for unit, ts in targets.items() if unit in planner.estimates or unit == ORCHESTRATOR
                 for t in ts]
         read = list(self._pool.map(lambda ut: self._read(ut[1]), flat))
         by_stage: dict[str, dict[str, ReplicaCounters]] = {}
         units: dict[str, str] = {}
-        first_output: dict[str, dict[float, float]] = {}
+        orchestrators: dict[str, dict[str, dict[float, float]]] = {}
         for (unit, target), text in zip(flat, read):
             if text is None:
                 continue   # a pod that does not answer this time is measured next time
             try:
                 if unit == ORCHESTRATOR:
-                    first_output[target.pod] = first_output_buckets(text)
+                    orchestrators[target.pod] = orchestrator_buckets(text)
                     continue
                 counters, work = replica_counters(text, self.clock())
             except ValueError:
@@ -187,7 +187,7 @@ class Autoscaler:
             units[unit] = work or units.get(unit, "")
         for stage, counters in by_stage.items():
             planner.observe(stage, counters, units.get(stage, ""))
-        planner.observe_first_output(first_output, self.clock())
+        planner.observe_orchestrators(orchestrators, self.clock())
 
     def _read(self, target: ScrapeTarget) -> str | None:
         try:

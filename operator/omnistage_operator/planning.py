@@ -37,8 +37,9 @@ class ScrapeTarget:
 
 def scrape_targets(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[ScrapeTarget]]:
     """Per stage, the pods to measure, and under ORCHESTRATOR the orchestrator pods (their time to first
-    packet, for targets.ttfpP95Ms): ready (they serve: a starting replica has no counters worth reading,
-    and the orchestrator sends it nothing yet), not being deleted, with an IP."""
+    packet and real-time factor, for targets.ttfpP95Ms and targets.rtf): ready (they serve: a starting
+    replica has no counters worth reading, and the orchestrator sends it nothing yet), not being deleted,
+    with an IP."""
     out: dict[str, list[ScrapeTarget]] = {}
     for pod in pods:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from omnistage.client import AsyncOmniClient
+from omnistage.planner.scrape import RTF
 from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, start_stage
@@ -26,8 +27,14 @@ async def pipeline(model_dir):
         await s.drain()
 
 
+def rtf_observed(orc) -> float:
+    """Requests whose real-time factor the orchestrator observed (omnistage_rtf, for targets.rtf)."""
+    return orc.metrics.registry.get_sample_value(f"{RTF}_count") or 0.0
+
+
 async def test_text_and_audio_stream_back_with_a_trace(pipeline):
     client, orc, stages = pipeline
+    observed = rtf_observed(orc)
     r = await client.generate("Hello there", max_tokens=8, ignore_eos=True, max_codec_frames=30,
                               return_trace=True, timeout=120)
     assert r.text and len(r.token_ids) == 8
@@ -38,14 +45,20 @@ async def test_text_and_audio_stream_back_with_a_trace(pipeline):
     for s in r.final.trace.stages:
         assert s.compute_ms > 0 and s.total_ms >= s.first_chunk_ms > 0 and s.chunks >= 1 and s.attempts == 1
     assert r.events[-1] == "final" and r.events.count("final") == 1
+    # its real-time factor: seconds to its last audio chunk over its audio's seconds (above 0, finite)
+    assert rtf_observed(orc) == observed + 1
+    rtf_sum = orc.metrics.registry.get_sample_value(f"{RTF}_sum")
+    assert 0 < rtf_sum < float("inf")
 
 
 async def test_text_only_request_skips_the_speech_stages(pipeline):
     client, orc, stages = pipeline
     before = stages["talker"].metrics.requests.labels("talker", "finished")._value.get()
+    observed = rtf_observed(orc)
     r = await client.generate("Hi", max_tokens=4, outputs=["text"], return_trace=True, timeout=60)
     assert r.text and not r.pcm and [s.stage for s in r.final.trace.stages] == ["thinker"]
     assert stages["talker"].metrics.requests.labels("talker", "finished")._value.get() == before
+    assert rtf_observed(orc) == observed   # no audio: no real-time factor
 
 
 @pytest.mark.parametrize("kw,field", [

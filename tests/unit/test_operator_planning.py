@@ -1,13 +1,15 @@
 """The stage planner in the operator, its pure parts: which pods are measured, the replicas an autoscaled
 stage's Deployment starts with and keeps, what the status and the Planned condition say of a decision,
 when the status is written again, the NetworkPolicy rule for the operator's scrapes and its setting, and
-every pipeline's decisions as one Prometheus exposition. The loop around them (scrapes, the scale
-subresource, events) runs against the real API server in e2e/test_autoscaling.py."""
+every pipeline's decisions as one Prometheus exposition, and what one scrape of the pods (with a fetch of
+our own) hands the planner. The loop around them (scrapes, the scale subresource, events) runs against the
+real API server in e2e/test_autoscaling.py."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import yaml
@@ -18,7 +20,8 @@ from omnistage.planner.controller import Planner
 from omnistage.planner.decisions import Change
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage_operator.autoscaler import _Merged, autoscaling_enabled, signature
+from omnistage.planner.scrape import RTF
+from omnistage_operator.autoscaler import Autoscaler, _Merged, autoscaling_enabled, signature
 from omnistage_operator.builders import build_children
 from omnistage_operator.config import ConfigError, ModelVolume, OperatorConfig, from_env
 from omnistage_operator.pipeline_object import parse
@@ -28,6 +31,7 @@ from omnistage_operator.planning import (STATUS_REFRESH_S, Plans, PlannedView, S
 from omnistage_operator.rollout import RolloutPlan
 from omnistage_operator.status import build_status
 from omnistage_operator.vocabulary import PLANNED, R_BUDGET_LIMITED, R_MEASURING, R_NO_LOAD, R_SIZED
+from orchestrator_service.metrics import OrchestratorMetrics
 
 from ..conftest import EXAMPLES
 
@@ -68,7 +72,37 @@ def test_only_ready_pods_with_an_ip_are_measured_on_their_http_port_stages_and_o
     assert scrape_targets(pods) == {
         "talker": [ScrapeTarget("t-a", "127.0.1.5", 9090), ScrapeTarget("t-b", "127.0.1.5", 8080)],
         "code2wav": [ScrapeTarget("c-a", "127.0.1.9", 8080)],
-        "orchestrator": [ScrapeTarget("orch", "127.0.1.5", 8080)]}   # its first packets, for ttfpP95Ms
+        "orchestrator": [ScrapeTarget("orch", "127.0.1.5", 8080)]}   # its first packets and rtf, for the targets
+
+
+class Recording(Planner):
+    """The real planner, keeping what the orchestrators' scrape handed it."""
+
+    def observe_orchestrators(self, readings, at):
+        self.orchestrator_readings = readings
+        super().observe_orchestrators(readings, at)
+
+
+@pytest.mark.parametrize("targets, read", [({}, False), ({"rtf": 0.8}, True), ({"ttfpP95Ms": 2000}, True)])
+def test_the_orchestrator_pods_are_scraped_for_their_histograms_only_for_a_target_measured_there(targets, read):
+    orch = OrchestratorMetrics(CollectorRegistry())
+    orch.observe_audio(3.0, 2.0)
+    texts = {"orch": generate_latest(orch.registry).decode(), "t-a": ""}
+    fetched = []
+
+    def fetch(target):
+        fetched.append(target.pod)
+        return texts[target.pod]
+
+    planner = Recording(config(targets=targets), {"thinker": 1, "talker": 2, "code2wav": 1})
+    autoscaler = Autoscaler(None, Plans(), fetch, clock=lambda: 0.0)
+    try:
+        autoscaler._observe(planner, [pod("t-a"), pod("orch", component="orchestrator")])
+    finally:
+        autoscaler.close()
+    assert sorted(fetched) == (["orch", "t-a"] if read else ["t-a"])
+    got = planner.orchestrator_readings
+    assert (got["orch"][RTF][math.inf] == 1 and got["orch"][RTF][1.5] == 1) if read else got == {}
 
 
 # ------------------------------------------------------------------------------------ replicas
