@@ -10,7 +10,8 @@ thread: the library's own batched call on the same inputs, no service) at batch 
 `<engine>.model_b1/_b4/_b16`, `<engine>.c16_over_model_b16` (the stage at concurrency 16 over the model
 at batch 16: what the service costs) and `<engine>.model_b16_over_b1` (the ceiling of batching on this
 machine). AR engines add `<engine>.engine_b16` (our step code alone) and
-`<engine>.engine_b16_over_model_b16`.
+`<engine>.engine_b16_over_model_b16`. `ar_transformers_process` is the transformers AR stage with its
+model in an engine process of its own (`engineArgs.engine_process: true`), against the same model alone.
 
     .venv/bin/python bench/stage_batching.py [--quick] [--device cuda] [--no-model]
 
@@ -62,6 +63,8 @@ class Case:
     engine: str | None = None  # override the stage's engine
     keep: list | None = None   # outputs to keep (a few), as inputs for a later case
     model_args: tuple[str, ...] = ()  # bench/raw_model.py's arguments for the same inputs
+    engine_args: dict | None = None   # added to the stage's engineArgs
+    model_case: str | None = None     # bench/raw_model.py's case when not this one's name (same model)
 
 
 def header(i: int, **params) -> stage_pb2.StageInput:
@@ -109,6 +112,8 @@ def cases(quick: bool) -> list[Case]:
         Case("ar_vllm", "llm-tiny", "llm", "tokens/s", lm, count_tokens, model_args=same),
         Case("ar_transformers", "llm-tiny", "llm", "tokens/s", lm, count_tokens, engine="transformers",
              model_args=same),
+        Case("ar_transformers_process", "llm-tiny", "llm", "tokens/s", lm, count_tokens, engine="transformers",
+             model_args=same, engine_args={"engine_process": True}, model_case="ar_transformers"),
         Case("diffusion", "text-to-image-tiny", "denoise", "steps/s", denoise, lambda out: steps, model_args=same),
         Case("decoder", "qwen3-omni-tiny", "code2wav", "frames/s", code2wav, lambda out: 25 * chunks,
              model_args=same),
@@ -145,6 +150,8 @@ class StageProcess:
             dep["gpus"] = 1
         if case.engine == "transformers":
             dep.get("engineArgs", {}).pop("max_model_len", None)
+        if case.engine_args:
+            dep.setdefault("engineArgs", {}).update(case.engine_args)
         path = workdir / f"{case.name}-{max_batch}.yaml"
         path.write_text(yaml.safe_dump(doc))
         self.ready = workdir / f"{case.name}-{max_batch}.ready"
@@ -241,7 +248,7 @@ MODEL_BATCHES = (1, 4, 16)
 def model_alone(case: Case, workdir: Path) -> dict[str, float]:
     """The case's model alone at MODEL_BATCHES (bench/raw_model.py in its own process): units/s by batch."""
     log = workdir / f"{case.name}-model.log"
-    argv = [sys.executable, str(REPO / "bench" / "raw_model.py"), case.name, *case.model_args,
+    argv = [sys.executable, str(REPO / "bench" / "raw_model.py"), case.model_case or case.name, *case.model_args,
             "--batches", *map(str, MODEL_BATCHES)]
     with open(log, "w") as err:
         done = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, timeout=1800,

@@ -13,13 +13,24 @@ loop keeps one per image, decoders submit one-step states (batch what is
 queued). When the scheduler wakes from idle it waits up to maxWaitMs for a
 batch to fill.
 
+Stepping ahead: while nothing changes (no arrival, departure, cancellation,
+newly ready state or reader that caught up; no state finished; every ready
+state in the batch; each reader at most one undelivered step behind), the
+worker runs the same batch's next step as soon as the last returns, and the
+event loop delivers the previous step's results meanwhile. The model does not
+wait for the loop between steps (with the model in a process of its own,
+`engine_process.py`, the two run at once); any change ends the run at the
+next step boundary, where the loop picks again. A state the loop gives up
+(cancelled) during a run is released only when the run ends.
+
 Failure: a step that raises fails the requests in that step; `max_failed_steps`
-failed steps in a row mean the engine cannot recover: every request held fails
+failed steps in a row, or one step that raises `EngineDead` (the engine's own
+process is gone), mean the engine cannot recover: every request held fails
 with `EngineDead` and new ones are refused.
 
 Liveness: a step that never returns (a hung kernel, a deadlock in model code)
-fails nothing, so it is watched instead. The loop stamps when a step starts, when
-one ends and when it goes idle; `stalled(now)` reads those stamps (from any
+fails nothing, so it is watched instead. The step thread stamps when a step starts
+and ends, the loop when it goes idle or wakes; `stalled(now)` reads those stamps (from any
 thread) and names a step running longer than stallSeconds, or requests held
 that long while the loop neither stepped nor waited. Waiting is not stalling:
 a state whose input has not arrived, or whose reader fell behind, is another
@@ -50,8 +61,9 @@ _END = object()  # after a state's last result
 class StepState:
     """What one request carries through the scheduler. Engines subclass it.
 
-    Read by the scheduler on the event loop between steps; changed by the engine's
-    step on the worker thread. Code that feeds a state while it may be in a step
+    Read by the scheduler on the event loop (`held_bytes`, `finished` and `ready` also
+    while a run steps ahead, so they must be safe to read during a step); changed by
+    the engine's step on the worker thread. Code that feeds a state while it may be in a step
     must only append to a thread-safe inbox (a deque) that the step drains.
     """
 
@@ -149,14 +161,21 @@ class StepScheduler:
         self._queue: deque[_Job] = deque()
         self._running: list[_Job] = []
         self._in_step: tuple[_Job, ...] = ()
+        # Stepping ahead: set on the loop when something changed (the run ends at the next step boundary);
+        # results the worker posted for the run in flight and those the loop delivered (ints: one writer each).
+        self._dirty = False
+        self._delivered = 0
+        self._deliver_failed: Exception | None = None
         self._failed_in_a_row = 0
+        self._ready_count = 0
         self._seq = 0
         self._wake = asyncio.Event()
         self._live: weakref.WeakSet[StepState] = weakref.WeakSet()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engine-{stage}")
         self._task: asyncio.Task | None = None
         self._closed = False
-        # Progress stamps (clock() seconds), written on the event loop, read by `stalled` on any thread.
+        # Progress stamps (clock() seconds), written by the step thread (steps) and the loop (idle, wake-up),
+        # read by `stalled` on any thread.
         self.clock = clock
         self._step_started: float | None = None  # the step in flight began then
         self._progress_at = clock()              # a step ended, or the loop went idle or woke
@@ -165,8 +184,14 @@ class StepScheduler:
     # ------------------------------------------------------------ the engine's side
 
     async def run_on_worker(self, fn: Callable[..., Any], *args) -> Any:
-        """Run blocking model code (loading) on the thread the steps run on."""
+        """Run blocking model code (loading) on the thread the steps run on, at the next step boundary."""
+        self._dirty = True  # a run stepping ahead yields the thread
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def call_on_worker(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the step thread between steps, without waiting for it (nothing after shutdown)."""
+        with contextlib.suppress(RuntimeError):  # the pool is shut down
+            self._pool.submit(fn)
 
     def start(self) -> None:
         if not self._closed:
@@ -174,6 +199,7 @@ class StepScheduler:
 
     async def shutdown(self) -> None:
         self._closed = True
+        self._dirty = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
@@ -203,12 +229,19 @@ class StepScheduler:
         self._live.add(state)
         self._changed()
         try:
-            yield JobStream(job, self._wake.set)
+            yield JobStream(job, lambda: self._consumed(job))
         finally:
             self._leave(job)
 
     def notify(self) -> None:
         """A state may have become ready (its input arrived)."""
+        self._dirty = True
+        self._wake.set()
+
+    def _consumed(self, job: _Job) -> None:
+        """A reader took a result: a state held back for its reader may step again."""
+        if not job.gone and job not in self._in_step:
+            self._dirty = True  # it may join the batch; a state in the run is checked by the worker itself
         self._wake.set()
 
     # ------------------------------------------------------------ what it holds
@@ -279,7 +312,7 @@ class StepScheduler:
                 if idle and self.max_wait > 0:
                     await self._fill()
                 continue
-            await self._step(batch)
+            await self._step(batch, alone=len(batch) == self._ready_count)
 
     async def _fill(self) -> None:
         """Coming out of idle: give a batch up to maxWaitMs to fill."""
@@ -305,6 +338,7 @@ class StepScheduler:
         longest-waiting first while their cost fits `max_step_cost` (the first always fits)."""
         ready = [j for j in self._running
                  if j.results.qsize() < self.max_pending_results and j.state.ready()]
+        self._ready_count = len(ready)
         if not ready:
             return []
         first = min(ready, key=lambda j: (j.last_step, j.seq))
@@ -319,38 +353,83 @@ class StepScheduler:
             cost += j.state.cost
         return [j for j in same if j in chosen]
 
-    async def _step(self, batch: list[_Job]) -> None:
+    async def _step(self, batch: list[_Job], alone: bool = False) -> None:
+        """Run the batch's steps on the worker: one, or while nothing changes several (`alone`: the batch
+        holds every ready state, so stepping it on starves no one)."""
         t0 = time.perf_counter()
         for j in batch:
             if j.first_step is None:
                 j.first_step = t0
         self._in_step = tuple(batch)
-        self._step_started = self.clock()
+        self._dirty, self._delivered = False, 0
+        loop = asyncio.get_running_loop()
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.step_fn, [j.state for j in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"step returned {len(results)} results for {len(batch)} requests")
+            await loop.run_in_executor(self._pool, self._run, batch, alone, loop)
         except Exception as e:  # noqa: BLE001 - the step's failure is the requests' failure
             self._in_step = ()
             self._step_ended()
-            self._step_failed(batch, e)
+            self._step_failed([j for j in batch if not j.gone], e)
             return
         self._in_step = ()
         self._step_ended()
+        for j in batch:
+            if j.cancelled:
+                self._remove(j)  # given up during the run: its state is free now that no step uses it
+        if self._deliver_failed is not None:
+            self._die(self._deliver_failed)
+
+    def _run(self, batch: list[_Job], ahead: bool, loop: asyncio.AbstractEventLoop) -> None:
+        """On the worker: step the batch, post the results to the loop, step again while `_may_go_on`."""
+        states = [j.state for j in batch]
+        shape = [(st.key, st.cost) for st in states]
+        posted = 0
+        while True:
+            self._step_started = self.clock()
+            t0 = time.perf_counter()
+            results = self.step_fn(states)
+            took = time.perf_counter() - t0
+            if len(results) != len(batch):
+                raise RuntimeError(f"step returned {len(results)} results for {len(batch)} requests")
+            self._progress_at, self._step_started = self.clock(), None
+            posted += 1
+            # Whether each finished with this step, read now: the next step may change the states.
+            loop.call_soon_threadsafe(self._deliver, batch, results, [st.finished for st in states], took)
+            if not (ahead and self._may_go_on(batch, states, shape, results, posted)):
+                return
+
+    def _may_go_on(self, batch: list[_Job], states: list[StepState], shape: list, results: list, posted: int) -> bool:
+        """Whether the worker may step the same batch again at once (read on the worker between steps)."""
+        behind = posted - self._delivered  # steps whose results the loop has not delivered yet
+        return (not self._dirty and not self._closed and behind <= 1
+                and not any(isinstance(r, BaseException) for r in results)
+                and all(not st.finished and st.ready() for st in states)
+                and [(st.key, st.cost) for st in states] == shape
+                and all(j.results.qsize() + behind < self.max_pending_results for j in batch))
+
+    def _deliver(self, batch: list[_Job], results: list, finished: list[bool], took: float) -> None:
+        """On the loop: one step's results to their requests. A callback, not the loop task: a bug here
+        must still fail the requests (and stop the run) rather than strand them."""
+        try:
+            self._deliver_step(batch, results, finished, took)
+        except Exception as e:  # noqa: BLE001
+            log.error("stage %s: delivering a step's results failed\n%s", self.stage,
+                      "".join(traceback.format_exception(e)))
+            self._dirty = True  # the run ends at the next boundary; `_step` then declares the engine dead
+            self._deliver_failed = e.with_traceback(None)
+
+    def _deliver_step(self, batch: list[_Job], results: list, finished: list[bool], took: float) -> None:
+        self._delivered += 1
         self._failed_in_a_row = 0
         self.steps += 1
-        took = time.perf_counter() - t0
-        for j, r in zip(batch, results):
+        for j, r, done in zip(batch, results, finished):
             j.last_step = self.steps
             j.compute_s += took
             if j.gone or j.cancelled:
-                self._remove(j)
-                continue
+                continue  # removed when the run ends
             j.results.put_nowait(r)
-            if isinstance(r, BaseException) or j.state.finished:
+            if isinstance(r, BaseException) or done:
                 j.results.put_nowait(_END)
-                self._remove(j)
+                self._remove(j)  # the worker steps no finished state again
         if self.metrics is not None:
             self.metrics.step(len(batch), took * 1e3, self.unit)
 
@@ -360,15 +439,17 @@ class StepScheduler:
         self._step_started = None
 
     def _step_failed(self, batch: list[_Job], error: Exception) -> None:
-        self._failed_in_a_row += 1
+        # EngineDead: the engine said it cannot recover (its process is gone): no further step is tried.
+        self._failed_in_a_row = self.max_failed_steps if isinstance(error, EngineDead) else self._failed_in_a_row + 1
         # Logged as text and kept without its traceback: the traceback's frames hold the batch's states.
         log.error("stage %s: step failed for %d requests (%d in a row)\n%s", self.stage, len(batch),
                   self._failed_in_a_row, "".join(traceback.format_exception(error)).rstrip())
         error = error.with_traceback(None)
         if self.metrics is not None:
             self.metrics.failed_steps.labels(self.stage).inc()
-        for j in batch:
-            j.results.put_nowait(EngineError(f"step failed: {type(error).__name__}: {error}"))
+        for j in batch:  # one exception each: raising one in many readers would chain their tracebacks
+            j.results.put_nowait(EngineDead(str(error)) if isinstance(error, EngineDead)
+                                 else EngineError(f"step failed: {type(error).__name__}: {error}"))
             self._remove(j)
         if self._failed_in_a_row >= self.max_failed_steps:
             self._die(error)
@@ -390,6 +471,7 @@ class StepScheduler:
             return
         if job in self._in_step:
             job.cancelled = True  # the step in flight still uses it: it leaves when that step returns
+            self._dirty = True
             return
         self._remove(job)
 
@@ -406,6 +488,7 @@ class StepScheduler:
         self._changed()
 
     def _changed(self) -> None:
+        self._dirty = True
         self._wake.set()
         if self.metrics is not None:
             self.metrics.load(len(self._running), len(self._queue))

@@ -203,11 +203,13 @@ class EngineOptions:
     max_failed_steps: int = 3      # failed steps in a row after which the engine is declared dead
     max_model_len: int | None = None  # AR engines: bound on prompt + generated tokens (as vLLM's)
     max_batched_frames: int | None = None  # Code2Wav: codec frames (with context) in one forward
+    engine_process: bool = False   # the model in a process of its own (engine_process.py; engines that can)
 
     @classmethod
     def parse(cls, stage: str, args: dict[str, Any]) -> "EngineOptions":
         path = f"spec.deployment.stages.{stage}.engineArgs"
-        known = {"batch_invariant": bool, "max_failed_steps": int, "max_model_len": int, "max_batched_frames": int}
+        known = {"batch_invariant": bool, "max_failed_steps": int, "max_model_len": int, "max_batched_frames": int,
+                 "engine_process": bool}
         args = {k.replace("-", "_"): v for k, v in args.items()}
         unknown = sorted(set(args) - set(known))
         if unknown:
@@ -229,10 +231,15 @@ class SteppedEngine(Engine):
     """
 
     unit = "steps"  # what one state's step produces, for metrics
+    ENGINE_PROCESS = False  # whether it can run its model in a process of its own (engineArgs.engine_process)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.options = EngineOptions.parse(self.stage.name, dict(self.settings.engine_args))
+        if self.options.engine_process and not self.ENGINE_PROCESS:
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.engine_process: this "
+                                    f"engine ({getattr(self, 'ADAPTER', type(self).__name__)}) runs its model in the stage process only; "
+                                    "the causal LM engine supports it")
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
                                        max_failed_steps=self.options.max_failed_steps,
                                        max_step_cost=self.max_step_cost(), on_dead=self.fail_for_good)
@@ -242,7 +249,8 @@ class SteppedEngine(Engine):
         self.scheduler.metrics = metrics
 
     async def start(self) -> None:
-        device.apply(self.placement)
+        if not self.options.engine_process:  # else the model's process applies it (no CUDA context here)
+            device.apply(self.placement)
         await self.scheduler.run_on_worker(self.load)
         self.scheduler.start()
 

@@ -3,6 +3,7 @@ serve, or to compare against vLLM). The Thinker engine is this one with hidden-s
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 import torch
@@ -11,7 +12,9 @@ from omnistage.params import InvalidRequest, RequestParams
 from omnistage.spec import engines
 
 from .base import OutputChunk, StageInputs, StageRequest, SteppedEngine
+from ..engine_process import EngineProcess
 from .chat import load_chat_template, prompt_ids
+from .lm_core import RemoteTokenState, remote_step
 from .lm_steps import DecoderLm, TokenState
 from .sampling import SamplingSettings
 
@@ -36,6 +39,9 @@ class TextDeltas:
         return out
 
 
+SHUTDOWN_STEP_S = 30.0  # shutting down, how long a step in the engine process may still take
+
+
 class CausalLmEngine(SteppedEngine):
     """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk.
     The prompt becomes token ids by the one prompt policy (`chat.prompt_ids`): `load` sets `tokenizer`
@@ -43,29 +49,63 @@ class CausalLmEngine(SteppedEngine):
 
     ADAPTER = engines.CAUSAL_LM
     DEFAULT_SYSTEM_PROMPT = ""  # the system turn the model needs when a request has none ("": none)
+    ENGINE_PROCESS = True
     unit = "tokens"
+    core: EngineProcess | None = None  # engine_process: the model's process (lm_core.py)
 
     def load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        if self.options.engine_process:
+            self.core = EngineProcess(self.stage.name, "stage_service.engines.lm_core:LmCore",
+                                      (str(self.model_dir), self.placement, self.batch_invariant))
+            self.core.on_release = lambda: self.scheduler.call_on_worker(self.core.flush)
+            try:
+                self.core.start()
+                self._load_text(AutoConfig.from_pretrained(self.model_dir))
+            except BaseException:
+                self.core.close()  # the stage does not start: no model process left behind
+                raise
+            return
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
         self.lm = DecoderLm(model, batch_invariant=self.batch_invariant)
+        self._load_text(model.config)
+
+    def _load_text(self, config) -> None:
+        """What the stage process needs beside the model: tokenizer, chat template, vocabulary and bounds."""
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
-        self.vocab = model.config.vocab_size
-        self.max_len = min(x for x in (getattr(model.config, "max_position_embeddings", None),
+        self.vocab = config.vocab_size
+        self.max_len = min(x for x in (getattr(config, "max_position_embeddings", None),
                                        self.options.max_model_len, 1 << 62) if x)
-        eos = model.config.eos_token_id
+        eos = config.eos_token_id
         self.stop_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     def step(self, states: list[TokenState]) -> list:
+        if self.core is not None:
+            return remote_step(self.core, states)
         return self.lm.step_batch(states)
+
+    async def shutdown(self) -> None:
+        if self.core is None:
+            return await super().shutdown()
+        stopping = asyncio.create_task(super().shutdown())  # waits for the step in flight
+        done, _ = await asyncio.wait({stopping}, timeout=SHUTDOWN_STEP_S)
+        if not done:  # the step hangs in the model process: ending it ends the step
+            self.core.kill()
+        await stopping
+        await asyncio.to_thread(self.core.close)
 
     def prompt_ids(self, p: RequestParams) -> list[int]:
         return prompt_ids(p, self.tokenizer, self.chat_template, self.DEFAULT_SYSTEM_PROMPT)
 
-    def new_state(self, ids: list[int], p: RequestParams) -> TokenState:
-        return self.lm.new_state(ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids)
+    def new_state(self, ids: list[int], p: RequestParams) -> TokenState | RemoteTokenState:
+        spec = (ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids)
+        if self.core is not None:
+            return RemoteTokenState(self.core.sequence(spec), self.core)
+        return self.lm.new_state(*spec)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -35,6 +35,7 @@ class OmniThinkerEngine(MediaStage, CausalLmEngine):
     request with media parts becomes one user turn of them (the prompt, if any, as a last text part)."""
 
     MEDIA_FAMILY: Family = QWEN3_OMNI
+    ENGINE_PROCESS = False  # its media prompts and hidden-state rows stay in the stage process for now
 
     def use_thinker(self, thinker) -> None:
         self.thinker = thinker

@@ -116,6 +116,77 @@ async def test_requests_join_at_the_next_step_and_leave_when_done():
     await sched.shutdown()
 
 
+async def test_a_batch_alone_steps_ahead_of_the_loop_and_an_arrival_ends_the_run():
+    """With nothing changing, the worker runs the batch's next step without waiting for the loop to pick
+    it (each run: at least two steps); a request arriving joins at the next step boundary all the same."""
+    sched, rec = make(max_batch=4)
+    picks = []
+    pick = sched._pick
+    sched._pick = lambda: picks.append(1) or pick()
+    assert await run(sched, Count("long", 40)) == list(range(1, 41))
+    assert len(rec.batches) == 40 and len(picks) <= 21  # about one pick per two steps, never one per step
+    rec.allowed = threading.Semaphore(3)
+    first = asyncio.create_task(run(sched, Count("first", 30)))
+    await wait_until(lambda: len(rec.batches) >= 43, interval=0.001, what="three steps of the run")
+    second = asyncio.create_task(run(sched, Count("second", 2)))
+    await wait_until(lambda: sched.unfinished() == 2, interval=0.001, what="second queued")
+    for _ in range(40):
+        rec.allowed.release()
+    assert await second == [1, 2] and await first == list(range(1, 31))
+    joined = next(i for i, b in enumerate(rec.batches) if "second" in b)
+    assert joined <= 44 and rec.batches[joined] == ["first", "second"]  # the run ended at the next boundary
+    await sched.shutdown()
+
+
+async def test_cancel_during_a_run_of_steps_frees_the_state_when_the_run_ends():
+    sched, rec = make()
+    rec.allowed = threading.Semaphore(3)
+    state = Count("c", 100)
+    task = asyncio.create_task(run(sched, state))
+    await wait_until(lambda: len(rec.batches) >= 3, interval=0.001, what="three steps")
+    await wait_until(lambda: sched._in_step, interval=0.001, what="the fourth step in flight")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert state.releases == 0  # the step in flight (waiting for its permit) still uses it
+    for _ in range(10):
+        rec.allowed.release()
+    await wait_until(lambda: not sched.unfinished(), interval=0.001, what="nothing unfinished")
+    assert state.releases == 1 and len(rec.batches) == 4  # no step after the one in flight
+    await sched.shutdown()
+
+
+async def test_a_step_failing_in_a_run_keeps_the_results_delivered_before_it():
+    sched, rec = make()
+    rec.fail_steps = {5}
+    state, got = Count("a", 10), []
+    with pytest.raises(EngineError, match="step 5 broke"):
+        async with sched.submit("a", state) as stream:
+            async for r in stream:
+                got.append(r)
+    assert got == [1, 2, 3, 4] and state.releases == 1 and sched.failed is None
+    await sched.shutdown()
+
+
+async def test_results_that_cannot_be_delivered_declare_the_engine_dead():
+    class Broken:
+        def load(self, running, queued):
+            pass
+
+        def step(self, *args):
+            raise RuntimeError("metrics broke")
+
+    dead = []
+    sched, rec = make(on_dead=dead.append)
+    sched.metrics = Broken()
+    state = Count("a", 10)
+    with pytest.raises(EngineDead, match="metrics broke"):
+        await run(sched, state)
+    assert len(dead) == 1 and state.releases == 1 and sched.unfinished() == 0
+    assert len(rec.batches) <= 2  # the run ended at the next step boundary
+    await sched.shutdown()
+
+
 async def test_batches_never_exceed_max_batch_and_the_queue_drains_in_order():
     sched, rec = make(max_batch=3, max_queued=10)
     results = await asyncio.gather(*(run(sched, Count(f"r{i}", 3)) for i in range(9)))

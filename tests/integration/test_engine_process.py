@@ -1,0 +1,124 @@
+"""The causal LM with its model in a process of its own (`engineArgs.engine_process: true`), behind a real
+stage service: the same tokens as in the stage process, sequences freed in the child, the child's death
+taken as the engine's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stage_service.engines.registry import create_engine
+from stage_service.errors import EngineConfigError
+from stage_service.server import EXIT_ENGINE_DEAD
+
+from ..harness import call_stage, example, header, start_stage
+from .test_stage_batching import joins_a_running_batch
+from .test_stage_cancel import run_hundred, scheduler
+from .test_stage_support import Call, assert_nothing_held, token_ids
+
+
+def transformers_lm(engine_process: bool):
+    def edit(doc):
+        doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
+        args = doc["spec"]["deployment"]["stages"]["llm"]["engineArgs"]
+        args["engine_process"] = engine_process
+        args.pop("max_model_len", None)
+        scheduler("llm")(doc)  # room for a hundred requests at once
+    return example("llm-tiny", edit)
+
+
+async def core_stats(srv) -> tuple[int, int]:
+    """(sequences, bytes) the engine process holds, asked between steps."""
+    return await srv.engine.scheduler.run_on_worker(srv.engine.core.stats)
+
+
+@pytest.fixture(scope="module")
+async def both(model_dir):
+    """The same LM twice: its model in the stage process, and in an engine process."""
+    inproc = await start_stage(transformers_lm(False), "llm", model_dir)
+    remote = await start_stage(transformers_lm(True), "llm", model_dir)
+    yield inproc, remote
+    await remote.drain()
+    await inproc.drain()
+
+
+async def test_the_engine_process_gives_the_tokens_of_the_stage_process(both):
+    inproc, remote = both
+    assert inproc.engine.core is None and remote.engine.core is not None
+    requests = [header(f"g{i}", prompt=f"greedy {i}", max_tokens=20, ignore_eos=True) for i in range(4)]
+    requests += [header(f"s{i}", prompt=f"sampled {i}", max_tokens=20, ignore_eos=True, temperature=0.9, seed=i)
+                 for i in range(4)]
+    want = await asyncio.gather(*(call_stage(inproc.port, h) for h in requests))
+    got = await asyncio.gather(*(call_stage(remote.port, h) for h in requests))
+    assert [token_ids(c) for c in got] == [token_ids(c) for c in want]
+    assert [c[-1].finish_reason for c in got] == ["length"] * len(requests)
+    assert "".join(c.text for c in got[0]) == "".join(c.text for c in want[0])
+    assert await core_stats(remote) == (0, 0)
+
+
+async def test_a_request_joining_a_batch_in_the_engine_process_gets_what_it_gets_alone(both):
+    _, remote = both
+    probe = (header("probe", prompt="The probe", max_tokens=30, ignore_eos=True, temperature=0.9, seed=5), ())
+    fillers = [(header(f"f{i}", prompt=f"filler {i}", max_tokens=250, ignore_eos=True), ()) for i in range(6)]
+    alone, joined = await joins_a_running_batch(remote, probe, fillers, token_ids)
+    assert len(alone) == 30 and joined == alone
+    assert await core_stats(remote) == (0, 0)
+
+
+async def test_hundred_requests_ten_cancelled_leave_nothing_in_the_engine_process(both):
+    _, remote = both
+
+    def make(ch, i, cancel):
+        return Call(ch, header(f"c{i}", prompt=f"request {i}", max_tokens=200 if cancel else 12, ignore_eos=True))
+
+    def check(i, chunks):
+        assert len(token_ids(chunks)) == 12 and chunks[-1].finish_reason == "length"
+
+    await run_hundred(remote, make, check)
+    assert await core_stats(remote) == (0, 0)  # the cancelled sequences' KV caches are freed in the child
+
+
+async def test_held_bytes_are_the_engine_process_kv_caches(both):
+    _, remote = both
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{remote.port}") as ch:
+        call = Call(ch, header("held", max_tokens=250, ignore_eos=True))
+        await asyncio.wait_for(call.started.wait(), 60)
+        held = remote.engine.held_bytes()
+        sequences, child_bytes = await core_stats(remote)
+        assert held > 0 and sequences == 1 and child_bytes >= held  # the child may be a step ahead
+        call.cancel()
+        await call.outcome()
+    await assert_nothing_held(remote)
+    assert await core_stats(remote) == (0, 0)
+
+
+def test_an_engine_without_an_engine_process_refuses_the_option(model_dir):
+    pipeline = example("qwen3-omni-tiny", lambda d: d["spec"]["deployment"]["stages"]["code2wav"].setdefault(
+        "engineArgs", {}).update(engine_process=True))
+    with pytest.raises(EngineConfigError, match=r"spec\.deployment\.stages\.code2wav\.engineArgs\.engine_process"):
+        create_engine(pipeline, pipeline.stage("code2wav"), model_dir)
+
+
+async def test_the_engine_process_dying_fails_requests_flips_health_and_stops(model_dir):
+    srv = await start_stage(transformers_lm(True), "llm", model_dir)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            calls = [Call(ch, header(f"d{i}", max_tokens=250, ignore_eos=True)) for i in range(4)]
+            await asyncio.wait_for(asyncio.gather(*(c.started.wait() for c in calls)), 60)
+            core = psutil.Process(srv.engine.core._proc.pid)
+            core.kill()
+            codes = await asyncio.wait_for(asyncio.gather(*(c.outcome() for c in calls)), 60)
+            assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
+            details = [await c.rpc.details() for c in calls]
+            assert all("the engine process exited" in d for d in details), details
+            assert (await asyncio.wait_for(watch.read(), 30)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await asyncio.wait_for(srv.stopped.wait(), 60)
+        assert srv.exit_code == EXIT_ENGINE_DEAD
+    finally:
+        await srv.drain()
