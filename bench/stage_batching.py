@@ -10,8 +10,9 @@ thread: the library's own batched call on the same inputs, no service) at batch 
 `<engine>.model_b1/_b4/_b16`, `<engine>.c16_over_model_b16` (the stage at concurrency 16 over the model
 at batch 16: what the service costs) and `<engine>.model_b16_over_b1` (the ceiling of batching on this
 machine). AR engines add `<engine>.engine_b16` (our step code alone) and
-`<engine>.engine_b16_over_model_b16`. `ar_transformers_process` is the transformers AR stage with its
-model in an engine process of its own (`engineArgs.engine_process: true`), against the same model alone.
+`<engine>.engine_b16_over_model_b16`. `ar_transformers_process` and `talker_process` are those stages with
+their model in an engine process of their own (`engineArgs.engine_process: true`), against the same model
+alone.
 
     .venv/bin/python bench/stage_batching.py [--quick] [--device cuda] [--no-model]
 
@@ -131,6 +132,8 @@ def cases(quick: bool) -> list[Case]:
             Case("thinker", "qwen3-omni-tiny", "thinker", "tokens/s", lm, count_tokens, keep=thinker_outputs,
                  model_args=same),
             Case("talker", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames, model_args=same),
+            Case("talker_process", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames, model_args=same,
+                 engine_args={"engine_process": True}, model_case="talker"),
             Case("vae", "text-to-image-tiny", "vae-decode", "images/s", vae, lambda out: 1, model_args=same),
         ]
     return out
@@ -286,7 +289,8 @@ def main() -> int:
     figures, rows, skipped, limits = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases(args.quick):
-            if args.only and case.name not in args.only and not (case.keep is not None and "talker" in args.only):
+            if args.only and case.name not in args.only and not (
+                    case.keep is not None and {"talker", "talker_process"} & set(args.only)):
                 continue
             if not engine_available(case_engine(case)):
                 skipped.append(case.name)

@@ -14,8 +14,8 @@ yield the lock while the core sits idle (measured on the tiny LM at 16 concurren
 gives about 10% more tokens/s; with the model in-process the shorter interval costs as much).
 
 The core object (`factory`, "module:Class", built in the child from picklable arguments) implements
-`info() -> dict`, `add(sid, spec)`, `release(sid)`, `step(sids) -> list` and `stats() -> (states,
-bytes)`. Sequences are named by integer ids the stage process allocates; a new sequence's spec travels
+`info() -> dict`, `add(sid, spec)`, `release(sid)`, `step(sids, feeds) -> list` (feeds: what streamed in
+for each sequence since its last step, or None) and `stats() -> (states, bytes)`. Sequences are named by integer ids the stage process allocates; a new sequence's spec travels
 with the first step that uses it; releases travel before the next message. The child exits when the
 pipe closes (the stage process ended or was killed), so no core outlives its stage.
 """
@@ -68,10 +68,10 @@ def serve(conn, factory: str, args: tuple) -> None:
             continue  # never answered: the stage process does not wait for it
         try:
             if op == "step":
-                new, sids = body
+                new, sids, feeds = body
                 for sid, spec in new:
                     core.add(sid, spec)
-                conn.send(("ok", core.step(sids)))
+                conn.send(("ok", core.step(sids, feeds)))
             elif op == "stats":
                 conn.send(("ok", core.stats()))
             else:
@@ -124,12 +124,13 @@ class EngineProcess:
     def sequence(self, spec: Any) -> RemoteSequence:
         return RemoteSequence(next(self._ids), spec)
 
-    def step(self, seqs: list[RemoteSequence]) -> list:
-        """One step of the core over these sequences: its list of results, one per sequence."""
+    def step(self, seqs: list[RemoteSequence], feeds: list | None = None) -> list:
+        """One step of the core over these sequences: its list of results, one per sequence. `feeds`: what
+        arrived for each sequence since its last step (streamed inputs), in the core's form."""
         new = [(s.sid, s.spec) for s in seqs if s.spec is not None]
         for s in seqs:
             s.spec = None
-        return self._call("step", new, [s.sid for s in seqs])
+        return self._call("step", new, [s.sid for s in seqs], feeds)
 
     def stats(self) -> tuple[int, int]:
         """(sequences the core holds, their bytes): a leak check."""

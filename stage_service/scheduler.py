@@ -233,9 +233,11 @@ class StepScheduler:
         finally:
             self._leave(job)
 
-    def notify(self) -> None:
-        """A state may have become ready (its input arrived)."""
-        self._dirty = True
+    def notify(self, state: StepState | None = None) -> None:
+        """A state (`state`, or any) may have become ready (its input arrived). A state in the run stepping
+        ahead does not end it: the step thread asks each of them `ready()` before every step."""
+        if state is None or not any(j.state is state for j in self._in_step):
+            self._dirty = True
         self._wake.set()
 
     def _consumed(self, job: _Job) -> None:

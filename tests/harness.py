@@ -29,6 +29,13 @@ def example(name: str, edit=None) -> Pipeline:
     return parse_pipeline(doc)
 
 
+def in_engine_process(name: str, stage: str) -> Pipeline:
+    """An example with one stage's model in a process of its own (`engineArgs.engine_process: true`)."""
+    def edit(doc):
+        doc["spec"]["deployment"]["stages"][stage].setdefault("engineArgs", {})["engine_process"] = True
+    return example(name, edit)
+
+
 async def start_stage(pipeline: Pipeline, stage: str, model_dir: Path, **kw) -> StageServer:
     srv = StageServer(pipeline, stage, "127.0.0.1", 0, model_root=str(model_dir), **kw)
     await srv.start()

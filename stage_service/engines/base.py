@@ -23,6 +23,7 @@ from omnistage.spec import Pipeline, Stage, StageDeployment
 
 from ..errors import (EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputError,  # noqa: F401
                       StageDraining)  # re-exported for the adapters
+from ..engine_process import EngineProcess
 from ..scheduler import StepScheduler, StepState
 from . import device, invariance
 
@@ -195,6 +196,9 @@ class Engine(ABC):
         return t.to(self.device, dtype=dtype, non_blocking=self.placement.on_cuda)
 
 
+SHUTDOWN_STEP_S = 30.0  # shutting down, how long a step in the engine process may still take
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """`spec.deployment.stages.<name>.engineArgs` of the engines that run on the step scheduler."""
@@ -232,6 +236,7 @@ class SteppedEngine(Engine):
 
     unit = "steps"  # what one state's step produces, for metrics
     ENGINE_PROCESS = False  # whether it can run its model in a process of its own (engineArgs.engine_process)
+    core: EngineProcess | None = None  # engine_process: the model's process
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -239,7 +244,7 @@ class SteppedEngine(Engine):
         if self.options.engine_process and not self.ENGINE_PROCESS:
             raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.engine_process: this "
                                     f"engine ({getattr(self, 'ADAPTER', type(self).__name__)}) runs its model in the stage process only; "
-                                    "the causal LM engine supports it")
+                                    "the causal LM and Talker engines support it")
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
                                        max_failed_steps=self.options.max_failed_steps,
                                        max_step_cost=self.max_step_cost(), on_dead=self.fail_for_good)
@@ -271,8 +276,26 @@ class SteppedEngine(Engine):
     def step(self, states: list[StepState]) -> list[Any]:
         """One model step over a batch (blocking; runs on the worker thread)."""
 
+    def start_core(self, factory: str, args: tuple) -> dict:
+        """Start the engine process (`engine_process.py`; on the worker thread, from `load`): its core is
+        `factory` built from `args`; returns the core's `info()`. Releases travel on the step thread."""
+        self.core = EngineProcess(self.stage.name, factory, args)
+        self.core.on_release = lambda: self.scheduler.call_on_worker(self.core.flush)
+        try:
+            return self.core.start()
+        except BaseException:
+            self.core.close()  # the stage does not start: no engine process left behind
+            raise
+
     async def shutdown(self) -> None:
-        await self.scheduler.shutdown()
+        if self.core is None:
+            return await self.scheduler.shutdown()
+        stopping = asyncio.create_task(self.scheduler.shutdown())  # waits for the step in flight
+        done, _ = await asyncio.wait({stopping}, timeout=SHUTDOWN_STEP_S)
+        if not done:  # the step hangs in the engine process: ending the process ends the step
+            self.core.kill()
+        await stopping
+        await asyncio.to_thread(self.core.close)
 
     @property
     def running(self) -> int:

@@ -3,7 +3,6 @@ serve, or to compare against vLLM). The Thinker engine is this one with hidden-s
 
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator
 
 import torch
@@ -12,7 +11,6 @@ from omnistage.params import InvalidRequest, RequestParams
 from omnistage.spec import engines
 
 from .base import OutputChunk, StageInputs, StageRequest, SteppedEngine
-from ..engine_process import EngineProcess
 from .chat import load_chat_template, prompt_ids
 from .lm_core import RemoteTokenState, remote_step
 from .lm_steps import DecoderLm, TokenState
@@ -39,9 +37,6 @@ class TextDeltas:
         return out
 
 
-SHUTDOWN_STEP_S = 30.0  # shutting down, how long a step in the engine process may still take
-
-
 class CausalLmEngine(SteppedEngine):
     """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk.
     The prompt becomes token ids by the one prompt policy (`chat.prompt_ids`): `load` sets `tokenizer`
@@ -51,20 +46,18 @@ class CausalLmEngine(SteppedEngine):
     DEFAULT_SYSTEM_PROMPT = ""  # the system turn the model needs when a request has none ("": none)
     ENGINE_PROCESS = True
     unit = "tokens"
-    core: EngineProcess | None = None  # engine_process: the model's process (lm_core.py)
 
     def load(self) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if self.options.engine_process:
-            self.core = EngineProcess(self.stage.name, "stage_service.engines.lm_core:LmCore",
-                                      (str(self.model_dir), self.placement, self.batch_invariant))
-            self.core.on_release = lambda: self.scheduler.call_on_worker(self.core.flush)
             try:
-                self.core.start()
+                self.start_core("stage_service.engines.lm_core:LmCore",
+                                (str(self.model_dir), self.placement, self.batch_invariant))
                 self._load_text(AutoConfig.from_pretrained(self.model_dir))
             except BaseException:
-                self.core.close()  # the stage does not start: no model process left behind
+                if self.core is not None:
+                    self.core.close()  # the stage does not start: no engine process left behind
                 raise
             return
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
@@ -88,15 +81,6 @@ class CausalLmEngine(SteppedEngine):
             return remote_step(self.core, states)
         return self.lm.step_batch(states)
 
-    async def shutdown(self) -> None:
-        if self.core is None:
-            return await super().shutdown()
-        stopping = asyncio.create_task(super().shutdown())  # waits for the step in flight
-        done, _ = await asyncio.wait({stopping}, timeout=SHUTDOWN_STEP_S)
-        if not done:  # the step hangs in the model process: ending it ends the step
-            self.core.kill()
-        await stopping
-        await asyncio.to_thread(self.core.close)
 
     def prompt_ids(self, p: RequestParams) -> list[int]:
         return prompt_ids(p, self.tokenizer, self.chat_template, self.DEFAULT_SYSTEM_PROMPT)

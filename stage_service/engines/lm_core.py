@@ -43,7 +43,7 @@ class LmCore:
         if st is not None:
             st.release()
 
-    def step(self, sids: list[int]) -> list[tuple[int, str | None, int] | RequestFailed]:
+    def step(self, sids: list[int], feeds=None) -> list[tuple[int, str | None, int] | RequestFailed]:
         """The step's tokens as (token, finish reason, KV bytes), or a request's own failure."""
         states = [self.states[s] for s in sids]
         return [r if isinstance(r, RequestFailed) else (r.token, r.finish_reason, st.kv.nbytes)

@@ -157,6 +157,24 @@ class FedTalkerEngine(SteppedEngine):
 
     unit = "frames"
     REPETITION_PENALTY: float
+    ENGINE_PROCESS = True
+
+    def load(self) -> None:
+        if self.options.engine_process:  # the family's Talker in a process of its own (talker_core.py)
+            from .talker_core import RemoteTalker
+
+            engine = f"{type(self).__module__}:{type(self).__name__}"
+            info = self.start_core("stage_service.engines.talker_core:TalkerCore",
+                                   (engine, str(self.model_dir), self.placement, self.batch_invariant))
+            self.talker = RemoteTalker(self.core, info)
+            return
+        self.talker = self.build_talker(self.model_dir, self.dtype, self.batch_invariant, self.device)
+        self.checkpoint = self.talker.checkpoint
+
+    @staticmethod
+    @abstractmethod
+    def build_talker(model_dir, dtype: torch.dtype, batch_invariant: bool, device):
+        """The family's Talker (blocking; in the stage process, or in its engine process)."""
 
     def step(self, states: list[FedTalkerState]) -> list:
         return self.talker.step_batch(states)
@@ -205,7 +223,7 @@ class FedTalkerEngine(SteppedEngine):
         try:
             while (chunk := await inputs.next()) is not None:
                 st.inbox.append(self.spoken_rows(*map(self.on_device, ThinkerFeed.rows_of(chunk))))
-                self.scheduler.notify()
+                self.scheduler.notify(st)
                 if chunk.end_of_stream:
                     break
         except asyncio.CancelledError:
@@ -214,4 +232,4 @@ class FedTalkerEngine(SteppedEngine):
             stream.fail(e)
             return
         st.inbox.append(END_OF_TEXT)
-        self.scheduler.notify()
+        self.scheduler.notify(st)

@@ -45,16 +45,18 @@ class ThinkerEngine(_Checkpoint, OmniThinkerEngine):
         self.max_len = min(x for x in (text.max_position_embeddings, self.options.max_model_len) if x)
 
 
-class TalkerEngine(_Checkpoint, FedTalkerEngine):
+class TalkerEngine(FedTalkerEngine):
     """Consumes the Thinker's rows as they arrive; emits `codes` [1, frames] per chunk."""
 
     ADAPTER = engines.QWEN2_5_OMNI_TALKER
     REPETITION_PENALTY = 1.05  # as Qwen2.5-Omni's generate()
 
-    def load(self) -> None:
-        config = self.open_checkpoint()
-        self.talker = Talker(self.checkpoint, config, self.dtype, batch_invariant=self.batch_invariant,
-                             device=self.device)
+    @staticmethod
+    def build_talker(model_dir, dtype: torch.dtype, batch_invariant: bool, device) -> Talker:
+        from transformers import Qwen2_5OmniConfig
+
+        return Talker(ShardedCheckpoint(model_dir), read_config(model_dir, Qwen2_5OmniConfig), dtype,
+                      batch_invariant=batch_invariant, device=device)
 
     def spoken_rows(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + embeds  # generate() feeds the Talker the sum (in this order)

@@ -150,6 +150,7 @@ class Talker:
                  batch_invariant: bool = True, device: torch.device | str = "cpu"):
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration
 
+        self.checkpoint = ckpt
         self.model = load_component(ckpt, "talker.", Qwen2_5OmniTalkerForConditionalGeneration,
                                     config.talker_config, dtype, config.model_type, device=device)
         self.device = self.model.device

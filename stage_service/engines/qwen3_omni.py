@@ -38,10 +38,9 @@ class TalkerEngine(FedTalkerEngine):
     ADAPTER = engines.QWEN3_OMNI_TALKER
     REPETITION_PENALTY = 1.05  # as Qwen3-Omni's generate()
 
-    def load(self) -> None:
-        self.talker = Talker(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
-                             device=self.device)
-        self.checkpoint = self.talker.checkpoint
+    @staticmethod
+    def build_talker(model_dir, dtype: torch.dtype, batch_invariant: bool, device) -> Talker:
+        return Talker(model_dir, dtype, batch_invariant=batch_invariant, device=device)
 
     def spoken_rows(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return embeds  # the Talker speaks the text projection of the Thinker's embeddings

@@ -1,6 +1,7 @@
-"""The causal LM with its model in a process of its own (`engineArgs.engine_process: true`), behind a real
-stage service: the same tokens as in the stage process, sequences freed in the child, the child's death
-taken as the engine's."""
+"""The causal LM and the Talker with their model in a process of their own (`engineArgs.engine_process:
+true`), behind real stage services: the same tokens and codes as in the stage process, sequences freed in
+the child, the child's death taken as the engine's. (The staged-equals-monolith tests run the Talker of
+both omni families in an engine process too.)"""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from stage_service.engines.registry import create_engine
 from stage_service.errors import EngineConfigError
 from stage_service.server import EXIT_ENGINE_DEAD
 
-from ..harness import call_stage, example, header, start_stage
+from ..harness import call_stage, example, header, in_engine_process, stage_servers, start_stage
 from .test_stage_batching import joins_a_running_batch
 from .test_stage_cancel import run_hundred, scheduler
-from .test_stage_support import Call, assert_nothing_held, token_ids
+from .test_stage_support import Call, assert_nothing_held, tensor_of, token_ids
 
 
 def transformers_lm(engine_process: bool):
@@ -122,3 +123,32 @@ async def test_the_engine_process_dying_fails_requests_flips_health_and_stops(mo
         assert srv.exit_code == EXIT_ENGINE_DEAD
     finally:
         await srv.drain()
+
+
+async def test_a_talker_in_an_engine_process_speaks_as_in_the_stage_process(model_dir):
+    """Thinker chunks fed to both Talkers; the codes agree, a bad speaker is refused before any input is
+    read, cancelled requests free their states in the child."""
+    async with stage_servers(example("qwen3-omni-tiny"), model_dir, ("thinker", "talker")) as inproc, \
+            stage_servers(in_engine_process("qwen3-omni-tiny", "talker"), model_dir, ("talker",)) as remote:
+        talker = remote["talker"]
+        params = [dict(prompt=f"story {i}", max_tokens=8, ignore_eos=True, max_codec_frames=20) for i in range(4)]
+        thinker_out = await asyncio.gather(*(call_stage(inproc["thinker"].port, header(f"t{i}", **p))
+                                             for i, p in enumerate(params)))
+        want = await asyncio.gather(*(call_stage(inproc["talker"].port, header(f"a{i}", **p), out)
+                                      for i, (p, out) in enumerate(zip(params, thinker_out))))
+        got = await asyncio.gather(*(call_stage(talker.port, header(f"b{i}", **p), out)
+                                     for i, (p, out) in enumerate(zip(params, thinker_out))))
+        codes = [[tensor_of(c, "codes").tolist() for c in out] for out in got]
+        assert codes == [[tensor_of(c, "codes").tolist() for c in out] for out in want]
+        assert all(sum(len(c[0]) for c in out) == 20 for out in codes)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call_stage(talker.port, header("bad", speaker="nobody"), thinker_out[0])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and 'unknown speaker "nobody"' in e.value.details()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{talker.port}") as ch:
+            calls = [Call(ch, header(f"c{i}", max_codec_frames=500, ignore_eos=True), thinker_out[i]) for i in range(3)]
+            await asyncio.wait_for(asyncio.gather(*(c.started.wait() for c in calls)), 60)
+            for c in calls:
+                c.cancel()
+            await asyncio.gather(*(c.outcome() for c in calls))
+        await assert_nothing_held(talker)
+        assert await core_stats(talker) == (0, 0)

@@ -13,16 +13,18 @@ from stage_service.engines.audio import to_pcm16
 from stage_service.engines.chat import chat_prompt_ids
 from stage_service.engines.qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT
 
-from ..harness import call_stage, example, header, served_pipeline
+from ..harness import call_stage, example, header, in_engine_process, served_pipeline
 from .test_stage_support import tensor_of
 
 MODEL = "qwen2.5-omni-tiny"
 PIPELINE = example(MODEL)
 
 
-@pytest.fixture(scope="module")
-async def staged(model_dir):
-    async with served_pipeline(PIPELINE, model_dir) as (orc, stages):
+@pytest.fixture(scope="module", params=[False, True], ids=["talker-in-process", "talker-engine-process"])
+async def staged(model_dir, request):
+    pipeline = in_engine_process(MODEL, "talker") if request.param else PIPELINE
+    async with served_pipeline(pipeline, model_dir) as (orc, stages):
+        assert (stages["talker"].engine.core is not None) == request.param
         yield orc, stages
 
 

@@ -18,7 +18,7 @@ from omnistage import tensors
 from omnistage.client import AsyncOmniClient
 from omnistage.tiny_models import qwen3_omni
 
-from ..harness import call_stage, example, header, served_pipeline, stage_servers
+from ..harness import call_stage, example, header, in_engine_process, served_pipeline, stage_servers
 from .test_stage_support import tensor_of
 
 PIPELINE = example("qwen3-omni-tiny")
@@ -56,9 +56,11 @@ def decoded(monolith, talker_out) -> tuple[torch.Tensor, torch.Tensor]:
         return codes, monolith.code2wav.chunked_decode(codes[None], chunk_size=300, left_context_size=25)
 
 
-@pytest.fixture(scope="module")
-async def staged(model_dir):
-    async with served_pipeline(PIPELINE, model_dir) as (orc, stages):
+@pytest.fixture(scope="module", params=[False, True], ids=["talker-in-process", "talker-engine-process"])
+async def staged(model_dir, request):
+    pipeline = in_engine_process(MODEL, "talker") if request.param else PIPELINE
+    async with served_pipeline(pipeline, model_dir) as (orc, stages):
+        assert (stages["talker"].engine.core is not None) == request.param
         yield orc, stages
 
 
