@@ -276,6 +276,13 @@ class SteppedEngine(Engine):
     def step(self, states: list[StepState]) -> list[Any]:
         """One model step over a batch (blocking; runs on the worker thread)."""
 
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """With an engine process, inputs stay on the CPU here (in the engine's dtype): the engine process
+        puts them on its device, and this process makes no CUDA context of its own."""
+        if self.core is None:
+            return super().on_device(t)
+        return t.to("cpu", dtype=self.dtype if t.is_floating_point() else None)
+
     def start_core(self, factory: str, args: tuple) -> dict:
         """Start the engine process (`engine_process.py`; on the worker thread, from `load`): its core is
         `factory` built from `args`; returns the core's `info()`. Releases travel on the step thread."""
