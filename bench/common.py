@@ -123,6 +123,20 @@ def write_results(name: str, figures: list[dict], extra: dict | None = None) -> 
     return path
 
 
+def merge_results(name: str, figures: list[dict], run: dict) -> Path:
+    """A partial run (some cases only) into the results file: its figures replace those of the same name,
+    the others stay, and `run` (what ran, when, the load) is listed under `partial_runs`."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return write_results(name, figures, {"partial_runs": [run]})
+    doc = json.loads(path.read_text())
+    fresh = {f["name"] for f in figures}
+    doc["figures"] = [f for f in doc.get("figures", []) if f["name"] not in fresh] + figures
+    doc.setdefault("partial_runs", []).append({**run, "machine": machine()})
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
 def finish(name: str, figures: list[dict], started: float, extra: dict) -> Path:
     """Write the results file with the run's wall time (from `time.perf_counter()` at `started`) and say where."""
     import time

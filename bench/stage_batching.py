@@ -17,7 +17,8 @@ alone.
     .venv/bin/python bench/stage_batching.py [--quick] [--device cuda] [--no-model]
 
 Prints a table and writes bench/results/stage_batching.json (with --device cuda: the stage on the first
-GPU, engines not installed there skipped, bench/results/gpu/stage_batching.json).
+GPU, engines not installed there skipped, bench/results/gpu/stage_batching.json). With --only, the cases
+run replace their figures in that file and the run is listed under `partial_runs`; the rest stay.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from typing import Callable
 import yaml
 
 # bench/common.py, which also puts the repo on sys.path
-from common import (add_device_argument, engine_available, exit_on_sigterm, figure, require_device,  # noqa: E402
-                    results_name, write_results)
+from common import (add_device_argument, engine_available, exit_on_sigterm, figure, merge_results,  # noqa: E402
+                    require_device, results_name, write_results)
 
 import grpc  # noqa: E402
 import psutil  # noqa: E402
@@ -324,9 +325,13 @@ def main() -> int:
             print(f"{name:16s} {m['b1']:9.1f} {m['b4']:9.1f} {m['b16']:9.1f} {r['c16']:10.1f} "
                   f"{r['c16'] / m['b16']:8.2f} {m['b16'] / m['b1']:7.2f} {ours} {r['c16_stage_cpu_cores']:12.2f} "
                   f"{r['c16_client_cpu_cores']:13.2f}")
-    path = write_results(results_name("stage_batching", args.device), figures, {"settings": {
-        "quick": args.quick, "requests_per_point": n, "load_average_at_start": load_at_start, "device": args.device,
-        "skipped": skipped}})
+    settings = {"quick": args.quick, "requests_per_point": n, "load_average_at_start": load_at_start,
+                "device": args.device, "skipped": skipped}
+    if args.only:  # the other cases' figures stay as the last run left them
+        path = merge_results(results_name("stage_batching", args.device), figures, {
+            **settings, "only": args.only, "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+    else:
+        path = write_results(results_name("stage_batching", args.device), figures, {"settings": settings})
     print(f"wrote {path.relative_to(REPO)}")
     return 0
 
