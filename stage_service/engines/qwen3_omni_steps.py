@@ -243,6 +243,7 @@ class Talker:
         return [stepped[id(st)] if id(st) in stepped else residual[id(st)] for st in states]
 
     def _step_live(self, states: list[TalkerState], residual: dict[int, list[int]]) -> list[TalkerStep | RequestFailed]:
+        frame_rows = self._frame_rows([st for st in states if st.prompt is None], residual)
         inputs, frames = [], []
         for st in states:
             if st.prompt is not None:
@@ -250,18 +251,26 @@ class Talker:
                 st.prompt = None
                 frames.append(None)
                 continue
-            last = st.tokens[-1]
-            codes = residual[id(st)]
-            frames.append([last] + codes)
-            embs = [self.model.get_input_embeddings()(torch.tensor(last, device=self.device))] + [
-                self.model.code_predictor.get_input_embeddings()[i](torch.tensor(code, device=self.device))
-                for i, code in enumerate(codes)]
-            emb = torch.stack(embs).sum(0) + st.text_row(self.tts_eos, self.tts_pad)
-            inputs.append(emb[None])
+            frame, row = frame_rows[id(st)]
+            frames.append(frame)
+            inputs.append(row[None])
         last_hidden, _ = packed_forward(self.model.model, inputs, [st.kv for st in states], rope_axes=3,
                                         min_rows=self.min_rows)
         logits_all = self.model.codec_head(last_hidden)
         return [alone(st, self._sampled, st, logits_all[i], last_hidden[i], frames[i]) for i, st in enumerate(states)]
+
+    def _frame_rows(self, states: list[TalkerState], residual: dict[int, list[int]]) -> dict[int, tuple]:
+        """Each decoding state's last frame (its codes) and the row that feeds it back: the sum of every code
+        group's embedding plus the text row it speaks. One lookup per group for the whole batch (a row is a
+        copy, the same in any batch; the sum runs over the groups in order, as for one state)."""
+        if not states:
+            return {}
+        frames = [[st.tokens[-1]] + residual[id(st)] for st in states]
+        codes = torch.tensor(frames, device=self.device)  # [n, groups]
+        tables = [self.model.get_input_embeddings(), *self.model.code_predictor.get_input_embeddings()]
+        summed = torch.stack([tables[g](codes[:, g]) for g in range(codes.shape[1])]).sum(0)
+        text = torch.stack([st.text_row(self.tts_eos, self.tts_pad) for st in states])
+        return {id(st): (frame, row) for st, frame, row in zip(states, frames, (summed + text).unbind(0))}
 
     def _sampled(self, st: TalkerState, logits: torch.Tensor, hidden: torch.Tensor,
                  frame: list[int] | None) -> TalkerStep:
