@@ -32,9 +32,11 @@ import sys
 import threading
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import EngineConfigError, EngineDead, EngineError
+from .errors import EngineConfigError, EngineDead, EngineError, RequestFailed
+from .scheduler import StepState
 
 log = logging.getLogger("omnistage.stage")
 SWITCH_INTERVAL_S = 0.0005
@@ -78,6 +80,21 @@ def serve(conn, factory: str, args: tuple) -> None:
                 conn.send(("failed", f"unknown operation {op!r}", ""))
         except Exception as e:  # noqa: BLE001 - the step's failure, reported to the scheduler
             conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+class CoreStates:
+    """What every core keeps: its live states by id, freed on release, counted for the leak check."""
+
+    def __init__(self):
+        self.states: dict[int, Any] = {}
+
+    def release(self, sid: int) -> None:
+        st = self.states.pop(sid, None)
+        if st is not None:
+            st.release()
+
+    def stats(self) -> tuple[int, int]:
+        return len(self.states), sum(st.held_bytes() for st in self.states.values())
 
 
 class RemoteSequence:
@@ -213,3 +230,43 @@ class EngineProcess:
             self._proc.join(1.0)
         code = None if self._proc is None else self._proc.exitcode
         return EngineDead(f"the engine process exited (exit code {code}){f' while {doing}' if doing else ''}")
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteState(StepState):
+    """A state stepped by the engine process, as the stage process sees it: its sequence, how it finished,
+    the bytes the child holds for it. Subclasses turn a step's value into the engine's result (`took`)."""
+
+    seq: RemoteSequence
+    core: EngineProcess
+    finish_reason: str | None = None
+    finished: bool = False
+    child_bytes: int = 0
+    _released: bool = False
+
+    def took(self, value: Any) -> Any:
+        """This state's result of a step whose value (a token, a frame) the core sent."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        return self.child_bytes
+
+    def release(self) -> None:
+        if not self._released:
+            self._released, self.child_bytes = True, 0
+            self.core.release(self.seq)
+
+
+def remote_step(core: EngineProcess, states: list[RemoteState], feeds: list | None = None) -> list:
+    """One step of these states in the engine process (the core answers (value, finish reason, bytes)
+    per state, or the state's own `RequestFailed`), applied to their stage-side states."""
+    out = []
+    for st, r in zip(states, core.step([st.seq for st in states], feeds)):
+        if isinstance(r, RequestFailed):
+            st.finished = True
+            out.append(r)
+            continue
+        value, st.finish_reason, st.child_bytes = r
+        st.finished = st.finish_reason is not None
+        out.append(st.took(value))
+    return out

@@ -167,7 +167,6 @@ class StepScheduler:
         self._delivered = 0
         self._deliver_failed: Exception | None = None
         self._failed_in_a_row = 0
-        self._ready_count = 0
         self._seq = 0
         self._wake = asyncio.Event()
         self._live: weakref.WeakSet[StepState] = weakref.WeakSet()
@@ -304,7 +303,7 @@ class StepScheduler:
     async def _serve(self) -> None:
         while self.failed is None:
             self._admit()
-            batch = self._pick()
+            batch, alone = self._pick()
             if not batch:
                 idle = not self._running
                 self._wake.clear()
@@ -314,7 +313,7 @@ class StepScheduler:
                 if idle and self.max_wait > 0:
                     await self._fill()
                 continue
-            await self._step(batch, alone=len(batch) == self._ready_count)
+            await self._step(batch, alone)
 
     async def _fill(self) -> None:
         """Coming out of idle: give a batch up to maxWaitMs to fill."""
@@ -335,27 +334,27 @@ class StepScheduler:
         if moved:
             self._changed()
 
-    def _pick(self) -> list[_Job]:
+    def _pick(self) -> tuple[list[_Job], bool]:
         """The ready running states that share a key with the one that waited longest for a step,
-        longest-waiting first while their cost fits `max_step_cost` (the first always fits)."""
+        longest-waiting first while their cost fits `max_step_cost` (the first always fits); and whether
+        that is every ready state (then the batch may step ahead: it keeps no one waiting)."""
         ready = [j for j in self._running
                  if j.results.qsize() < self.max_pending_results and j.state.ready()]
-        self._ready_count = len(ready)
         if not ready:
-            return []
+            return [], False
         first = min(ready, key=lambda j: (j.last_step, j.seq))
         same = [j for j in ready if j.state.key == first.state.key]
-        if self.max_step_cost is None:
-            return same
-        chosen, cost = set(), 0
-        for j in sorted(same, key=lambda j: (j.last_step, j.seq)):
-            if chosen and cost + j.state.cost > self.max_step_cost:
-                break
-            chosen.add(j)
-            cost += j.state.cost
-        return [j for j in same if j in chosen]
+        if self.max_step_cost is not None:
+            chosen, cost = set(), 0
+            for j in sorted(same, key=lambda j: (j.last_step, j.seq)):
+                if chosen and cost + j.state.cost > self.max_step_cost:
+                    break
+                chosen.add(j)
+                cost += j.state.cost
+            same = [j for j in same if j in chosen]
+        return same, len(same) == len(ready)
 
-    async def _step(self, batch: list[_Job], alone: bool = False) -> None:
+    async def _step(self, batch: list[_Job], alone: bool) -> None:
         """Run the batch's steps on the worker: one, or while nothing changes several (`alone`: the batch
         holds every ready state, so stepping it on starves no one)."""
         t0 = time.perf_counter()

@@ -12,7 +12,8 @@ from omnistage.spec import engines
 
 from .base import OutputChunk, StageInputs, StageRequest, SteppedEngine
 from .chat import load_chat_template, prompt_ids
-from .lm_core import RemoteTokenState, remote_step
+from ..engine_process import remote_step
+from .lm_core import RemoteTokenState
 from .lm_steps import DecoderLm, TokenState
 from .sampling import SamplingSettings
 
@@ -88,7 +89,7 @@ class CausalLmEngine(SteppedEngine):
     def new_state(self, ids: list[int], p: RequestParams) -> TokenState | RemoteTokenState:
         spec = (ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids)
         if self.core is not None:
-            return RemoteTokenState(self.core.sequence(spec), self.core)
+            return RemoteTokenState(seq=self.core.sequence(spec), core=self.core)
         return self.lm.new_state(*spec)
 
     def decode(self, tokens: list[int]) -> str:

@@ -29,6 +29,20 @@ from .sampling import SamplingSettings
 END_OF_TEXT = None  # in an inbox: the Thinker's stream has ended
 
 
+def inbox_ended(inbox: deque) -> bool:
+    """The end of the Thinker's stream is in the inbox (compared by identity: the rest are tensors)."""
+    return any(x is END_OF_TEXT for x in list(inbox))
+
+
+def speaks_next(steps: int, taken: int, inbox: deque, text_done: bool) -> bool:
+    """Whether a Talker state's next step can run: it is the first, the text ended, or the text row it
+    speaks is in (`taken` rows already moved out of the inbox, plus those waiting in it)."""
+    if steps == 0 or text_done or inbox_ended(inbox):
+        return True
+    arrived = sum(len(x) for x in list(inbox) if x is not END_OF_TEXT)
+    return steps - 1 < taken + arrived
+
+
 @dataclass(eq=False, kw_only=True)
 class FedTalkerState(StepState):
     """A Talker request fed by the Thinker. `steps` counts steps taken; step 0 prefills the prompt and
@@ -53,14 +67,10 @@ class FedTalkerState(StepState):
 
     def ready(self) -> bool:
         """The next step can run: it is the first, or the text row it speaks (or the end of text) is in."""
-        if self.steps == 0 or self.text_done or self.text_ended():
-            return True
-        arrived = sum(len(x) for x in list(self.inbox) if x is not END_OF_TEXT)
-        return self.steps - 1 < len(self.trailing) + arrived
+        return speaks_next(self.steps, len(self.trailing), self.inbox, self.text_done)
 
     def text_ended(self) -> bool:
-        """The end of the Thinker's stream is in the inbox (compared by identity: the rest are tensors)."""
-        return any(x is END_OF_TEXT for x in list(self.inbox))
+        return inbox_ended(self.inbox)
 
     def take_inbox(self, project: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Move the rows that arrived since the last step to `trailing` (through `project` if given)."""

@@ -22,11 +22,10 @@ import torch
 from omnistage.devices import DevicePlan
 from omnistage.params import InvalidRequest
 
-from ..engine_process import EngineProcess, RemoteSequence
+from ..engine_process import CoreStates, EngineProcess, RemoteState, remote_step
 from ..errors import RequestFailed
-from ..scheduler import StepState
 from . import device
-from .omni_talker import END_OF_TEXT
+from .omni_talker import END_OF_TEXT, inbox_ended, speaks_next
 from .sampling import SamplingSettings
 
 
@@ -59,16 +58,16 @@ def speaker_names(talker) -> tuple[list[str], str]:
     return list(talker.speakers), ", ".join(sorted(shown))
 
 
-class TalkerCore:
+class TalkerCore(CoreStates):
     """In the engine process: the family's Talker and every live state, by id."""
 
     def __init__(self, engine: str, model_dir: str, placement: DevicePlan, batch_invariant: bool):
+        super().__init__()
         module, name = engine.split(":")
         build = getattr(importlib.import_module(module), name).build_talker
         device.apply(placement)
         self.device = torch.device(placement.device)
         self.talker = build(Path(model_dir), device.DTYPES[placement.dtype], batch_invariant, self.device)
-        self.states: dict[int, StepState] = {}
         self.refused: dict[int, RequestFailed] = {}  # states whose prompt the family refused
 
     def info(self) -> dict:
@@ -85,9 +84,7 @@ class TalkerCore:
 
     def release(self, sid: int) -> None:
         self.refused.pop(sid, None)
-        st = self.states.pop(sid, None)
-        if st is not None:
-            st.release()
+        super().release(sid)
 
     def step(self, sids: list[int], feeds: list[list]) -> list:
         """The step's frames as (frame, finish reason, bytes held), or a request's own failure."""
@@ -100,9 +97,6 @@ class TalkerCore:
             out[i] = r if isinstance(r, RequestFailed) else (r.frame, r.finish_reason, st.held_bytes())
         return out
 
-    def stats(self) -> tuple[int, int]:
-        return len(self.states), sum(st.held_bytes() for st in self.states.values())
-
 
 @dataclass
 class RemoteTalkerStep:
@@ -111,29 +105,20 @@ class RemoteTalkerStep:
 
 
 @dataclass(eq=False, kw_only=True)
-class RemoteTalkerState(StepState):
-    """A Talker state stepped by the engine process, as the stage process sees it: `ready` as
-    `FedTalkerState.ready`, counting the rows sent instead of holding them."""
+class RemoteTalkerState(RemoteState):
+    """A Talker state stepped by the engine process, as the stage process sees it: ready by the same rule
+    as `FedTalkerState` (`speaks_next`), counting the rows sent instead of holding them."""
 
-    seq: RemoteSequence
-    core: EngineProcess
     inbox: deque = field(default_factory=deque)  # appended on the loop, drained on the step thread
     sent_rows: int = 0
     text_done: bool = False
     steps: int = 0
-    finish_reason: str | None = None
-    finished: bool = False
-    child_bytes: int = 0
-    _released: bool = False
 
     def ready(self) -> bool:
-        if self.steps == 0 or self.text_done or self.text_ended():
-            return True
-        arrived = sum(len(x) for x in list(self.inbox) if x is not END_OF_TEXT)
-        return self.steps - 1 < self.sent_rows + arrived
+        return speaks_next(self.steps, self.sent_rows, self.inbox, self.text_done)
 
     def text_ended(self) -> bool:
-        return any(x is END_OF_TEXT for x in list(self.inbox))
+        return inbox_ended(self.inbox)
 
     def drain(self) -> list:
         """The rows (and end of text) that arrived since the last step, for the step message."""
@@ -147,14 +132,16 @@ class RemoteTalkerState(StepState):
             out.append(x)
         return out
 
+    def took(self, frame: list[int] | None) -> RemoteTalkerStep:
+        self.steps += 1
+        return RemoteTalkerStep(frame, self.finish_reason)
+
     def held_bytes(self) -> int:
         return self.child_bytes + sum(x.nbytes for x in list(self.inbox) if x is not END_OF_TEXT)
 
     def release(self) -> None:
-        if not self._released:
-            self._released, self.child_bytes = True, 0
-            self.inbox.clear()
-            self.core.release(self.seq)
+        self.inbox.clear()
+        super().release()
 
 
 class RemoteTalker:
@@ -176,15 +163,4 @@ class RemoteTalker:
         return RemoteTalkerState(seq=self.core.sequence(spec), core=self.core)
 
     def step_batch(self, states: list[RemoteTalkerState]) -> list:
-        feeds = [[wire(x) for x in st.drain()] for st in states]
-        out = []
-        for st, r in zip(states, self.core.step([st.seq for st in states], feeds)):
-            if isinstance(r, RequestFailed):
-                st.finished = True
-                out.append(r)
-                continue
-            frame, st.finish_reason, st.child_bytes = r
-            st.steps += 1
-            st.finished = st.finish_reason is not None
-            out.append(RemoteTalkerStep(frame, st.finish_reason))
-        return out
+        return remote_step(self.core, states, [[wire(x) for x in st.drain()] for st in states])
