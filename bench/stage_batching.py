@@ -3,16 +3,18 @@
 Each engine runs as a real stage process (`python -m stage_service`) on loopback; this process is
 the client. "serial" is the same stage with scheduler.maxBatch 1 (one request at a time, the
 others queued) under the same 16-way load; c1/c4/c16 use maxBatch 16 with that many requests in
-flight. vLLM and the transformers AR engine serve the same tiny LM (models/qwen2-tiny).
+flight. vLLM and the transformers AR engine serve the same tiny LM (models/qwen2-tiny); `thinker_vllm`
+is the Qwen3-Omni Thinker on vLLM (examples/qwen3-omni-vllm-tiny.yaml: tokens plus the Talker's rows),
+against the transformers `thinker` (`thinker_vllm_over_transformers.c1/.c16`).
 
 Against the limit: after each stage, the same model alone (bench/raw_model.py, its own process, one
 thread: the library's own batched call on the same inputs, no service) at batch 1, 4 and 16 gives
 `<engine>.model_b1/_b4/_b16`, `<engine>.c16_over_model_b16` (the stage at concurrency 16 over the model
 at batch 16: what the service costs) and `<engine>.model_b16_over_b1` (the ceiling of batching on this
 machine). AR engines add `<engine>.engine_b16` (our step code alone) and
-`<engine>.engine_b16_over_model_b16`. `ar_transformers_process` and `talker_process` are those stages with
-their model in an engine process of their own (`engineArgs.engine_process: true`), against the same model
-alone.
+`<engine>.engine_b16_over_model_b16`. `ar_transformers_process`, `talker_process` and `vae_process` are those
+stages with their model in an engine process of their own (`engineArgs.engine_process: true`), against the
+same model alone.
 
     .venv/bin/python bench/stage_batching.py [--quick] [--device cuda] [--no-model]
 
@@ -132,10 +134,15 @@ def cases(quick: bool) -> list[Case]:
         out += [
             Case("thinker", "qwen3-omni-tiny", "thinker", "tokens/s", lm, count_tokens, keep=thinker_outputs,
                  model_args=same),
+            # The same Thinker on vLLM (rows out through our KV connector), against the same model alone.
+            Case("thinker_vllm", "qwen3-omni-vllm-tiny", "thinker", "tokens/s", lm, count_tokens, model_args=same,
+                 model_case="thinker"),
             Case("talker", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames, model_args=same),
             Case("talker_process", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames, model_args=same,
                  engine_args={"engine_process": True}, model_case="talker"),
             Case("vae", "text-to-image-tiny", "vae-decode", "images/s", vae, lambda out: 1, model_args=same),
+            Case("vae_process", "text-to-image-tiny", "vae-decode", "images/s", vae, lambda out: 1, model_args=same,
+                 engine_args={"engine_process": True}, model_case="vae"),
         ]
     return out
 
@@ -308,15 +315,20 @@ def main() -> int:
                 figures += limit_figures(case, r, model)
                 limits.append((case.name, r, model))
     by = {f["name"]: f["value"] for f in figures}
-    if "ar_vllm.c1" in by and "ar_transformers.c1" in by:
-        for c in ("c1", "c16"):
-            figures.append(figure(f"vllm_over_transformers.{c}", by[f"ar_vllm.{c}"] / by[f"ar_transformers.{c}"], "x"))
+    for vllm, transformers, name in (("ar_vllm", "ar_transformers", "vllm_over_transformers"),
+                                     ("thinker_vllm", "thinker", "thinker_vllm_over_transformers")):
+        if f"{vllm}.c1" in by and f"{transformers}.c1" in by:
+            for c in ("c1", "c16"):
+                figures.append(figure(f"{name}.{c}", by[f"{vllm}.{c}"] / by[f"{transformers}.{c}"], "x"))
     print(f"\n{'engine':16s} {'unit':9s} {'serial':>9s} {'c1':>9s} {'c4':>9s} {'c16':>9s} {'c16/serial':>11s}")
     for name, unit, *vals, ratio in rows:
         print(f"{name:16s} {unit:9s} " + " ".join(f"{v:9.1f}" for v in vals) + f" {ratio:10.2f}x")
-    if "ar_vllm.c1" in by and "ar_transformers.c1" in by:
-        print(f"\nvLLM over transformers (same tiny LM, tokens/s): c1 {by['ar_vllm.c1'] / by['ar_transformers.c1']:.2f}x, "
-              f"c16 {by['ar_vllm.c16'] / by['ar_transformers.c16']:.2f}x")
+    by = {f["name"]: f["value"] for f in figures}
+    for name, what in (("vllm_over_transformers", "same tiny LM"),
+                       ("thinker_vllm_over_transformers", "the Qwen3-Omni Thinker, rows included")):
+        if f"{name}.c1" in by:
+            print(f"\nvLLM over transformers ({what}, tokens/s): c1 {by[name + '.c1']:.2f}x, "
+                  f"c16 {by[name + '.c16']:.2f}x")
     if limits:
         print(f"\n{'engine':16s} {'model b1':>9s} {'b4':>9s} {'b16':>9s} {'stage c16':>10s} {'c16/b16':>8s} "
               f"{'b16/b1':>7s} {'ours b16':>9s} {'stage cores':>12s} {'client cores':>13s}")

