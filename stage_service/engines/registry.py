@@ -34,15 +34,16 @@ def _architecture(path: Path) -> str:
 
 def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLike | None = None) -> Engine:
     path = model_dir(stage, model_root)
-    arch = _architecture(path)
+    arch = ""
     if stage.engine == "vllm":
         if stage.component == "thinker":
             from .vllm_thinker import VllmThinkerEngine as cls
-        else:
+        else:  # vLLM reads the model itself (its config.json, or another format it knows)
             from .vllm_ar import VllmEngine
 
             return VllmEngine(pipeline, stage, path)
     elif stage.engine == "transformers":
+        arch = _architecture(path)
         family = family_of(arch)
         if family is not None and family.name in FAMILY_ENGINES:  # one combined checkpoint: the stage's part
             ENGINES = importlib.import_module(FAMILY_ENGINES[family.name], __package__).ENGINES
@@ -57,6 +58,7 @@ def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLik
     elif stage.engine == "diffusers":
         from .diffusion_denoisers import DENOISERS
 
+        arch = _architecture(path)
         if arch in ("CLIPTextModel", "CLIPTextModelWithProjection"):
             from .diffusion import TextEncoderEngine as cls
         elif arch in DENOISERS:  # UNet or DiT: one denoise loop, a table entry per class

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 import torch
@@ -127,14 +128,15 @@ class VllmEngine(Engine):
         """Token ids that end a request besides vLLM's own (the checkpoint's EOS)."""
         return []
 
-    async def chunk_tensors(self, request_id: str, n_prompt: int, before: int, after: int) -> dict[str, torch.Tensor]:
-        """Tensors a chunk carries beside its tokens; the chunk holds generated tokens [before, after)."""
+    async def chunk_tensors(self, call_id: str, n_prompt: int, before: int, after: int) -> dict[str, torch.Tensor]:
+        """Tensors a chunk of call `call_id` (vLLM's request id) carries beside its tokens; the chunk holds
+        generated tokens [before, after)."""
         return {}
 
-    def open_request(self, request_id: str) -> None:
+    def open_request(self, call_id: str) -> None:
         pass
 
-    def close_request(self, request_id: str) -> None:
+    def close_request(self, call_id: str) -> None:
         pass
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
@@ -160,11 +162,13 @@ class VllmEngine(Engine):
         t0 = time.perf_counter()
         first = True
         sent = 0  # generated tokens in the chunks already yielded
+        # vLLM's id for this call: unique even when a request id comes back while its last call is aborting
+        call_id = f"{req.request_id}.{uuid.uuid4().hex[:8]}"
         self.inflight += 1
-        self.open_request(req.request_id)
+        self.open_request(call_id)
         try:
             # aclosing: when our caller stops early, vLLM's generate is closed now, and aborts the request
-            async with contextlib.aclosing(self.llm.generate(prompt, sp, request_id=req.request_id)) as stream:
+            async with contextlib.aclosing(self.llm.generate(prompt, sp, request_id=call_id)) as stream:
                 async for out in stream:
                     c = out.outputs[0]
                     tokens.extend(c.token_ids)
@@ -173,7 +177,7 @@ class VllmEngine(Engine):
                     if done or (every and len(tokens) >= every):
                         now = time.perf_counter()
                         out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64),
-                                 **await self.chunk_tensors(req.request_id, n_prompt, sent, sent + len(tokens))}
+                                 **await self.chunk_tensors(call_id, n_prompt, sent, sent + len(tokens))}
                         sent += len(tokens)
                         if first and prompt_ids is not None:
                             out_t["prompt_token_ids"] = torch.tensor(prompt_ids, dtype=torch.int64)
@@ -192,7 +196,7 @@ class VllmEngine(Engine):
             raise EngineError(f"vLLM: {type(e).__name__}: {e}") from e
         finally:
             self.inflight -= 1
-            self.close_request(req.request_id)
+            self.close_request(call_id)
         if first:  # the engine finished without output
             yield OutputChunk(last=True)
 

@@ -12,19 +12,29 @@ KV memory budget; prefix caching and async scheduling are off.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 CONNECTOR_MODULE = "stage_service.engines.vllm_rows_connector"
 # At the length limit vLLM skips the drafter and with it the last rows: the engine gets this much room more.
 LENGTH_MARGIN = 2
+POLL_S = 0.5  # how often a waiting take() looks whether the engine is still alive
 
 
-def rows_engine_args(layers: list[int], endpoint: str, max_model_len: int) -> dict[str, Any]:
+def engine_length(stage_limit: int, model_limit: int | None) -> tuple[int, int]:
+    """(vLLM's max_model_len, the stage's admission limit) for a stage asking `stage_limit` of a model that
+    takes `model_limit` positions (pure): vLLM gets LENGTH_MARGIN more, within the model's limit."""
+    engine = stage_limit + LENGTH_MARGIN if model_limit is None else min(stage_limit + LENGTH_MARGIN, model_limit)
+    return engine, engine - LENGTH_MARGIN
+
+
+def rows_engine_args(layers: list[int], endpoint: str, engine_max_len: int) -> dict[str, Any]:
     """AsyncEngineArgs keywords that make vLLM send the rows of `layers` (0: input embeddings, i: the
-    residual stream after decoder layer i) to `endpoint` for a stage whose length limit is `max_model_len` (pure)."""
+    residual stream after decoder layer i) to `endpoint`, the engine taking `engine_max_len` positions
+    (`engine_length`) (pure)."""
     return {
         "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}},
@@ -32,12 +42,12 @@ def rows_engine_args(layers: list[int], endpoint: str, max_model_len: int) -> di
                                "kv_role": "kv_producer", "kv_connector_extra_config": {"endpoint": endpoint}},
         "enable_prefix_caching": False,  # a cached prefix would skip its positions' rows
         "async_scheduling": False,
-        "max_model_len": max_model_len + LENGTH_MARGIN,
+        "max_model_len": engine_max_len,
     }
 
 
 def ours(vllm_id: str, open_ids) -> str | None:
-    """Our request id for vLLM's (which may carry a `-<8 hex>` suffix vLLM appends), if it is open."""
+    """The call id we gave vLLM for vLLM's own (which may carry a `-<8 hex>` suffix vLLM appends), if open."""
     if vllm_id in open_ids:
         return vllm_id
     head, _, tail = vllm_id.rpartition("-")
@@ -61,11 +71,14 @@ class RowsReceiver:
     """Binds `endpoint` (ZMQ PULL) in the stage process; each open request gets its rows by position.
     Rows of requests not open (released, aborted) are dropped on arrival."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, engine_dead: Callable[[], BaseException | None] = lambda: None):
+        """`engine_dead`: the error that ended the engine, or None while it runs (a waiting `take` checks it
+        every `POLL_S`, so rows that will never come fail their call at once)."""
         import zmq
         import zmq.asyncio
 
         self.endpoint = endpoint
+        self._engine_dead = engine_dead
         self._sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._sock.bind(endpoint)
         self._open: dict[str, _Rows] = {}
@@ -101,8 +114,9 @@ class RowsReceiver:
             entry.done = entry.done or h["done"]
             entry.changed.set()
 
-    async def take(self, request_id: str, start: int, end: int, timeout_s: float = 60.0) -> torch.Tensor:
-        """Rows of positions [start, end) as [end - start, layers, hidden], waiting for those not here yet."""
+    async def take(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Rows of positions [start, end) as [end - start, layers, hidden], waiting for those not here yet:
+        until they come, the engine is dead, or the call ends (its deadline cancels it)."""
         entry = self._open[request_id]
         if end <= start:
             raise ValueError(f"no positions in [{start}, {end})")
@@ -110,12 +124,13 @@ class RowsReceiver:
             if entry.done:
                 missing = [p for p in range(start, end) if p not in entry.rows]
                 raise RowsMissing(f"vLLM finished request {request_id} without the rows of positions {missing}")
+            dead = self._engine_dead()
+            if dead is not None:
+                raise RowsMissing(f"the vLLM engine stopped ({type(dead).__name__}) before the rows of request "
+                                  f"{request_id} came") from dead
             entry.changed.clear()
-            try:
-                await asyncio.wait_for(entry.changed.wait(), timeout_s)
-            except TimeoutError:
-                raise RowsMissing(f"no hidden-state rows for request {request_id} positions {start}..{end - 1} "
-                                  f"within {timeout_s:.0f} s") from None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.changed.wait(), POLL_S)
         return torch.stack([entry.rows.pop(p) for p in range(start, end)])
 
     async def close(self) -> None:

@@ -78,6 +78,55 @@ def slots_of(blocks: list[int], block_size: int, start: int, end: int) -> list[i
     return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+class RowCursor:
+    """The scheduler side's bookkeeping (no vLLM object needed): per request, its block table in the rows'
+    cache group and the positions already read; per step, what to read."""
+
+    def __init__(self, group: int, block_size: int):
+        self.group, self.block = group, block_size
+        self.blocks: dict[str, list[int]] = {}
+        self.emitted: dict[str, int] = {}
+        self.final: list[Read] = []
+
+    def step(self, so) -> list[Read]:
+        """The reads of one `SchedulerOutput`: the final reads of requests finished since the last step,
+        then, per scheduled request, the positions this step confirmed and not read yet."""
+        reads, self.final = self.final, []
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[self.group])
+            self.emitted.setdefault(new.req_id, new.num_computed_tokens)
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            added = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:  # preempted and back: its blocks are new, its rows recomputed
+                self.blocks[rid] = list(added[self.group]) if added is not None else []
+            elif added is not None:
+                self.blocks[rid].extend(added[self.group])
+            computed[rid] = cached.num_computed_tokens[i]
+        for rid, n in so.num_scheduled_tokens.items():
+            # A draft position is read the step after, once confirmed (or rewritten).
+            end = computed[rid] + n - len(so.scheduled_spec_decode_tokens.get(rid, ()))
+            start = self.emitted[rid]
+            if end > start:
+                reads.append(Read(rid, start, slots_of(self.blocks[rid], self.block, start, end)))
+            # Never backwards: a resumed request recomputes positions already read (in chunks, maybe).
+            self.emitted[rid] = max(start, end)
+        return reads
+
+    def finished(self, rid: str, num_computed_tokens: int, block_ids: list[int]) -> bool:
+        """A request finished: its last rows are read in the next step. True when it was ever scheduled
+        (then its blocks are held until that read), False when there is nothing to read."""
+        start = self.emitted.pop(rid, None)
+        self.blocks.pop(rid, None)
+        if start is None:
+            return False
+        end = max(start, num_computed_tokens)
+        self.final.append(Read(rid, start, slots_of(list(block_ids), self.block, start, end), done=True))
+        return True
+
+
 def _rows_group(kv_cache_config) -> int:
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
@@ -98,11 +147,10 @@ class RowsConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.endpoint:
             raise ValueError("RowsConnector: kv_connector_extra_config.endpoint is required")
         # scheduler side
-        self.gid = _rows_group(kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
-        self.block = kv_cache_config.kv_cache_groups[self.gid].kv_cache_spec.block_size if self.gid is not None else 0
-        self.blocks: dict[str, list[int]] = {}
-        self.emitted: dict[str, int] = {}  # per request: positions already read
-        self.final: list[Read] = []
+        self.gid, self.cursor = None, None
+        if role == KVConnectorRole.SCHEDULER:
+            self.gid = _rows_group(kv_cache_config)
+            self.cursor = RowCursor(self.gid, kv_cache_config.kv_cache_groups[self.gid].kv_cache_spec.block_size)
         # worker side
         self.rows: torch.Tensor | None = None  # [blocks, layers, block_size, hidden]
         self.sock = None
@@ -117,40 +165,11 @@ class RowsConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        so = scheduler_output
-        meta = RowsMeta(reads=self.final)
-        self.final = []
-        computed: dict[str, int] = {}
-        for new in so.scheduled_new_reqs:
-            self.blocks[new.req_id] = list(new.block_ids[self.gid])
-            self.emitted.setdefault(new.req_id, new.num_computed_tokens)
-            computed[new.req_id] = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            added = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:  # preempted and back: its blocks are new, its rows recomputed
-                self.blocks[rid] = list(added[self.gid]) if added is not None else []
-            elif added is not None:
-                self.blocks[rid].extend(added[self.gid])
-            computed[rid] = cached.num_computed_tokens[i]
-        for rid, n in so.num_scheduled_tokens.items():
-            drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
-            end = computed[rid] + n - drafts
-            start = self.emitted[rid]
-            if end > start:
-                meta.reads.append(Read(rid, start, slots_of(self.blocks[rid], self.block, start, end)))
-            self.emitted[rid] = end
-        return meta
+        return RowsMeta(reads=self.cursor.step(scheduler_output))
 
     def request_finished(self, request, block_ids):
-        rid = request.request_id
-        start = self.emitted.pop(rid, None)
-        self.blocks.pop(rid, None)
-        if start is None:  # never scheduled: nothing to read, nothing to hold
-            return False, None
-        end = max(start, request.num_computed_tokens)
-        self.final.append(Read(rid, start, slots_of(list(block_ids), self.block, start, end), done=True))
-        return True, None  # the blocks stay until the worker has read the last rows (get_finished)
+        # True: the blocks stay until the worker has read the last rows (get_finished)
+        return self.cursor.finished(request.request_id, request.num_computed_tokens, block_ids), None
 
     def request_finished_all_groups(self, request, block_ids):
         return self.request_finished(request, block_ids[self.gid])

@@ -40,7 +40,7 @@ from .qwen2_5_omni_steps import _stop_ids as qwen2_5_stop_ids
 from .qwen3_omni_steps import _generation_eos
 from .vllm_ar import VllmEngine
 from .vllm_models import QWEN2_5_OMNI_THINKER_TEXT, QWEN3_OMNI_THINKER_TEXT
-from .vllm_rows import RowsReceiver, rows_engine_args
+from .vllm_rows import RowsReceiver, engine_length, rows_engine_args
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,13 @@ class VllmThinkerEngine(VllmEngine):
     ADAPTER = engines.OMNI_THINKER_VLLM
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.shutdown()  # no engine, socket or view left behind by a stage that did not start
+            raise
+
+    async def _start(self) -> None:
         config = json.loads((self.model_dir / "config.json").read_text())
         self.family = thinker_family(config)
         self.default_system = self.family.default_system
@@ -139,12 +146,17 @@ class VllmThinkerEngine(VllmEngine):
         # vLLM's row of the last layer is before the final norm; transformers' last hidden state after it.
         self.final_norm = self._final_norm(text["rms_norm_eps"]) if accept == layers else None
         self.audio_token = config["thinker_config"][self.family.audio_token]
+        self.model_positions = text.get("max_position_embeddings")
         self.work = Path(tempfile.mkdtemp(prefix=f"omnistage-{self.stage.name}-"))
         self.view = thinker_text_view(self.model_dir, self.work / "thinker-text")
-        self.rows = RowsReceiver(f"ipc://{self.work / 'rows.sock'}")
+        self.rows = RowsReceiver(f"ipc://{self.work / 'rows.sock'}", self._engine_dead)
         self.rows.start()
         await super().start()
         self.eos_ids = sorted(self.family.stop_ids(self.model_dir, config, self.tokenizer))
+
+    def _engine_dead(self) -> BaseException | None:
+        llm = getattr(self, "llm", None)
+        return llm.dead_error if llm is not None and llm.errored else None
 
     def _final_norm(self, eps: float):
         from safetensors import safe_open
@@ -187,23 +199,24 @@ class VllmThinkerEngine(VllmEngine):
         return self.view
 
     def more_engine_args(self, max_model_len: int) -> dict[str, Any]:
-        return rows_engine_args(self.layers, self.rows.endpoint, max_model_len)
+        engine_len, self.max_model_len = engine_length(max_model_len, self.model_positions)
+        return rows_engine_args(self.layers, self.rows.endpoint, engine_len)
 
     def stop_ids(self, p) -> list[int]:
         return [] if p.ignore_eos else self.eos_ids
 
-    def open_request(self, request_id: str) -> None:
-        self.rows.open(request_id)
+    def open_request(self, call_id: str) -> None:
+        self.rows.open(call_id)
 
-    def close_request(self, request_id: str) -> None:
-        self.rows.release(request_id)
+    def close_request(self, call_id: str) -> None:
+        self.rows.release(call_id)
 
-    async def chunk_tensors(self, request_id: str, n_prompt: int, before: int, after: int) -> dict[str, torch.Tensor]:
+    async def chunk_tensors(self, call_id: str, n_prompt: int, before: int, after: int) -> dict[str, torch.Tensor]:
         # Generated token t comes from the step that fed positions [0, P) (t = 0) or position P + t - 1.
         start, end = (0 if before == 0 else n_prompt + before - 1), n_prompt + after - 1
         if end <= start:
             return {}
-        rows = await self.rows.take(request_id, start, end)
+        rows = await self.rows.take(call_id, start, end)
         hidden = rows[:, self.hidden_at]
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
@@ -215,6 +228,8 @@ class VllmThinkerEngine(VllmEngine):
         finally:
             if getattr(self, "rows", None) is not None:
                 await self.rows.close()
+                self.rows = None
             if getattr(self, "work", None) is not None:
                 shutil.rmtree(self.work, ignore_errors=True)
+                self.work = None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,20 +15,27 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stage_service.engines.base import EngineConfigError
-from stage_service.engines.vllm_rows import LENGTH_MARGIN, RowsMissing, RowsReceiver, ours, rows_engine_args
-from stage_service.engines.vllm_rows_connector import expand_cpu, slots_of
+from stage_service.engines.vllm_rows import (LENGTH_MARGIN, RowsMissing, RowsReceiver, engine_length, ours,
+                                             rows_engine_args)
+from stage_service.engines.vllm_rows_connector import RowCursor, expand_cpu, slots_of
 from stage_service.engines.vllm_thinker import thinker_text_config, thinker_text_view
 
 
-def test_engine_args_turn_on_extraction_of_the_asked_layers_and_leave_room_for_the_last_rows():
-    args = rows_engine_args([0, 3], "ipc:///tmp/x.sock", 512)
+def test_the_engine_gets_room_for_the_last_rows_within_the_models_limit():
+    assert engine_length(512, 32768) == (512 + LENGTH_MARGIN, 512)
+    assert engine_length(32768, 32768) == (32768, 32768 - LENGTH_MARGIN)  # at the model's limit: the stage gives
+    assert engine_length(512, None) == (512 + LENGTH_MARGIN, 512)
+
+
+def test_engine_args_turn_on_extraction_of_the_asked_layers():
+    args = rows_engine_args([0, 3], "ipc:///tmp/x.sock", 514)
     spec = args["speculative_config"]
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3]
     kv = args["kv_transfer_config"]
     assert kv["kv_connector_module_path"] == "stage_service.engines.vllm_rows_connector"
     assert kv["kv_connector_extra_config"] == {"endpoint": "ipc:///tmp/x.sock"}
-    assert args["max_model_len"] == 512 + LENGTH_MARGIN
+    assert args["max_model_len"] == 514
     assert args["enable_prefix_caching"] is False and args["async_scheduling"] is False
 
 
@@ -48,6 +56,76 @@ def test_slots_are_distinct_and_inside_the_requests_blocks(blocks, size, data):
     slots = slots_of(blocks, size, start, end)
     assert len(slots) == len(set(slots)) == end - start
     assert all(s // size in blocks for s in slots)
+
+
+# ------------------------------------------------------------------ the connector's scheduler side
+
+def _new(rid, blocks, computed=0):
+    return SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
+
+
+def _output(new=(), cached=(), scheduled=None, drafts=None, resumed=()):
+    """A SchedulerOutput's fields the cursor reads. `cached`: (rid, new blocks or None, computed tokens)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(resumed),
+                                              new_block_ids=[None if c[1] is None else (c[1],) for c in cached],
+                                              num_computed_tokens=[c[2] for c in cached]),
+        num_scheduled_tokens=dict(scheduled or {}), scheduled_spec_decode_tokens=dict(drafts or {}))
+
+
+def _reads(reads):
+    return [(r.req_id, r.start, len(r.slots), r.done) for r in reads]
+
+
+def test_the_cursor_reads_each_confirmed_position_once_through_prefill_drafts_and_finish():
+    c = RowCursor(group=0, block_size=4)
+    # prefill of 6 positions: all read
+    assert _reads(c.step(_output(new=[_new("a", [3, 5])], scheduled={"a": 6}))) == [("a", 0, 6, False)]
+    # decode: position 6 plus a draft at 7 (read next step)
+    assert _reads(c.step(_output(cached=[("a", None, 6)], scheduled={"a": 2}, drafts={"a": [9]}))) == [
+        ("a", 6, 1, False)]
+    # the draft was accepted: positions 7 (the draft's) and 8 now, a new draft at 9
+    assert _reads(c.step(_output(cached=[("a", [8], 8)], scheduled={"a": 2}, drafts={"a": [9]}))) == [
+        ("a", 7, 2, False)]
+    assert c.blocks["a"] == [3, 5, 8]
+    # finished with 10 positions computed: the rest is read in the next step, the blocks held until then
+    assert c.finished("a", 10, [3, 5, 8]) is True
+    final = c.step(_output())
+    assert _reads(final) == [("a", 9, 1, True)] and final[0].slots == [8 * 4 + 1]
+    assert "a" not in c.blocks and "a" not in c.emitted
+
+
+def test_a_rejected_draft_is_read_when_rewritten():
+    c = RowCursor(group=0, block_size=16)
+    c.step(_output(new=[_new("a", [0])], scheduled={"a": 3}))
+    c.step(_output(cached=[("a", None, 3)], scheduled={"a": 2}, drafts={"a": [1]}))   # reads 3; draft at 4
+    # rejected: vLLM rolled back to 4 computed; this step feeds 4 (rewritten) and a new draft at 5
+    assert _reads(c.step(_output(cached=[("a", None, 4)], scheduled={"a": 2}, drafts={"a": [1]}))) == [
+        ("a", 4, 1, False)]
+
+
+def test_a_resumed_request_recomputing_in_chunks_is_not_read_twice():
+    c = RowCursor(group=0, block_size=4)
+    c.step(_output(new=[_new("a", [1, 2, 3])], scheduled={"a": 9}))                  # rows 0..8 read
+    # preempted, then back with new blocks; its prefill recomputed 4 positions at a time
+    assert c.step(_output(cached=[("a", [7, 8, 9], 0)], scheduled={"a": 4}, resumed=["a"])) == []
+    assert c.blocks["a"] == [7, 8, 9] and c.emitted["a"] == 9
+    assert c.step(_output(cached=[("a", None, 4)], scheduled={"a": 4})) == []
+    assert _reads(c.step(_output(cached=[("a", None, 8)], scheduled={"a": 2}))) == [("a", 9, 1, False)]
+
+
+def test_a_request_never_scheduled_holds_nothing():
+    c = RowCursor(group=1, block_size=4)
+    assert c.finished("never", 0, []) is False
+    assert c.step(_output()) == []
+
+
+def test_the_cursor_reads_the_rows_cache_group():
+    c = RowCursor(group=1, block_size=2)
+    new = SimpleNamespace(req_id="a", block_ids=([100], [4]), num_computed_tokens=0)
+    reads = c.step(_output(new=[new], scheduled={"a": 2}))
+    assert reads[0].slots == [8, 9]
 
 
 def test_our_request_id_is_found_under_vllms_suffix():
@@ -157,7 +235,9 @@ def _push(endpoint: str):
 @pytest.fixture
 async def receiver(tmp_path):
     """A receiver bound on a real IPC socket, and a sender speaking the connector's messages to it."""
-    rx = RowsReceiver(f"ipc://{tmp_path / 'rows.sock'}")
+    dead: list[BaseException] = []
+    rx = RowsReceiver(f"ipc://{tmp_path / 'rows.sock'}", lambda: dead[0] if dead else None)
+    rx.dead = dead  # the test stops "the engine" by appending its error
     rx.start()
     sock, send = _push(rx.endpoint)
     try:
@@ -195,3 +275,15 @@ async def test_a_request_finished_without_its_rows_is_an_error_naming_the_positi
         await rx.take("r", 0, 4)
     with pytest.raises(ValueError):
         await rx.take("r", 2, 2)
+
+
+async def test_a_waiting_take_fails_soon_after_the_engine_dies(receiver):
+    rx, send = receiver
+    rx.open("r")
+    send("r-0a1b2c3d", 0, torch.zeros(1, 1, 4))
+    waiting = asyncio.ensure_future(rx.take("r", 0, 3))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    rx.dead.append(RuntimeError("engine core died"))
+    with pytest.raises(RowsMissing, match="engine stopped"):
+        await asyncio.wait_for(waiting, 5)
