@@ -244,7 +244,7 @@ class SteppedEngine(Engine):
         if self.options.engine_process and not self.ENGINE_PROCESS:
             raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.engine_process: this "
                                     f"engine ({getattr(self, 'ADAPTER', type(self).__name__)}) runs its model in the stage process only; "
-                                    "the causal LM and Talker engines support it")
+                                    "the causal LM, Talker and VAE engines support it")
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
                                        max_failed_steps=self.options.max_failed_steps,
                                        max_step_cost=self.max_step_cost(), on_dead=self.fail_for_good)

@@ -12,17 +12,27 @@ model call per step over every image with the same latent and text shapes, whate
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import inspect
 import io
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
+import numpy as np
 import torch
 
+from omnistage.devices import DevicePlan
 from omnistage.params import InvalidRequest
 from omnistage.spec import engines
 
+from ..engine_process import CoreStates, RemoteState, remote_step
+from ..errors import RequestFailed
 from ..scheduler import StepState
+from . import device
 from .base import (EngineConfigError, InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine,
                    tensor)
 from .diffusion_denoisers import DENOISERS
@@ -267,43 +277,141 @@ class LatentsState(StepState):
         self.latents = torch.empty(0)
 
 
-class VaeDecodeEngine(SteppedEngine):
-    """`latents` -> one PNG (tensor `image`: the encoded bytes, uint8); latents of one shape share a decode.
+class VaeDecoder:
+    """The VAE's decode as both placements run it (in the stage process, or in an engine process): latents
+    of one shape in, each image's 8-bit RGB pixels out. The denoiser's latents are scaled and shifted as the
+    VAE's config says (`scaling_factor`, and `shift_factor` where it has one, as SD3's does)."""
 
-    The denoiser's latents are scaled and shifted as the VAE's config says (`scaling_factor`, and
-    `shift_factor` where it has one, as SD3's does) before decoding.
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, batch_invariant: bool):
+        from diffusers import AutoencoderKL
+
+        self.vae = AutoencoderKL.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        if batch_invariant:
+            make_batch_invariant(self.vae)
+        self.device, self.dtype = device, dtype
+        self.scaling = self.vae.config.scaling_factor
+        self.shift = getattr(self.vae.config, "shift_factor", None)
+
+    def decode(self, latents: list[torch.Tensor]) -> list[np.ndarray]:
+        """Each image's pixels [h, w, 3] (uint8), converted for the whole batch at once."""
+        with torch.inference_mode():
+            x = torch.cat(latents).to(self.device, self.dtype) / self.scaling
+            if self.shift is not None:
+                x = x + self.shift
+            images = self.vae.decode(x).sample
+            pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+            return list(pixels.permute(0, 2, 3, 1).contiguous().cpu().numpy())
+
+
+class VaeCore(CoreStates):
+    """In the engine process (`engineArgs.engine_process: true`, `engine_process.py`): the VAE and the latents
+    of every image not yet decoded, by id. Latents arrive and pixels leave as numpy arrays (plain bytes on
+    the pipe: a tensor would travel through shared memory and a file descriptor)."""
+
+    def __init__(self, model_dir: str, placement: DevicePlan, batch_invariant: bool):
+        super().__init__()
+        device.apply(placement)
+        self.decoder = VaeDecoder(Path(model_dir), device.DTYPES[placement.dtype], torch.device(placement.device),
+                                  batch_invariant)
+
+    def info(self) -> dict:
+        return {}
+
+    def add(self, sid: int, latents: np.ndarray) -> None:
+        self.states[sid] = LatentsState(torch.from_numpy(latents).to(self.decoder.device, self.decoder.dtype))
+
+    def step(self, sids: list[int], feeds=None) -> list[tuple[np.ndarray, str, int]]:
+        """Each image's pixels, its finish reason (decoded: one step) and the bytes still held for it."""
+        states = [self.states[s] for s in sids]
+        pixels = self.decoder.decode([st.latents for st in states])
+        return [(px, "decoded", st.held_bytes()) for st, px in zip(states, pixels)]
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteLatentsState(RemoteState):
+    """An image decoded by the engine process, as the stage process sees it."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def key(self):
+        return self.shape
+
+    def took(self, pixels: np.ndarray) -> np.ndarray:
+        return pixels
+
+
+class VaeDecodeEngine(SteppedEngine):
+    """`latents` -> one PNG (tensor `image`: the encoded bytes, uint8); latents of one shape share a decode
+    (`VaeDecoder`), in the stage process or, with `engineArgs.engine_process: true`, in a process of its own.
+
+    The PNGs are encoded beside the step thread: a step hands its batch's pixels to the encoder thread in
+    one job and returns at once (each state's result is a future of the event loop, settled for the whole
+    batch in one call), so the next decode starts while this batch is encoded.
     """
 
     ADAPTER = engines.VAE_DECODER
+    ENGINE_PROCESS = True
 
     unit = "images"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"png-{self.stage.name}")
+        self.loop: asyncio.AbstractEventLoop | None = None  # where the PNGs are awaited
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().start()
 
     def load(self) -> None:
         from diffusers import AutoencoderKL
 
-        self.vae = AutoencoderKL.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
-        if self.batch_invariant:
-            make_batch_invariant(self.vae)
-        self.scaling = self.vae.config.scaling_factor
-        self.shift = getattr(self.vae.config, "shift_factor", None)
+        self.latent_channels = AutoencoderKL.load_config(self.model_dir)["latent_channels"]
+        if self.options.engine_process:
+            self.start_core(f"{__name__}:VaeCore", (str(self.model_dir), self.placement, self.batch_invariant))
+            return
+        self.decoder = VaeDecoder(self.model_dir, self.dtype, self.device, self.batch_invariant)
 
-    def step(self, states: list[LatentsState]) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            latents = torch.cat([st.latents for st in states]).to(self.device, self.dtype) / self.scaling
-            if self.shift is not None:
-                latents = latents + self.shift
-            images = self.vae.decode(latents).sample
-        return [alone(st, self._png, st, img) for st, img in zip(states, images)]
+    @property
+    def vae(self):
+        """The model, where it is in the stage process."""
+        return self.decoder.vae
+
+    def step(self, states: list[LatentsState | RemoteLatentsState]) -> list[asyncio.Future | RequestFailed]:
+        """The batch's decode; each state's result is the future of its PNG."""
+        if self.core is not None:
+            pixels = remote_step(self.core, states)
+        else:
+            pixels = self.decoder.decode([st.latents for st in states])
+            for st in states:
+                st.finished = True
+        out, batch = [], []
+        for st, px in zip(states, pixels):
+            if isinstance(px, RequestFailed):
+                out.append(px)
+                continue
+            png = asyncio.Future(loop=self.loop)  # only made here: the loop settles it
+            batch.append((st, px, png))
+            out.append(png)
+        if batch:
+            self.encoder.submit(self._encode, batch)
+        return out
+
+    def _encode(self, batch: list[tuple[StepState, np.ndarray, asyncio.Future]]) -> None:
+        """On the encoder thread: the batch's PNGs (each image's own part, failing alone), handed to the loop
+        in one call."""
+        done = [(png, alone(st, self._png, px)) for st, px, png in batch]
+        with contextlib.suppress(RuntimeError):  # the loop is closed: no request waits any more
+            self.loop.call_soon_threadsafe(_settle, done)
 
     @staticmethod
-    def _png(st: LatentsState, img: torch.Tensor) -> torch.Tensor:
-        """The image's own part of a step: its PNG bytes."""
+    def _png(pixels: np.ndarray) -> torch.Tensor:
+        """The image's own part: its PNG bytes."""
         from PIL import Image
 
-        st.finished = True
-        arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
         buf = io.BytesIO()
-        Image.fromarray(arr).save(buf, format="PNG")
+        Image.fromarray(pixels).save(buf, format="PNG")
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
@@ -311,12 +419,35 @@ class VaeDecodeEngine(SteppedEngine):
         if not chunks:
             raise InputError("no latents arrived from the denoise stage")
         latents = self.on_device(tensor(chunks[-1], "latents"))  # the final latents; earlier ones are previews
-        channels = self.vae.config.latent_channels
-        if latents.dim() != 4 or latents.shape[:2] != (1, channels):
-            raise InputError(f"latents must be [1, {channels}, h, w], got {list(latents.shape)}")
+        if latents.dim() != 4 or latents.shape[:2] != (1, self.latent_channels):
+            raise InputError(f"latents must be [1, {self.latent_channels}, h, w], got {list(latents.shape)}")
         transfer_ms = sum(c.transfer_ms for c in chunks)
         del chunks
-        async with self.scheduler.submit(req.request_id, LatentsState(latents)) as stream:
-            png = await stream.next()
+        if self.core is not None:  # float32 on the pipe (numpy has no bfloat16); the core casts back
+            state = RemoteLatentsState(seq=self.core.sequence(latents.float().numpy()), core=self.core,
+                                       shape=tuple(latents.shape))
+        else:
+            state = LatentsState(latents)
+        del latents
+        async with self.scheduler.submit(req.request_id, state) as stream:
+            encoded = await stream.next()
+        t0 = time.perf_counter()
+        png = await encoded
+        if isinstance(png, RequestFailed):
+            raise png
         yield OutputChunk(tensors={"image": png}, last=True, queue_ms=stream.queue_ms,
-                          compute_ms=stream.compute_ms, transfer_ms=transfer_ms)
+                          compute_ms=stream.compute_ms, transfer_ms=transfer_ms,
+                          encode_ms=(time.perf_counter() - t0) * 1e3)
+
+    async def shutdown(self) -> None:
+        try:
+            await super().shutdown()
+        finally:  # PNGs already handed over are finished and delivered
+            await asyncio.to_thread(self.encoder.shutdown)
+
+
+def _settle(done: list[tuple[asyncio.Future, torch.Tensor | RequestFailed]]) -> None:
+    """On the loop: a batch's PNGs to the requests still waiting for them."""
+    for png, result in done:
+        if not png.done():  # else its request was cancelled meanwhile
+            png.set_result(result)
