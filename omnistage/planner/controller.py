@@ -2,9 +2,9 @@
 
 A controller (the operator's, or `omnistage serve --autoscale`'s) reads every stage replica's counters
 each `intervalSeconds` and hands them to `observe`; `decide` then measures each stage over the last
-`WINDOW_S` (throughput: long enough that a few requests more or less do not move it) and the last
-`RECENT_S` (queue growth: a load step shows within a second or two), updates the estimates, plans and
-decides. What the controller does with the
+`WINDOW_S` (long enough that a few requests more or less do not move it much), the last `RECENT_S` (a
+load step shows there within a second or two) and the stage's scale-down delay (what fewer replicas
+would have to serve), updates the estimates, plans and decides. What the controller does with the
 result is its own: write Deployments' replicas, or start and drain local processes until each stage
 runs `scales[stage].replicas`.
 
@@ -21,15 +21,19 @@ from omnistage.spec.model import Autoscaling, StageAutoscaling
 
 from .decisions import Change, StageScale, decide
 from .latency import Buckets, merged, missed, p95, read_from_orchestrators
-from .load import ReplicaCounters, StageEstimate, estimate, need, recent_load, window
+from .load import ReplicaCounters, StageEstimate, estimate, load_floor, need, offered, window_since
 from .scrape import ORCHESTRATOR_HISTOGRAMS
 from .sizing import Budget, Plan, StageNeed, plan
 
 WINDOW_S = 10.0
 RECENT_S = 3.0
-# The recent window's load counts at this share: it adds replicas only when the stage's replicas are nearly
-# full right now (about 0.9 busy at a 0.8 target), not on every short burst a steady Poisson load has.
-RECENT_WEIGHT = 0.9
+# A stage grows only for load it surely has: the least its window's request count says at this many standard
+# errors (load.load_floor). A steady Poisson load's bursts seldom clear 1.5 over the long window (or the
+# scale-down delay's); the recent window is three times as short, so it has three times the chances a
+# minute and each is noisier: 2.5 there. A load step to several times what the stage serves at the target
+# still clears it within a few seconds.
+GROW_ERRORS = 1.5
+GROW_ERRORS_RECENT = 2.5
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,9 @@ class Planner:
         hist = self._history[stage]
         hist.append(dict(counters))
         newest = max(c.at for c in counters.values())
-        while len(hist) > 2 and max(c.at for c in hist[1].values()) <= newest - self.window_s:
-            hist.popleft()  # keep one reading at least a window old
+        keep = max(self.window_s, self.bounds[stage].scale_down_delay_seconds)
+        while len(hist) > 2 and max(c.at for c in hist[1].values()) <= newest - keep:
+            hist.popleft()  # keep one reading at least a window (and a scale-down delay) old
         if unit:
             self.units[stage] = unit
 
@@ -106,7 +111,7 @@ class Planner:
         if factor <= 1.0 or not growable:
             return needs, ""
         worst = max(growable, key=lambda n: n.utilization(self.scales[n.stage].replicas))
-        raised = [replace(n, load=n.load * factor) if n is worst else n for n in needs]
+        raised = [n.scaled(factor) if n is worst else n for n in needs]
         return raised, f"; {', '.join(told)}: {worst.stage} planned at {factor:.2f}x its load"
 
     def decide(self, now: float) -> Decision:
@@ -119,14 +124,25 @@ class Planner:
                 held = self.scales[stage].replicas
                 needs.append(need(est, held, held, self.gpus.get(stage, 0), unit, default_capacity=1.0))
                 continue
-            newest = max(c.at for c in hist[-1].values())
-            recent = next((h for h in reversed(hist) if max(c.at for c in h.values()) <= newest - RECENT_S), hist[0])
-            short = window(stage, recent, hist[-1])
-            est = self.estimates[stage] = estimate(est, window(stage, hist[0], hist[-1]), targets.queue_seconds, short)
-            # what the last few seconds say, at RECENT_WEIGHT: a load step shows there first
-            load = max(est.load, recent_load(est, short, targets.queue_seconds) * RECENT_WEIGHT)
+            readings = list(hist)
+            long = window_since(stage, readings, self.window_s)
+            est = self.estimates[stage] = estimate(est, long, targets.queue_seconds)
+            per_request = est.units_per_request
+            # a load step shows first in the recent window
+            short = window_since(stage, readings, RECENT_S)
+            recent, _ = offered(per_request, short, targets.queue_seconds)
+            # fewer replicas must serve the load over the whole scale-down delay: a window that long, whose
+            # count is steadier than any of the shorter ones within it (and a load a little over the target
+            # for that long is surely over it, where 10 s could not tell)
+            delay_window = window_since(stage, readings, max(b.scale_down_delay_seconds, self.window_s))
+            over_delay, _ = offered(per_request, delay_window, targets.queue_seconds)
+            surely = max(load_floor(est.load, est.backlog, per_request, long.seconds, GROW_ERRORS),
+                         load_floor(recent, est.backlog, per_request, short.seconds, GROW_ERRORS_RECENT),
+                         load_floor(over_delay, est.backlog, per_request, delay_window.seconds, GROW_ERRORS))
+            load = max(est.load, surely)
             needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
-                              default_capacity=max(load, 1.0) / targets.utilization))
+                              default_capacity=max(load, 1.0) / targets.utilization, grow_load=surely,
+                              keep_load=max(over_delay, load)))
         needs, why = self._target_pressure(needs)
         p = plan(needs, self.budget, targets.utilization)
         if why:
@@ -137,3 +153,4 @@ class Planner:
 
     def desired(self) -> dict[str, int]:
         return {s: sc.replicas for s, sc in self.scales.items()}
+

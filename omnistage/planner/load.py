@@ -17,21 +17,26 @@ snapshots of those counters, a window apart, give per stage:
   only if even that is lower has the replica got slower (contention, a slower step). Were light batches
   to lower the capacity as they are, one client that keeps a replica stepping at batch 1 would make the
   stage look full;
-- offered load: what arrives, plus the queued work to drain. A stage that keeps up has no queue and
-  what arrives is its throughput; one that does not serves less than arrives, and the difference is
-  how fast its queue grows. So: the throughput over a long window (smooth: a few requests more or less
-  in a window must not add a replica), plus the queue's growth over a short one (a load step shows
-  there within a second or two, long before throughput could), plus the queued work spread over
-  `drain_seconds` (the larger of the queue target and `MIN_DRAIN_S`: a backlog is worked off by
-  headroom, not by replicas that start after it is gone).
+- offered load: what arrives, plus the queued work to drain. What arrives is counted in requests: those
+  that ended, plus the growth of those the stage holds (queued or running), at the work per request
+  (units over the requests that ended; a request that entered service in the window counts as half
+  done, or a filling stage would read its first requests as several times their size). Counting
+  requests, not units, keeps a replica that joined in the window right: the requests it took from the
+  queue count as held, not as load gone. The queued work spread over `drain_seconds` (the larger of the
+  queue target and `MIN_DRAIN_S`) is the backlog; the sizing plans it at full utilisation (a backlog is
+  worked off by headroom, not by replicas that start after it is gone);
+- how sure a load is (`load_floor`): what arrived in a window is a count of requests, off by about its
+  square root (Poisson), so a short window or a stage with few, large requests reads a steady load as
+  bursts. The planner grows a stage only for the load it surely has.
 
 Pure: snapshots in, numbers out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
 
 from .sizing import StageNeed
 
@@ -73,6 +78,7 @@ class StageWindow:
     running: int
     queued_before: int = 0    # at the window's start
     steps_per_s: float = 0.0  # engine steps, all replicas together (0: not counted)
+    running_before: int = 0   # at the window's start
 
     @property
     def units_per_step(self) -> float:
@@ -86,21 +92,39 @@ def window(stage: str, before: Mapping[str, ReplicaCounters], after: Mapping[str
     this window: its totals may span its whole life, not the window. One gone by `after` counts nothing
     (the planner can no longer read it)."""
     units = busy = finished = steps = span = 0.0
-    queued_before = 0
+    queued_before = running_before = 0
     for name, b in after.items():
         a = before.get(name, b)
         if b.units < a.units or b.busy_seconds < a.busy_seconds or b.finished < a.finished or b.steps < a.steps:
-            a = ReplicaCounters(at=a.at, queued=a.queued)
+            a = ReplicaCounters(at=a.at, queued=a.queued, running=a.running)
         units += b.units - a.units
         busy += b.busy_seconds - a.busy_seconds
         finished += b.finished - a.finished
         steps += b.steps - a.steps
         queued_before += a.queued
+        running_before += a.running
         span = max(span, b.at - a.at)
     per_s = 1.0 / span if span > 0 else 0.0
     return StageWindow(stage, len(after), span, units * per_s, busy * per_s, finished * per_s,
                        sum(c.queued for c in after.values()), sum(c.running for c in after.values()), queued_before,
-                       steps * per_s)
+                       steps * per_s, running_before)
+
+
+def window_since(stage: str, readings: Sequence[Mapping[str, ReplicaCounters]], seconds: float) -> StageWindow:
+    """The stage over the last `seconds` of `readings` (oldest first, one snapshot of its replicas each): from
+    the newest reading at least that old (the oldest when none is) to the last. A replica that joined since
+    counts its work from its first reading, and what it holds as come in the window: it held nothing at the
+    window's start (what it took from another replica's queue was held there then)."""
+    newest = max(c.at for c in readings[-1].values())
+    start = next((i for i in range(len(readings) - 1, -1, -1)
+                  if max(c.at for c in readings[i].values()) <= newest - seconds), 0)
+    first: dict[str, ReplicaCounters] = {}
+    for snap in readings[start:]:
+        for name, c in snap.items():
+            first.setdefault(name, c)
+    w = window(stage, first, readings[-1])
+    at_start = [c for name, c in readings[start].items() if name in readings[-1]]
+    return replace(w, queued_before=sum(c.queued for c in at_start), running_before=sum(c.running for c in at_start))
 
 
 @dataclass(frozen=True)
@@ -113,21 +137,22 @@ class StageEstimate:
     load: float = 0.0               # offered units per second
     utilization: float = 0.0        # load over the capacity of the replicas running
     capacity_fill: float = 0.0      # units per step when the capacity was measured (0: not known)
+    backlog: float = 0.0            # of `load`: the queued work over its drain time
 
 
-def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float, recent: StageWindow | None = None) -> StageEstimate:
-    """The next estimate from the last one, a long window `w` and a `recent` short one (default: `w`)
-    (see the module docstring)."""
-    recent = recent or w
+def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float) -> StageEstimate:
+    """The next estimate from the last one and the window `w` (see the module docstring)."""
     capacity, fill = capacity_seen(prev.capacity, prev.capacity_fill, w)
     per_request = prev.units_per_request
-    if w.requests_per_s > 0:  # smoothed: units are counted as they are made, requests only as they end
-        seen = w.units_per_s / w.requests_per_s
+    # units are counted as they are made, requests only as they end: a request that entered service in the
+    # window counts as half done (one that left it, as half done before)
+    ended = w.requests_per_s + (w.running - w.running_before) / w.seconds / 2 if w.seconds > 0 else 0.0
+    if w.requests_per_s > 0 and ended > 0:  # smoothed
+        seen = w.units_per_s / ended
         per_request = seen if not per_request else PER_REQUEST_MEMORY * per_request + (1 - PER_REQUEST_MEMORY) * seen
-    growth, backlog = _queue_terms(per_request, recent, queue_seconds)
-    load = max(w.units_per_s + growth, 0.0) + backlog  # the long window's throughput, the recent one's queue
+    load, backlog = offered(per_request, w, queue_seconds)
     util = load / (w.replicas * capacity) if w.replicas and capacity > 0 else 0.0
-    return StageEstimate(w.stage, capacity, per_request, load, util, fill)
+    return StageEstimate(w.stage, capacity, per_request, load, util, fill, backlog)
 
 
 def capacity_seen(best: float, best_fill: float, w: StageWindow) -> tuple[float, float]:
@@ -144,11 +169,28 @@ def capacity_seen(best: float, best_fill: float, w: StageWindow) -> tuple[float,
     return max(best * CAPACITY_MEMORY, min(at_best_fill, best)), best_fill
 
 
-def recent_load(est: StageEstimate, recent: StageWindow, queue_seconds: float) -> float:
-    """Offered load as the recent window alone says it (its throughput, its queue's growth, the backlog), with
-    the work per request of the longer estimate `est` (a few seconds see too few requests end to say it)."""
-    growth, backlog = _queue_terms(est.units_per_request, recent, queue_seconds)
-    return max(recent.units_per_s + growth, 0.0) + backlog
+def offered(per_request: float, w: StageWindow, queue_seconds: float) -> tuple[float, float]:
+    """Offered load over `w` in units per second, its backlog included, and the backlog's share: the requests
+    that arrived (those that ended, plus the growth of those held, queued or running) at `per_request` units
+    each. Before a request has ended (no work per request yet) the throughput stands in."""
+    growth, backlog = _queue_terms(per_request, w, queue_seconds)
+    if per_request > 0 and w.seconds > 0:
+        held = (w.queued + w.running - w.queued_before - w.running_before) / w.seconds
+        return max(w.requests_per_s + held, 0.0) * per_request + backlog, backlog
+    return max(w.units_per_s + growth, 0.0) + backlog, backlog
+
+
+def load_floor(load: float, backlog: float, per_request: float, seconds: float, errors: float) -> float:
+    """The least load that a reading of `load` (its `backlog` included) over `seconds` surely is, at `errors`
+    standard errors: the requests that arrived are a Poisson count n, whose rate is at least
+    (sqrt(n + errors^2/4) - errors/2)^2 (the lower end of the score interval; it holds for a few requests,
+    where n - errors x sqrt(n) would go below 0). The backlog is counted, not sampled: it is added as it is.
+    Before the work per request is known the reading is taken as it is."""
+    per_count = per_request / seconds if per_request > 0 and seconds > 0 else 0.0
+    if per_count <= 0 or errors <= 0:
+        return load
+    n = max(load - backlog, 0.0) / per_count
+    return per_count * (math.sqrt(n + errors * errors / 4) - errors / 2) ** 2 + backlog
 
 
 def _queue_terms(per_request: float, w: StageWindow, queue_seconds: float) -> tuple[float, float]:
@@ -158,6 +200,7 @@ def _queue_terms(per_request: float, w: StageWindow, queue_seconds: float) -> tu
 
 
 def need(est: StageEstimate, min_replicas: int, max_replicas: int, gpus: int = 0, unit: str = "units/s",
-         default_capacity: float = 1.0) -> StageNeed:
+         default_capacity: float = 1.0, grow_load: float | None = None, keep_load: float | None = None) -> StageNeed:
     """The sizing's view of a stage; before its capacity is measured, `default_capacity` stands in."""
-    return StageNeed(est.stage, est.load, est.capacity or default_capacity, min_replicas, max_replicas, gpus, unit)
+    return StageNeed(est.stage, est.load, est.capacity or default_capacity, min_replicas, max_replicas, gpus, unit,
+                     est.backlog, grow_load, keep_load)

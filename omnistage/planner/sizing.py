@@ -7,6 +7,11 @@ its need, replicas go one at a time to the stage that is the bottleneck at that 
 utilisation), which maximises the goodput the budget allows; growing a stage that is not the
 bottleneck buys nothing.
 
+A measured load is uncertain (`load.load_floor`), so a stage has three loads: the best estimate (its
+utilisation, the bottleneck), the load it surely has (what it grows for), and the load over its
+scale-down delay (what fewer replicas must serve, within the band, before it shrinks). Without the last
+two, each is the first.
+
 Pure: numbers in, a plan out. Measuring load and capacity is `load.py`'s; when to act on a plan is
 `decisions.py`'s.
 """
@@ -14,7 +19,7 @@ Pure: numbers in, a plan out. Measuring load and capacity is `load.py`'s; when t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 # A replica is removed only when the others would still run at no more than this share of the target
@@ -33,6 +38,15 @@ class StageNeed:
     max_replicas: int = 8
     gpus: int = 0        # per replica, against the budget's max_gpus
     unit: str = "units/s"
+    backlog: float = 0.0                # of `load`: queued work over its drain time, planned at full utilisation
+    grow_load: float | None = None      # what the stage grows for: the load it surely has (None: `load`)
+    keep_load: float | None = None      # what fewer replicas must serve, within the band, to shrink (None: `load`)
+
+    def scaled(self, factor: float) -> StageNeed:
+        """The stage planned for `factor` times its load, as a missed latency target asks (latency.py). The
+        miss is itself the evidence: the stage grows for its best estimate, not only for what it surely has."""
+        return replace(self, load=self.load * factor, backlog=self.backlog * factor, grow_load=None,
+                       keep_load=None if self.keep_load is None else self.keep_load * factor)
 
     def utilization(self, replicas: int) -> float:
         """Load over what `replicas` replicas serve (above 1: requests queue up)."""
@@ -40,9 +54,14 @@ class StageNeed:
             return math.inf if self.load > 0 else 0.0
         return self.load / (replicas * self.capacity)
 
-    def replicas_for(self, utilization: float) -> int:
-        """The fewest replicas that keep the stage at or below `utilization`, within its bounds."""
-        n = math.ceil(self.load / (utilization * self.capacity) - 1e-9) if self.load > 0 else 0
+    def replicas_for(self, utilization: float, load: float | None = None) -> int:
+        """The fewest replicas that serve `load` (default: the stage's), within the stage's bounds: what
+        arrives at or below `utilization`, and that with the backlog at full utilisation (the headroom
+        works a backlog off)."""
+        load = self.load if load is None else load
+        arrivals = max(load - self.backlog, 0.0)
+        n = max(math.ceil(arrivals / (utilization * self.capacity) - 1e-9) if arrivals > 0 else 0,
+                math.ceil(load / self.capacity - 1e-9) if load > 0 else 0)
         return min(max(n, self.min_replicas), self.max_replicas)
 
 
@@ -84,7 +103,7 @@ def plan(needs: Sequence[StageNeed], budget: Budget = Budget(), utilization: flo
         if n.capacity <= 0 or n.load < 0 or not 1 <= n.min_replicas <= n.max_replicas:
             raise ValueError(f"stage {n.stage}: capacity must be > 0, load >= 0 and 1 <= min <= max replicas "
                              f"(got capacity {n.capacity}, load {n.load}, {n.min_replicas}..{n.max_replicas})")
-    want = {n.stage: n.replicas_for(utilization) for n in needs}
+    want = {n.stage: n.replicas_for(utilization, n.grow_load) for n in needs}
     by_name = {n.stage: n for n in needs}
     fits_all = budget.fits(sum(want.values()), sum(want[n.stage] * n.gpus for n in needs))
     got = dict(want) if fits_all else {n.stage: n.min_replicas for n in needs}
@@ -99,7 +118,8 @@ def plan(needs: Sequence[StageNeed], budget: Budget = Budget(), utilization: flo
     for n in needs:
         # While the budget binds, its allocation is the plan: no band above it, or a stage holding replicas
         # it needs less than the bottleneck does would never give one up.
-        down = got[n.stage] if limited else max(n.replicas_for(utilization * SCALE_DOWN_MARGIN), got[n.stage])
+        down = got[n.stage] if limited else max(n.replicas_for(utilization * SCALE_DOWN_MARGIN, n.keep_load),
+                                                got[n.stage])
         stages[n.stage] = StagePlan(n.stage, got[n.stage], down, want[n.stage], n.utilization(got[n.stage]))
     loaded = [n for n in needs if n.load > 0]
     bottleneck = max(loaded, key=lambda n: stages[n.stage].utilization).stage if loaded else None

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omnistage.planner.load import (CAPACITY_MEMORY, MIN_BUSY, MIN_DRAIN_S, PER_REQUEST_MEMORY, ReplicaCounters,
-                                    StageEstimate, StageWindow, capacity_seen, estimate, need, recent_load, window)
+                                    StageEstimate, StageWindow, capacity_seen, estimate, load_floor, need, offered,
+                                    window, window_since)
 
 
 def C(at, units=0.0, busy=0.0, finished=0.0, queued=0, running=0, steps=0.0):
@@ -137,11 +138,66 @@ def test_a_standing_queue_is_drained_over_the_longer_of_the_target_and_min_drain
     assert estimate(StageEstimate("a"), shrinking, 1).load == pytest.approx(50.0)
 
 
-def test_the_recent_window_brings_its_queue_the_long_one_its_throughput():
-    long, recent = W(100, 1.0, requests_per_s=4), W(160, 1.0, requests_per_s=4, queued=6, queued_before=0, seconds=3)
-    e = estimate(StageEstimate("a"), long, 1, recent)
-    assert e.load == pytest.approx(100 + 6 * 25 / 3 + 6 * 25 / MIN_DRAIN_S)
-    assert recent_load(e, recent, 1) == pytest.approx(160 + 6 * 25 / 3 + 6 * 25 / MIN_DRAIN_S)
+def test_offered_load_counts_the_requests_that_arrived():
+    # 4 requests/s ended, 25 units each; the stage held 6 more at the end of the 3 s (queued 0 -> 4, running 2 -> 4)
+    w = StageWindow("a", 2, 3.0, 160.0, 1.0, 4.0, queued=4, running=4, queued_before=0, running_before=2)
+    backlog = 4 * 25 / MIN_DRAIN_S
+    assert offered(25, w, 1) == (pytest.approx((4 + 6 / 3) * 25 + backlog), pytest.approx(backlog))
+    # before any request ended nothing says what one is: the throughput and no queue terms
+    assert offered(0, w, 1) == (160.0, 0.0)
+
+
+def test_a_replica_that_joined_counts_from_its_first_reading():
+    """r2 joined at 5 s and took 4 requests from r1's queue into its batch: that is no drop in what arrives.
+    Read from its totals it would not count at all, and the queue it emptied would read as load gone; read
+    as holding at the start what it holds at its first reading, the 4 would count twice there."""
+    readings = [{"r1": C(0, units=0, finished=0, queued=6, running=8)},
+                {"r1": C(5, units=500, finished=20, queued=6, running=8)},
+                {"r1": C(5.0, units=500, finished=20, queued=2, running=8), "r2": C(5.0, queued=0, running=4)},
+                {"r1": C(10, units=1000, finished=40, queued=2, running=8),
+                 "r2": C(10, units=250, finished=6, queued=0, running=8)}]
+    w = window_since("a", readings, 10.0)
+    assert (w.units_per_s, w.requests_per_s, w.queued_before + w.running_before, w.queued + w.running) == \
+        pytest.approx((125.0, 4.6, 14, 18))
+    assert offered(25, w, 1)[0] == pytest.approx((4.6 + 0.4) * 25 + 2 * 25 / MIN_DRAIN_S)   # 50 arrived in 10 s
+    # the last 3 s: from the newest reading at least that old (5 s), r2 from there too
+    assert window_since("a", readings, 3.0).seconds == 5.0
+    # a window longer than the readings: from the oldest
+    assert window_since("a", readings, 60.0) == w
+
+
+def test_a_filling_stage_reads_its_requests_at_their_size():
+    """A stage that starts: 8 requests of 100 units entered service, 2 ended; 400 units made. Units over the
+    requests that ended would read 200 a request; the 6 still running count as half done."""
+    w = StageWindow("a", 1, 10.0, 40.0, 0.4, 0.2, queued=0, running=6, queued_before=0, running_before=0)
+    assert estimate(StageEstimate("a"), w, 1).units_per_request == pytest.approx(40.0 / (0.2 + 0.3))
+
+
+@pytest.mark.parametrize("name, load, backlog, per_request, seconds, errors, expected", [
+    ("10000 requests: about one standard error (10 a second) below", 1000.0, 0.0, 1.0, 10.0, 1.0,
+     0.1 * (10000.25 ** 0.5 - 0.5) ** 2),
+    ("10 requests in 3 s at 2.5 errors: 4.6 surely", 400.0, 0.0, 120.0, 3.0, 2.5,
+     40.0 * ((10 + 2.5 ** 2 / 4) ** 0.5 - 1.25) ** 2),
+    ("the backlog is counted, not sampled", 430.0, 30.0, 120.0, 3.0, 2.5,
+     40.0 * ((10 + 2.5 ** 2 / 4) ** 0.5 - 1.25) ** 2 + 30.0),
+    ("nothing arrived: the backlog alone", 30.0, 30.0, 120.0, 3.0, 2.5, 30.0),
+    ("work per request not known yet: as read", 400.0, 0.0, 0.0, 3.0, 2.5, 400.0),
+    ("no errors asked: as read", 400.0, 0.0, 120.0, 3.0, 0.0, 400.0),
+])
+def test_load_floor_table(name, load, backlog, per_request, seconds, errors, expected):
+    assert load_floor(load, backlog, per_request, seconds, errors) == pytest.approx(expected), name
+
+
+@given(st.floats(0, 1e5), st.floats(0, 1.0), st.floats(0.01, 1e3), st.floats(0.5, 60), st.floats(0, 4),
+       st.floats(1.0, 10.0))
+def test_the_floor_is_below_the_reading_and_rises_with_it_and_with_a_longer_window(load, backlog_share, per_request,
+                                                                                    seconds, errors, more):
+    backlog = load * backlog_share
+    floor = load_floor(load, backlog, per_request, seconds, errors)
+    assert backlog - 1e-6 <= floor <= load + 1e-6
+    assert load_floor(load * more, backlog, per_request, seconds, errors) >= floor - 1e-6       # monotone in load
+    assert load_floor(load, backlog, per_request, seconds * more, errors) >= floor - 1e-6      # surer over longer
+    assert load_floor(load, backlog, per_request, seconds, errors * more) <= floor + 1e-6      # lower when stricter
 
 
 def test_work_per_request_is_smoothed_and_kept_when_nothing_finished():
@@ -157,7 +213,7 @@ def test_need_stands_in_a_capacity_until_one_is_measured():
     assert need(StageEstimate("a", capacity=7), 1, 4).capacity == 7
 
 
-def test_load_is_never_negative_when_the_queue_empties_faster_than_the_long_window_served():
-    long, recent = W(10, 0.1, requests_per_s=1), W(300, 1.0, requests_per_s=4, queued=0, queued_before=30, seconds=3)
-    e = estimate(StageEstimate("a", units_per_request=25), long, 1, recent)
-    assert e.load == 0.0 and recent_load(e, recent, 1) >= 0.0
+def test_load_is_never_negative_when_the_queue_empties_faster_than_requests_end():
+    shrinking = W(300, 1.0, requests_per_s=4, queued=0, queued_before=30, seconds=3)
+    e = estimate(StageEstimate("a", units_per_request=25), shrinking, 1)
+    assert e.load == 0.0 and offered(25, shrinking, 1)[0] == 0.0

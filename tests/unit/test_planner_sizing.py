@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -43,6 +44,34 @@ def test_plan_table(name, needs, budget, util, replicas, bottleneck, limited):
     assert p.replicas() == replicas
     assert p.bottleneck == bottleneck
     assert p.budget_limited is limited
+
+
+# (id, need, replicas, keep_down_to): a stage of 100 units/s a replica at the 0.8 target
+MEASURED = [
+    ("as before without a backlog or a range", StageNeed("a", 230, 100), 3, 4),
+    ("a backlog is planned at full utilisation: 150 arriving and 40 of backlog fit 2 (not 3, at 0.8)",
+     StageNeed("a", 190, 100, backlog=40), 2, 3),
+    ("... and all of it must fit at full: 60 arriving and 150 of backlog", StageNeed("a", 210, 100, backlog=150),
+     3, 3),
+    ("grows only for what it surely has: 230 read, 150 sure", StageNeed("a", 230, 100, grow_load=150), 2, 4),
+    ("shrinks only when fewer serve the load over the delay: 230 now, 300 over it",
+     StageNeed("a", 230, 100, keep_load=300), 3, 5),
+    ("what it surely has and what it held may differ most", StageNeed("a", 230, 100, grow_load=150, keep_load=300),
+     2, 5),
+]
+
+
+@pytest.mark.parametrize("name,need,replicas,keep", MEASURED, ids=[t[0] for t in MEASURED])
+def test_measured_loads_table(name, need, replicas, keep):
+    p = plan([need], utilization=0.8)
+    assert (p.stages["a"].replicas, p.stages["a"].keep_down_to) == (replicas, keep)
+    assert p.stages["a"].utilization == pytest.approx(need.load / (replicas * need.capacity))  # the best estimate's
+
+
+def test_a_missed_latency_target_scales_the_best_estimate_not_the_sure_load():
+    n = StageNeed("a", 60, 100, backlog=10, grow_load=40, keep_load=70).scaled(2.0)
+    assert (n.load, n.backlog, n.grow_load, n.keep_load) == (120, 20, None, 140)
+    assert plan([n]).stages["a"].replicas == 2   # 100 arriving at 0.8, 120 at full
 
 
 def test_reason_names_the_bottleneck_and_what_the_budget_cannot_meet():
@@ -102,6 +131,27 @@ def test_never_outside_bounds_or_budget(needs, max_replicas, max_gpus, util):
                                                sum(n.min_replicas * n.gpus for n in needs))
     if mins:  # validation refuses budgets below the minimums; within them the plan never exceeds one
         assert budget.fits(sum(p.replicas().values()), sum(p.stages[n.stage].replicas * n.gpus for n in needs))
+
+
+@settings(max_examples=300, deadline=None)
+@given(stage_needs, st.integers(0, 30), utilizations, st.floats(0, 1), st.floats(0, 1), st.floats(1, 3))
+def test_a_measured_range_grows_no_more_and_keeps_no_less_than_the_estimate(needs, max_replicas, util, backlog,
+                                                                              sure, held):
+    """Planned for the load it surely has (at most the estimate) a stage gets no more replicas than for the
+    estimate, and keeping for the load over its delay (at least the estimate) keeps no fewer; neither leaves the
+    bounds or the budget, and a scale-down still stops at or above the plan."""
+    plain = [replace(n, backlog=n.load * backlog) for n in needs]
+    ranged = [replace(n, grow_load=n.load * sure, keep_load=n.load * held) for n in plain]
+    a, b = plan(plain, Budget(max_replicas), util), plan(ranged, Budget(max_replicas), util)
+    unlimited = plan(ranged, Budget(), util)
+    for n in needs:
+        assert unlimited.stages[n.stage].replicas <= plan(plain, Budget(), util).stages[n.stage].replicas
+        assert unlimited.stages[n.stage].keep_down_to >= unlimited.stages[n.stage].replicas
+        assert n.min_replicas <= b.stages[n.stage].replicas <= n.max_replicas
+    if sum(n.min_replicas for n in needs) <= max_replicas or not max_replicas:
+        assert not max_replicas or sum(b.replicas().values()) <= max_replicas
+    assert all(a.stages[s].utilization == b.stages[s].utilization for s in a.stages if
+               b.stages[s].replicas == a.stages[s].replicas)
 
 
 @settings(max_examples=300, deadline=None)
