@@ -419,7 +419,6 @@ class StepScheduler:
             self._deliver_failed = e.with_traceback(None)
 
     def _deliver_step(self, batch: list[_Job], results: list, finished: list[bool], took: float) -> None:
-        self._delivered += 1
         self._failed_in_a_row = 0
         self.steps += 1
         for j, r, done in zip(batch, results, finished):
@@ -433,6 +432,9 @@ class StepScheduler:
                 self._remove(j)  # the worker steps no finished state again
         if self.metrics is not None:
             self.metrics.step(len(batch), took * 1e3, self.unit)
+        # Counted last: a delivery that fails part way is not delivered, so the worker, which may step on
+        # only while the loop is at most one step behind, stops at the next boundary even before `_dirty`.
+        self._delivered += 1
 
     def _step_ended(self) -> None:
         # The stamp first: a reader that sees no step in flight also sees when the last one ended.

@@ -5,6 +5,7 @@ these run without a model; the engines' integration tests run the same scheduler
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 import threading
 from dataclasses import dataclass, field
@@ -174,6 +175,7 @@ async def test_results_that_cannot_be_delivered_declare_the_engine_dead():
             pass
 
         def step(self, *args):
+            time.sleep(0.02)  # a slow failure: the worker must not step on while the loop is failing
             raise RuntimeError("metrics broke")
 
     dead = []
