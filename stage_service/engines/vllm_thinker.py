@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from omnistage.checkpoints.families import family_of
+from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.params import InvalidRequest, has_media
 from omnistage.spec import engines
 
@@ -100,11 +101,10 @@ def thinker_text_config(config: dict) -> dict:
     return out
 
 
-def thinker_text_view(checkpoint: Path, into: Path) -> Path:
-    """A directory vLLM loads as the Thinker's text decoder: `config.json` of its own and links to every
-    other file of the checkpoint (weights, tokenizer, chat template, generation config)."""
+def thinker_text_view(checkpoint: Path, config: dict, into: Path) -> Path:
+    """A directory vLLM loads as the Thinker's text decoder: `config.json` of its own (from the checkpoint's
+    `config`) and links to every other file of the checkpoint (weights, tokenizer, chat template, ...)."""
     into.mkdir(parents=True, exist_ok=True)
-    config = json.loads((checkpoint / "config.json").read_text())
     text_config = thinker_text_config(config)
     for f in checkpoint.iterdir():
         if f.name != "config.json" and f.is_file():
@@ -148,7 +148,7 @@ class VllmThinkerEngine(VllmEngine):
         self.audio_token = config["thinker_config"][self.family.audio_token]
         self.model_positions = text.get("max_position_embeddings")
         self.work = Path(tempfile.mkdtemp(prefix=f"omnistage-{self.stage.name}-"))
-        self.view = thinker_text_view(self.model_dir, self.work / "thinker-text")
+        self.view = thinker_text_view(self.model_dir, config, self.work / "thinker-text")
         self.rows = RowsReceiver(f"ipc://{self.work / 'rows.sock'}", self._engine_dead)
         self.rows.start()
         await super().start()
@@ -159,13 +159,7 @@ class VllmThinkerEngine(VllmEngine):
         return llm.dead_error if llm is not None and llm.errored else None
 
     def _final_norm(self, eps: float):
-        from safetensors import safe_open
-
-        name = "thinker.model.norm.weight"
-        index = self.model_dir / "model.safetensors.index.json"
-        file = (json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors")
-        with safe_open(self.model_dir / file, "pt") as f:
-            weight = f.get_tensor(name)
+        weight = ShardedCheckpoint(self.model_dir).read("thinker.model.norm.weight")
         return lambda x: rms_norm(x, weight.to(x.dtype), eps)
 
     async def _prompt(self, req, inputs):

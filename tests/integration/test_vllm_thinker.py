@@ -16,7 +16,7 @@ from omnistage.spec import accepted_inputs
 
 from ..harness import call_stage, example, header, stage_servers
 from ..polling import wait_until
-from .test_omni_input import CASES, media_header, tensor_named, tokens_of, with_encoder_stage
+from .test_omni_input import media_header, tensor_named, tokens_of, with_encoder_stage
 
 pytestmark = pytest.mark.vllm
 
@@ -128,4 +128,3 @@ async def test_a_cancelled_request_leaves_no_rows_and_no_vllm_request_behind(thi
 def test_without_an_encoder_stage_the_pipeline_admits_text_only():
     assert accepted_inputs(example("qwen3-omni-vllm-tiny")) == {"text"}
     assert accepted_inputs(VLLM) >= {"text", "audio", "image"}  # the encoder stage's; the Thinker refuses images
-    assert set(CASES) >= {"audio", "image", "video"}

@@ -202,11 +202,12 @@ def test_a_text_config_without_rope_theta_is_refused():
 def test_the_checkpoint_view_links_every_file_and_copies_no_weight(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(qwen3_omni_config()))
+    config = qwen3_omni_config()
+    (ckpt / "config.json").write_text(json.dumps(config))
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json",
                  "chat_template.json"):
         (ckpt / name).write_bytes(b"x" * 10)
-    view = thinker_text_view(ckpt, tmp_path / "view")
+    view = thinker_text_view(ckpt, config, tmp_path / "view")
     names = sorted(p.name for p in view.iterdir())
     assert names == sorted(p.name for p in ckpt.iterdir())
     for name in names:
