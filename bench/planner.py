@@ -85,6 +85,7 @@ SLO_FACTOR = 2.0
 STAGES = {"thinker": 400.0, "talker": 200.0, "code2wav": 1000.0}   # units per second per replica, full batch
 UNITS = {"thinker": "tokens", "talker": "frames", "code2wav": "frames"}
 CLASSES = {"text": {"thinker": 256}, "speech": {"thinker": 24, "talker": 120, "code2wav": 120}}
+UPSTREAM = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}   # the stage graph (spec.topology)
 WARMUP_S = 60.0           # figures count from here (every controller starts at one replica per stage)
 STEADY_AFTER_S = 240.0    # the steady load's changes are counted from here (after the cold start settled)
 MAX_REPLICAS = 8          # per stage
@@ -260,7 +261,7 @@ class PlannerControl:
                           targets=AutoscalingTargets(queue_seconds=1.0, utilization=UTILIZATION),
                           budget=AutoscalingBudget(max_replicas=budget),
                           stages={s: StageAutoscaling(1, MAX_REPLICAS, 30.0) for s in STAGES})
-        self.planner = Planner(cfg, {s: 1 for s in STAGES})
+        self.planner = Planner(cfg, {s: 1 for s in STAGES}, upstream=UPSTREAM)
 
     def decide(self, t, stages) -> dict[str, int]:
         for name, st in stages.items():
@@ -379,11 +380,14 @@ REAL_SCALE_DOWN_DELAY_S = 20.0
 
 
 def estimates_line(t: float, gauges: Mapping[str, Mapping[str, float]]) -> str:
-    """One reading of the planner's gauges, one line: "12s talker 171/345=0.49 x2 ..." (per stage: offered load
-    over the capacity of one replica, units per second, their utilisation, and the replicas it wants)."""
+    """One reading of the planner's gauges, one line: "12s talker 171/345=0.49 x2 d0.62 ..." (per stage: offered
+    load over the capacity of one replica, units per second, their utilisation, the replicas it wants, and the
+    dispersion of its arrivals against Poisson's; "t12" when 12 units/s of the load are an upstream's backlog in
+    transit)."""
     return f"{t:.0f}s " + " ".join(
         f"{stage} {g.get('offered_load', 0):.0f}/{g.get('capacity', 0):.0f}={g.get('utilization', 0):.2f} "
-        f"x{g.get('desired_replicas', 0):.0f}" for stage, g in gauges.items())
+        f"x{g.get('desired_replicas', 0):.0f} d{g.get('arrival_dispersion', 1):.2f}"
+        + (f" t{g['in_transit']:.0f}" if g.get("in_transit", 0) > 0 else "") for stage, g in gauges.items())
 
 
 def real_run(tmp: Path) -> tuple[list[dict], dict]:
@@ -543,6 +547,8 @@ def real_run(tmp: Path) -> tuple[list[dict], dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one seed, no run with the real stages")
+    ap.add_argument("--modeled", action="store_true",
+                    help="the modeled scenarios over every seed only: no run with the real stages, no results file")
     args = ap.parse_args()
     started = time.perf_counter()
     seeds = (7,) if args.quick else (7, 8, 9, 10, 11)
@@ -572,6 +578,9 @@ def main() -> int:
     figures = [figure(f["name"], statistics.mean(s[i]["value"] for s in per_seed), f["unit"])
                for i, f in enumerate(per_seed[0])]
     real_extra: dict = {}
+    if args.modeled:
+        print_table("stage planner (modeled stages in virtual time)", figures)
+        return 0
     if not args.quick:
         with tempfile.TemporaryDirectory() as tmp:
             real, real_extra = real_run(Path(tmp))

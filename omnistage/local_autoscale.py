@@ -5,8 +5,10 @@ port (`/metrics`), lets the planner (`omnistage.planner`) decide, and makes each
 replicas as the planner wants: a new replica process joins the orchestrator's replicas once ready (the
 endpoints file, `--discovery file`); a replica removed leaves them first and is drained after (SIGTERM:
 it finishes what it was given, then exits), so scaling down fails no request. A stage on GPUs keeps the
-replicas it started with (serve places GPUs at start). The planner's decisions are served as Prometheus
-metrics on a status port of their own (`omnistage_planner_desired_replicas`, ...).
+replicas it started with (serve places GPUs at start). The planner is given the stage graph (each
+stage's inputs), so a stage's upstream catch-up is not read as a rise in its load. The planner's
+decisions are served as Prometheus metrics on a status port of their own
+(`omnistage_planner_desired_replicas`, ...).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from omnistage.devices import uses_gpus
 from omnistage.launch import METRICS_PATH, http_url
 from omnistage.local import LaunchError, LocalPipeline
 from omnistage.planner.controller import Planner
+from omnistage.planner.graph import upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
 from omnistage.planner.scrape import orchestrator_buckets, replica_counters
@@ -38,7 +41,8 @@ class LocalAutoscaler:
         self.config = dep.autoscaling
         self.fixed = {s.name for s in local.pipeline.stages if uses_gpus(dep.stages[s.name])}
         gpus = {s.name: dep.stages[s.name].gpus if s.name in self.fixed else 0 for s in local.pipeline.stages}
-        self.planner = Planner(self.config, self._in_service(), gpus, fixed=frozenset(self.fixed))
+        self.planner = Planner(self.config, self._in_service(), gpus, fixed=frozenset(self.fixed),
+                               upstream=upstream_of(local.pipeline))
         self.metrics = PlannerMetrics(local.pipeline.name)
         self.http = HttpStatusServer(local.host, 0, self.metrics.registry, lambda: True).start()
         self.metrics_url = http_url(local.host, self.http.port, METRICS_PATH)

@@ -4,9 +4,11 @@ A controller (the operator's, or `omnistage serve --autoscale`'s) reads every st
 each `intervalSeconds` and hands them to `observe`; `decide` then measures each stage over the last
 `WINDOW_S` (long enough that a few requests more or less do not move it much), the last `RECENT_S` (a
 load step shows there within a second or two) and the stage's scale-down delay (what fewer replicas
-would have to serve), updates the estimates, plans and decides. What the controller does with the
-result is its own: write Deployments' replicas, or start and drain local processes until each stage
-runs `scales[stage].replicas`.
+would have to serve), updates the estimates, plans and decides. Given the stage graph (`upstream`: each
+stage's input stages, spec.topology), a stage's load in each window is bounded by what its upstream was
+offered in it (graph.py): an upstream's catch-up passing through counts as backlog, not as a new rate.
+What the controller does with the result is its own: write Deployments' replicas, or start and drain
+local processes until each stage runs `scales[stage].replicas`.
 
 No I/O: time comes in as arguments, so tests drive it with a clock of their own.
 """
@@ -14,14 +16,16 @@ No I/O: time comes in as arguments, so tests drive it with a clock of their own.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
 
 from omnistage.spec.model import Autoscaling, StageAutoscaling
 
 from .decisions import Change, StageScale, decide
+from .graph import demand_per_request, edge_ratio, steady_arrivals
 from .latency import Buckets, merged, missed, p95, read_from_orchestrators
-from .load import ReplicaCounters, StageEstimate, estimate, load_floor, need, offered, window_since
+from .load import (ReplicaCounters, StageEstimate, StageWindow, arrived, dispersion, estimate, load_floor, need,
+                   offered, window, window_since)
 from .scrape import ORCHESTRATOR_HISTOGRAMS
 from .sizing import Budget, Plan, StageNeed, plan
 
@@ -42,19 +46,25 @@ class Decision:
     changes: list[Change]
     estimates: Mapping[str, StageEstimate]
     units: Mapping[str, str]   # per stage, what its capacity counts ("tokens/s"; "units/s" before its first step)
+    # per stage, the work units one request entering the pipeline takes there (graph.demand_per_request)
+    demand: Mapping[str, float] = field(default_factory=dict)
 
     def figures(self, stage: str) -> str:
-        """What a change of `stage` rests on, for a person: "53.8 frames/s offered, 272 per replica"."""
+        """What a change of `stage` rests on, for a person: "53.8 frames/s offered, 272 per replica" (and
+        ", 12 of it upstream backlog in transit" when the graph says so)."""
         est = self.estimates[stage]
-        return f"{est.load:.3g} {self.units[stage]} offered, {est.capacity:.3g} per replica"
+        transit = f" ({est.in_transit:.3g} of it upstream backlog in transit)" if est.in_transit > 0 else ""
+        return f"{est.load:.3g} {self.units[stage]} offered{transit}, {est.capacity:.3g} per replica"
 
 
 class Planner:
     def __init__(self, autoscaling: Autoscaling, replicas: Mapping[str, int], gpus: Mapping[str, int] | None = None,
-                 window_s: float = WINDOW_S, fixed: frozenset[str] = frozenset()):
+                 window_s: float = WINDOW_S, fixed: frozenset[str] = frozenset(),
+                 upstream: Mapping[str, Sequence[str]] | None = None):
         """`replicas`: each stage's count now (the file's `replicas`: a starting point, clamped to the
         stage's bounds); `gpus`: GPUs per replica of each stage; `fixed`: stages the controller cannot
-        scale (planned at the count they have, so the budget counts what really runs)."""
+        scale (planned at the count they have, so the budget counts what really runs); `upstream`: the
+        stage graph, each stage's input stages (graph.upstream_of; None: every stage on its own)."""
         self.config = autoscaling
         self.gpus = dict(gpus or {})
         self.window_s = window_s
@@ -64,6 +74,9 @@ class Planner:
                        for s, n in replicas.items()}
         self.estimates = {s: StageEstimate(s) for s in replicas}
         self.units = {s: "" for s in replicas}
+        self.upstream = {s: tuple(u for u in (upstream or {}).get(s, ()) if u in replicas) for s in replicas}
+        self.ratios: dict[tuple[str, str], float] = {}   # per edge (upstream, stage): graph.edge_ratio
+        self.dispersions = {s: 1.0 for s in replicas}    # per stage, of its arrivals (load.dispersion)
         self._history: dict[str, deque[dict[str, ReplicaCounters]]] = {s: deque() for s in replicas}
         # per orchestrator histogram (scrape.ORCHESTRATOR_HISTOGRAMS): (at, its buckets merged over replicas)
         self._orchestrators: dict[str, deque[tuple[float, dict[float, float]]]] = {
@@ -116,29 +129,35 @@ class Planner:
 
     def decide(self, now: float) -> Decision:
         targets = self.config.targets
+        windows = self._windows()
+        self._measure_edges(windows)
+        # per window, the most requests per second that can steadily arrive at each stage (graph.py)
+        steady = [steady_arrivals(self.upstream, {s: arrived(w[i]) for s, w in windows.items()}, self.ratios,
+                                  {s: w[i].seconds for s, w in windows.items()}, errors)
+                  for i, errors in enumerate((GROW_ERRORS, GROW_ERRORS_RECENT, GROW_ERRORS))]
         needs = []
-        for stage, hist in self._history.items():
+        for stage in self._history:
             est, b = self.estimates[stage], self.bounds[stage]
             unit = f"{self.units[stage] or 'units'}/s"
-            if len(hist) < 2:  # not measured over a window yet: held where it is (a 0 s delay must not cut it)
+            if stage not in windows:  # not measured over a window yet: held where it is (a 0 s delay must not cut it)
                 held = self.scales[stage].replicas
                 needs.append(need(est, held, held, self.gpus.get(stage, 0), unit, default_capacity=1.0))
                 continue
-            readings = list(hist)
-            long = window_since(stage, readings, self.window_s)
-            est = self.estimates[stage] = estimate(est, long, targets.queue_seconds)
+            long, short, delay_window = windows[stage]
+            est = self.estimates[stage] = estimate(est, long, targets.queue_seconds, steady[0][stage])
             per_request = est.units_per_request
             # a load step shows first in the recent window
-            short = window_since(stage, readings, RECENT_S)
-            recent, _ = offered(per_request, short, targets.queue_seconds)
+            recent, recent_backlog = offered(per_request, short, targets.queue_seconds, steady[1][stage])
             # fewer replicas must serve the load over the whole scale-down delay: a window that long, whose
             # count is steadier than any of the shorter ones within it (and a load a little over the target
             # for that long is surely over it, where 10 s could not tell)
-            delay_window = window_since(stage, readings, max(b.scale_down_delay_seconds, self.window_s))
-            over_delay, _ = offered(per_request, delay_window, targets.queue_seconds)
-            surely = max(load_floor(est.load, est.backlog, per_request, long.seconds, GROW_ERRORS),
-                         load_floor(recent, est.backlog, per_request, short.seconds, GROW_ERRORS_RECENT),
-                         load_floor(over_delay, est.backlog, per_request, delay_window.seconds, GROW_ERRORS))
+            over_delay, delay_backlog = offered(per_request, delay_window, targets.queue_seconds, steady[2][stage])
+            # how steady its arrivals are narrows what each window surely holds; each window's backlog is the
+            # queue (the same in all) and what it saw in transit (its own)
+            d = self.dispersions[stage] = dispersion(self._arrival_counts(stage))
+            surely = max(load_floor(est.load, est.backlog, per_request, long.seconds, GROW_ERRORS, d),
+                         load_floor(recent, recent_backlog, per_request, short.seconds, GROW_ERRORS_RECENT, d),
+                         load_floor(over_delay, delay_backlog, per_request, delay_window.seconds, GROW_ERRORS, d))
             load = max(est.load, surely)
             needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
                               default_capacity=max(load, 1.0) / targets.utilization, grow_load=surely,
@@ -149,7 +168,36 @@ class Planner:
             p = replace(p, reason=p.reason + why)
         delays = {s: b.scale_down_delay_seconds for s, b in self.bounds.items()}
         self.scales, changes = decide(self.scales, p, now, delays, self.gpus, self.budget)
-        return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs})
+        demand = demand_per_request(self.upstream, self.ratios,
+                                    {s: e.units_per_request for s, e in self.estimates.items()})
+        return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs}, demand)
+
+    def _windows(self) -> dict[str, tuple[StageWindow, StageWindow, StageWindow]]:
+        """Per stage measured over a window yet: its last `window_s`, last RECENT_S and last scale-down delay
+        (at least `window_s`)."""
+        out = {}
+        for stage, hist in self._history.items():
+            if len(hist) < 2:
+                continue
+            readings, delay = list(hist), self.bounds[stage].scale_down_delay_seconds
+            out[stage] = (window_since(stage, readings, self.window_s), window_since(stage, readings, RECENT_S),
+                          window_since(stage, readings, max(delay, self.window_s)))
+        return out
+
+    def _arrival_counts(self, stage: str) -> list[float]:
+        """The requests that arrived at the stage between each two successive readings kept (the last
+        scale-down delay, at least a window): what `load.dispersion` measures."""
+        readings = list(self._history[stage])
+        return [arrived(w) * w.seconds for w in (window(stage, a, b) for a, b in zip(readings, readings[1:]))]
+
+    def _measure_edges(self, windows: Mapping[str, tuple[StageWindow, StageWindow, StageWindow]]) -> None:
+        """Each edge's share of the upstream's requests that reach the stage, over the longest window both
+        have (ended requests pass through a catch-up alike: graph.edge_ratio)."""
+        for stage, ins in self.upstream.items():
+            for u in ins:
+                if stage in windows and u in windows:
+                    self.ratios[(u, stage)] = edge_ratio(self.ratios.get((u, stage), 0.0),
+                                                         windows[u][2].requests_per_s, windows[stage][2].requests_per_s)
 
     def desired(self) -> dict[str, int]:
         return {s: sc.replicas for s, sc in self.scales.items()}

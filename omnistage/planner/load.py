@@ -25,9 +25,15 @@ snapshots of those counters, a window apart, give per stage:
   queue count as held, not as load gone. The queued work spread over `drain_seconds` (the larger of the
   queue target and `MIN_DRAIN_S`) is the backlog; the sizing plans it at full utilisation (a backlog is
   worked off by headroom, not by replicas that start after it is gone);
+- what of it is an upstream's backlog in transit (with the stage graph, `graph.py`): requests arriving
+  above the steady rate the stage's upstream is offered (times the share of its requests that reach the
+  stage) are a catch-up passing through, not a new rate; they count as backlog (their work over the drain
+  time), like the stage's own queue;
 - how sure a load is (`load_floor`): what arrived in a window is a count of requests, off by about its
   square root (Poisson), so a short window or a stage with few, large requests reads a steady load as
-  bursts. The planner grows a stage only for the load it surely has.
+  bursts. The planner grows a stage only for the load it surely has. Arrivals steadier than Poisson
+  (clients that wait for their answers send more evenly) are measured (`dispersion`: how much the counts
+  of successive intervals differ, against Poisson's) and narrow the interval, never widen it.
 
 Pure: snapshots in, numbers out.
 """
@@ -49,6 +55,10 @@ CAPACITY_MEMORY = 0.95
 PER_REQUEST_MEMORY = 0.8
 # A backlog is planned to be gone within this long at least (see the module docstring).
 MIN_DRAIN_S = 30.0
+# Arrivals count as steadier than Poisson only when measured over this many successive intervals at least, and
+# never as more than this much steadier (`dispersion`).
+MIN_DISPERSION_INTERVALS = 8
+MIN_DISPERSION = 0.1
 
 
 @dataclass(frozen=True)
@@ -137,11 +147,13 @@ class StageEstimate:
     load: float = 0.0               # offered units per second
     utilization: float = 0.0        # load over the capacity of the replicas running
     capacity_fill: float = 0.0      # units per step when the capacity was measured (0: not known)
-    backlog: float = 0.0            # of `load`: the queued work over its drain time
+    backlog: float = 0.0            # of `load`: the queued work over its drain time (and what is in transit)
+    in_transit: float = 0.0         # of `backlog`: an upstream's catch-up passing through (graph.py)
 
 
-def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float) -> StageEstimate:
-    """The next estimate from the last one and the window `w` (see the module docstring)."""
+def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float, steady: float | None = None) -> StageEstimate:
+    """The next estimate from the last one and the window `w` (see the module docstring); `steady`: the most
+    requests per second that can steadily arrive, from the stage graph (None: no bound)."""
     capacity, fill = capacity_seen(prev.capacity, prev.capacity_fill, w)
     per_request = prev.units_per_request
     # units are counted as they are made, requests only as they end: a request that entered service in the
@@ -150,9 +162,9 @@ def estimate(prev: StageEstimate, w: StageWindow, queue_seconds: float) -> Stage
     if w.requests_per_s > 0 and ended > 0:  # smoothed
         seen = w.units_per_s / ended
         per_request = seen if not per_request else PER_REQUEST_MEMORY * per_request + (1 - PER_REQUEST_MEMORY) * seen
-    load, backlog = offered(per_request, w, queue_seconds)
+    load, backlog, transit = offered_parts(per_request, w, queue_seconds, steady)
     util = load / (w.replicas * capacity) if w.replicas and capacity > 0 else 0.0
-    return StageEstimate(w.stage, capacity, per_request, load, util, fill, backlog)
+    return StageEstimate(w.stage, capacity, per_request, load, util, fill, backlog, transit)
 
 
 def capacity_seen(best: float, best_fill: float, w: StageWindow) -> tuple[float, float]:
@@ -169,24 +181,72 @@ def capacity_seen(best: float, best_fill: float, w: StageWindow) -> tuple[float,
     return max(best * CAPACITY_MEMORY, min(at_best_fill, best)), best_fill
 
 
-def offered(per_request: float, w: StageWindow, queue_seconds: float) -> tuple[float, float]:
-    """Offered load over `w` in units per second, its backlog included, and the backlog's share: the requests
-    that arrived (those that ended, plus the growth of those held, queued or running) at `per_request` units
-    each. Before a request has ended (no work per request yet) the throughput stands in."""
+def arrived(w: StageWindow) -> float:
+    """Requests per second that arrived at the stage over `w`: those that ended, plus the growth of those
+    it holds (queued or running)."""
+    if w.seconds <= 0:
+        return 0.0
+    held = (w.queued + w.running - w.queued_before - w.running_before) / w.seconds
+    return max(w.requests_per_s + held, 0.0)
+
+
+def offered(per_request: float, w: StageWindow, queue_seconds: float,
+            steady: float | None = None) -> tuple[float, float]:
+    """Offered load over `w` in units per second, its backlog included, and the backlog's share (see
+    `offered_parts`)."""
+    load, backlog, _ = offered_parts(per_request, w, queue_seconds, steady)
+    return load, backlog
+
+
+def offered_parts(per_request: float, w: StageWindow, queue_seconds: float,
+                  steady: float | None = None) -> tuple[float, float, float]:
+    """Offered load over `w` in units per second, its backlog included; the backlog's share; and of that the
+    share in transit. What arrives: the requests that arrived (`arrived`) at `per_request` units each, at
+    most `steady` requests per second (the stage graph's bound: None, none); those above it are an upstream's
+    backlog in transit, their work over the drain time (at most their rate: the window's work, never more).
+    Before a request has ended (no work per request yet) the throughput stands in, with no bound."""
     growth, backlog = _queue_terms(per_request, w, queue_seconds)
     if per_request > 0 and w.seconds > 0:
-        held = (w.queued + w.running - w.queued_before - w.running_before) / w.seconds
-        return max(w.requests_per_s + held, 0.0) * per_request + backlog, backlog
-    return max(w.units_per_s + growth, 0.0) + backlog, backlog
+        rate, transit = arrived(w), 0.0
+        if steady is not None and rate > steady:
+            transit = (rate - steady) * per_request * min(1.0, w.seconds / drain_seconds(queue_seconds))
+            rate = steady
+        return rate * per_request + backlog + transit, backlog + transit, transit
+    return max(w.units_per_s + growth, 0.0) + backlog, backlog, 0.0
 
 
-def load_floor(load: float, backlog: float, per_request: float, seconds: float, errors: float) -> float:
+def drain_seconds(queue_seconds: float) -> float:
+    """How long a backlog is planned to take to drain (see the module docstring)."""
+    return max(queue_seconds, MIN_DRAIN_S)
+
+
+def dispersion(counts: Sequence[float]) -> float:
+    """How much more or less the requests arriving in successive equal intervals (`counts`, oldest first)
+    vary than a Poisson count (whose variance is its mean), as `load_floor` may use it: the upper end of the
+    estimate, at most 1. The estimate is half the mean square of successive differences over the mean count
+    (a load that changes level moves one difference, where the plain variance would count the change in
+    every interval); its relative standard error is about 2/sqrt(m) over m differences of counts of a few
+    requests, so its upper end is the estimate times 1 + 4/sqrt(m). Fewer than MIN_DISPERSION_INTERVALS
+    differences, or nothing arrived: 1 (Poisson). Burstier arrivals than Poisson keep 1: the planner's
+    errors are sized for Poisson and a missed target presses the bottleneck anyway (latency.py)."""
+    m = len(counts) - 1
+    mean = sum(counts) / len(counts) if counts else 0.0
+    if m < MIN_DISPERSION_INTERVALS or mean <= 0:
+        return 1.0
+    seen = sum((b - a) ** 2 for a, b in zip(counts, counts[1:])) / (2 * m) / mean
+    return min(max(seen * (1 + 4 / math.sqrt(m)), MIN_DISPERSION), 1.0)
+
+
+def load_floor(load: float, backlog: float, per_request: float, seconds: float, errors: float,
+               dispersion: float = 1.0) -> float:
     """The least load that a reading of `load` (its `backlog` included) over `seconds` surely is, at `errors`
     standard errors: the requests that arrived are a Poisson count n, whose rate is at least
     (sqrt(n + errors^2/4) - errors/2)^2 (the lower end of the score interval; it holds for a few requests,
     where n - errors x sqrt(n) would go below 0). The backlog is counted, not sampled: it is added as it is.
-    Before the work per request is known the reading is taken as it is."""
-    per_count = per_request / seconds if per_request > 0 and seconds > 0 else 0.0
+    Before the work per request is known the reading is taken as it is. Arrivals whose count varies
+    `dispersion` times as much as a Poisson count's (`dispersion`) are a Poisson count in units of
+    `dispersion` requests."""
+    per_count = per_request * dispersion / seconds if per_request > 0 and seconds > 0 and dispersion > 0 else 0.0
     if per_count <= 0 or errors <= 0:
         return load
     n = max(load - backlog, 0.0) / per_count
@@ -196,7 +256,7 @@ def load_floor(load: float, backlog: float, per_request: float, seconds: float, 
 def _queue_terms(per_request: float, w: StageWindow, queue_seconds: float) -> tuple[float, float]:
     """Units per second by which the queue grew over `w` (negative: it shrank), and its backlog's share."""
     growth = (w.queued - w.queued_before) * per_request / w.seconds if w.seconds > 0 else 0.0
-    return growth, w.queued * per_request / max(queue_seconds, MIN_DRAIN_S)
+    return growth, w.queued * per_request / drain_seconds(queue_seconds)
 
 
 def need(est: StageEstimate, min_replicas: int, max_replicas: int, gpus: int = 0, unit: str = "units/s",

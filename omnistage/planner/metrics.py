@@ -22,6 +22,15 @@ class PlannerMetrics:
                           "to drain included", labels, registry=r)
         self.utilization = Gauge("omnistage_planner_utilization", "Offered load over the capacity of the replicas "
                                  "running (above 1: the stage is the bottleneck)", labels, registry=r)
+        self.in_transit = Gauge("omnistage_planner_in_transit", "Of the offered load, work units per second that "
+                                "an upstream's catch-up sends above what the upstream is offered (planned as "
+                                "backlog, not as a steady rate)", labels, registry=r)
+        self.demand = Gauge("omnistage_planner_demand_per_request", "Work units one request entering the pipeline "
+                            "takes at the stage: its work per request times the share of requests reaching it",
+                            labels, registry=r)
+        self.dispersion = Gauge("omnistage_planner_arrival_dispersion", "How much the requests arriving at the "
+                                "stage per interval vary against a Poisson count's variance, as the planner uses "
+                                "it (1: Poisson; lower: steadier, so a load is sure sooner)", labels, registry=r)
         self.changes = Counter("omnistage_planner_changes", "Replica count changes the planner made, by direction",
                                [*labels, "direction"], registry=r)
 
@@ -32,5 +41,8 @@ class PlannerMetrics:
             self.capacity.labels(self.pipeline, stage).set(est.capacity)
             self.load.labels(self.pipeline, stage).set(est.load)
             self.utilization.labels(self.pipeline, stage).set(est.utilization)
+            self.in_transit.labels(self.pipeline, stage).set(est.in_transit)
+            self.demand.labels(self.pipeline, stage).set(decision.demand.get(stage, 0.0))
+            self.dispersion.labels(self.pipeline, stage).set(planner.dispersions.get(stage, 1.0))
         for c in decision.changes:
             self.changes.labels(self.pipeline, c.stage, "up" if c.after > c.before else "down").inc()

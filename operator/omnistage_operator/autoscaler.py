@@ -35,6 +35,7 @@ from prometheus_client.metrics_core import Metric
 
 from omnistage.launch import METRICS_PATH, http_url
 from omnistage.planner.controller import Planner
+from omnistage.planner.graph import upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
 from omnistage.planner.scrape import orchestrator_buckets, replica_counters
@@ -60,9 +61,10 @@ def fetch_metrics(target: ScrapeTarget) -> str:
 
 
 def signature(p: Pipeline) -> str:
-    """What the planner is built from: a change starts it afresh."""
-    return json.dumps([asdict(p.deployment.autoscaling), [(s.name, p.deployment.stages[s.name].gpus) for s in p.stages]],
-                      sort_keys=True, default=str)
+    """What the planner is built from (the autoscaling section, GPUs per stage, the stage graph): a change
+    starts it afresh."""
+    return json.dumps([asdict(p.deployment.autoscaling), [(s.name, p.deployment.stages[s.name].gpus) for s in p.stages],
+                       upstream_of(p)], sort_keys=True, default=str)
 
 
 @dataclass
@@ -133,7 +135,8 @@ class Autoscaler:
         if state is None or state.signature != sig:
             gpus = {s.name: p.deployment.stages[s.name].gpus for s in p.stages}
             state = self.pipelines[key] = PipelinePlanner(
-                Planner(p.deployment.autoscaling, {s.name: live[s.name] for s in p.stages}, gpus), sig)
+                Planner(p.deployment.autoscaling, {s.name: live[s.name] for s in p.stages}, gpus,
+                        upstream=upstream_of(p)), sig)
         state.next_at = now + p.deployment.autoscaling.interval_seconds
         self._observe(state.planner, self.kube.list_pods(namespace, name))
         decision = state.planner.decide(self.clock())

@@ -30,7 +30,8 @@ from omnistage_operator.planning import (STATUS_REFRESH_S, Plans, PlannedView, S
                                          planned_view, ready_floor, scrape_targets, starting_replicas)
 from omnistage_operator.rollout import RolloutPlan
 from omnistage_operator.status import build_status
-from omnistage_operator.vocabulary import PLANNED, R_BUDGET_LIMITED, R_MEASURING, R_NO_LOAD, R_SIZED
+from omnistage_operator.vocabulary import (COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, PLANNED, R_BUDGET_LIMITED,
+                                          R_MEASURING, R_NO_LOAD, R_SIZED)
 from orchestrator_service.metrics import OrchestratorMetrics
 
 from ..conftest import EXAMPLES
@@ -299,3 +300,42 @@ def test_a_change_is_told_with_the_stages_own_figures_and_the_plans_reason_in_ei
     assert scaled.startswith("talker: 2 -> 3 replicas (") and "frames/s offered" in scaled
     assert scaled.endswith(f"); {d.plan.reason}")
     assert change_message(d, Change("talker", 2, 3), scales=False).startswith("talker: 2 -> 3 replicas recommended (")
+
+
+class StillKube:
+    """The API server as the autoscaler reads it: one autoscaled pipeline whose stage Deployments exist, no pods
+    ready yet; scales and events are recorded."""
+
+    def __init__(self, body):
+        self.body, self.scaled, self.events = body, [], []
+
+    def get_pipeline(self, namespace, name):
+        return self.body
+
+    def list_kind(self, kind, namespace, name):
+        return [{"metadata": {"labels": {LABEL_COMPONENT: COMPONENT_STAGE, LABEL_STAGE: s}}, "spec": {"replicas": 2}}
+                for s in STAGES]
+
+    def list_pods(self, namespace, name):
+        return []
+
+    def scale(self, *args):
+        self.scaled.append(args)
+
+    def post_event(self, *args):
+        self.events.append(args)
+
+
+def test_the_cluster_planner_is_given_the_pipelines_stage_graph():
+    """The graph (spec.topology's inputs) lets the planner read an upstream's catch-up as backlog in transit
+    (omnistage.planner.graph); the operator hands it over as `serve --autoscale` does."""
+    body = doc(AUTO)
+    body["metadata"].setdefault("namespace", "ns")
+    autoscaler = Autoscaler(StillKube(body), Plans(), lambda t: "", clock=lambda: 0.0)
+    try:
+        autoscaler.tracked.add(("ns", body["metadata"]["name"]))
+        autoscaler.step(("ns", body["metadata"]["name"]))
+    finally:
+        autoscaler.close()
+    planner = autoscaler.pipelines[("ns", body["metadata"]["name"])].planner
+    assert planner.upstream == {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}

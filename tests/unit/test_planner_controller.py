@@ -231,3 +231,36 @@ def test_a_poisson_load_four_times_higher_grows_the_stage_within_5_s(seed):
     first_up = min(t for t, before, after in changes if t >= 60 and after > before)
     assert first_up - 60 <= (5 if at_step == 1 else 10), changes
     assert planner.desired()["talker"] >= 3     # 403 frames/s: 2.5 replicas at the target
+
+
+def first_growth(planner: Planner, counts) -> float | None:
+    """One Talker replica of 300 frames/s, 120 frames a request; `counts(t)` requests arrive in second t, all
+    served within it. The virtual second of the first scale-up (None: none within 60 s)."""
+    c = ReplicaCounters(0.0)
+    for t in range(1, 61):
+        n = counts(t)
+        c = ReplicaCounters(float(t), c.units + n * 120, c.busy_seconds + n * 120 / 300, c.finished + n, 0, 0)
+        planner.observe("talker", {"t0": c}, "frames")
+        if planner.decide(float(t)).changes:
+            return float(t)
+    return None
+
+
+def test_arrivals_steadier_than_poisson_are_measured_and_make_a_step_sure_sooner(monkeypatch):
+    """Closed-loop clients send evenly: 1 or 2 requests a second (0.6 of the replica), then from 30 s 2 or 3
+    (300 frames/s: 1.0, over the 0.8 target). Counted as Poisson, 2.5 requests a second are sure above 2 only
+    20 s after the step; measured as steadier (successive seconds differ by one request), 10 s after."""
+    def counts(t):
+        return (1 + t % 2) if t <= 30 else (2 + t % 2)
+
+    def planner():
+        return Planner(config(talker=(1, 2, 20.0)), {"talker": 1})
+
+    measured = planner()
+    steady_at = first_growth(measured, counts)
+    assert measured.dispersions["talker"] < 1.0, measured.dispersions
+    import omnistage.planner.controller as controller
+    monkeypatch.setattr(controller, "dispersion", lambda counts: 1.0)
+    poisson_at = first_growth(planner(), counts)
+    assert steady_at is not None and 30 < steady_at <= 40, steady_at     # 10 s of evenly sent requests
+    assert poisson_at is None or poisson_at >= 50, poisson_at             # twice that as Poisson

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnistage.planner.load import (CAPACITY_MEMORY, MIN_BUSY, MIN_DRAIN_S, PER_REQUEST_MEMORY, ReplicaCounters,
-                                    StageEstimate, StageWindow, capacity_seen, estimate, load_floor, need, offered,
-                                    window, window_since)
+from omnistage.planner.load import (CAPACITY_MEMORY, MIN_BUSY, MIN_DISPERSION, MIN_DRAIN_S, PER_REQUEST_MEMORY,
+                                    ReplicaCounters, StageEstimate, StageWindow, capacity_seen, dispersion, estimate,
+                                    load_floor, need, offered, window, window_since)
 
 
 def C(at, units=0.0, busy=0.0, finished=0.0, queued=0, running=0, steps=0.0):
@@ -217,3 +217,37 @@ def test_load_is_never_negative_when_the_queue_empties_faster_than_requests_end(
     shrinking = W(300, 1.0, requests_per_s=4, queued=0, queued_before=30, seconds=3)
     e = estimate(StageEstimate("a", units_per_request=25), shrinking, 1)
     assert e.load == 0.0 and offered(25, shrinking, 1)[0] == 0.0
+
+
+@pytest.mark.parametrize("name, counts, expected", [
+    ("too few intervals: Poisson", [2, 3] * 4, 1.0),
+    ("nothing arrived: Poisson", [0] * 20, 1.0),
+    ("alternating 2 and 3 (closed-loop clients): 0.2, at its upper end 0.2 x (1 + 4/sqrt(19))",
+     [2, 3] * 10, 0.2 * (1 + 4 / 19 ** 0.5)),
+    ("the same count every interval: as steady as it may count", [3] * 20, MIN_DISPERSION),
+    ("a level change moves one difference: 1 -> 4 after 10 intervals", [1] * 10 + [4] * 10,
+     min(9 / (2 * 19) / 2.5 * (1 + 4 / 19 ** 0.5), 1.0)),
+    ("burstier than Poisson: kept at 1", [0, 8] * 10, 1.0),
+])
+def test_dispersion_table(name, counts, expected):
+    assert dispersion(counts) == pytest.approx(expected), name
+
+
+def test_steadier_arrivals_are_sure_sooner():
+    # 25 requests in 10 s of 120 units: at 1.5 errors Poisson says 17.8 surely; a count a fifth as variable 22.5
+    poisson = load_floor(300.0, 0.0, 120.0, 10.0, 1.5)
+    steady = load_floor(300.0, 0.0, 120.0, 10.0, 1.5, dispersion=0.2)
+    assert poisson == pytest.approx(12.0 * ((25 + 1.5 ** 2 / 4) ** 0.5 - 0.75) ** 2)
+    assert steady == pytest.approx(12.0 * 0.2 * ((125 + 1.5 ** 2 / 4) ** 0.5 - 0.75) ** 2)
+    assert poisson < steady < 300.0
+
+
+@given(st.floats(0, 1e5), st.floats(0.01, 1e3), st.floats(0.5, 60), st.floats(0, 4), st.floats(MIN_DISPERSION, 1.0),
+       st.floats(0.0, 1.0))
+def test_a_steadier_count_never_lowers_the_floor_nor_lifts_it_above_the_reading(load, per_request, seconds, errors,
+                                                                                d, steadier):
+    floor = load_floor(load, 0.0, per_request, seconds, errors, d)
+    assert floor <= load + 1e-6
+    assert load_floor(load, 0.0, per_request, seconds, errors, d * steadier + MIN_DISPERSION * (1 - steadier)) >= \
+        floor - 1e-6
+    assert floor >= load_floor(load, 0.0, per_request, seconds, errors) - 1e-6   # Poisson's is the lowest
