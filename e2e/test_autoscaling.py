@@ -100,6 +100,7 @@ def test_a_load_step_grows_a_stage_and_scaling_down_under_load_fails_nothing(pla
         wait_for(lambda: stage_status(c, grown).get("desiredReplicas") == 2, 30, f"status {grown} desiredReplicas 2")
         st = stage_status(c, grown)
         assert st["capacity"] > 0 and st["capacityUnit"].endswith("/s") and st["utilization"] > 0, st
+        assert st["demandPerRequest"] > 0, st   # the work a request takes there, through the graph
         planned_cond = c.condition(NS, PIPE, "Planned")
         assert planned_cond["status"] == "True" and "bottleneck" in planned_cond["message"], planned_cond
         wait_for(lambda: any(m.startswith(f"{grown}: 1 -> 2 replicas") for m in scaled_events(c)), 30,

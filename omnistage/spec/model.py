@@ -510,6 +510,10 @@ class ReplicaStatus:
                                    "yet).", default="", empty_ok=True)
     utilization: float = api_field("Offered load over the capacity of the replicas running, as measured: above 1 "
                                    "the stage is the bottleneck.", default=0.0)
+    demand_per_request: float = api_field("Work units (capacityUnit's) one request entering the pipeline takes at this "
+                                          "stage on average, as the planner measured it: the stage's units per request "
+                                          "times the share of requests that reach it (0: not measured yet).",
+                                          default=0.0)
 
 
 @dataclass(frozen=True)

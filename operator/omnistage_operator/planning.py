@@ -100,7 +100,8 @@ def ready_floor(p: Pipeline, stage: str, replicas: int) -> int:
 @dataclass(frozen=True)
 class PlannedView:
     """The planner's last word on a pipeline, as the status shows it."""
-    stages: Mapping[str, Mapping[str, Any]]   # per stage: desiredReplicas, capacity, capacityUnit, utilization
+    stages: Mapping[str, Mapping[str, Any]]   # per stage: desiredReplicas, capacity, capacityUnit, utilization,
+                                              # demandPerRequest
     condition: Mapping[str, Any]              # the Planned condition (no generation: the reconcile adds it)
 
 
@@ -111,6 +112,8 @@ def planned_view(decision: Decision, desired: Mapping[str, int]) -> PlannedView:
         entry = {"desiredReplicas": n, "capacity": _round(est.capacity), "utilization": round(est.utilization, 2)}
         if est.capacity > 0:   # absent until measured (the API server takes an empty string for null)
             entry["capacityUnit"] = decision.units[stage]
+        if decision.demand.get(stage, 0) > 0:
+            entry["demandPerRequest"] = _round(decision.demand[stage])
         stages[stage] = entry
     unmeasured = [s for s in desired if decision.estimates[s].capacity <= 0]
     plan = decision.plan

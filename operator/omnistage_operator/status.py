@@ -15,7 +15,7 @@ Conditions:
   Planned      (autoscaling enabled) the stage planner's last decision (planning.py): True/Sized,
                True/BudgetLimited, True/NoLoad, Unknown/Measuring
 Under autoscaling a stage's `replicas` is what its Deployment runs (the planner sets it), with the planner's
-`desiredReplicas`, `capacity`, `capacityUnit` and `utilization`; replicas it added are not counted missing
+`desiredReplicas`, `capacity`, `capacityUnit`, `utilization` and `demandPerRequest`; replicas it added are not counted missing
 while they start (only those below the stage's minReplicas are).
 """
 
@@ -35,7 +35,8 @@ from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, DEGRADED, LABE
 
 MAX_MESSAGE = 1000
 # A stage entry's fields the stage planner sets (planning.planned_view).
-PLANNER_FIELDS = frozenset({"desiredReplicas", "capacity", "capacityUnit", "utilization"})
+PLANNER_FIELDS = frozenset({"desiredReplicas", "capacity", "capacityUnit", "utilization",
+                            "demandPerRequest"})
 # The kubelet's own bound on one container's termination message (it keeps the end, as we do).
 MAX_TERMINATION_MESSAGE = 4096
 # Waiting reasons of a container on its way up; any other says why it cannot start (ImagePullBackOff,

@@ -170,6 +170,19 @@ def test_the_view_names_each_stage_figures_and_a_sized_condition():
     assert view.condition["reason"] == R_SIZED and "bottleneck" in view.condition["message"]
 
 
+def test_the_view_shows_each_stage_demand_per_request_from_the_graph():
+    """10 units a request everywhere; 4 of the Thinker's 5 requests a second go on to the Talker (and all of
+    those to Code2Wav): a request entering the pipeline takes 10 units at the Thinker, 8 at the others."""
+    graph = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}
+    planner = Planner(config(), {"thinker": 1, "talker": 1, "code2wav": 1}, upstream=graph)
+    d = run(planner, 30, {"thinker": (50.0, 0.5, 0), "talker": (40.0, 0.4, 0), "code2wav": (40.0, 0.4, 0)})
+    demand = {s: v.get("demandPerRequest") for s, v in planned_view(d, planner.desired()).stages.items()}
+    assert demand == pytest.approx({"thinker": 10.0, "talker": 8.0, "code2wav": 8.0}, rel=0.02)
+    alone = Planner(config(), {"thinker": 1, "talker": 1, "code2wav": 1})   # no graph: each stage its own source
+    d = run(alone, 30, {"thinker": (50.0, 0.5, 0), "talker": (40.0, 0.4, 0), "code2wav": (40.0, 0.4, 0)})
+    assert planned_view(d, alone.desired()).stages["talker"]["demandPerRequest"] == pytest.approx(10.0, rel=0.02)
+
+
 def test_a_budget_that_cannot_meet_the_target_says_so():
     planner = Planner(config(budget={"maxReplicas": 4}), {"thinker": 1, "talker": 2, "code2wav": 1})
     # every stage busy all the time with a queue: each surely needs more than one replica (at 0.9 busy, 5 to 8
