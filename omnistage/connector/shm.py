@@ -6,8 +6,10 @@ under a file lock; the last reader unlinks the segment. An unlinked segment stay
 its pages go back to the system when the last view of the last reader's tensor dies. The mapping is
 copy-on-write, so a consumer writing into its tensor changes nothing another reader sees. Small
 segments are copied out with one `preadv` instead (below MAPPED_FROM a copy is cheaper than mapping).
-The producer sees the unlink as consumption (the name is gone) and stops counting the bytes. Release,
-cancel and TTL unlink from the producer.
+When the last view of a mapped tensor dies, the mapping is handed to one unmapping thread per process:
+unmapping a consumed segment frees its tmpfs pages (about 1 us a page here), work the consumer's
+thread need not wait for. The producer sees the unlink as consumption (the name is gone) and stops
+counting the bytes. Release, cancel and TTL unlink from the producer.
 
 Segment names carry the producer's pid namespace and pid, so a store starting up removes the
 segments of producers in its own pid namespace that died without cleaning up (SIGKILL, OOM).
@@ -15,14 +17,19 @@ segments of producers in its own pid namespace that died without cleaning up (SI
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import itertools
+import mmap
 import os
+import queue
 import re
 import secrets
+import threading
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import psutil
 import torch
 
@@ -183,17 +190,81 @@ def _read_segment(path: Path, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         else:
             os.pwrite(fd, header.with_readers(header.readers - 1), 0)
     finally:
-        os.close(fd)  # also drops the lock
+        # Unlock before closing: a mapping made from this descriptor keeps its open file, and with it
+        # the lock, alive for as long as the tensor lives.
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
     return from_bytes(raw, header)
 
 
 def _map_bytes(fd: int, nbytes: int) -> torch.Tensor:
-    """The segment's bytes as a tensor over a private (copy-on-write) mapping of it. torch owns the mapping:
-    it is unmapped when the last view of the tensor dies, and no file descriptor stays open for it. The
-    mapping starts at the header (mmap offsets are page multiples); the bytes at 128 are aligned for
-    every dtype."""
-    mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=HEADER_BYTES + nbytes, dtype=torch.uint8)
-    return mapped[HEADER_BYTES:]
+    """The segment's bytes as a tensor over a private (copy-on-write) mapping of it. The mapping lives
+    as long as the last view of the tensor (numpy holds the `_Mapping` as the array's base, torch the
+    array), and no file descriptor stays open for it. The mapping starts at the header (mmap offsets
+    are page multiples); the bytes at 128 are aligned for every dtype."""
+    return torch.from_numpy(np.asarray(_Mapping(fd, HEADER_BYTES + nbytes))[HEADER_BYTES:])
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """A private mapping of a whole segment, exposed to numpy. Its end queues the unmap for `_UNMAPPER`
+    (ctypes drops the interpreter lock for the call), so the thread that drops the last view does not
+    wait while the kernel frees the pages of a consumed segment."""
+
+    def __init__(self, fd: int, size: int):
+        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+        if addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise ConnectorError(f"shared memory: cannot map {size} bytes ({os.strerror(err)})")
+        self.addr, self.size = addr, size
+        self.__array_interface__ = {"data": (addr, False), "shape": (size,), "typestr": "|u1", "version": 3}
+
+    def __del__(self):
+        try:
+            _UNMAPPER.unmap(self.addr, self.size)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the process's end unmaps it
+            pass
+
+
+class _Unmapper:
+    """One daemon thread per process that unmaps what `_Mapping`s queue (started on first use, and
+    again in a forked child, which inherits the mappings but not the thread)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def unmap(self, addr: int, size: int) -> None:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._queue = queue.SimpleQueue()
+                    threading.Thread(target=self._run, args=(self._queue,), name="omnistage-shm-unmap",
+                                     daemon=True).start()
+                    self._pid = os.getpid()
+        self._queue.put((addr, size))
+
+    def after_fork(self) -> None:
+        """In a forked child: no thread yet, and a lock some parent thread held stays held otherwise."""
+        self._lock = threading.Lock()
+        self._pid = 0
+
+    @staticmethod
+    def _run(pending: queue.SimpleQueue) -> None:
+        while True:
+            addr, size = pending.get()
+            _libc.munmap(addr, size)
+
+
+_UNMAPPER = _Unmapper()
+os.register_at_fork(after_in_child=_UNMAPPER.after_fork)
 
 
 def _copy_bytes(fd: int, nbytes: int, ref: tensor_pb2.TensorRef) -> torch.Tensor:

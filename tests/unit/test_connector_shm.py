@@ -4,7 +4,9 @@ and what a release does to readers that mapped already and to those that did not
 
 from __future__ import annotations
 
+import fcntl
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def mappings_of(segment: str) -> int:
     """How many mappings of `segment` this process has (an unlinked one stays listed, marked deleted)."""
     return sum(segment in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def unmapped_to(segment: str, count: int, timeout: float = 5.0) -> bool:
+    """Whether this process's mappings of `segment` fall to `count` within `timeout` (the unmap of a
+    dead tensor's mapping runs on the store's unmapping thread, so it lands a moment after the del)."""
+    deadline = time.monotonic() + timeout
+    while mappings_of(segment) != count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def mapped_size(dtype: torch.dtype) -> list[int]:
@@ -81,9 +94,9 @@ async def test_the_last_reader_unlinks_and_the_mapping_lives_as_long_as_its_last
     del second
     assert mappings_of(segment) == 2 and same_bits(row, t[1:2])
     del row
-    assert mappings_of(segment) == 1
+    assert unmapped_to(segment, 1) and same_bits(first, t)
     del first
-    assert mappings_of(segment) == 0
+    assert unmapped_to(segment, 0)
 
 
 async def test_a_release_leaves_mapped_readers_reading_and_refuses_later_ones(shm_pair):
@@ -108,3 +121,16 @@ async def test_a_mapped_tensor_outlives_its_producer_and_consumer(shm_pair):
     await producer.close()  # unlinks what it still holds
     await consumer.close()
     assert same_bits(got, t) and mappings_of(msg.ref.address) == 1
+
+
+async def test_a_live_mapped_tensor_holds_no_lock_on_its_segment(shm_pair):
+    producer, consumer = shm_pair
+    t = make_tensor("float32", mapped_size(torch.float32), seed=11)
+    msg = await producer.put(TensorKey("r1", "thinker", 0, "x"), t, transport="shm", readers=2)
+    first = await consumer.get(msg)  # its mapping keeps the reader's open file alive
+    fd = os.open(producer.stores["shm"].dir / msg.ref.address, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the reader still held it
+    finally:
+        os.close(fd)
+    assert same_bits(await consumer.get(msg), t) and same_bits(first, t)
