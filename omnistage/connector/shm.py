@@ -218,6 +218,7 @@ class _Mapping:
     wait while the kernel frees the pages of a consumed segment."""
 
     def __init__(self, fd: int, size: int):
+        _UNMAPPER.start()
         addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
         if addr == _MAP_FAILED:
             err = ctypes.get_errno()
@@ -233,7 +234,7 @@ class _Mapping:
 
 
 class _Unmapper:
-    """One daemon thread per process that unmaps what `_Mapping`s queue (started on first use, and
+    """One daemon thread per process that unmaps what `_Mapping`s queue (started by the first mapping, and
     again in a forked child, which inherits the mappings but not the thread)."""
 
     def __init__(self):
@@ -241,7 +242,10 @@ class _Unmapper:
         self._pid = 0
         self._lock = threading.Lock()
 
-    def unmap(self, addr: int, size: int) -> None:
+    def start(self) -> None:
+        """The thread of this process, started if it has none. Called when a mapping is made, never from a
+        finalizer: starting a thread allocates, an allocation may run the garbage collector, and a
+        collected mapping's finalizer must never wait for this lock (it would wait for itself)."""
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
@@ -249,7 +253,14 @@ class _Unmapper:
                     threading.Thread(target=self._run, args=(self._queue,), name="omnistage-shm-unmap",
                                      daemon=True).start()
                     self._pid = os.getpid()
-        self._queue.put((addr, size))
+
+    def unmap(self, addr: int, size: int) -> None:
+        """Queued for the thread; in a process without one (a forked child dropping a mapping it inherited
+        before it made one of its own), unmapped here."""
+        if self._pid == os.getpid():
+            self._queue.put((addr, size))
+        else:
+            _libc.munmap(addr, size)
 
     def after_fork(self) -> None:
         """In a forked child: no thread yet, and a lock some parent thread held stays held otherwise."""

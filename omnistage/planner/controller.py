@@ -191,13 +191,15 @@ class Planner:
         return [arrived(w) * w.seconds for w in (window(stage, a, b) for a, b in zip(readings, readings[1:]))]
 
     def _measure_edges(self, windows: Mapping[str, tuple[StageWindow, StageWindow, StageWindow]]) -> None:
-        """Each edge's share of the upstream's requests that reach the stage, over the longest window both
-        have (ended requests pass through a catch-up alike: graph.edge_ratio)."""
+        """Each edge's share of the upstream's requests that reach the stage, over the window every stage has
+        at the same length (`window_s`): what the stage received (arrived) over what the upstream ended,
+        which a catch-up passes through alike and a stage that cannot keep up does not lower
+        (graph.edge_ratio)."""
         for stage, ins in self.upstream.items():
             for u in ins:
                 if stage in windows and u in windows:
                     self.ratios[(u, stage)] = edge_ratio(self.ratios.get((u, stage), 0.0),
-                                                         windows[u][2].requests_per_s, windows[stage][2].requests_per_s)
+                                                         windows[u][0].requests_per_s, arrived(windows[stage][0]))
 
     def desired(self) -> dict[str, int]:
         return {s: sc.replicas for s, sc in self.scales.items()}

@@ -134,3 +134,28 @@ async def test_a_live_mapped_tensor_holds_no_lock_on_its_segment(shm_pair):
     finally:
         os.close(fd)
     assert same_bits(await consumer.get(msg), t) and same_bits(first, t)
+
+
+def test_dropping_a_mapping_never_waits_for_the_unmappers_lock(tmp_path):
+    """A mapping's finalizer may run inside a garbage collection that starting the unmapping thread set off,
+    while that start holds the lock: the finalizer's path must not take it (it would wait for itself)."""
+    import threading
+
+    from omnistage.connector import shm
+
+    seg = tmp_path / "seg"
+    seg.write_bytes(b"\0" * 8192)
+    fd = os.open(seg, os.O_RDWR)
+    try:
+        unmapper = shm._Unmapper()
+        for started in (False, True):   # a process without its thread yet, and one with it
+            if started:
+                unmapper.start()
+            addr = shm._libc.mmap(None, 8192, 3, 2, fd, 0)   # PROT_READ | PROT_WRITE, MAP_PRIVATE
+            assert addr != shm._MAP_FAILED
+            with unmapper._lock:   # held, as by a start the collection interrupted
+                done = threading.Event()
+                threading.Thread(target=lambda: (unmapper.unmap(addr, 8192), done.set()), daemon=True).start()
+                assert done.wait(10), f"unmap waited for the lock (thread started: {started})"
+    finally:
+        os.close(fd)

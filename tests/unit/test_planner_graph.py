@@ -236,3 +236,28 @@ def test_a_stage_need_planned_on_a_bounded_load_never_gets_more_replicas():
         free, _ = offered(120, w, 1.0)
         bounded = StageNeed("talker", load, 200.0, 1, 8, backlog=backlog).replicas_for(0.8)
         assert bounded <= StageNeed("talker", free, 200.0, 1, 8).replicas_for(0.8)
+
+
+def test_an_input_measured_over_another_span_bounds_nothing():
+    # stages with different scale-down delays have delay windows of different lengths: 30 s of the upstream
+    # say nothing of a 60 s window of the stage
+    spans = steady_arrivals(CHAIN, {"thinker": 4.8, "talker": 9.0}, {("thinker", "talker"): 0.7},
+                            {"thinker": 30.0, "talker": 60.0}, 1.5)
+    assert spans["talker"] is None
+    same = steady_arrivals(CHAIN, {"thinker": 4.8, "talker": 9.0}, {("thinker", "talker"): 0.7},
+                           {"thinker": 60.0, "talker": 60.0}, 1.5)
+    assert same["talker"] == pytest.approx(0.7 * 4.8 + slack(4.8, 0.7, 60.0, 1.5))
+
+
+@pytest.mark.parametrize("delays", [(10.0, 60.0), (60.0, 10.0), (30.0, 30.0)])
+def test_the_edge_ratio_holds_through_a_real_rise_whatever_the_stages_delays(delays):
+    """0.7 of the Thinker's requests go on; both stages' load rises 1.8x for 60 s, no catch-up. The ratio
+    is measured over the same span at both ends, so different scale-down delays do not move it, and none
+    of the Talker's rise is taken for backlog in transit."""
+    planner = Planner(config(thinker=(1, 8, delays[0]), talker=(1, 8, delays[1])), {"thinker": 2, "talker": 3},
+                      upstream=CHAIN)
+    flows = {"thinker": Flow("thinker", 93.6, 400.0), "talker": Flow("talker", 120.0, 200.0)}
+    t = drive(planner, 60, (4.8, 4.8), (3.36, 3.36), 0.0, flows)
+    t = drive(planner, 60, (8.64, 8.64), (6.05, 6.05), t, flows)
+    assert planner.ratios[("thinker", "talker")] == pytest.approx(0.7, abs=0.02)
+    assert planner.estimates["talker"].in_transit == pytest.approx(0.0, abs=1.0)
