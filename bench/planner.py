@@ -36,7 +36,7 @@ Then one run with the real tiny Qwen3-Omni stages under `omnistage serve --autos
 --quick): budget 4 replicas for 3 stages (the planner must pick the bottleneck for the fourth), target
 utilisation `REAL_UTILIZATION` (a load the clients clearly cross, as the modeled step does),
 speech requests from `REAL_CLIENTS` clients for `REAL_LOAD_S` seconds, then `REAL_LIGHT_CLIENTS` of them
-go on while the planner drains the replica it added, then none: `planner_real.react_s` (load start to
+go on with shorter answers (`REAL_LIGHT_FRAMES`) while the planner drains the replica it added, then none: `planner_real.react_s` (load start to
 the first scale-up), `planner_real.failed_requests` (goal 0), `planner_real.changes`,
 `planner_real.drained`, and which stage it grew (in the results file). The light phase gives
 `planner.failed_requests_on_scale_down` (requests failed from the end of the heavy load until
@@ -373,6 +373,9 @@ REAL_CLIENTS = 6
 REAL_LOAD_S = 60.0
 REAL_LIGHT_CLIENTS = 2     # kept on while the planner drains the added replica (two: the orchestrator sends a lone
                            # request to the same replica every time, so one client would leave the drained one idle)
+# Speech per request in the light phase (100 frames under the heavy load): two clients of full requests keep
+# the Talker above what one replica serves at REAL_UTILIZATION's band, so nothing would drain.
+REAL_LIGHT_FRAMES = 25
 REAL_DRAIN_WAIT_S = 180.0  # the light phase ends this long after the heavy one at the latest
 REAL_AFTER_DRAIN_S = 10.0  # ... or this long after the drained replica exited
 # Longer than a replica takes to start here (~18 s): the replica added under load serves before fewer replicas
@@ -470,7 +473,8 @@ def real_run(tmp: Path) -> tuple[list[dict], dict]:
             with OmniClient(endpoint) as c:
                 while not stop.is_set():
                     try:
-                        c.generate(f"say something {i}", max_tokens=16, max_codec_frames=100, timeout=300)
+                        frames = REAL_LIGHT_FRAMES if heavy_stop.is_set() else 100
+                        c.generate(f"say something {i}", max_tokens=16, max_codec_frames=frames, timeout=300)
                         ok.append(time.monotonic())
                     except Exception as e:  # noqa: BLE001 - a failed request is what this counts
                         failed.append((time.monotonic(), repr(e)))
