@@ -70,6 +70,7 @@ from typing import Callable, Mapping
 
 from common import figure, finish, print_table  # noqa: E402 (bench/common.py puts the repo on sys.path)
 
+from omnistage.planner.classes import ClassCounts  # noqa: E402
 from omnistage.planner.controller import Planner  # noqa: E402
 from omnistage.planner.load import ReplicaCounters  # noqa: E402
 from omnistage.planner.sizing import Budget, StageNeed, offered_load, plan  # noqa: E402
@@ -91,6 +92,7 @@ WARMUP_S = 60.0           # figures count from here (every controller starts at 
 STEADY_AFTER_S = 240.0    # the steady load's changes are counted from here (after the cold start settled)
 MAX_REPLICAS = 8          # per stage
 BUDGET = 12               # replicas of all stages
+MIX_PERIOD_S = 120.0      # the mix scenario's request mix shifts this often
 
 
 def alone_s(cls: str) -> float:
@@ -179,6 +181,29 @@ class Stage:
                                         len(r.serving)) for r in ready}
 
 
+class FrontDoor:
+    """The orchestrator's per-class counters (omnistage_class_*): requests admitted per class, and from each
+    finished request's trace the stages that served it and their units."""
+
+    def __init__(self):
+        self.admitted: dict[str, float] = {}
+        self.finished: dict[str, float] = {}
+        self.served: dict[tuple[str, str], float] = {}
+        self.units: dict[tuple[str, str], float] = {}
+
+    def admit(self, cls: str) -> None:
+        self.admitted[cls] = self.admitted.get(cls, 0.0) + 1
+
+    def finish(self, req: Request) -> None:
+        self.finished[req.cls] = self.finished.get(req.cls, 0.0) + 1
+        for stage, units in CLASSES[req.cls].items():
+            self.served[(req.cls, stage)] = self.served.get((req.cls, stage), 0.0) + 1
+            self.units[(req.cls, stage)] = self.units.get((req.cls, stage), 0.0) + units
+
+    def counts(self) -> ClassCounts:
+        return ClassCounts(dict(self.admitted), dict(self.finished), dict(self.served), dict(self.units))
+
+
 @dataclass
 class Scenario:
     name: str
@@ -203,6 +228,7 @@ class Outcome:
 def simulate(sc: Scenario, controller, seed: int = 1, warmup: float = 0.0) -> Outcome:
     rng = random.Random(seed)
     stages = {name: Stage(name, cap, 1) for name, cap in STAGES.items()}
+    front = FrontDoor()
     out, t, next_decision = Outcome(), 0.0, 0.0
     while t < sc.horizon:
         for cls, rate in sc.rates(t).items():
@@ -210,6 +236,7 @@ def simulate(sc: Scenario, controller, seed: int = 1, warmup: float = 0.0) -> Ou
                 order = [s for s in STAGES if CLASSES[cls].get(s)]
                 req = Request(cls, t, order, CLASSES[cls][order[0]])
                 stages[order[0]].queue.append(req)
+                front.admit(cls)
         for name in STAGES:
             for req in stages[name].step(t, DT):
                 i = req.stages.index(name)
@@ -217,13 +244,14 @@ def simulate(sc: Scenario, controller, seed: int = 1, warmup: float = 0.0) -> Ou
                     req.left = CLASSES[req.cls][req.stages[i + 1]]
                     stages[req.stages[i + 1]].queue.append(req)
                 else:
+                    front.finish(req)
                     latency = t + DT - req.born
                     out.done.append((t + DT, latency, latency <= SLO_FACTOR * alone_s(req.cls)))
         if t >= warmup:
             out.replica_seconds += sum(s.counted() for s in stages.values()) * DT
         if t >= next_decision - 1e-9:
             next_decision += INTERVAL_S
-            want = controller.decide(t, stages)
+            want = controller.decide(t, stages, front)
             _reconcile(t, stages, want, sc.budget, out, getattr(controller, "instant", False))
         t = round(t + DT, 6)
     return out
@@ -257,16 +285,21 @@ def _poisson(rng: random.Random, mean: float) -> int:
 
 
 class PlannerControl:
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, classes: bool = True):
+        """`classes`: the planner reads the front door's per-class counters (as serve and the operator do);
+        without, it sees the stages' counters only (as it did before request classes)."""
+        self.classes = classes
         cfg = Autoscaling(enabled=True, interval_seconds=INTERVAL_S,
                           targets=AutoscalingTargets(queue_seconds=1.0, utilization=UTILIZATION),
                           budget=AutoscalingBudget(max_replicas=budget),
                           stages={s: StageAutoscaling(1, MAX_REPLICAS, 30.0) for s in STAGES})
         self.planner = Planner(cfg, {s: 1 for s in STAGES}, upstream=UPSTREAM)
 
-    def decide(self, t, stages) -> dict[str, int]:
+    def decide(self, t, stages, front) -> dict[str, int]:
         for name, st in stages.items():
             self.planner.observe(name, st.counters(t), UNITS[name])
+        if self.classes:
+            self.planner.observe_classes({"orchestrator": front.counts()}, t)
         self.planner.decide(t)
         return self.planner.desired()
 
@@ -277,7 +310,7 @@ class OracleControl:
     def __init__(self, rates, budget: int):
         self.rates, self.budget = rates, budget
 
-    def decide(self, t, stages) -> dict[str, int]:
+    def decide(self, t, stages, front) -> dict[str, int]:
         load = offered_load(self.rates(t), CLASSES)
         needs = [StageNeed(s, load.get(s, 0.0), cap, 1, MAX_REPLICAS) for s, cap in STAGES.items()]
         return plan(needs, Budget(max_replicas=self.budget), UTILIZATION).replicas()
@@ -292,7 +325,7 @@ class HpaControl:
         self.recommended: dict[str, deque] = {s: deque() for s in STAGES}
         self.current = {s: 1 for s in STAGES}
 
-    def decide(self, t, stages) -> dict[str, int]:
+    def decide(self, t, stages, front) -> dict[str, int]:
         if t < self.next:
             return self.current
         self.next = t + self.PERIOD_S
@@ -360,13 +393,43 @@ def seed_figures(scenarios, results, step_at) -> list[dict]:
     figures.append(figure("planner.changes_under_steady_load",
                           sum(1 for t, *_ in steady.changes if t >= STEADY_AFTER_S), "changes"))
     mix = scenarios["mix"]
-    figures.append(figure("planner_over_per_stage_hpa.goodput",
-                          results[("mix", "planner")].goodput(WARMUP_S, mix.horizon) /
-                          results[("mix", "hpa")].goodput(WARMUP_S, mix.horizon), "x"))
-    figures.append(figure("planner_over_optimal.goodput.mix",
-                          results[("mix", "planner")].goodput(WARMUP_S, mix.horizon) /
-                          results[("mix", "optimal")].goodput(WARMUP_S, mix.horizon), "x"))
+
+    def mix_ratio(ours: str, theirs: str) -> float:
+        return (results[("mix", ours)].goodput(WARMUP_S, mix.horizon) /
+                results[("mix", theirs)].goodput(WARMUP_S, mix.horizon))
+    figures.append(figure("planner_over_per_stage_hpa.goodput", mix_ratio("planner", "hpa"), "x"))
+    figures.append(figure("planner_over_optimal.goodput.mix", mix_ratio("planner", "optimal"), "x"))
+    # request classes: the same planner without the front door's per-class counters (stage counters only)
+    figures.append(figure("planner_stages_only_over_optimal.goodput.mix",
+                          mix_ratio("planner_stages_only", "optimal"), "x"))
+    figures.append(figure("planner_classes_over_stages_only.goodput.mix",
+                          mix_ratio("planner", "planner_stages_only"), "x"))
+    figures.append(figure("planner.react_s_mix_shift", mix_react(results[("mix", "planner")], mix), "s"))
+    figures.append(figure("planner_stages_only.react_s_mix_shift",
+                          mix_react(results[("mix", "planner_stages_only")], mix), "s"))
+    for name in ("step", "ramp"):
+        sc = scenarios[name]
+        figures.append(figure(f"planner_stages_only.goodput_per_replica_over_optimal.{name}",
+                              results[(name, "planner_stages_only")].goodput_per_replica(WARMUP_S, sc.horizon) /
+                              results[(name, "optimal")].goodput_per_replica(WARMUP_S, sc.horizon), "x"))
     return figures
+
+
+def mix_react(out: Outcome, sc: Scenario) -> float:
+    """Mean seconds from each shift of the request mix (every MIX_PERIOD_S after the warm-up) to the first
+    replica added to the stage it made the bottleneck (the oracle's busiest stage after it); a shift never
+    answered counts the time to the next."""
+    waits = []
+    shift = MIX_PERIOD_S * math.ceil(WARMUP_S / MIX_PERIOD_S)
+    while shift < sc.horizon:
+        load = offered_load(sc.rates(shift), CLASSES)
+        bottleneck = max(STAGES, key=lambda s: load.get(s, 0.0) / STAGES[s])
+        end = min(shift + MIX_PERIOD_S, sc.horizon)
+        first = min((t for t, stage, before, after in out.changes
+                     if shift <= t < end and stage == bottleneck and after > before), default=end)
+        waits.append(first - shift)
+        shift += MIX_PERIOD_S
+    return statistics.mean(waits) if waits else math.nan
 
 
 REAL_CLIENTS = 6
@@ -568,7 +631,7 @@ def main() -> int:
         "ramp": Scenario("ramp", 360, lambda t: base_rates(1.0 + 3.0 * min(max(t - 60, 0) / 300, 1))),
         "steady": Scenario("steady", 600, lambda t: base_rates(3.0)),
         # the bottleneck moves: speech-heavy (the Talker) and text-heavy (the Thinker) every 120 s
-        "mix": Scenario("mix", 540, lambda t: base_rates(5.0, 0.9 if int(t // 120) % 2 == 0 else 0.15),
+        "mix": Scenario("mix", 540, lambda t: base_rates(5.0, 0.9 if int(t // MIX_PERIOD_S) % 2 == 0 else 0.15),
                         budget=8),
     }
     figures, rows = [], []
@@ -576,7 +639,9 @@ def main() -> int:
     for seed in seeds:
         results: dict[tuple[str, str], Outcome] = {}
         for name, sc in scenarios.items():
-            for label, ctl in (("planner", PlannerControl(sc.budget)), ("optimal", OracleControl(sc.rates, sc.budget)),
+            for label, ctl in (("planner", PlannerControl(sc.budget)),
+                               ("planner_stages_only", PlannerControl(sc.budget, classes=False)),
+                               ("optimal", OracleControl(sc.rates, sc.budget)),
                                ("hpa", HpaControl())):
                 out = results[(name, label)] = simulate(sc, ctl, seed=seed, warmup=WARMUP_S)
                 span = sc.horizon - WARMUP_S

@@ -73,16 +73,21 @@ def scaled_events(c) -> list[str]:
     return [e.message for e in events if e.reason == "Scaled"]
 
 
-def desired_metric(stage: str) -> float | None:
-    """The operator's omnistage_planner_desired_replicas for the stage (what a KEDA ScaledObject reads)."""
+def operator_metric(name: str, **labels: str) -> float | None:
+    """A sample of the operator's planner metrics for this pipeline (`labels` besides the pipeline's)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{OPERATOR_METRICS_PORT}/metrics", timeout=5) as r:
         text = r.read().decode()
+    want = {"pipeline": f"{NS}/{PIPE}", **labels}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "omnistage_planner_desired_replicas" and s.labels == {"pipeline": f"{NS}/{PIPE}",
-                                                                                "stage": stage}:
+            if s.name == name and s.labels == want:
                 return s.value
     return None
+
+
+def desired_metric(stage: str) -> float | None:
+    """The operator's omnistage_planner_desired_replicas for the stage (what a KEDA ScaledObject reads)."""
+    return operator_metric("omnistage_planner_desired_replicas", stage=stage)
 
 
 def test_a_load_step_grows_a_stage_and_scaling_down_under_load_fails_nothing(planned):
@@ -106,6 +111,10 @@ def test_a_load_step_grows_a_stage_and_scaling_down_under_load_fails_nothing(pla
         wait_for(lambda: any(m.startswith(f"{grown}: 1 -> 2 replicas") for m in scaled_events(c)), 30,
                  f"a Scaled event for {grown}")
         assert desired_metric(grown) == 2   # the same decision, for users whose own autoscaler acts on it
+        # the orchestrator pods' request-class counters reach the planner: a speech request's frames at the Talker
+        speech = {"class": "text->text+audio", "stage": "talker"}
+        wait_for(lambda: (operator_metric("omnistage_planner_class_demand", **speech) or 0) > 0, 30,
+                 "the Talker's demand per speech request from the orchestrators' traces")
         # the new replica comes up, joins, and the pipeline stays Ready while it starts
         assert c.condition(NS, PIPE, "Ready")["status"] == "True"
         wait_for(lambda: ready_pods(c, grown) == 2, JOIN_TIMEOUT, f"the second {grown} replica ready")

@@ -25,7 +25,7 @@ from omnistage.planner.controller import Planner
 from omnistage.planner.graph import upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import orchestrator_buckets, replica_counters
+from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, replica_counters
 from omnistage.serving import HttpStatusServer
 
 SCRAPE_TIMEOUT_S = 1.0
@@ -88,12 +88,14 @@ class LocalAutoscaler:
         for stage, counters in by_stage.items():
             self.planner.observe(stage, counters, units.get(stage, ""))
         orch = self.local.orchestrator
-        if orch is not None and self.planner.reads_orchestrators:   # the first-packet and rtf targets' measures
+        if orch is not None:   # the latency targets' measures and the request classes at the front door
             try:
                 text = self._read(http_url(self.local.host, orch.ports.http, METRICS_PATH))
-                self.planner.observe_orchestrators({orch.name: orchestrator_buckets(text)}, self.clock())
+                buckets, classes = orchestrator_buckets(text), orchestrator_classes(text)
             except (OSError, http.client.HTTPException, ValueError):
-                pass
+                return
+            self.planner.observe_orchestrators({orch.name: buckets}, self.clock())
+            self.planner.observe_classes({orch.name: classes}, self.clock())
 
     @staticmethod
     def _read(url: str) -> str:

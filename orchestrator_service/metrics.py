@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# the stage planner reads them (targets.ttfpP95Ms, targets.rtf)
-from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF
+# the stage planner reads them (targets.ttfpP95Ms, targets.rtf; per request class, the demand on each stage)
+from omnistage.planner.scrape import (CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS,
+                                      FIRST_OUTPUT_MS, RTF)
 
 _MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 # Real-time factors: fine around 1 (where a target sits: its p95 is read as the upper bound of a bucket)
@@ -45,11 +46,27 @@ class OrchestratorMetrics:
                               ["stage"], registry=r)
         self.stage_errors = Counter("omnistage_stage_errors", "Stage calls that failed", ["stage", "code"],
                                     registry=r)
+        # Per request class (request_class.py): "class" is a fixed vocabulary, so their series are bounded.
+        self.class_requests = Counter(CLASS_REQUESTS, "Requests admitted, by request class", ["class"], registry=r)
+        self.class_finished = Counter(CLASS_FINISHED, "Requests finished, by request class", ["class"], registry=r)
+        self.class_stage_requests = Counter(CLASS_STAGE_REQUESTS, "Finished requests a stage served, by request "
+                                            "class", ["class", "stage"], registry=r)
+        self.class_stage_units = Counter(CLASS_STAGE_UNITS, "Work units a stage did for finished requests, by "
+                                         "request class (from their traces)", ["class", "stage", "unit"], registry=r)
 
     def observe_audio(self, to_last_audio_s: float, audio_s: float) -> None:
         """A finished request's real-time factor; one that produced no audio says nothing of it."""
         if audio_s > 0:
             self.rtf.observe(to_last_audio_s / audio_s)
+
+    def observe_finished(self, request_class: str, trace) -> None:
+        """A finished request of `request_class` and, from its RequestTrace, each stage's work for it (a
+        stage whose engine counts no units is counted as served only)."""
+        self.class_finished.labels(request_class).inc()
+        for st in trace.stages:
+            self.class_stage_requests.labels(request_class, st.stage).inc()
+            if st.unit:
+                self.class_stage_units.labels(request_class, st.stage, st.unit).inc(st.units)
 
     def observe_admission(self, admission, router) -> None:
         self.waiting_peak.set(admission.peak_queued)

@@ -65,6 +65,6 @@ def emit(request_id: str, pipeline: str, trace, outcome: str, client_request_id:
             "omnistage.transfer_path": st.transfer_path,
             "omnistage.encode_ms": st.encode_ms,
             "omnistage.first_chunk_ms": st.first_chunk_ms, "omnistage.chunks": st.chunks,
-            "omnistage.attempts": st.attempts})
+            "omnistage.attempts": st.attempts, "omnistage.units": st.units, "omnistage.unit": st.unit})
         span.end(end_time=s_start + int(st.total_ms * 1e6))
     root.end(end_time=end_ns)

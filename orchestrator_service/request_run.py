@@ -183,7 +183,8 @@ class RequestRun:
                 stage=st.name, replica=t.replica, queue_ms=t.queue_ms, compute_ms=t.compute_ms,
                 transfer_ms=t.transfer_ms, encode_ms=t.encode_ms, transfer_path=",".join(sorted(t.transfer_paths)),
                 first_chunk_ms=((t.first_chunk or end) - t.dispatched) * 1e3,
-                total_ms=((t.finished or end) - t.dispatched) * 1e3, chunks=t.chunks, attempts=t.attempts))
+                total_ms=((t.finished or end) - t.dispatched) * 1e3, chunks=t.chunks, attempts=t.attempts,
+                units=t.units, unit=t.unit))
         return common_pb2.RequestTrace(admission_wait_ms=admission_wait_ms, media_decode_ms=media_decode_ms,
                                        first_output_ms=((self.first_output or end) - self.started) * 1e3,
                                        total_ms=(end - self.started) * 1e3, stages=stages)

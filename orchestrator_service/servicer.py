@@ -22,6 +22,7 @@ from .admission import Admission, Overloaded
 from .api_keys import ApiKeys
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
+from .request_class import request_class
 from .request_run import RequestRun, StageFailed, needed_stages
 from .routing import Router
 from .stage_call import remaining
@@ -155,6 +156,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             label = checked_label(request.request_id)
             params = resolve(request.params, self.pipeline.limits)
             outputs = requested_outputs(self.pipeline, request)
+            req_class = request_class(params, outputs.values())
             media_decode_ms = 0.0
             if has_media(params.parts):
                 media_decode_ms = await self.media.check(params.parts)
@@ -193,6 +195,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             finally:
                 m.waiting.set(self.admission.queued)
             m.requests.labels("admitted").inc()
+            m.class_requests.labels(req_class).inc()
             m.admission_wait_ms.observe(ticket.wait_ms)
             m.inflight.set(self.admission.inflight)
             run = RequestRun(self.pipeline, self.router, rid, request.params, outputs, deadline,
@@ -240,6 +243,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self.admission.release(ticket)
             m.inflight.set(self.admission.inflight)
             m.requests.labels(outcome).inc()
+            if outcome == "finished":
+                m.observe_finished(req_class, trace)
             m.latency_ms.observe((time.perf_counter() - t0) * 1e3)
             m.observe_admission(self.admission, self.router)
 

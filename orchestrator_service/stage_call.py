@@ -73,6 +73,8 @@ class StageTiming:
     chunks: int = 0
     attempts: int = 0
     transfer_paths: set[str] = field(default_factory=set)  # memory paths of the stage's inputs (connector)
+    units: int = 0  # the stage's work for the request, from its last chunk (ChunkTiming.units), and its name
+    unit: str = ""
 
 
 class _Incomplete(Exception):
@@ -264,6 +266,8 @@ class StageCall:
             timing.encode_ms += chunk.timing.encode_ms
             if chunk.timing.transfer_path:
                 timing.transfer_paths.update(chunk.timing.transfer_path.split(","))
+            timing.units += chunk.timing.units
+            timing.unit = chunk.timing.unit or timing.unit
             if await self._deliver(chunk):
                 self.client_saw = True
             self.delivered += 1

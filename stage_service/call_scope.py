@@ -3,7 +3,8 @@
 The scope owns what lasts as long as the call: the task that reads the caller's input stream into the
 engine, the engine's run within the request's deadline, the call's place among the running calls (so
 `Release` can end it), what the data plane holds for the request (freed when the call ends other than
-finished), and the outcome counted in metrics. An error leaves the scope as a status, made by the
+finished), the work units the engine tallied for the request (dropped however the call ends), and the
+outcome counted in metrics. An error leaves the scope as a status, made by the
 servicer's one mapping (`status_for`), so the servicer only translates between the wire and the scope.
 """
 
@@ -120,6 +121,8 @@ class CallScope:
             self._reader = None  # and with it any error it kept, with its traceback
         if self.outcome != "finished" and self.request_id:
             calls.data_plane.release(self.request_id)  # nobody will fetch what it held
+        if self.request_id:  # its last chunk took its units; a call that ended otherwise leaves them here
+            calls.engine.tally.take(self.request_id)
         calls._ended(self)
         return handled
 

@@ -20,12 +20,14 @@ def input_from_proto(msg: stage_pb2.Chunk, tensors: Mapping[str, torch.Tensor], 
 
 
 def output_to_proto(out: OutputChunk, stage: str, chunk_id: int, end_of_stream: bool,
-                    descriptors: list[tensor_pb2.Tensor] | None = None) -> stage_pb2.Chunk:
-    """An output chunk; its tensors as the given descriptors, or inline when none are given."""
+                    descriptors: list[tensor_pb2.Tensor] | None = None, *, units: int = 0,
+                    unit: str = "") -> stage_pb2.Chunk:
+    """An output chunk; its tensors as the given descriptors, or inline when none are given. `units` of
+    `unit`: the stage's work for the request, on its last chunk only."""
     if descriptors is None:
         descriptors = [tensor_codec.to_proto(name, t) for name, t in out.tensors.items()]
     return stage_pb2.Chunk(
         stage=stage, chunk_id=chunk_id, text=out.text, end_of_stream=end_of_stream,
         sample_rate=out.sample_rate, finish_reason=out.finish_reason, tensors=descriptors,
         timing=stage_pb2.ChunkTiming(queue_ms=out.queue_ms, compute_ms=out.compute_ms, transfer_ms=out.transfer_ms,
-                                   encode_ms=out.encode_ms))
+                                   encode_ms=out.encode_ms, units=units, unit=unit))

@@ -23,6 +23,9 @@ wait for the loop between steps (with the model in a process of its own,
 next step boundary, where the loop picks again. A state the loop gives up
 (cancelled) during a run is released only when the run ends.
 
+Work units: a step is one unit of the engine's `unit` per request in it, counted in the stage's
+metrics and, per request, in the engine's tally (work_tally.py) for the request's trace.
+
 Failure: a step that raises fails the requests in that step; `max_failed_steps`
 failed steps in a row, or one step that raises `EngineDead` (the engine's own
 process is gone), mean the engine cannot recover: every request held fails
@@ -53,6 +56,7 @@ from typing import Any, AsyncIterator, Callable, Hashable
 from omnistage.spec import SchedulerSettings
 
 from .errors import EngineDead, EngineError, EngineOverloaded
+from .work_tally import WorkTally
 
 log = logging.getLogger("omnistage.stage")
 _END = object()  # after a state's last result
@@ -141,7 +145,8 @@ class JobStream:
 
 class StepScheduler:
     def __init__(self, stage: str, settings: SchedulerSettings, step: StepFn, *, unit: str = "steps",
-                 metrics=None, max_failed_steps: int = 3, max_pending_results: int = 16,
+                 metrics=None, tally: WorkTally | None = None, max_failed_steps: int = 3,
+                 max_pending_results: int = 16,
                  max_step_cost: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.stage = stage
@@ -152,6 +157,7 @@ class StepScheduler:
         self.step_fn = step
         self.unit = unit
         self.metrics = metrics
+        self.tally = tally if tally is not None else WorkTally()  # units per request, beside the metric
         self.max_failed_steps = max_failed_steps
         self.max_pending_results = max_pending_results
         self.max_step_cost = max_step_cost  # None: as many as maxBatch allows
@@ -425,7 +431,8 @@ class StepScheduler:
             j.last_step = self.steps
             j.compute_s += took
             if j.gone or j.cancelled:
-                continue  # removed when the run ends
+                continue  # removed when the run ends (its call is over: nobody takes its tally)
+            self.tally.add(j.request_id)  # before its result: the chunk that ends the call carries it
             j.results.put_nowait(r)
             if isinstance(r, BaseException) or done:
                 j.results.put_nowait(_END)

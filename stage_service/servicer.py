@@ -93,7 +93,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     yield stage_pb2.StageOutput(chunk=await self._to_proto(header, out, chunk_id))
                     chunk_id, last = chunk_id + 1, out.last
             if not last:  # the engine ended without a last chunk: the stream still ends with one
-                yield stage_pb2.StageOutput(chunk=output_to_proto(OutputChunk(), self.stage.name, chunk_id, True))
+                units, unit = self._work(header.request_id)
+                yield stage_pb2.StageOutput(chunk=output_to_proto(OutputChunk(), self.stage.name, chunk_id, True,
+                                                                  units=units, unit=unit))
         if call.status is not None:
             # Outside the scope: the abort must not carry the error's traceback (and with it the
             # engine's frames and request state) into gRPC's call state.
@@ -109,7 +111,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def _to_proto(self, header: stage_pb2.StageRequestHeader, out: OutputChunk, chunk_id: int):
         descriptors = await self.data_plane.outputs(header, chunk_id, out.tensors)
-        msg = output_to_proto(out, self.stage.name, chunk_id, out.last, descriptors)
+        units, unit = self._work(header.request_id) if out.last else (0, "")
+        msg = output_to_proto(out, self.stage.name, chunk_id, out.last, descriptors, units=units, unit=unit)
         msg.timing.transfer_path = self.data_plane.input_paths(header.request_id, done=out.last)
         self.metrics.chunks.labels(self.stage.name).inc()
         self.metrics.output_bytes.labels(self.stage.name).inc(sum(t.numel() * t.element_size()
@@ -117,6 +120,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if out.queue_ms:
             self.metrics.queue_ms.labels(self.stage.name).observe(out.queue_ms)
         return msg
+
+    def _work(self, request_id: str) -> tuple[int, str]:
+        """(units, unit): the request's work on this replica, for its last chunk (taken: the tally forgets it)."""
+        return self.engine.tally.take(request_id), self.engine.unit
 
     async def _input_from_proto(self, request_id: str, msg: stage_pb2.StageInput) -> InputChunk:
         if msg.WhichOneof("kind") != "chunk":

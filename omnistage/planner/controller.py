@@ -7,6 +7,9 @@ load step shows there within a second or two) and the stage's scale-down delay (
 would have to serve), updates the estimates, plans and decides. Given the stage graph (`upstream`: each
 stage's input stages, spec.topology), a stage's load in each window is bounded by what its upstream was
 offered in it (graph.py): an upstream's catch-up passing through counts as backlog, not as a new rate.
+Given the orchestrators' per-class counters (`observe_classes`), each stage is also planned for at least
+what the front door's admissions surely send it at each request class's demand (classes.py): a shift in
+the request mix reaches the stage it loads at the next decision, not once its upstream has passed it on.
 What the controller does with the result is its own: write Deployments' replicas, or start and drain
 local processes until each stage runs `scales[stage].replicas`.
 
@@ -22,8 +25,9 @@ from typing import Mapping, Sequence
 from omnistage.spec.model import Autoscaling, StageAutoscaling
 
 from .decisions import Change, StageScale, decide
+from .classes import ClassCounts, ClassDemand, Forecast, counted, demand as class_demand, forecast
 from .graph import demand_per_request, edge_ratio, steady_arrivals
-from .latency import Buckets, merged, missed, p95, read_from_orchestrators
+from .latency import Buckets, merged, missed, p95
 from .load import (ReplicaCounters, StageEstimate, StageWindow, arrived, dispersion, estimate, load_floor, need,
                    offered, window, window_since)
 from .scrape import ORCHESTRATOR_HISTOGRAMS
@@ -48,13 +52,20 @@ class Decision:
     units: Mapping[str, str]   # per stage, what its capacity counts ("tokens/s"; "units/s" before its first step)
     # per stage, the work units one request entering the pipeline takes there (graph.demand_per_request)
     demand: Mapping[str, float] = field(default_factory=dict)
+    # per stage, the work units per second the front door's admissions over the last window send it, at each
+    # request class's demand (classes.forecast; absent before any class is known)
+    forecast: Mapping[str, float] = field(default_factory=dict)
+    classes: Mapping[str, ClassDemand] = field(default_factory=dict)
 
     def figures(self, stage: str) -> str:
         """What a change of `stage` rests on, for a person: "53.8 frames/s offered, 272 per replica" (and
-        ", 12 of it upstream backlog in transit" when the graph says so)."""
+        ", 12 of it upstream backlog in transit" when the graph says so, "; 80 on their way from the front door's
+        request mix" when the classes forecast more than reached the stage)."""
         est = self.estimates[stage]
         transit = f" ({est.in_transit:.3g} of it upstream backlog in transit)" if est.in_transit > 0 else ""
-        return f"{est.load:.3g} {self.units[stage]} offered{transit}, {est.capacity:.3g} per replica"
+        ahead = self.forecast.get(stage, 0.0)
+        coming = f"; {ahead:.3g} on their way from the front door's request mix" if ahead > est.load else ""
+        return f"{est.load:.3g} {self.units[stage]} offered{transit}, {est.capacity:.3g} per replica{coming}"
 
 
 class Planner:
@@ -81,15 +92,13 @@ class Planner:
         # per orchestrator histogram (scrape.ORCHESTRATOR_HISTOGRAMS): (at, its buckets merged over replicas)
         self._orchestrators: dict[str, deque[tuple[float, dict[float, float]]]] = {
             name: deque() for name in ORCHESTRATOR_HISTOGRAMS}
+        # the orchestrators' per-class counters: (at, per replica), and what each class takes
+        self._classes: deque[tuple[float, dict[str, ClassCounts]]] = deque()
+        self.classes: dict[str, ClassDemand] = {}
 
     @property
     def budget(self) -> Budget:
         return Budget(self.config.budget.max_replicas, self.config.budget.max_gpus)
-
-    @property
-    def reads_orchestrators(self) -> bool:
-        """Whether a target is measured at the orchestrators (ttfpP95Ms, rtf): else they need no scrape."""
-        return read_from_orchestrators(self.config.targets)
 
     def observe(self, stage: str, counters: Mapping[str, ReplicaCounters], unit: str = "") -> None:
         """One reading of every replica of a stage (by replica name), all taken at about the same time."""
@@ -114,6 +123,27 @@ class Planner:
             while len(hist) > 2 and hist[1][0] <= at - self.window_s:
                 hist.popleft()   # keep one reading at least a window old
 
+    def observe_classes(self, readings: Mapping[str, ClassCounts], at: float) -> None:
+        """One reading of every orchestrator replica's per-class counters (by replica name:
+        scrape.orchestrator_classes): the request mix at the front door and each class's demand (classes.py)."""
+        if not readings:
+            return
+        if self._classes:
+            self.classes = class_demand(self.classes, counted(self._classes[-1][1], readings))
+        self._classes.append((at, dict(readings)))
+        keep = max([self.window_s, *(b.scale_down_delay_seconds for b in self.bounds.values())])
+        while len(self._classes) > 2 and self._classes[1][0] <= at - keep:
+            self._classes.popleft()   # keep one reading at least a window (and every scale-down delay) old
+
+    def _forecast(self, seconds: float) -> dict[str, Forecast]:
+        """Per stage, what the front door admitted over about the last `seconds` sends it (classes.forecast);
+        empty before two readings."""
+        if len(self._classes) < 2:
+            return {}
+        newest, after = self._classes[-1]
+        at, before = next(((a, c) for a, c in reversed(self._classes) if a <= newest - seconds), self._classes[0])
+        return forecast(self.classes, counted(before, after), newest - at, self._history)
+
     def _target_pressure(self, needs: list[StageNeed]) -> tuple[list[StageNeed], str]:
         """Needs with the bottleneck's load raised while a target the orchestrators measure is missed (the
         larger pressure when both are: latency.py), and what the plan's reason should add."""
@@ -135,6 +165,11 @@ class Planner:
         steady = [steady_arrivals(self.upstream, {s: arrived(w[i]) for s, w in windows.items()}, self.ratios,
                                   {s: w[i].seconds for s, w in windows.items()}, errors)
                   for i, errors in enumerate((GROW_ERRORS, GROW_ERRORS_RECENT, GROW_ERRORS))]
+        # per window, what the front door's admissions send each stage at its request classes' demand
+        forecasts: dict[float, dict[str, Forecast]] = {}
+        ahead = {s: tuple(forecasts.setdefault(seconds, self._forecast(seconds)) for seconds in
+                          (self.window_s, RECENT_S, max(self.bounds[s].scale_down_delay_seconds, self.window_s)))
+                 for s in windows}
         needs = []
         for stage in self._history:
             est, b = self.estimates[stage], self.bounds[stage]
@@ -144,20 +179,29 @@ class Planner:
                 needs.append(need(est, held, held, self.gpus.get(stage, 0), unit, default_capacity=1.0))
                 continue
             long, short, delay_window = windows[stage]
-            est = self.estimates[stage] = estimate(est, long, targets.queue_seconds, steady[0][stage])
+            # the graph bounds what steadily arrives by the upstream's share of its own arrivals, measured over
+            # past windows; the request mix at the front door says what share of it is coming now
+            fc = [f.get(stage) for f in ahead[stage]]
+            bounds = [_with_forecast(steady[i][stage], fc[i], errors)
+                      for i, errors in enumerate((GROW_ERRORS, GROW_ERRORS_RECENT, GROW_ERRORS))]
+            est = self.estimates[stage] = estimate(est, long, targets.queue_seconds, bounds[0])
             per_request = est.units_per_request
             # a load step shows first in the recent window
-            recent, recent_backlog = offered(per_request, short, targets.queue_seconds, steady[1][stage])
+            recent, recent_backlog = offered(per_request, short, targets.queue_seconds, bounds[1])
             # fewer replicas must serve the load over the whole scale-down delay: a window that long, whose
             # count is steadier than any of the shorter ones within it (and a load a little over the target
             # for that long is surely over it, where 10 s could not tell)
-            over_delay, delay_backlog = offered(per_request, delay_window, targets.queue_seconds, steady[2][stage])
+            over_delay, delay_backlog = offered(per_request, delay_window, targets.queue_seconds, bounds[2])
             # how steady its arrivals are narrows what each window surely holds; each window's backlog is the
             # queue (the same in all) and what it saw in transit (its own)
             d = self.dispersions[stage] = dispersion(self._arrival_counts(stage))
             surely = max(load_floor(est.load, est.backlog, per_request, long.seconds, GROW_ERRORS, d),
                          load_floor(recent, recent_backlog, per_request, short.seconds, GROW_ERRORS_RECENT, d),
-                         load_floor(over_delay, delay_backlog, per_request, delay_window.seconds, GROW_ERRORS, d))
+                         load_floor(over_delay, delay_backlog, per_request, delay_window.seconds, GROW_ERRORS, d),
+                         *(load_floor(f.load, 0.0, f.per_count, f.seconds, GROW_ERRORS) for f in (fc[0], fc[2])
+                           if f is not None))
+            if fc[2] is not None:  # fewer replicas must also serve what the front door keeps sending
+                over_delay = max(over_delay, fc[2].load)
             load = max(est.load, surely)
             needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
                               default_capacity=max(load, 1.0) / targets.utilization, grow_load=surely,
@@ -170,7 +214,8 @@ class Planner:
         self.scales, changes = decide(self.scales, p, now, delays, self.gpus, self.budget)
         demand = demand_per_request(self.upstream, self.ratios,
                                     {s: e.units_per_request for s, e in self.estimates.items()})
-        return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs}, demand)
+        return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs}, demand,
+                        {s: f.load for s, f in forecasts.get(self.window_s, {}).items()}, dict(self.classes))
 
     def _windows(self) -> dict[str, tuple[StageWindow, StageWindow, StageWindow]]:
         """Per stage measured over a window yet: its last `window_s`, last RECENT_S and last scale-down delay
@@ -204,3 +249,13 @@ class Planner:
     def desired(self) -> dict[str, int]:
         return {s: sc.replicas for s, sc in self.scales.items()}
 
+
+
+def _with_forecast(bound: float | None, f: Forecast | None, errors: float) -> float | None:
+    """The graph's bound on a stage's steady arrivals raised to what the front door's admissions send it
+    (classes.Forecast.arrivals_bound): the graph's edge shares are measured over past windows and lag a shift
+    of the request mix, which would read the first wave of a class as an upstream's catch-up. No bound
+    stays none."""
+    if bound is None or f is None or f.admitted <= 0:
+        return bound
+    return max(bound, f.arrivals_bound(errors))

@@ -81,11 +81,6 @@ def missed(targets: AutoscalingTargets, p95s: Mapping[str, float | None]) -> tup
     return factor, told
 
 
-def read_from_orchestrators(targets: AutoscalingTargets) -> bool:
-    """Whether any target is read from the orchestrators (else they need not be scraped)."""
-    return any(t.value(targets) > 0 for t in TARGETS)
-
-
 def merged(readings: Mapping[str, Buckets]) -> dict[float, float]:
     """The buckets of several orchestrator replicas as one histogram."""
     out: dict[float, float] = {}

@@ -31,6 +31,12 @@ class PlannerMetrics:
         self.dispersion = Gauge("omnistage_planner_arrival_dispersion", "How much the requests arriving at the "
                                 "stage per interval vary against a Poisson count's variance, as the planner uses "
                                 "it (1: Poisson; lower: steadier, so a load is sure sooner)", labels, registry=r)
+        self.forecast = Gauge("omnistage_planner_forecast_load", "Work units per second the requests the front door "
+                              "admitted over the last window send the stage, at each request class's demand",
+                              labels, registry=r)
+        self.class_demand = Gauge("omnistage_planner_class_demand", "Work units one request of the class takes at "
+                                  "the stage (those the stage does not serve counting 0), from finished requests' "
+                                  "traces", ["pipeline", "class", "stage"], registry=r)
         self.changes = Counter("omnistage_planner_changes", "Replica count changes the planner made, by direction",
                                [*labels, "direction"], registry=r)
 
@@ -44,5 +50,9 @@ class PlannerMetrics:
             self.in_transit.labels(self.pipeline, stage).set(est.in_transit)
             self.demand.labels(self.pipeline, stage).set(decision.demand.get(stage, 0.0))
             self.dispersion.labels(self.pipeline, stage).set(planner.dispersions.get(stage, 1.0))
+            self.forecast.labels(self.pipeline, stage).set(decision.forecast.get(stage, 0.0))
+        for cls, d in decision.classes.items():
+            for stage, units in d.units.items():
+                self.class_demand.labels(self.pipeline, cls, stage).set(units)
         for c in decision.changes:
             self.changes.labels(self.pipeline, c.stage, "up" if c.after > c.before else "down").inc()

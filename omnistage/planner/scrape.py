@@ -1,5 +1,5 @@
-"""A stage replica's counters, and an orchestrator's time to first packet and real-time factor, read from
-their Prometheus metrics (the text their status ports serve).
+"""A stage replica's counters, and an orchestrator's time to first packet, real-time factor and per-class
+counters, read from their Prometheus metrics (the text their status ports serve).
 
 The metric names the planner reads are declared here and the stage's and orchestrator's metrics
 (stage_service/metrics.py, orchestrator_service/metrics.py) are registered under them: one home for the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .classes import ClassCounts
 from .load import ReplicaCounters
 
 REQUESTS = "omnistage_stage_requests"       # counter, labels stage, outcome
@@ -20,6 +21,12 @@ UNITS = "omnistage_stage_units"              # counter, labels stage, unit
 FIRST_OUTPUT_MS = "omnistage_first_output_ms"  # orchestrator histogram: time to the first output event
 RTF = "omnistage_rtf"                          # orchestrator histogram: a finished request's audio real-time factor
 ORCHESTRATOR_HISTOGRAMS = (FIRST_OUTPUT_MS, RTF)
+# Per request class (orchestrator_service/request_class.py: the request's input and output modalities), what the
+# orchestrator counts from each request's trace: the demand a request of each class puts on each stage.
+CLASS_REQUESTS = "omnistage_class_requests"              # counter, label class: requests admitted
+CLASS_FINISHED = "omnistage_class_finished"              # counter, label class: requests finished
+CLASS_STAGE_REQUESTS = "omnistage_class_stage_requests"  # counter, labels class, stage: finished ones the stage served
+CLASS_STAGE_UNITS = "omnistage_class_stage_units"        # counter, labels class, stage, unit: the stage's work for them
 # Outcomes of requests that reached the engine (rejected and invalid ones never did): their work counts.
 RAN = frozenset({"finished", "cancelled", "failed", "timeout"})
 
@@ -61,3 +68,20 @@ def orchestrator_buckets(text: str) -> dict[str, dict[float, float]]:
                 le = float(s.labels["le"])
                 into[le] = into.get(le, 0.0) + s.value
     return out
+
+
+def orchestrator_classes(text: str) -> ClassCounts:
+    """An orchestrator's per-class counters (CLASS_*): empty for one that does not export them."""
+    counts = ClassCounts({}, {}, {}, {})
+    into = {f"{CLASS_REQUESTS}_total": (counts.admitted, False), f"{CLASS_FINISHED}_total": (counts.finished, False),
+            f"{CLASS_STAGE_REQUESTS}_total": (counts.served, True), f"{CLASS_STAGE_UNITS}_total": (counts.units, True)}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name not in into or "class" not in s.labels:
+                continue
+            table, per_stage = into[s.name]
+            if per_stage and "stage" not in s.labels:
+                continue
+            key = (s.labels["class"], s.labels["stage"]) if per_stage else s.labels["class"]
+            table[key] = table.get(key, 0.0) + s.value   # summed over the other labels (a stage's unit)
+    return counts

@@ -34,11 +34,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from omnistage.launch import METRICS_PATH, http_url
+from omnistage.planner.classes import ClassCounts
 from omnistage.planner.controller import Planner
 from omnistage.planner.graph import upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import orchestrator_buckets, replica_counters
+from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, replica_counters
 from omnistage.spec import Pipeline, SpecError
 
 from .kube import Kube
@@ -168,20 +169,19 @@ class Autoscaler:
 
     def _observe(self, planner: Planner, pods: list[dict]) -> None:
         targets = scrape_targets(pods)
-        if not planner.reads_orchestrators:
-            targets.pop(ORCHESTRATOR, None)   # read only for the first-packet and rtf targets
         flat = [(unit, t) for unit, ts in targets.items() if unit in planner.estimates or unit == ORCHESTRATOR
                 for t in ts]
         read = list(self._pool.map(lambda ut: self._read(ut[1]), flat))
         by_stage: dict[str, dict[str, ReplicaCounters]] = {}
         units: dict[str, str] = {}
         orchestrators: dict[str, dict[str, dict[float, float]]] = {}
+        classes: dict[str, ClassCounts] = {}
         for (unit, target), text in zip(flat, read):
             if text is None:
                 continue   # a pod that does not answer this time is measured next time
             try:
-                if unit == ORCHESTRATOR:
-                    orchestrators[target.pod] = orchestrator_buckets(text)
+                if unit == ORCHESTRATOR:   # the latency targets' measures and the request classes
+                    orchestrators[target.pod], classes[target.pod] = orchestrator_buckets(text), orchestrator_classes(text)
                     continue
                 counters, work = replica_counters(text, self.clock())
             except ValueError:
@@ -191,6 +191,7 @@ class Autoscaler:
         for stage, counters in by_stage.items():
             planner.observe(stage, counters, units.get(stage, ""))
         planner.observe_orchestrators(orchestrators, self.clock())
+        planner.observe_classes(classes, self.clock())
 
     def _read(self, target: ScrapeTarget) -> str | None:
         try:

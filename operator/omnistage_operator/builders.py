@@ -266,15 +266,15 @@ def build_network_policy(p: Pipeline, cfg: OperatorConfig) -> dict:
         {"from": [{"podSelector": {"matchLabels": selector(p.name, COMPONENT_STAGE)}}]},
         *_metrics_ingress(cfg),
     ]
-    if cfg.operator_peer and autoscaled(p):   # the stage planner reads /metrics (autoscaler.py)
-        ingress.append({"from": [dict(cfg.operator_peer)], "ports": [_tcp(HTTP_PORT_NAME)]})
-    return _network_policy(p, network_policy_name(p.name), COMPONENT_STAGE, ingress)
+    return _network_policy(p, network_policy_name(p.name), COMPONENT_STAGE, [*ingress, *_planner_ingress(p, cfg)])
 
 
 def build_orchestrator_network_policy(p: Pipeline, cfg: OperatorConfig) -> dict:
     """Orchestrator pods accept clients on the gRPC and OpenAI-compatible API ports (from anywhere, or only
     from the peers the chart's networkPolicy.orchestratorClientsFrom names), and metrics scrapes on `http`
-    from the metrics namespaces. Its status port's /drain answers only the pod itself anyway."""
+    from the metrics namespaces, and under autoscaling the operator's pods on `http` (its planner reads the
+    latency histograms and request-class counters there). Its status port's /drain answers only the pod
+    itself anyway."""
     client_ports = [_tcp(GRPC_PORT_NAME)]
     if p.deployment.orchestrator.http.enabled:
         client_ports.append(_tcp(API_PORT_NAME))
@@ -282,7 +282,14 @@ def build_orchestrator_network_policy(p: Pipeline, cfg: OperatorConfig) -> dict:
     if cfg.orchestrator_clients_from:
         clients["from"] = [dict(peer) for peer in cfg.orchestrator_clients_from]
     return _network_policy(p, orchestrator_network_policy_name(p.name), COMPONENT_ORCHESTRATOR,
-                           [clients, *_metrics_ingress(cfg)])
+                           [clients, *_metrics_ingress(cfg), *_planner_ingress(p, cfg)])
+
+
+def _planner_ingress(p: Pipeline, cfg: OperatorConfig) -> list[dict]:
+    """Under autoscaling, the operator's pods on `http`: the stage planner reads /metrics (autoscaler.py)."""
+    if not (cfg.operator_peer and autoscaled(p)):
+        return []
+    return [{"from": [dict(cfg.operator_peer)], "ports": [_tcp(HTTP_PORT_NAME)]}]
 
 
 def _metrics_ingress(cfg: OperatorConfig) -> list[dict]:

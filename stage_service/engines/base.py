@@ -25,6 +25,7 @@ from ..errors import (EngineConfigError, EngineDead, EngineError, EngineOverload
                       StageDraining)  # re-exported for the adapters
 from ..engine_process import EngineProcess
 from ..scheduler import StepScheduler, StepState
+from ..work_tally import WorkTally
 from . import device, invariance
 
 
@@ -133,6 +134,8 @@ def tensor(chunk: InputChunk, name: str) -> torch.Tensor:
 class Engine(ABC):
     """One stage's engine. Subclasses implement `start` (load) and `generate`."""
 
+    unit = ""  # what its work is counted in (omnistage_stage_units_total's unit); "": it counts none
+
     def __init__(self, pipeline: Pipeline, stage: Stage, model_dir: Path):
         self.pipeline = pipeline
         self.stage = stage
@@ -142,6 +145,8 @@ class Engine(ABC):
         self.metrics = None  # StageMetrics, bound by the server
         self.failed: BaseException | None = None  # set when the engine cannot recover
         self.dead = asyncio.Event()
+        # Units done per request, as counted in metrics; its call's last chunk carries them (work_tally.py).
+        self.tally = WorkTally()
 
     def bind_metrics(self, metrics) -> None:
         self.metrics = metrics
@@ -246,6 +251,7 @@ class SteppedEngine(Engine):
                                     f"engine ({getattr(self, 'ADAPTER', type(self).__name__)}) runs its model in the stage process only; "
                                     "the causal LM, Talker and VAE engines support it")
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
+                                       tally=self.tally,
                                        max_failed_steps=self.options.max_failed_steps,
                                        max_step_cost=self.max_step_cost(), on_dead=self.fail_for_good)
 

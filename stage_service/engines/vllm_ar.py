@@ -75,6 +75,7 @@ def check_build(stage: str, plan: DevicePlan, vllm_device: str) -> None:
 
 class VllmEngine(Engine):
     ADAPTER = engines.CAUSAL_LM
+    unit = "tokens"  # generated tokens, per iteration in metrics (`_record`) and per request in the tally
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -172,6 +173,7 @@ class VllmEngine(Engine):
                 async for out in stream:
                     c = out.outputs[0]
                     tokens.extend(c.token_ids)
+                    self.tally.add(req.request_id, len(c.token_ids))
                     text += c.text
                     done = out.finished
                     if done or (every and len(tokens) >= every):
@@ -268,7 +270,7 @@ class VllmEngine(Engine):
             ms = (now - self._last_stats) * 1e3 if self._last_stats is not None else None
             self._last_stats = now
             if scheduler_stats.num_running_reqs:
-                self.metrics.step(scheduler_stats.num_running_reqs, ms, "tokens",
+                self.metrics.step(scheduler_stats.num_running_reqs, ms, self.unit,
                                   units=iteration_stats.num_generation_tokens)
 
     async def shutdown(self) -> None:

@@ -138,6 +138,9 @@ async def test_vllm_engine_streams_tokens(vllm_stage, hf_stage):
     hf = await call_stage(hf_stage.port, header(max_tokens=10, ignore_eos=True))
     hf_ids = [t for c in hf for t in tensor_of(c, "token_ids").tolist()]
     assert ids[:3] == hf_ids[:3]
+    # Each engine's work for the request, its generated tokens, on its last chunk only.
+    for chunks in (out, hf):
+        assert [(c.timing.units, c.timing.unit) for c in chunks] == [(0, "")] * (len(chunks) - 1) + [(10, "tokens")]
 
 
 @pytest.mark.vllm

@@ -58,6 +58,11 @@ async def test_the_engine_process_gives_the_tokens_of_the_stage_process(both):
     assert [token_ids(c) for c in got] == [token_ids(c) for c in want]
     assert [c[-1].finish_reason for c in got] == ["length"] * len(requests)
     assert "".join(c.text for c in got[0]) == "".join(c.text for c in want[0])
+    # its work units: counted by the scheduler in the stage process, on each call's last chunk alone
+    for calls in (want, got):
+        assert [[(c.timing.units, c.timing.unit) for c in chunks] for chunks in calls] == \
+            [[(0, "")] * (len(chunks) - 1) + [(20, "tokens")] for chunks in calls]
+    assert len(remote.engine.tally) == 0
     assert await core_stats(remote) == (0, 0)
 
 

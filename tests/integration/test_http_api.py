@@ -398,6 +398,9 @@ async def test_the_trace_header_returns_the_trace_one_entry_per_stage(servers):
     trace = r.model_extra["omnistage_trace"]
     assert [s["stage"] for s in trace["stages"]] == ["thinker", "talker", "code2wav"]
     assert all(s["queue_ms"] >= 0 and s["compute_ms"] > 0 for s in trace["stages"])
+    # each stage's work units, a string as protobuf's JSON writes a 64-bit integer
+    assert [s["unit"] for s in trace["stages"]] == ["tokens", "frames", "chunks"]
+    assert all(int(s["units"]) > 0 for s in trace["stages"])
     assert trace["total_ms"] > 0 and "admission_wait_ms" in trace
     plain = await omni.aio().chat.completions.create(model=omni.model, messages=user("Hello"), max_tokens=2)
     assert "omnistage_trace" not in (plain.model_extra or {})

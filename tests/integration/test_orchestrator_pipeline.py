@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
+
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from omnistage import launch
 from omnistage.client import AsyncOmniClient
-from omnistage.planner.scrape import RTF
+from omnistage.planner.scrape import CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS, RTF, UNITS
 from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, start_stage
@@ -17,7 +22,7 @@ PIPELINE = example("qwen3-omni-tiny")
 @pytest.fixture(scope="module")
 async def pipeline(model_dir):
     stages = {n: await start_stage(PIPELINE, n, model_dir) for n in ("thinker", "talker", "code2wav")}
-    orc = OrchestratorServer(PIPELINE, {n: [f"127.0.0.1:{s.port}"] for n, s in stages.items()})
+    orc = OrchestratorServer(PIPELINE, {n: [f"127.0.0.1:{s.port}"] for n, s in stages.items()}, http_port=0)
     await orc.start(wait_for_stages=30)
     client = AsyncOmniClient(f"127.0.0.1:{orc.port}")
     yield client, orc, stages
@@ -49,6 +54,48 @@ async def test_text_and_audio_stream_back_with_a_trace(pipeline):
     assert rtf_observed(orc) == observed + 1
     rtf_sum = orc.metrics.registry.get_sample_value(f"{RTF}_sum")
     assert 0 < rtf_sum < float("inf")
+
+
+def scraped(port: int) -> dict[tuple[str, tuple], float]:
+    """The orchestrator's /metrics as the planner reads them: (sample name, its labels) -> value."""
+    with urllib.request.urlopen(launch.http_url("127.0.0.1", port, launch.METRICS_PATH), timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def stage_units(stage) -> float:
+    """What a stage's omnistage_stage_units_total counted so far."""
+    return stage.metrics.registry.get_sample_value(f"{UNITS}_total", {"stage": stage.stage.name,
+                                                                      "unit": stage.engine.unit}) or 0.0
+
+
+async def test_a_finished_trace_carries_each_stages_work_units_counted_per_request_class(pipeline):
+    """Each stage's units in the trace are what its omnistage_stage_units_total counted for the request (one
+    per engine step it took part in): the Thinker's generated tokens, the Talker's codec frames and the step
+    that prefilled its prompt, Code2Wav's decoded chunks; the orchestrator counts them under the class."""
+    client, orc, stages = pipeline
+    port = orc.http.port
+    before = await asyncio.to_thread(scraped, port)
+    counted = {n: stage_units(s) for n, s in stages.items()}
+    r = await client.generate("Hello there", max_tokens=6, ignore_eos=True, max_codec_frames=20,
+                              return_trace=True, timeout=120)
+    units = {s.stage: (s.units, s.unit) for s in r.final.trace.stages}
+    assert units == {"thinker": (6, "tokens"), "talker": (1 + 20, "frames"), "code2wav": (2, "chunks")}
+    assert len(r.token_ids) == 6 and r.audio_chunks == 2  # 20 frames: a first chunk of 15, then 5
+    assert {n: stage_units(s) - counted[n] for n, s in stages.items()} == {n: u for n, (u, _) in units.items()}
+    assert all(len(s.engine.tally) == 0 for s in stages.values())  # taken by each stage's last chunk
+
+    after = await asyncio.to_thread(scraped, port)
+
+    def added(name: str, **labels) -> float:
+        key = (f"{name}_total", tuple(sorted({"class": "text->text+audio", **labels}.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert added(CLASS_REQUESTS) == added(CLASS_FINISHED) == 1
+    for stage, (n, unit) in units.items():
+        assert added(CLASS_STAGE_REQUESTS, stage=stage) == 1
+        assert added(CLASS_STAGE_UNITS, stage=stage, unit=unit) == n
 
 
 async def test_text_only_request_skips_the_speech_stages(pipeline):
@@ -125,3 +172,5 @@ async def test_traces_are_exported_as_opentelemetry_spans(pipeline):
     # the memory path its inputs took (connector paths): CPU to CPU here; the thinker reads no stage
     assert spans["omnistage.stage.talker"].attributes["omnistage.transfer_path"] == "host"
     assert spans["omnistage.stage.thinker"].attributes["omnistage.transfer_path"] == ""
+    thinker = spans["omnistage.stage.thinker"].attributes  # its work: the tokens it generated
+    assert thinker["omnistage.unit"] == "tokens" and thinker["omnistage.units"] == len(r.token_ids)

@@ -82,11 +82,12 @@ async def load(port: int) -> stage_pb2.StageLoad:
 
 
 async def assert_nothing_held(srv, timeout: float = 30.0) -> None:
-    """After a run: no request in flight, none unfinished in the engine, no request state alive."""
+    """After a run: no request in flight, none unfinished in the engine, no request state alive, no work units
+    tallied for a request (every call's end took or dropped them)."""
     engine = srv.engine
     await wait_until(lambda: srv.servicer.inflight == 0, timeout, what="no call in flight")
     await wait_until(lambda: engine.unfinished() == 0, timeout, what="no unfinished engine request")
-    assert engine.held_bytes() == 0
+    assert engine.held_bytes() == 0 and len(engine.tally) == 0
     sched = getattr(engine, "scheduler", None)
     if sched is not None:
         # A step still running in the engine's thread holds its batch's states (cancelled ones included)

@@ -8,6 +8,7 @@ import re
 import threading
 import urllib.request
 
+import pytest
 import yaml
 
 from omnistage.client import OmniClient
@@ -71,6 +72,11 @@ def test_a_replica_is_added_under_load_serves_and_is_drained_after(model_dir, tm
     served.wait_for(r"(stage llm\[\+1\]: drained, exited with code 0)", 60)
     assert failures == []
     assert done and set(done) == {48}
+    # the orchestrator's request-class counters reached the planner: a text request takes its 48 tokens at the LM
+    planner = urllib.request.urlopen(served.wait_for(r"decisions at (http://\S+)", 5), timeout=5).read().decode()
+    demand = re.search(r'^omnistage_planner_class_demand\{class="text->text",pipeline="llm-auto",stage="llm"\} (\S+)$',
+                       planner, re.M)
+    assert demand and float(demand.group(1)) == pytest.approx(48.0), planner
     assert served.stop() == 0
 
 

@@ -17,6 +17,7 @@ from stage_service.engines.base import InputChunk, OutputChunk, StageRequest
 from stage_service.errors import EngineError, InputError
 from stage_service.metrics import StageMetrics
 from stage_service.servicer import status_for
+from stage_service.work_tally import WorkTally
 
 from ..polling import wait_until
 
@@ -24,19 +25,25 @@ BAD = "bad"  # a message the wire converter refuses
 
 
 class ScriptedEngine:
-    """Echoes each input chunk's text; `consequence` turns an input error into an error of its own."""
+    """Echoes each input chunk's text; `consequence` turns an input error into an error of its own. Its work
+    units: one for starting a request and one per chunk echoed."""
+
+    unit = "chunks"
 
     def __init__(self, consequence: bool = False):
         self.consequence = consequence
         self.started = asyncio.Event()
         self.open_requests = 0
+        self.tally = WorkTally()
 
     async def generate(self, req, inputs):
+        self.tally.add(req.request_id)
         self.started.set()
         self.open_requests += 1
         try:
             try:
                 async for chunk in inputs.chunks("up"):
+                    self.tally.add(req.request_id)
                     yield OutputChunk(text=chunk.text)
             except InputError:
                 if self.consequence:
@@ -99,13 +106,15 @@ async def running(calls: StageCalls, engine: ScriptedEngine, request_id: str) ->
     """A call, as a task, whose engine waits for input that never comes."""
     task = asyncio.create_task(serve(calls, request_id, hold_open=asyncio.Event()))
     await wait_until(lambda: engine.started.is_set(), what="engine running")
+    assert len(engine.tally) == 1  # its units so far, which the call's end must not leave behind
     return task
 
 
 def assert_ended(calls: StageCalls, engine: ScriptedEngine, outcome: str, released: list[str]) -> None:
-    """The call was counted as `outcome`, the data plane freed `released`, and nothing runs."""
+    """The call was counted as `outcome`, the data plane freed `released`, and nothing runs or is tallied."""
     assert outcomes(calls) == {outcome: 1} and calls.data_plane.released == released
     assert calls.inflight == 0 and calls.idle.is_set() and engine.open_requests == 0
+    assert len(engine.tally) == 0  # its work units: carried by its last chunk, or dropped with the call
     assert not calls._serving  # Release finds nothing of an ended call
 
 

@@ -66,8 +66,11 @@ def test_reference_tensor_is_not_decoded_inline():
 def test_stage_chunk_round_trip():
     out = OutputChunk(tensors={"codes": torch.arange(8).view(2, 4)}, text="hi", finish_reason="length",
                       sample_rate=24000, queue_ms=1.5, compute_ms=2.5)
-    msg = output_to_proto(out, "talker", 3, True)
+    msg = output_to_proto(out, "talker", 3, True, units=30, unit="frames")
     assert msg.stage == "talker" and msg.chunk_id == 3 and msg.end_of_stream and msg.timing.compute_ms == 2.5
+    assert (msg.timing.units, msg.timing.unit) == (30, "frames")
+    earlier = output_to_proto(out, "talker", 2, False).timing
+    assert (earlier.units, earlier.unit) == (0, "")  # the last chunk alone carries the request's units
     wire = stage_pb2.Chunk.FromString(msg.SerializeToString())
     back = input_from_proto(wire, {t.name: tensors.from_proto(t) for t in wire.tensors})
     assert back.stage == "talker" and back.chunk_id == 3 and back.end_of_stream and back.text == "hi"

@@ -83,11 +83,16 @@ class Recording(Planner):
         self.orchestrator_readings = readings
         super().observe_orchestrators(readings, at)
 
+    def observe_classes(self, readings, at):
+        self.class_readings = readings
+        super().observe_classes(readings, at)
 
-@pytest.mark.parametrize("targets, read", [({}, False), ({"rtf": 0.8}, True), ({"ttfpP95Ms": 2000}, True)])
-def test_the_orchestrator_pods_are_scraped_for_their_histograms_only_for_a_target_measured_there(targets, read):
+
+@pytest.mark.parametrize("targets", [{}, {"rtf": 0.8}])
+def test_the_orchestrator_pods_are_scraped_for_their_histograms_and_request_classes(targets):
     orch = OrchestratorMetrics(CollectorRegistry())
     orch.observe_audio(3.0, 2.0)
+    orch.class_requests.labels("text->text+audio").inc(3)
     texts = {"orch": generate_latest(orch.registry).decode(), "t-a": ""}
     fetched = []
 
@@ -101,9 +106,10 @@ def test_the_orchestrator_pods_are_scraped_for_their_histograms_only_for_a_targe
         autoscaler._observe(planner, [pod("t-a"), pod("orch", component="orchestrator")])
     finally:
         autoscaler.close()
-    assert sorted(fetched) == (["orch", "t-a"] if read else ["t-a"])
+    assert sorted(fetched) == ["orch", "t-a"]   # with a latency target or without: the classes are read
     got = planner.orchestrator_readings
-    assert (got["orch"][RTF][math.inf] == 1 and got["orch"][RTF][1.5] == 1) if read else got == {}
+    assert got["orch"][RTF][math.inf] == 1 and got["orch"][RTF][1.5] == 1
+    assert planner.class_readings["orch"].admitted == {"text->text+audio": 3.0}
 
 
 # ------------------------------------------------------------------------------------ replicas
@@ -264,12 +270,13 @@ OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "omnistage"}}}
 
 
-def test_only_autoscaled_pipelines_let_the_operator_read_stage_metrics():
+@pytest.mark.parametrize("policy", ["network_policy", "orchestrator_network_policy"])
+def test_only_autoscaled_pipelines_let_the_operator_read_stage_and_orchestrator_metrics(policy):
     cfg = OperatorConfig(model_volume=CFG.model_volume, operator_peer=OPERATOR)
     rule = {"from": [OPERATOR], "ports": [{"protocol": "TCP", "port": "http"}]}
-    assert rule in build_children(parse(doc(AUTO)), cfg, "policy/v1").network_policy["spec"]["ingress"]
-    assert rule not in build_children(parse(doc()), cfg, "policy/v1").network_policy["spec"]["ingress"]
-    assert rule not in build_children(parse(doc(AUTO)), CFG, "policy/v1").network_policy["spec"]["ingress"]
+    assert rule in getattr(build_children(parse(doc(AUTO)), cfg, "policy/v1"), policy)["spec"]["ingress"]
+    assert rule not in getattr(build_children(parse(doc()), cfg, "policy/v1"), policy)["spec"]["ingress"]
+    assert rule not in getattr(build_children(parse(doc(AUTO)), CFG, "policy/v1"), policy)["spec"]["ingress"]
 
 
 def test_the_operator_peer_setting():

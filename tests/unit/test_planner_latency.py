@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from omnistage.planner.controller import Planner
-from omnistage.planner.latency import (MAX_PRESSURE, MIN_REQUESTS, merged, missed, p95, pressure,
-                                       read_from_orchestrators)
+from omnistage.planner.latency import MAX_PRESSURE, MIN_REQUESTS, merged, missed, p95, pressure
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF, orchestrator_buckets
 from omnistage.spec.model import Autoscaling, AutoscalingTargets, StageAutoscaling
@@ -105,11 +104,6 @@ def test_pressure_is_monotone_in_the_miss_at_most_the_cap_and_none_when_met(t_tt
     assert factor == max(pressure(t_ttfp, ttfp), pressure(t_rtf, rtf))
     worse = {FIRST_OUTPUT_MS: None if ttfp is None else ttfp + more_ttfp, RTF: None if rtf is None else rtf + more_rtf}
     assert missed(targets, worse)[0] >= factor
-
-
-@pytest.mark.parametrize("ttfp_ms, rtf, read", [(0, 0, False), (1000, 0, True), (0, 0.8, True), (500, 1.0, True)])
-def test_the_orchestrators_are_read_only_for_a_target_measured_there(ttfp_ms, rtf, read):
-    assert read_from_orchestrators(AutoscalingTargets(ttfp_p95_ms=ttfp_ms, rtf=rtf)) is read
 
 
 def test_rtf_is_observed_only_for_requests_with_audio_and_read_back_from_the_metrics():

@@ -232,6 +232,7 @@ async def test_cancel_during_a_step_frees_the_state_when_that_step_returns():
     rec.gate.set()
     await wait_until(lambda: not sched.unfinished(), interval=0.001, what="nothing unfinished")
     assert state.releases == 1 and sched.held_bytes() == 0 and len(rec.batches) == 1
+    assert len(sched.tally) == 0  # the step its caller gave up during is no work done for the request
     await sched.shutdown()
 
 
@@ -316,8 +317,9 @@ async def test_shutdown_fails_what_is_held():
        plan=st.lists(st.tuples(st.integers(1, 6), st.one_of(st.none(), st.integers(0, 5)),
                                st.sampled_from(["A", "B", None])), min_size=1, max_size=12))
 def test_invariants_under_random_load(max_batch, plan):
-    """Whatever arrives and whoever cancels: uncancelled requests get exactly their results, no batch
-    exceeds maxBatch or mixes keys, every state is released once, and nothing is held afterwards."""
+    """Whatever arrives and whoever cancels: uncancelled requests get exactly their results, and as many
+    work units in the tally (one per step, as the stage's metric counts them), no batch exceeds maxBatch or
+    mixes keys, every state is released once, and nothing is held afterwards."""
     async def scenario():
         sched, rec = make(max_batch=max_batch, max_queued=100)
         states = [Count(f"r{i}", n, key=k) for i, (n, _, k) in enumerate(plan)]
@@ -334,12 +336,13 @@ def test_invariants_under_random_load(max_batch, plan):
         results = await asyncio.gather(*(one(s, c) for s, (_, c, _) in zip(states, plan)))
         await wait_until(lambda: not sched.unfinished(), interval=0.001, what="nothing unfinished")
         for s, (n, cancel_after, _), r in zip(states, plan, results):
+            units = sched.tally.take(s.name)
             if cancel_after is None or cancel_after >= n:
-                assert r == list(range(1, n + 1))
-            assert s.releases == 1
+                assert r == list(range(1, n + 1)) and units == n
+            assert units <= n and s.releases == 1
         keys = {s.name: s.key for s in states}
         assert all(len(b) <= max_batch and len({keys[x] for x in b}) == 1 for b in rec.batches)
-        assert sched.held_bytes() == 0
+        assert sched.held_bytes() == 0 and len(sched.tally) == 0
         await sched.shutdown()
 
     asyncio.run(scenario())
