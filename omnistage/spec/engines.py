@@ -56,7 +56,7 @@ def _omni(family: str, decoder: str) -> tuple[Adapter, Adapter, Adapter, Adapter
 
 QWEN3_OMNI_THINKER, QWEN3_OMNI_TALKER, QWEN3_OMNI_CODE2WAV, QWEN3_OMNI_ENCODER = _omni("qwen3-omni", "code2wav")
 # The omni Thinkers on vLLM (stage_service/engines/vllm_thinker.py): the same rows out; text prompts in, and
-# audio from an encoder stage (images and video need multimodal rotary positions it does not compute).
+# audio, images and video from an encoder stage.
 OMNI_THINKER_VLLM = Adapter("omni-thinker-vllm", ("vllm",), "ar", "thinker", frozenset({"text", "tokens", "hidden"}),
                             reads=frozenset({"media"}))
 QWEN2_5_OMNI_THINKER, QWEN2_5_OMNI_TALKER, QWEN2_5_OMNI_TOKEN2WAV, QWEN2_5_OMNI_ENCODER = _omni("qwen2.5-omni",

@@ -140,6 +140,10 @@ class VllmEngine(Engine):
     def close_request(self, call_id: str) -> None:
         pass
 
+    def sampling_extra_args(self, prompt: dict) -> dict | None:
+        """`SamplingParams.extra_args` of the request for `prompt` (what a subclass's KV connector reads)."""
+        return None
+
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -156,7 +160,8 @@ class VllmEngine(Engine):
                                    f"(maxBatch {self.max_running} + maxQueued {self.max_queued})")
         sp = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature or 0.0, top_p=p.top_p or 1.0,
                             top_k=p.top_k or 0, seed=p.seed, ignore_eos=p.ignore_eos,
-                            stop_token_ids=self.stop_ids(p), output_kind=RequestOutputKind.DELTA)
+                            stop_token_ids=self.stop_ids(p), output_kind=RequestOutputKind.DELTA,
+                            extra_args=self.sampling_extra_args(prompt))
         every = self.stage.chunk_size
         tokens: list[int] = []
         text = ""

