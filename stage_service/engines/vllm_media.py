@@ -30,6 +30,21 @@ EXTRA_KEY = "omnistage_media"  # SamplingParams.extra_args key of a request's pa
 POSITIONS_FACTOR = 4
 
 
+def media_refusal(vllm_config) -> str | None:
+    """Why this engine cannot carry images and video (None when it can; pure): the per-step positions and
+    deepstack rows are Python inputs of an eager forward over one slot mapping per step."""
+    if not vllm_config.model_config.enforce_eager:
+        return ("images and video on the vLLM Thinker need an eager engine (engineArgs: enforce_eager: true): "
+                "their per-step 3-D rotary positions and deepstack rows are inputs a compiled or CUDA graph "
+                "would not see; or serve this stage with engine: transformers")
+    parallel = vllm_config.parallel_config
+    if parallel.use_ubatching or parallel.decode_context_parallel_size > 1:
+        return ("images and video on the vLLM Thinker map each request to its rows by one slot mapping per "
+                "step: micro-batching and decode context parallelism split it; turn them off or serve this "
+                "stage with engine: transformers")
+    return None
+
+
 class PositionsOnly(torch.nn.Module):
     """What `omni_media.prompt_rows` reads of a Thinker, without its weights: the Thinker config, the
     family Thinker class's own `get_rope_index`, and zero input embeddings (the text positions of a vLLM
@@ -138,8 +153,8 @@ class MediaCursor:
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             extra = (new.sampling_params.extra_args or {}) if new.sampling_params is not None else {}
-            if EXTRA_KEY in extra:
-                self.prompts[new.req_id] = MediaPrompt(extra[EXTRA_KEY])
+            if EXTRA_KEY in extra:  # taken out: not shipped on to the workers nor held by the request
+                self.prompts[new.req_id] = MediaPrompt(extra.pop(EXTRA_KEY))
             if new.req_id in self.prompts:
                 self.blocks[new.req_id] = list(new.block_ids[self.group])
                 computed[new.req_id] = new.num_computed_tokens

@@ -43,7 +43,7 @@ from .qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT
 from .qwen2_5_omni_steps import _stop_ids as qwen2_5_stop_ids
 from .qwen3_omni_steps import _generation_eos
 from .vllm_ar import VllmEngine
-from .vllm_media import EXTRA_KEY, POSITIONS_FACTOR, PositionsOnly, media_payload
+from .vllm_media import EXTRA_KEY, POSITIONS_FACTOR, PositionsOnly, media_payload, media_refusal
 from .vllm_models import QWEN2_5_OMNI_THINKER_TEXT, QWEN3_OMNI_THINKER_TEXT
 from .vllm_rows import LENGTH_MARGIN, RowsReceiver, engine_length, rows_engine_args
 from .vllm_thinker_text import MROPE_KEY
@@ -204,6 +204,19 @@ class VllmThinkerEngine(VllmEngine):
             rows = getattr(enc, kind)
             if rows is not None and (rows.dim() != 2 or rows.shape[-1] != self.hidden_size):
                 raise InputError(f"the encoder's {kind} rows are {list(rows.shape)}, expected [n, {self.hidden_size}]")
+        layers = set()
+        for kind in ("image", "video"):
+            deep = getattr(enc, f"{kind}_deepstack")
+            if deep is None:
+                continue
+            # a row per placeholder, as the kind's own rows (which prompt_rows checks)
+            count = int((enc.ids == getattr(self.rope_index.config, f"{kind}_token_id")).sum())
+            if deep.dim() != 3 or deep.shape[1:] != (count, self.hidden_size):
+                raise InputError(f"the encoder's {kind} deepstack rows are {list(deep.shape)}, expected "
+                                 f"[layers, {count} {kind} placeholders, {self.hidden_size}]")
+            layers.add(deep.shape[0])
+        if len(layers) > 1:
+            raise InputError(f"the encoder's image and video deepstack rows have {sorted(layers)} layers: one count")
         media = [getattr(enc, k) for k in ("audio", "image", "video") if getattr(enc, k) is not None]
         rows = prompt_rows(self.rope_index, enc)  # checks each kind's placeholders against its rows
         fed = torch.ones(len(ids), dtype=torch.bool)
@@ -213,11 +226,9 @@ class VllmThinkerEngine(VllmEngine):
         prompt = {"prompt_embeds": rows.embeds.to(media[0].dtype), "prompt_token_ids": ids,
                   "prompt_is_token_ids": fed.tolist()}
         if enc.image is not None or enc.video is not None:
-            if not self.llm.model_config.enforce_eager:
-                raise InputError("images and video on the vLLM Thinker need an eager engine (engineArgs: "
-                                 "enforce_eager: true): their per-step 3-D rotary positions and deepstack rows "
-                                 "are inputs a compiled or CUDA graph would not see; or serve this stage with "
-                                 "engine: transformers")
+            refusal = media_refusal(self.llm.vllm_config)
+            if refusal is not None:
+                raise InputError(refusal)
             layers = len(rows.deepstack)
             if layers > self.layers_total:
                 raise InputError(f"the encoder sent deepstack rows for {layers} layers; the Thinker has "
@@ -227,7 +238,9 @@ class VllmThinkerEngine(VllmEngine):
             if limit is not None and top >= limit:
                 raise InputError(f"the prompt's multimodal positions reach {top}; the Thinker's rotary table "
                                  f"holds {limit}")
-            prompt[EXTRA_KEY] = media_payload(rows.positions, rows.rope_delta, rows.visual_mask, rows.deepstack)
+            # deepstack rows in the encoder's dtype (prompt_rows works in float32: the round trip is exact)
+            prompt[EXTRA_KEY] = media_payload(rows.positions, rows.rope_delta, rows.visual_mask,
+                                              [d.to(media[0].dtype) for d in rows.deepstack])
         return prompt, ids, len(ids)
 
     def sampling_extra_args(self, prompt: dict) -> dict | None:

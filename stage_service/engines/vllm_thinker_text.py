@@ -17,7 +17,7 @@ import torch
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
-from .vllm_media import batch_inputs
+from .vllm_media import batch_inputs, media_refusal
 
 PREFIXES = ("thinker.model.", "thinker.lm_head.")
 MROPE_KEY = "omnistage_mrope"  # config.json: {"section": [t, h, w], "interleaved": bool}
@@ -49,9 +49,9 @@ class OmniThinkerText:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._deepstack: list[torch.Tensor] = []
         mrope = getattr(vllm_config.model_config.hf_config, MROPE_KEY, None)
-        # Eager only: a compiled graph or a CUDA graph would freeze this forward's per-step Python inputs
-        # (the stage refuses images and video then; text and audio run as before).
-        self.media = bool(mrope) and vllm_config.model_config.enforce_eager
+        # Eager, one slot mapping a step (vllm_media.media_refusal): else the stage refuses images and video
+        # and text and audio run as before.
+        self.media = bool(mrope) and media_refusal(vllm_config) is None
         if not self.media:
             return
         from vllm.model_executor.layers.rotary_embedding import get_rope

@@ -14,7 +14,7 @@ import torch
 
 from stage_service.engines.omni_media import EncodedPrompt, prompt_rows
 from stage_service.engines.vllm_media import (EXTRA_KEY, MediaCursor, MediaPrompt, MediaStep, PositionsOnly,
-                                              batch_inputs, media_payload, slots_of)
+                                              batch_inputs, media_payload, media_refusal, slots_of)
 from stage_service.engines.vllm_thinker import FAMILIES, thinker_text_config
 from stage_service.engines.vllm_thinker_text import MROPE_KEY
 
@@ -85,9 +85,11 @@ def _output(new=(), cached=(), scheduled=None, resumed=()):
 
 def test_the_cursor_follows_media_requests_only_through_chunks_decode_preemption_and_finish():
     c = MediaCursor(group=0, block_size=4)
-    steps = c.step(_output(new=[_new("img", [3], extra={EXTRA_KEY: _payload()}), _new("txt", [5])],
+    extra = {EXTRA_KEY: _payload(), "other": 1}
+    steps = c.step(_output(new=[_new("img", [3], extra=extra), _new("txt", [5])],
                            scheduled={"img": 4, "txt": 3}))
     assert [(s.req_id, s.slots) for s in steps] == [("img", [12, 13, 14, 15])]  # a text request costs nothing
+    assert extra == {"other": 1}  # the payload is taken out: not shipped to the workers nor held twice
     assert "txt" not in c.blocks
     steps = c.step(_output(cached=[("img", [8], 4), ("txt", None, 3)], scheduled={"img": 3, "txt": 1}))
     assert steps[0].slots == [32, 33, 34] and steps[0].positions.tolist() == [[1, 3, 5], [2, 3, 5], [2, 3, 5]]
@@ -172,3 +174,19 @@ def test_the_weightless_stand_in_gives_the_thinker_models_positions(model_dir, m
     assert len(got.deepstack) == len(want.deepstack)
     for g, w in zip(got.deepstack, want.deepstack):
         assert torch.equal(g, w)
+
+
+def _config(eager=True, ubatching=False, dcp=1):
+    return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                           parallel_config=SimpleNamespace(use_ubatching=ubatching, decode_context_parallel_size=dcp))
+
+
+@pytest.mark.parametrize("config, says", [
+    (_config(), None),
+    (_config(eager=False), "enforce_eager: true"),
+    (_config(ubatching=True), "micro-batching"),
+    (_config(dcp=2), "decode context parallelism"),
+])
+def test_images_and_video_are_refused_with_the_reason_where_the_forward_cannot_carry_them(config, says):
+    refusal = media_refusal(config)
+    assert (refusal is None) if says is None else (says in refusal and "engine: transformers" in refusal)
