@@ -201,7 +201,9 @@ class FrontDoor:
             self.units[(req.cls, stage)] = self.units.get((req.cls, stage), 0.0) + units
 
     def counts(self) -> ClassCounts:
-        return ClassCounts(dict(self.admitted), dict(self.finished), dict(self.served), dict(self.units))
+        # every modeled request ends finished: ended is finished
+        return ClassCounts(dict(self.admitted), dict(self.finished), dict(self.served), dict(self.units),
+                           dict(self.finished))
 
 
 @dataclass

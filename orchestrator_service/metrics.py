@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # the stage planner reads them (targets.ttfpP95Ms, targets.rtf; per request class, the demand on each stage)
-from omnistage.planner.scrape import (CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS,
+from omnistage.planner.scrape import (CLASS_ENDED, CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS,
                                       FIRST_OUTPUT_MS, RTF)
 
 _MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
@@ -49,6 +49,8 @@ class OrchestratorMetrics:
         # Per request class (request_class.py): "class" is a fixed vocabulary, so their series are bounded.
         self.class_requests = Counter(CLASS_REQUESTS, "Requests admitted, by request class", ["class"], registry=r)
         self.class_finished = Counter(CLASS_FINISHED, "Requests finished, by request class", ["class"], registry=r)
+        self.class_ended = Counter(CLASS_ENDED, "Admitted requests ended (finished, cancelled, failed or timed out), "
+                                   "by request class", ["class"], registry=r)
         self.class_stage_requests = Counter(CLASS_STAGE_REQUESTS, "Finished requests a stage served, by request "
                                             "class", ["class", "stage"], registry=r)
         self.class_stage_units = Counter(CLASS_STAGE_UNITS, "Work units a stage did for finished requests, by "
@@ -59,14 +61,18 @@ class OrchestratorMetrics:
         if audio_s > 0:
             self.rtf.observe(to_last_audio_s / audio_s)
 
-    def observe_finished(self, request_class: str, trace) -> None:
-        """A finished request of `request_class` and, from its RequestTrace, each stage's work for it (a
-        stage whose engine counts no units is counted as served only)."""
-        self.class_finished.labels(request_class).inc()
-        for st in trace.stages:
-            self.class_stage_requests.labels(request_class, st.stage).inc()
-            if st.unit:
-                self.class_stage_units.labels(request_class, st.stage, st.unit).inc(st.units)
+    def observe_ended(self, request_class: str, trace=None) -> None:
+        """An admitted request of `request_class` ended; `trace` (its RequestTrace) when it finished: each
+        stage's work for it (a stage whose engine counts no units is counted as served only). The stages'
+        counters move first and the ended count last, so a scrape between them reads work of requests not yet
+        counted as ended, never requests without their work (the planner divides the work by them)."""
+        if trace is not None:
+            for st in trace.stages:
+                self.class_stage_requests.labels(request_class, st.stage).inc()
+                if st.unit:
+                    self.class_stage_units.labels(request_class, st.stage, st.unit).inc(st.units)
+            self.class_finished.labels(request_class).inc()
+        self.class_ended.labels(request_class).inc()
 
     def observe_admission(self, admission, router) -> None:
         self.waiting_peak.set(admission.peak_queued)

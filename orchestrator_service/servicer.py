@@ -243,8 +243,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self.admission.release(ticket)
             m.inflight.set(self.admission.inflight)
             m.requests.labels(outcome).inc()
-            if outcome == "finished":
-                m.observe_finished(req_class, trace)
+            if ticket is not None:  # admitted (counted in class_requests): its class's ended count
+                m.observe_ended(req_class, trace if outcome == "finished" else None)
             m.latency_ms.observe((time.perf_counter() - t0) * 1e3)
             m.observe_admission(self.admission, self.router)
 

@@ -121,7 +121,9 @@ class CallScope:
             self._reader = None  # and with it any error it kept, with its traceback
         if self.outcome != "finished" and self.request_id:
             calls.data_plane.release(self.request_id)  # nobody will fetch what it held
-        if self.request_id:  # its last chunk took its units; a call that ended otherwise leaves them here
+        if self.request_id and self.request_id not in calls._serving:
+            # its last chunk took its units; a call that ended otherwise leaves them here, unless another call
+            # of the request (a retry back on this replica) is still counting into the same tally
             calls.engine.tally.take(self.request_id)
         calls._ended(self)
         return handled

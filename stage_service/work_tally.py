@@ -4,11 +4,13 @@ The stage's `omnistage_stage_units_total` counts work in aggregate; the planner 
 (per request class, the demand on each stage), so the same units are tallied per request id as they are
 counted, and the call's last chunk carries its request's total (`ChunkTiming.units`) into the trace.
 An engine owns one: the step scheduler adds one per request per step it delivers, vLLM the tokens each
-output brings. The call scope takes a request's tally when its call ends, however it ends, so nothing is
-kept for requests that are gone.
+output brings. The call scope takes a request's tally when its last call here ends, however it ends, so
+nothing is kept for requests that are gone.
 
 Used on the event loop only (the scheduler adds when it delivers a step, not on its worker thread). Two
-calls of one request on the same replica at once (a retry that came back here) share its tally.
+calls of one request on the same replica at once (a retry that came back here while the old call ends)
+share its tally: the old call leaving takes nothing while the new one serves, so the new call's last chunk
+carries both calls' units (the work the replica did for the request).
 """
 
 from __future__ import annotations

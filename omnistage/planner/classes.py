@@ -8,11 +8,15 @@ moves the bottleneck before anything reaches the Talker, and the stage graph's e
 measured over the last windows) read the first wave of speech requests as an upstream catch-up.
 
 The orchestrators count, per request class (its input and output modalities: "text->text+audio"), the
-requests they admit, and, from every finished request's trace, which stages served it and the work
-units each did for it (scrape.CLASS_*). From two readings of those counters:
+requests they admit and those that ended (finished or not), and, from every finished request's trace,
+which stages served it and the work units each did for it (scrape.CLASS_*). From two readings of those
+counters:
 
-- `demand`: per class and stage, the work units one request of the class takes there (the share of the
-  class that the stage serves included) and that share, smoothed over finished requests;
+- `demand`: per class and stage, the work units one admitted request of the class takes there (the
+  share of the class that the stage serves included) and that share, over the requests that ended, a
+  request that did not finish (cancelled, a stop string, failed) counting none: the forecast multiplies
+  admissions by it, so the work of the requests that finish is not charged to those that do not. Each
+  reading moves it by as much as the requests it counted say (smoothed by their number);
 - `forecast`: per stage, what the front door's admissions over a window send it, at each class's demand:
   requests per second reaching it and work units per second, with how much the units of such a window
   vary (`per_count`), so the planner can take the load it surely is (load.load_floor). Each class's
@@ -49,6 +53,7 @@ class ClassCounts:
     finished: Mapping[str, float] = field(default_factory=dict)            # class -> requests finished
     served: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (class, stage) -> finished ones it served
     units: Mapping[tuple[str, str], float] = field(default_factory=dict)   # (class, stage) -> its units for them
+    ended: Mapping[str, float] = field(default_factory=dict)               # class -> admitted requests that ended
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ def counted(before: Readings, after: Readings) -> ClassCounts:
     then short, which the planner can afford, since the forecast only ever adds to a stage's load. Summing
     each reading over the replicas first would read a replica missing from one reading as a restart, and
     its whole history as admitted in the window."""
-    out: tuple[dict, dict, dict, dict] = ({}, {}, {}, {})
+    out: tuple[dict, ...] = ({}, {}, {}, {}, {})
     for replica, a in after.items():
         b = before.get(replica)
         if b is None:
@@ -113,31 +118,31 @@ def counted(before: Readings, after: Readings) -> ClassCounts:
     return ClassCounts(*out)
 
 
-def _parts(c: ClassCounts) -> tuple[Mapping, Mapping, Mapping, Mapping]:
-    return c.admitted, c.finished, c.served, c.units
+def _parts(c: ClassCounts) -> tuple[Mapping, ...]:
+    return c.admitted, c.finished, c.served, c.units, c.ended
 
 
 def demand(prev: Mapping[str, ClassDemand], d: ClassCounts) -> dict[str, ClassDemand]:
-    """Each class's demand after the requests `d` counted finished (classes.counted between two readings; a
-    class with none keeps what it had). Per stage, units per request and the share served are the finished
-    requests' (those the stage did not serve counting 0 units), smoothed."""
+    """Each class's demand after the requests `d` counted ended (classes.counted between two readings; a
+    class with none keeps what it had). Per stage, units per request and the share served are over the
+    requests that ended (those the stage did not serve, and those that did not finish, counting 0 units;
+    over the finished ones where an orchestrator counts no ended requests), smoothed: each request counted
+    keeps DEMAND_MEMORY of the rest."""
     out = dict(prev)
-    for cls, n in d.finished.items():
+    for cls in {*d.finished, *d.ended}:
+        finished = d.finished.get(cls, 0.0)
+        n = max(d.ended.get(cls, 0.0), finished)
         if n <= 0:
             continue
         old = prev.get(cls, ClassDemand(cls))
         stages = {s for c, s in (*d.served, *d.units) if c == cls} | set(old.units)
         seen_units = {s: d.units.get((cls, s), 0.0) / n for s in stages}
         seen_reach = {s: min(d.served.get((cls, s), 0.0) / n, 1.0) for s in stages}
-        first = old.finished <= 0
-        out[cls] = ClassDemand(cls, old.finished + n,
-                               {s: v if first else _smoothed(old.units.get(s, 0.0), v) for s, v in seen_units.items()},
-                               {s: v if first else _smoothed(old.reach.get(s, 0.0), v) for s, v in seen_reach.items()})
+        keep = 0.0 if old.finished <= 0 else DEMAND_MEMORY ** n   # the first finished requests set it
+        out[cls] = ClassDemand(cls, old.finished + finished,
+                               {s: keep * old.units.get(s, 0.0) + (1 - keep) * v for s, v in seen_units.items()},
+                               {s: keep * old.reach.get(s, 0.0) + (1 - keep) * v for s, v in seen_reach.items()})
     return out
-
-
-def _smoothed(prev: float, seen: float) -> float:
-    return DEMAND_MEMORY * prev + (1 - DEMAND_MEMORY) * seen
 
 
 def forecast(demands: Mapping[str, ClassDemand], d: ClassCounts, seconds: float,

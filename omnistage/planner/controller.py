@@ -135,10 +135,11 @@ class Planner:
         while len(self._classes) > 2 and self._classes[1][0] <= at - keep:
             self._classes.popleft()   # keep one reading at least a window (and every scale-down delay) old
 
-    def _forecast(self, seconds: float) -> dict[str, Forecast]:
+    def _forecast(self, seconds: float, now: float) -> dict[str, Forecast]:
         """Per stage, what the front door admitted over about the last `seconds` sends it (classes.forecast);
-        empty before two readings."""
-        if len(self._classes) < 2:
+        empty before two readings, and once the newest is a window old (no orchestrator answered since: what
+        they admitted then says nothing of now, and would hold replicas up)."""
+        if len(self._classes) < 2 or self._classes[-1][0] < now - self.window_s:
             return {}
         newest, after = self._classes[-1]
         at, before = next(((a, c) for a, c in reversed(self._classes) if a <= newest - seconds), self._classes[0])
@@ -166,10 +167,10 @@ class Planner:
                                   {s: w[i].seconds for s, w in windows.items()}, errors)
                   for i, errors in enumerate((GROW_ERRORS, GROW_ERRORS_RECENT, GROW_ERRORS))]
         # per window, what the front door's admissions send each stage at its request classes' demand
-        forecasts: dict[float, dict[str, Forecast]] = {}
-        ahead = {s: tuple(forecasts.setdefault(seconds, self._forecast(seconds)) for seconds in
-                          (self.window_s, RECENT_S, max(self.bounds[s].scale_down_delay_seconds, self.window_s)))
+        spans = {s: (self.window_s, RECENT_S, max(self.bounds[s].scale_down_delay_seconds, self.window_s))
                  for s in windows}
+        forecasts = {seconds: self._forecast(seconds, now) for seconds in {x for t in spans.values() for x in t}}
+        ahead = {s: tuple(forecasts[seconds] for seconds in spans[s]) for s in windows}
         needs = []
         for stage in self._history:
             est, b = self.estimates[stage], self.bounds[stage]

@@ -25,6 +25,7 @@ ORCHESTRATOR_HISTOGRAMS = (FIRST_OUTPUT_MS, RTF)
 # orchestrator counts from each request's trace: the demand a request of each class puts on each stage.
 CLASS_REQUESTS = "omnistage_class_requests"              # counter, label class: requests admitted
 CLASS_FINISHED = "omnistage_class_finished"              # counter, label class: requests finished
+CLASS_ENDED = "omnistage_class_ended"                    # counter, label class: admitted requests ended, any outcome
 CLASS_STAGE_REQUESTS = "omnistage_class_stage_requests"  # counter, labels class, stage: finished ones the stage served
 CLASS_STAGE_UNITS = "omnistage_class_stage_units"        # counter, labels class, stage, unit: the stage's work for them
 # Outcomes of requests that reached the engine (rejected and invalid ones never did): their work counts.
@@ -72,8 +73,9 @@ def orchestrator_buckets(text: str) -> dict[str, dict[float, float]]:
 
 def orchestrator_classes(text: str) -> ClassCounts:
     """An orchestrator's per-class counters (CLASS_*): empty for one that does not export them."""
-    counts = ClassCounts({}, {}, {}, {})
+    counts = ClassCounts({}, {}, {}, {}, {})
     into = {f"{CLASS_REQUESTS}_total": (counts.admitted, False), f"{CLASS_FINISHED}_total": (counts.finished, False),
+            f"{CLASS_ENDED}_total": (counts.ended, False),
             f"{CLASS_STAGE_REQUESTS}_total": (counts.served, True), f"{CLASS_STAGE_UNITS}_total": (counts.units, True)}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

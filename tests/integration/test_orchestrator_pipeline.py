@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage import launch
 from omnistage.client import AsyncOmniClient
-from omnistage.planner.scrape import CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS, RTF, UNITS
+from omnistage.planner.scrape import CLASS_ENDED, CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS, RTF, UNITS
 from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, start_stage
@@ -92,7 +92,7 @@ async def test_a_finished_trace_carries_each_stages_work_units_counted_per_reque
         key = (f"{name}_total", tuple(sorted({"class": "text->text+audio", **labels}.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert added(CLASS_REQUESTS) == added(CLASS_FINISHED) == 1
+    assert added(CLASS_REQUESTS) == added(CLASS_FINISHED) == added(CLASS_ENDED) == 1
     for stage, (n, unit) in units.items():
         assert added(CLASS_STAGE_REQUESTS, stage=stage) == 1
         assert added(CLASS_STAGE_UNITS, stage=stage, unit=unit) == n

@@ -206,3 +206,21 @@ async def test_a_bad_header_is_answered_without_a_request_to_free():
         raise InputError("no header")  # what the servicer raises before `serve`
     assert call.status[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert_ended(calls, engine, "invalid", [])
+
+
+async def test_a_call_that_ends_while_a_retry_of_its_request_runs_here_leaves_the_retrys_units():
+    """A retry that came back to this replica while the old call still ends: the old call takes nothing of
+    the request's tally, so the retry's last chunk carries the work done here; the last call to end drops
+    what is left."""
+    engine = ScriptedEngine()
+    calls = stage_calls(engine)
+    old = await running(calls, engine, "r1")
+    engine.started.clear()
+    retry = asyncio.create_task(serve(calls, "r1", hold_open=asyncio.Event()))
+    await wait_until(lambda: engine.started.is_set(), what="the retry running")
+    old.cancel()
+    await asyncio.gather(old, return_exceptions=True)
+    assert len(engine.tally) == 1  # the request's units, still counting for the retry
+    retry.cancel()
+    await asyncio.gather(retry, return_exceptions=True)
+    assert len(engine.tally) == 0 and not calls._serving

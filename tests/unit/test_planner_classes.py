@@ -23,8 +23,8 @@ CHAIN = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}
 SPEECH, TEXT = "text->text+audio", "text->text"
 
 
-def counts(admitted=None, finished=None, served=None, units=None) -> ClassCounts:
-    return ClassCounts(admitted or {}, finished or {}, served or {}, units or {})
+def counts(admitted=None, finished=None, served=None, units=None, ended=None) -> ClassCounts:
+    return ClassCounts(admitted or {}, finished or {}, served or {}, units or {}, ended or {})
 
 
 # ------------------------------------------------------------------------------------ counting
@@ -55,15 +55,37 @@ def test_a_class_demand_is_its_finished_requests_work_per_stage_including_those_
     assert got.finished == 10 and got.known
     assert got.units == pytest.approx({"thinker": 24, "talker": 120, "code2wav": 96})
     assert got.reach == pytest.approx({"thinker": 1.0, "talker": 1.0, "code2wav": 0.8})
-    # the next requests were longer: smoothed, not taken as they are
+    # the next requests were longer: smoothed, not taken as they are, by as much as their number says
     d2 = counts(finished={SPEECH: 5}, served={(SPEECH, "thinker"): 5}, units={(SPEECH, "thinker"): 200})
     again = demand({SPEECH: got}, d2)[SPEECH]
+    keep = DEMAND_MEMORY ** 5
     assert again.finished == 15
-    assert again.units["thinker"] == pytest.approx(DEMAND_MEMORY * 24 + (1 - DEMAND_MEMORY) * 40)
+    assert again.units["thinker"] == pytest.approx(keep * 24 + (1 - keep) * 40)
     # a stage none of the window's requests reached reads 0 for them: the average moves towards 0
-    assert again.units["talker"] == pytest.approx(DEMAND_MEMORY * 120)
+    assert again.units["talker"] == pytest.approx(keep * 120)
+    # one request moves it less than five
+    one = demand({SPEECH: got}, counts(finished={SPEECH: 1}, served={(SPEECH, "thinker"): 1},
+                                       units={(SPEECH, "thinker"): 40}))[SPEECH]
+    assert 24 < one.units["thinker"] < again.units["thinker"]
     # a window in which no request of a class finished leaves its demand as it was
     assert demand({SPEECH: got}, counts(admitted={SPEECH: 3}))[SPEECH] == got
+
+
+def test_requests_that_did_not_finish_count_no_work_so_admissions_are_not_charged_for_it():
+    # 10 speech requests ended: 5 finished (24 tokens, 120 frames each), 5 cancelled (a stop string, a client
+    # gone): the forecast multiplies admissions by the demand, so the cancelled ones must count 0
+    d = counts(finished={SPEECH: 5}, ended={SPEECH: 10},
+               served={(SPEECH, "thinker"): 5, (SPEECH, "talker"): 5},
+               units={(SPEECH, "thinker"): 120, (SPEECH, "talker"): 600})
+    got = demand({}, d)[SPEECH]
+    assert got.finished == 5 and got.known
+    assert got.units == pytest.approx({"thinker": 12, "talker": 60})
+    assert got.reach == pytest.approx({"thinker": 0.5, "talker": 0.5})
+    # 20 admitted a second: 10 finish, and they bring the Talker 10 x 120 frames
+    fc = forecast({SPEECH: got}, counts(admitted={SPEECH: 20}), 1.0, ["talker"])["talker"]
+    assert fc.load == pytest.approx(1200) and fc.requests_per_s == pytest.approx(10)
+    # a window in which all that ended were cancelled moves the demand towards none
+    assert demand({SPEECH: got}, counts(ended={SPEECH: 5}))[SPEECH].units["talker"] < 60
 
 
 def test_a_class_is_forecast_from_once_enough_of_its_requests_finished():
@@ -94,10 +116,11 @@ def test_the_class_counters_are_read_back_from_an_orchestrators_metrics():
     m = OrchestratorMetrics(CollectorRegistry())
     m.class_requests.labels(SPEECH).inc(3)
     m.class_finished.labels(SPEECH).inc(2)
+    m.class_ended.labels(SPEECH).inc(3)
     m.class_stage_requests.labels(SPEECH, "talker").inc(2)
     m.class_stage_units.labels(SPEECH, "talker", "frames").inc(240)
     got = orchestrator_classes(generate_latest(m.registry).decode())
-    assert got.admitted == {SPEECH: 3} and got.finished == {SPEECH: 2}
+    assert got.admitted == {SPEECH: 3} and got.finished == {SPEECH: 2} and got.ended == {SPEECH: 3}
     assert got.served == {(SPEECH, "talker"): 2} and got.units == {(SPEECH, "talker"): 240}
     assert orchestrator_classes("") == counts()   # an orchestrator without them
 
@@ -137,11 +160,11 @@ class Pipeline:
         adm, fin, served, units = dict(f.admitted), dict(f.finished), dict(f.served), dict(f.units)
         for cls, n in admitted.items():
             adm[cls] = adm.get(cls, 0.0) + n
-            fin[cls] = fin.get(cls, 0.0) + n
+            fin[cls] = fin.get(cls, 0.0) + n   # and every request that ends finishes
             for s, per in self.DEMAND[cls].items():
                 served[(cls, s)] = served.get((cls, s), 0.0) + n
                 units[(cls, s)] = units.get((cls, s), 0.0) + n * per
-        self.front = ClassCounts(adm, fin, served, units)
+        self.front = ClassCounts(adm, fin, served, units, dict(fin))
         for p, with_classes in planners:
             for s, c in self.stages.items():
                 p.observe(s, {f"{s}-0": c}, "units")
@@ -188,6 +211,11 @@ def test_a_shift_to_speech_grows_the_talker_before_its_own_counters_show_it():
                          text)
     assert exported and float(exported.group(1)) == pytest.approx(120.0)
     assert 'omnistage_planner_forecast_load{pipeline="p",stage="talker"}' in text
+    # no orchestrator answers from now on: once the last reading is a window old, what they admitted
+    # then forecasts nothing (it would hold the Talker's replicas up)
+    for _ in range(int(with_classes.window_s) + 1):
+        pipe.second([(with_classes, False)], {SPEECH: 4.32, TEXT: 0.48}, reaching(4.32, 0.48))
+    assert with_classes.decide(pipe.t).forecast == {}
 
 
 @settings(max_examples=25, deadline=None)
@@ -196,7 +224,8 @@ def test_a_shift_to_speech_grows_the_talker_before_its_own_counters_show_it():
        seconds=st.integers(3, 15))
 def test_the_classes_only_ever_add_replicas(mixes, seconds):
     """Whatever the mix and however far the stages lag it, a planner that reads the front door's classes
-    plans no stage fewer replicas than one that reads the stages alone (the budget never binds here)."""
+    plans no stage fewer replicas than one that reads the stages alone while the budget does not bind
+    (under a binding budget a stage the forecast grows takes the next replica from another)."""
     with_classes = Planner(config(budget=100), {s: 1 for s in CHAIN}, upstream=CHAIN)
     alone = Planner(config(budget=100), {s: 1 for s in CHAIN}, upstream=CHAIN)
     pipe = Pipeline()
