@@ -145,10 +145,12 @@ class Planner:
         at, before = next(((a, c) for a, c in reversed(self._classes) if a <= newest - seconds), self._classes[0])
         return forecast(self.classes, counted(before, after), newest - at, self._history)
 
-    def _target_pressure(self, needs: list[StageNeed]) -> tuple[list[StageNeed], str]:
+    def _target_pressure(self, needs: list[StageNeed], now: float) -> tuple[list[StageNeed], str]:
         """Needs with the bottleneck's load raised while a target the orchestrators measure is missed (the
-        larger pressure when both are: latency.py), and what the plan's reason should add."""
-        p95s = {name: p95(h[0][1], h[-1][1]) if len(h) >= 2 else None for name, h in self._orchestrators.items()}
+        larger pressure when both are: latency.py), and what the plan's reason should add. Histograms whose
+        newest reading is a window old (no orchestrator answered since) say nothing of now."""
+        p95s = {name: p95(h[0][1], h[-1][1]) if len(h) >= 2 and h[-1][0] >= now - self.window_s else None
+                for name, h in self._orchestrators.items()}
         factor, told = missed(self.config.targets, p95s)
         # the busiest stage that may still grow (one at its maximum would take nothing from it)
         growable = [n for n in needs if n.load > 0 and self.scales[n.stage].replicas < n.max_replicas]
@@ -207,7 +209,7 @@ class Planner:
             needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
                               default_capacity=max(load, 1.0) / targets.utilization, grow_load=surely,
                               keep_load=max(over_delay, load)))
-        needs, why = self._target_pressure(needs)
+        needs, why = self._target_pressure(needs, now)
         p = plan(needs, self.budget, targets.utilization)
         if why:
             p = replace(p, reason=p.reason + why)

@@ -159,6 +159,13 @@ def test_a_missed_rtf_target_gives_the_busiest_growable_stage_a_replica():
     assert drive(planner(), 400.0, rtf=3.0).changes == []     # no target: the rtf is not looked at
 
 
+def test_latency_read_before_the_orchestrators_stopped_answering_presses_no_more_once_a_window_old():
+    p = planner(1000)
+    assert "over the 1000 ms target" in drive(p, 4000.0).plan.reason
+    later = p.decide(12.0 + p.window_s + 1)   # no orchestrator reading since t = 12
+    assert "target" not in later.plan.reason
+
+
 def test_both_targets_missed_plan_the_bottleneck_once_at_the_larger_pressure():
     # The Talker at 0.5 utilisation: 1.33x (first packet 2000 over 1500) alone leaves it under the 0.8 target,
     # 2x (rtf 2.0 over 1.0) takes it over; together, the larger.
