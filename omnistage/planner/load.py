@@ -238,15 +238,15 @@ def dispersion(counts: Sequence[float]) -> float:
 
 
 def load_floor(load: float, backlog: float, per_request: float, seconds: float, errors: float,
-               dispersion: float = 1.0) -> float:
+               spread: float = 1.0) -> float:
     """The least load that a reading of `load` (its `backlog` included) over `seconds` surely is, at `errors`
     standard errors: the requests that arrived are a Poisson count n, whose rate is at least
     (sqrt(n + errors^2/4) - errors/2)^2 (the lower end of the score interval; it holds for a few requests,
     where n - errors x sqrt(n) would go below 0). The backlog is counted, not sampled: it is added as it is.
     Before the work per request is known the reading is taken as it is. Arrivals whose count varies
-    `dispersion` times as much as a Poisson count's (`dispersion`) are a Poisson count in units of
-    `dispersion` requests."""
-    per_count = per_request * dispersion / seconds if per_request > 0 and seconds > 0 and dispersion > 0 else 0.0
+    `spread` times as much as a Poisson count's (what `dispersion` measures) are a Poisson count in units
+    of `spread` requests."""
+    per_count = per_request * spread / seconds if per_request > 0 and seconds > 0 and spread > 0 else 0.0
     if per_count <= 0 or errors <= 0:
         return load
     n = max(load - backlog, 0.0) / per_count

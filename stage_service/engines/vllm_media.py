@@ -197,9 +197,10 @@ def batch_inputs(steps: list[MediaStep], slot_mapping: torch.Tensor, positions: 
             raise RuntimeError(f"request {st.req_id}: cache slot {e.args[0]} is not in this step's batch") from None
         out[:, rows] = st.positions.to(out.device, out.dtype)
         if st.deepstack is not None:
-            if not deep:
-                deep = [st.deepstack.new_zeros(n, st.deepstack.shape[-1]) for _ in range(st.deepstack.shape[0])]
+            if not deep:  # made where the step runs: only the request's own rows cross to the device
+                deep = [torch.zeros(n, st.deepstack.shape[-1], dtype=st.deepstack.dtype, device=positions.device)
+                        for _ in range(st.deepstack.shape[0])]
             at = rows[st.visual.to(rows.device)]
             for layer, d in enumerate(deep):
-                d[at] = st.deepstack[layer].to(d.dtype)
-    return out, [d.to(positions.device) for d in deep]
+                d[at] = st.deepstack[layer].to(d.device, d.dtype)
+    return out, deep

@@ -44,6 +44,40 @@ def test_conv_and_group_norm_rows_are_the_same_alone_and_in_a_batch(batch):
         assert torch.equal(net(channels_last), full[:batch])
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("size", [2, 12])  # 2x2: fewer rows than a matmul's kernel threshold, padded
+def test_a_pointwise_conv_is_a_matmul_the_same_alone_and_in_a_batch(batch, size):
+    conv = torch.nn.Conv2d(8, 16, 1)
+    plain = copy.deepcopy(conv)
+    make_batch_invariant(torch.nn.Sequential(conv))
+    x = seeded(16, 8, size, size)
+    with torch.no_grad():
+        full = conv(x)
+        torch.testing.assert_close(full, plain(x))
+        assert full.shape == (16, 16, size, size)
+        assert torch.equal(conv(x[:batch]), full[:batch])
+        assert torch.equal(conv(x[:batch].to(memory_format=torch.channels_last)), full[:batch])
+
+
+def test_a_vae_decode_is_the_same_for_every_batch_and_close_to_the_plain_model():
+    """The tiny VAE's decode (the bench's and the examples' shape), random weights: every image the same
+    in every batch of 1-16, and within float rounding of the model without the helpers."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(16, 32), norm_num_groups=8, layers_per_block=1, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2).eval()
+    plain = copy.deepcopy(vae)
+    make_batch_invariant(vae)
+    latents = seeded(16, 4, 16, 16)
+    with torch.inference_mode():
+        full = vae.decode(latents).sample
+        torch.testing.assert_close(full, plain.decode(latents).sample, rtol=1e-4, atol=1e-5)
+        for batch in range(1, 16):
+            assert torch.equal(vae.decode(latents[:batch]).sample, full[:batch]), batch
+            assert torch.equal(vae.decode(latents[16 - batch:]).sample, full[16 - batch:]), batch
+
+
 def test_pad_rows():
     x = torch.ones(2, 3)
     assert pad_rows(x).shape == (MIN_MATMUL_ROWS, 3) and pad_rows(x)[2:].abs().sum() == 0

@@ -236,7 +236,7 @@ def test_dispersion_table(name, counts, expected):
 def test_steadier_arrivals_are_sure_sooner():
     # 25 requests in 10 s of 120 units: at 1.5 errors Poisson says 17.8 surely; a count a fifth as variable 22.5
     poisson = load_floor(300.0, 0.0, 120.0, 10.0, 1.5)
-    steady = load_floor(300.0, 0.0, 120.0, 10.0, 1.5, dispersion=0.2)
+    steady = load_floor(300.0, 0.0, 120.0, 10.0, 1.5, spread=0.2)
     assert poisson == pytest.approx(12.0 * ((25 + 1.5 ** 2 / 4) ** 0.5 - 0.75) ** 2)
     assert steady == pytest.approx(12.0 * 0.2 * ((125 + 1.5 ** 2 / 4) ** 0.5 - 0.75) ** 2)
     assert poisson < steady < 300.0
