@@ -33,10 +33,19 @@ def test_a_linear_row_is_the_same_alone_and_in_a_batch(rows):
         assert torch.equal(lin(x[None, :rows]), full[None, :rows])
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3])
-def test_conv_and_group_norm_rows_are_the_same_alone_and_in_a_batch(batch):
-    net = make_batch_invariant(torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.GroupNorm(4, 16)))
-    x = seeded(6, 8, 12, 12)
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Torch's kernel choice for a convolution depends on its thread count (stages run one thread): both."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 15])
+def test_conv_and_group_norm_rows_are_the_same_alone_and_in_a_batch(threads, batch):
+    net = make_batch_invariant(torch.nn.Sequential(torch.nn.Conv2d(8, 32, 3, padding=1), torch.nn.GroupNorm(8, 32)))
+    x = seeded(16, 8, 32, 32)
     with torch.no_grad():
         full = net(x)
         assert torch.equal(net(x[:batch]), full[:batch])
@@ -44,22 +53,23 @@ def test_conv_and_group_norm_rows_are_the_same_alone_and_in_a_batch(batch):
         assert torch.equal(net(channels_last), full[:batch])
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3])
-@pytest.mark.parametrize("size", [2, 12])  # 2x2: fewer rows than a matmul's kernel threshold, padded
-def test_a_pointwise_conv_is_a_matmul_the_same_alone_and_in_a_batch(batch, size):
-    conv = torch.nn.Conv2d(8, 16, 1)
+@pytest.mark.parametrize("batch", [1, 2, 3, 15])
+@pytest.mark.parametrize("size", [1, 12])  # 1x1: fewer rows than a matmul's kernel threshold, padded
+@pytest.mark.parametrize("kind", [{}, {"padding": "same"}, {"padding": 1}, {"groups": 4}])
+def test_a_pointwise_conv_is_the_same_alone_and_in_a_batch(threads, batch, size, kind):
+    conv = torch.nn.Conv2d(8, 16, 1, **kind)
     plain = copy.deepcopy(conv)
     make_batch_invariant(torch.nn.Sequential(conv))
     x = seeded(16, 8, size, size)
     with torch.no_grad():
         full = conv(x)
         torch.testing.assert_close(full, plain(x))
-        assert full.shape == (16, 16, size, size)
+        assert full.shape == plain(x).shape
         assert torch.equal(conv(x[:batch]), full[:batch])
         assert torch.equal(conv(x[:batch].to(memory_format=torch.channels_last)), full[:batch])
 
 
-def test_a_vae_decode_is_the_same_for_every_batch_and_close_to_the_plain_model():
+def test_a_vae_decode_is_the_same_for_every_batch_and_close_to_the_plain_model(threads):
     """The tiny VAE's decode (the bench's and the examples' shape), random weights: every image the same
     in every batch of 1-16, and within float rounding of the model without the helpers."""
     from diffusers import AutoencoderKL
