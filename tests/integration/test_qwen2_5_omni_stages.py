@@ -186,9 +186,10 @@ async def test_each_stage_reads_only_its_part_of_the_checkpoint(servers, model_d
 
 
 async def test_bad_input_is_invalid_argument(servers):
-    rows = await call_stage(servers["thinker"].port, header(max_tokens=3))
+    # refused at the header, so the header alone: a client still writing chunks when the server ends the call
+    # may see gRPC's INTERNAL "Failed execute_batch" instead of the server's status
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await call_stage(servers["talker"].port, header(speaker="nobody"), rows)
+        await call_stage(servers["talker"].port, header(speaker="nobody"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.audio.speaker" in e.value.details()
     assert "Chelsie, Ethan" in e.value.details()
     for bad, message in [(torch.zeros(4, 10, dtype=torch.int64), "codes must be [1, tokens]"),
@@ -197,8 +198,7 @@ async def test_bad_input_is_invalid_argument(servers):
             await call_stage(servers["token2wav"].port, header(), [codes_chunk(0, bad, True)])
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await call_stage(servers["token2wav"].port, header(speaker="nobody"),
-                         [codes_chunk(0, torch.zeros(1, 4, dtype=torch.int64), True)])
+        await call_stage(servers["token2wav"].port, header(speaker="nobody"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.audio.speaker" in e.value.details()
     out = await call_stage(servers["token2wav"].port, header(speaker="Chelsie"),
                            [codes_chunk(0, torch.zeros(1, 4, dtype=torch.int64), True)])
