@@ -23,7 +23,7 @@ $(PROTO_OUT) &: $(PROTO_SRC) scripts/gen_protos.sh
 	@echo "[setup] generating protobuf code"
 	@scripts/gen_protos.sh
 
-# The OmniPipeline CRD, generated from the API model (omnistage/spec/model.py), and the chart's copy.
+# The OmniPipeline CRD, generated from the API model (omnistage/api/model.py), and the chart's copy.
 crd: setup
 	$(VENV)/bin/omnistage crd -o crds/omnipipelines.yaml -o charts/omnistage/crds/omnipipelines.yaml
 

@@ -59,7 +59,7 @@ def load_monolith(model_dir: Path, device: str):
     import torch
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
-    from stage_service.engines.chat import load_chat_template
+    from stage_service.runtime.chat import load_chat_template
 
     torch.set_num_threads(1)
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
@@ -73,8 +73,8 @@ def generate_one(loaded, text: str, max_tokens: int, frames: int, device: str) -
     """One request through the monolith's `generate`: (text tokens out, seconds of audio out)."""
     import torch
 
-    from stage_service.engines.chat import chat_prompt_ids
-    from stage_service.engines.qwen3_omni_steps import SAMPLE_RATE
+    from stage_service.runtime.chat import chat_prompt_ids
+    from stage_service.engines.qwen3_omni.steps import SAMPLE_RATE
 
     model, tokenizer, template = loaded
     ids = torch.tensor([chat_prompt_ids(tokenizer, template, text)], device=device)

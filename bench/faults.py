@@ -36,7 +36,7 @@ import yaml
 
 from common import figure, finish, percentile, print_table
 
-from omnistage import launch  # noqa: E402
+from omnistage.contract import launch  # noqa: E402
 from omnistage.client import build_request  # noqa: E402
 from omnistage.v1 import orchestrator_pb2_grpc  # noqa: E402
 

@@ -155,7 +155,7 @@ def canned_path(request, deadline=None):
 
 async def layer(n: int) -> list[float]:
     """Pairwise (HTTP - gRPC) time to the first audio bytes through the doors alone (canned_path)."""
-    from omnistage.spec import load_pipeline
+    from omnistage.api import load_pipeline
     from orchestrator_service.server import OrchestratorServer
 
     pipeline = load_pipeline(str(ROOT / "examples" / "qwen3-omni-tiny.yaml"))

@@ -45,7 +45,7 @@ import json, os, sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch, transformers, diffusers, grpc
 import stage_service.server
-from omnistage.spec import load_pipeline
+from omnistage.api import load_pipeline
 from stage_service.engines.registry import create_engine
 for mod in ("transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
             "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
@@ -101,7 +101,7 @@ def measure_load(file: Path, stage: str, models: Path) -> dict:
 
 
 def cold_start(file: Path, stage: str, models: Path) -> float:
-    from omnistage import launch
+    from omnistage.contract import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
@@ -130,7 +130,7 @@ def main() -> None:
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from omnistage.checkpoints.check import check_pipeline
-    from omnistage.spec import load_pipeline
+    from omnistage.api import load_pipeline
     from omnistage.tiny_models.build import build_models
 
     models = Path(args.models).resolve()

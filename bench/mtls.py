@@ -50,8 +50,8 @@ SEED = 7
 @contextlib.contextmanager
 def served(models: Path, use_tls: bool):
     """`omnistage serve` of llm-tiny on the transformers engine, with or without mTLS; yields the LocalPipeline."""
-    from omnistage.local import LocalPipeline
-    from omnistage.spec import parse_pipeline
+    from omnistage.local.serve import LocalPipeline
+    from omnistage.api import parse_pipeline
 
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"

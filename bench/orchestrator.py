@@ -29,7 +29,7 @@ import yaml
 
 from common import figure, percentile, print_table, write_results
 
-from omnistage import launch  # noqa: E402
+from omnistage.contract import launch  # noqa: E402
 from omnistage.client import AsyncOmniClient, build_request  # noqa: E402
 from omnistage.v1 import orchestrator_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 

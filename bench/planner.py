@@ -74,7 +74,7 @@ from omnistage.planner.classes import ClassCounts  # noqa: E402
 from omnistage.planner.controller import Planner  # noqa: E402
 from omnistage.planner.load import ReplicaCounters  # noqa: E402
 from omnistage.planner.sizing import Budget, StageNeed, offered_load, plan  # noqa: E402
-from omnistage.spec.model import (Autoscaling, AutoscalingBudget, AutoscalingTargets,  # noqa: E402
+from omnistage.api.model import (Autoscaling, AutoscalingBudget, AutoscalingTargets,  # noqa: E402
                                   StageAutoscaling)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -470,8 +470,8 @@ def real_run(tmp: Path) -> tuple[list[dict], dict]:
     import yaml
 
     from omnistage.client import OmniClient
-    from omnistage.launch import METRICS_PATH
-    from omnistage.local import TARGETS_FILE
+    from omnistage.contract.launch import METRICS_PATH
+    from omnistage.local.serve import TARGETS_FILE
     from omnistage.planner.scrape import replica_counters
 
     doc = yaml.safe_load((REPO / "examples" / "qwen3-omni-tiny.yaml").read_text())
@@ -483,7 +483,7 @@ def real_run(tmp: Path) -> tuple[list[dict], dict]:
     path = tmp / "qwen3-omni-auto.yaml"
     path.write_text(yaml.safe_dump(doc))
     log = tmp / "serve.out"
-    serve = subprocess.Popen([sys.executable, "-m", "omnistage.cli", "serve", str(path), "--autoscale", "--no-api",
+    serve = subprocess.Popen([sys.executable, "-m", "omnistage.local.cli", "serve", str(path), "--autoscale", "--no-api",
                               "--no-tls", "--models", str(REPO / "models"), "--log-dir", str(tmp / "logs")],
                              stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
 

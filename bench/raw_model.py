@@ -60,7 +60,7 @@ def timed(fn, units: int, repeat: int = 1) -> float:
 
 def prompts(tokenizer, template, n: int, system: str = "") -> list[list[int]]:
     """The token ids the stage makes of the bench's prompts (stage_batching.header)."""
-    from stage_service.engines.chat import chat_prompt_ids
+    from stage_service.runtime.chat import chat_prompt_ids
 
     return [chat_prompt_ids(tokenizer, template, f"benchmark request {i}", system) if template
             else tokenizer(f"benchmark request {i}")["input_ids"] for i in range(n)]
@@ -79,9 +79,9 @@ def left_padded(ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Ten
 def ar_transformers(args) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stage_service.engines.chat import load_chat_template
-    from stage_service.engines.lm_steps import DecoderLm
-    from stage_service.engines.sampling import SamplingSettings
+    from stage_service.runtime.chat import load_chat_template
+    from stage_service.engines.transformers.lm_steps import DecoderLm
+    from stage_service.runtime.sampling import SamplingSettings
 
     root = MODELS / "qwen2-tiny"
     tok = AutoTokenizer.from_pretrained(root)
@@ -115,7 +115,7 @@ def ar_vllm(args) -> dict[str, float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from stage_service.engines.chat import load_chat_template
+    from stage_service.runtime.chat import load_chat_template
 
     root = MODELS / "qwen2-tiny"
     llm = LLM(model=str(root), dtype="float32", max_model_len=512, max_num_seqs=max(args.batches),
@@ -133,8 +133,8 @@ def _qwen3_omni(part: str, cls_name: str, **kwargs):
     import transformers
 
     from omnistage.checkpoints.shards import ShardedCheckpoint
-    from stage_service.engines.components import load_component
-    from stage_service.engines.qwen3_omni_steps import _config
+    from stage_service.runtime.components import load_component
+    from stage_service.engines.qwen3_omni.steps import _config
 
     root = MODELS / "qwen3-omni-tiny"
     combined = _config(root, part)
@@ -145,10 +145,10 @@ def _qwen3_omni(part: str, cls_name: str, **kwargs):
 def thinker(args) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from stage_service.engines.chat import load_chat_template
-    from stage_service.engines.omni_thinker import OmniThinkerEngine
-    from stage_service.engines.qwen3_omni_steps import Thinker
-    from stage_service.engines.sampling import SamplingSettings
+    from stage_service.runtime.chat import load_chat_template
+    from stage_service.engines.omni.thinker import OmniThinkerEngine
+    from stage_service.engines.qwen3_omni.steps import Thinker
+    from stage_service.runtime.sampling import SamplingSettings
 
     root = MODELS / "qwen3-omni-tiny"
     model, combined = _qwen3_omni("thinker", "Qwen3OmniMoeThinkerForConditionalGeneration")
@@ -191,11 +191,11 @@ def step_thinker_all(th, states) -> list[list]:
 def talker(args) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from stage_service.engines.chat import load_chat_template
-    from stage_service.engines.omni_talker import END_OF_TEXT
-    from stage_service.engines.omni_thinker import OmniThinkerEngine
-    from stage_service.engines.qwen3_omni_steps import Talker, Thinker
-    from stage_service.engines.sampling import SamplingSettings
+    from stage_service.runtime.chat import load_chat_template
+    from stage_service.engines.omni.talker import END_OF_TEXT
+    from stage_service.engines.omni.thinker import OmniThinkerEngine
+    from stage_service.engines.qwen3_omni.steps import Talker, Thinker
+    from stage_service.runtime.sampling import SamplingSettings
 
     root = MODELS / "qwen3-omni-tiny"
     tok = AutoTokenizer.from_pretrained(root)
@@ -238,7 +238,7 @@ def talker(args) -> dict[str, float]:
 
 
 def diffusion(args) -> dict[str, float]:
-    from stage_service.engines.diffusion_layout import PipelineDir
+    from stage_service.engines.diffusers.layout import PipelineDir
 
     pipe = PipelineDir(MODELS / "sd-tiny" / "unet")
     unet = pipe.load("unet").eval()

@@ -48,7 +48,7 @@ import grpc  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from omnistage import launch, tensors  # noqa: E402
+from omnistage.contract import launch, tensors  # noqa: E402
 from omnistage.client import build_request  # noqa: E402
 from omnistage.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import kubernetes
 import yaml
 
-from omnistage.launch import GRPC_PORT
+from omnistage.contract.launch import GRPC_PORT
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "e2e" / "cluster"

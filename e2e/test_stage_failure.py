@@ -19,7 +19,7 @@ import grpc
 import pytest
 import yaml
 
-from omnistage.launch import TERMINATION_LOG
+from omnistage.contract.launch import TERMINATION_LOG
 from orchestrator_service.outliers import nothing_sent
 
 from .conftest import NS

@@ -30,8 +30,8 @@ from typing import AsyncIterator, Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from omnistage.modalities import MODALITY_CODES
-from omnistage.spec import MAX_MESSAGE_BYTES
+from omnistage.contract.modalities import MODALITY_CODES
+from omnistage.api import MAX_MESSAGE_BYTES
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 ORCHESTRATOR_SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name

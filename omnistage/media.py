@@ -24,8 +24,8 @@ import soundfile
 from PIL import Image as PILImage
 from PIL import ImageOps
 
-from omnistage.params import InvalidRequest, check_parts
-from omnistage.spec import Limits
+from omnistage.contract.params import InvalidRequest, check_parts
+from omnistage.api import Limits
 from omnistage.v1 import common_pb2
 
 ALL = frozenset({"text", "image", "audio", "video"})
@@ -71,7 +71,7 @@ MODALITY = {cls: cls.modality for cls in (Text, Image, Audio, Video)}
 def decode_parts(parts: Sequence[common_pb2.ContentPart], limits: Limits, accepts: frozenset[str] = ALL,
                  keep: bool = True) -> list[Part]:
     """Every part decoded, in order; InvalidRequest names the first part that is refused and why.
-    `accepts`: the modalities the pipeline reads (`omnistage.spec.accepted_inputs`). `keep=False` checks
+    `accepts`: the modalities the pipeline reads (`omnistage.api.accepted_inputs`). `keep=False` checks
     only: each part is dropped once decoded (one part's pixels at a time in memory), and none is returned."""
     check_parts(parts, limits)
     out: list[Part] = []

@@ -20,7 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from omnistage.launch import DRAIN_PATH, LIVE_PATH, METRICS_PATH, READY_PATH, SERVICE_ACCOUNT_TOKEN
+from omnistage.contract.launch import DRAIN_PATH, LIVE_PATH, METRICS_PATH, READY_PATH, SERVICE_ACCOUNT_TOKEN
 
 log = logging.getLogger("omnistage")
 
@@ -106,7 +106,7 @@ def drain_permitted(peer: str, local: str, authorization: str | None,
 
 
 class HttpStatusServer:
-    """The HTTP paths of the process contract (`omnistage.launch`): metrics, readiness (200 once
+    """The HTTP paths of the process contract (`omnistage.contract.launch`): metrics, readiness (200 once
     serving, 503 while loading or draining), liveness (503 with the reason once `live` names one: the
     kubelet restarts the container), and drain (for a preStop hook: stop taking work, finish what was
     admitted, answer when done; only for callers `drain_permitted` lets in)."""

@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from omnistage.launch import GRPC_PORT_NAME, stage_service_name
-from omnistage.spec import Pipeline
+from omnistage.contract.launch import GRPC_PORT_NAME, stage_service_name
+from omnistage.api import Pipeline
 
 log = logging.getLogger("omnistage.orchestrator")
 SERVICE_LABEL = "kubernetes.io/service-name"

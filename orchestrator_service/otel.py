@@ -64,7 +64,7 @@ def emit(request_id: str, pipeline: str, trace, outcome: str, client_request_id:
             "omnistage.compute_ms": st.compute_ms, "omnistage.transfer_ms": st.transfer_ms,
             "omnistage.transfer_path": st.transfer_path,
             "omnistage.encode_ms": st.encode_ms,
-            "omnistage.first_chunk_ms": st.first_chunk_ms, "omnistage.chunks": st.chunks,
+            "omnistage.first_chunk_ms": st.first_chunk_ms, "omnistage.contract.chunks": st.chunks,
             "omnistage.attempts": st.attempts, "omnistage.units": st.units, "omnistage.unit": st.unit})
         span.end(end_time=s_start + int(st.total_ms * 1e6))
     root.end(end_time=end_ns)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from omnistage.params import RequestParams
+from omnistage.contract.params import RequestParams
 
 # The one order modalities are written in, on both sides of the arrow (the spec's output modalities are among
 # them: tests/unit/test_request_class.py checks it).

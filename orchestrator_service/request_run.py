@@ -25,7 +25,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from omnistage.spec import Pipeline, stage_inputs
+from omnistage.api import Pipeline, stage_inputs
 from omnistage.v1 import common_pb2, orchestrator_pb2, stage_pb2
 
 from .outputs import OutputAssembler

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage.serving import KEEPALIVE_CHANNEL_OPTIONS
 from omnistage.tls_grpc import ChannelTls
-from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline
+from omnistage.api import MAX_MESSAGE_BYTES, Pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .outliers import Outlier, nothing_sent

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
-from omnistage import launch, tls, tls_grpc
+from omnistage.contract import launch
+
+from omnistage import tls, tls_grpc
 from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
                                grpc_server_options, on_signals, set_serving)
-from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
+from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel

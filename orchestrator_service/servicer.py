@@ -12,9 +12,9 @@ from typing import AsyncIterator
 
 import grpc
 
-from omnistage.modalities import MODALITY_CODES, MODALITY_NAMES
-from omnistage.params import InvalidRequest, has_media, resolve
-from omnistage.spec import Pipeline
+from omnistage.contract.modalities import MODALITY_CODES, MODALITY_NAMES
+from omnistage.contract.params import InvalidRequest, has_media, resolve
+from omnistage.api import Pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel

@@ -63,7 +63,7 @@ build_models() {  # every tiny model at once, one process each (the machine has 
   local names pids=() rc=0
   names=$($PY -c 'from omnistage.tiny_models import MODELS; print(" ".join(MODELS))')
   for n in $names; do
-    timeout --kill-after=10 "$BOUND" $PY -m omnistage.cli models build models --only "$n" > "/tmp/gpu-check-model-$n.log" 2>&1 &
+    timeout --kill-after=10 "$BOUND" $PY -m omnistage.local.cli models build models --only "$n" > "/tmp/gpu-check-model-$n.log" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || rc=1; done

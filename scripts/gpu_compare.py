@@ -61,8 +61,8 @@ def request_for(doc: dict) -> dict:
 
 def serve_and_ask(doc: dict, models: Path) -> dict:
     from omnistage.client import OmniClient
-    from omnistage.local import LocalPipeline
-    from omnistage.spec import parse_pipeline
+    from omnistage.local.serve import LocalPipeline
+    from omnistage.api import parse_pipeline
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipeline.yaml"

@@ -19,10 +19,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from .data_plane import DataPlane
-from .engines.base import Engine, InputChunk, OutputChunk, StageInputs, StageRequest
-from .errors import CallerGone
-from .metrics import StageMetrics
+from stage_service.data_plane import DataPlane
+from stage_service.runtime.base import Engine, InputChunk, OutputChunk, StageInputs, StageRequest
+from stage_service.runtime.errors import CallerGone
+from stage_service.metrics import StageMetrics
 
 log = logging.getLogger("omnistage.stage")
 

@@ -7,10 +7,10 @@ from typing import Mapping
 
 import torch
 
-from omnistage import tensors as tensor_codec
+from omnistage.contract import tensors as tensor_codec
 from omnistage.v1 import stage_pb2, tensor_pb2
 
-from .engines.base import InputChunk, OutputChunk
+from stage_service.runtime.base import InputChunk, OutputChunk
 
 
 def input_from_proto(msg: stage_pb2.Chunk, tensors: Mapping[str, torch.Tensor], transfer_ms: float = 0.0) -> InputChunk:

@@ -25,16 +25,16 @@ from typing import Mapping
 import torch
 from prometheus_client import CollectorRegistry
 
-from omnistage import tensors as tensor_codec
+from omnistage.contract import tensors as tensor_codec
 from omnistage.connector import ChunkReceiver, ChunkSender, Connector, TransferMetrics, make_connector
 from omnistage.connector.connector import default_host_id
-from omnistage.devices import CPU, CUDA, uses_gpus
-from omnistage.launch import ENV_HOST_ID, ENV_POD_IP, ENV_SAME_HOST, ENV_TRANSPORTS
-from omnistage.spec import Pipeline, Stage
+from omnistage.contract.devices import CPU, CUDA, uses_gpus
+from omnistage.contract.launch import ENV_HOST_ID, ENV_POD_IP, ENV_SAME_HOST, ENV_TRANSPORTS
+from omnistage.api import Pipeline, Stage
 from omnistage.v1 import stage_pb2, tensor_pb2
 
-from .convert import input_from_proto
-from .engines.base import InputChunk
+from stage_service.convert import input_from_proto
+from stage_service.runtime.base import InputChunk
 
 log = logging.getLogger("omnistage.stage")
 
@@ -52,7 +52,7 @@ def ucx_available() -> bool:
 
 def spec_device(pipeline: Pipeline, stage: str) -> str:
     """Where the spec puts a stage's engine: CUDA when it has GPUs and is not pinned to the CPU (a
-    replica that finds no CUDA device then refuses to start: omnistage.devices)."""
+    replica that finds no CUDA device then refuses to start: omnistage.contract.devices)."""
     return CUDA if uses_gpus(pipeline.deployment.stages[stage]) else CPU
 
 

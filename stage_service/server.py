@@ -20,20 +20,22 @@ from pathlib import Path
 
 import grpc
 
-from omnistage import launch, tls, tls_grpc
+from omnistage.contract import launch
+
+from omnistage import tls, tls_grpc
 from omnistage.checkpoints.check import StageCheckError, check_stage
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
                                grpc_server_options, on_signals, set_serving)
-from omnistage.spec import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
+from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
-from .engines.base import SteppedEngine
-from .engines.registry import create_engine
-from .data_plane import DataPlane
-from .errors import EngineConfigError
-from .metrics import StageMetrics
-from .servicer import StageServicer
+from stage_service.runtime.base import SteppedEngine
+from stage_service.engines.registry import create_engine
+from stage_service.data_plane import DataPlane
+from stage_service.runtime.errors import EngineConfigError
+from stage_service.metrics import StageMetrics
+from stage_service.servicer import StageServicer
 
 log = logging.getLogger("omnistage.stage")
 SERVICE = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
@@ -179,7 +181,7 @@ async def serve(args: argparse.Namespace) -> int:
     srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
                       args.drain_seconds, tls_dir=args.tls_dir)
     if args.inject_step_failure is not None:
-        from .engines.faults import fail_steps
+        from stage_service.runtime.faults import fail_steps
 
         fail_steps(srv.engine, after=args.inject_step_failure)
     on_signals(lambda: asyncio.ensure_future(srv.drain()))

@@ -11,20 +11,20 @@ from typing import AsyncIterator
 
 import grpc
 
-from omnistage.chunks import ChunkOrderError
+from omnistage.contract.chunks import ChunkOrderError
 from omnistage.connector import ChunkTooLarge, ConnectorError, PeerUnreachable, TensorKey, TensorNotFound
 from omnistage.connector.errors import BadReference
-from omnistage.params import InvalidRequest, resolve
-from omnistage.spec import Pipeline, Stage
-from omnistage.tensors import TensorFormatError, descriptor_bytes
+from omnistage.contract.params import InvalidRequest, resolve
+from omnistage.api import Pipeline, Stage
+from omnistage.contract.tensors import TensorFormatError, descriptor_bytes
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
-from .call_scope import RequestReleased, StageCalls
-from .convert import output_to_proto
-from .data_plane import DataPlane
-from .engines.base import Engine, InputChunk, OutputChunk, StageRequest
-from .errors import EngineDead, EngineError, EngineOverloaded, InputError, RequestFailed, StageDraining
-from .metrics import StageMetrics
+from stage_service.call_scope import RequestReleased, StageCalls
+from stage_service.convert import output_to_proto
+from stage_service.data_plane import DataPlane
+from stage_service.runtime.base import Engine, InputChunk, OutputChunk, StageRequest
+from stage_service.runtime.errors import EngineDead, EngineError, EngineOverloaded, InputError, RequestFailed, StageDraining
+from stage_service.metrics import StageMetrics
 
 
 def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -9,7 +9,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from omnistage import launch
+from omnistage.contract import launch
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

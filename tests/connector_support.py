@@ -1,10 +1,10 @@
 """Connector test support: a `ChunkReceiver` that also puts chunks in order per request and edge, so
 connector tests can check delivery order without a stage engine (a stage orders its inputs in its
-engine, stage_service/engines/base.py)."""
+engine, stage_service/runtime/base.py)."""
 
 from __future__ import annotations
 
-from omnistage.chunks import EdgeReorderBuffer
+from omnistage.contract.chunks import EdgeReorderBuffer
 from omnistage.connector import ChunkReceiver, Connector, ReceivedChunk, TransferMetrics
 from omnistage.v1 import stage_pb2
 

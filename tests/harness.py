@@ -10,9 +10,11 @@ from typing import AsyncIterator
 import grpc
 import yaml
 
-from omnistage import launch, tls, tls_grpc
+from omnistage.contract import launch
+
+from omnistage import tls, tls_grpc
 from omnistage.client import build_request
-from omnistage.spec import Pipeline, parse_pipeline
+from omnistage.api import Pipeline, parse_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 from stage_service.server import StageServer

@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnistage.devices import uses_gpus
-from omnistage.launch import checkpoint_dir
-from omnistage.spec import Pipeline, Stage
+from omnistage.contract.devices import uses_gpus
+from omnistage.contract.launch import checkpoint_dir
+from omnistage.api import Pipeline, Stage
 
-from .configs import read_json, require_keys
-from .families import DIFFUSERS_PIPELINES, Part, family_of, served_architectures
-from .shards import CheckpointError, ShardedCheckpoint
+from omnistage.checkpoints.configs import read_json, require_keys
+from omnistage.checkpoints.families import DIFFUSERS_PIPELINES, Part, family_of, served_architectures
+from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

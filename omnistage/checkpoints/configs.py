@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .shards import CheckpointError
+from omnistage.checkpoints.shards import CheckpointError
 
 
 def read_json(file: Path) -> dict:

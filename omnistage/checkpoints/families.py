@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .names import PROCESSOR_CONFIG, QWEN2_5_OMNI_SPEAKERS, THINKER_TOWERS
+from omnistage.checkpoints.names import PROCESSOR_CONFIG, QWEN2_5_OMNI_SPEAKERS, THINKER_TOWERS
 
 
 

@@ -20,16 +20,16 @@ from typing import Callable
 
 import torch
 
-from omnistage import tensors
-from omnistage.spec import TRANSPORTS
+from omnistage.contract import tensors
+from omnistage.api import TRANSPORTS
 from omnistage.v1 import tensor_pb2
 
-from .errors import ConnectorError
-from .keys import TensorKey
-from .paths import CPU, CUDA, HOST, choose_path, device_kind, sends_device_memory, widen_tls_for_cuda
-from .shm import ShmStore
-from .store import TensorStore
-from .ucx import UcxStore
+from omnistage.connector.errors import ConnectorError
+from omnistage.connector.keys import TensorKey
+from omnistage.connector.paths import CPU, CUDA, HOST, choose_path, device_kind, sends_device_memory, widen_tls_for_cuda
+from omnistage.connector.shm import ShmStore
+from omnistage.connector.store import TensorStore
+from omnistage.connector.ucx import UcxStore
 
 STORES = (ShmStore.backend, UcxStore.backend)  # the transports that hold tensors (inline holds nothing)
 INLINE_THRESHOLD = 64 << 10

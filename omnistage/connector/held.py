@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Iterator, TypeVar
 
-from .keys import TensorKey
+from omnistage.connector.keys import TensorKey
 
 H = TypeVar("H")
 

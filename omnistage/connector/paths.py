@@ -20,7 +20,7 @@ The path names the memory at both ends (a small fixed set: it labels a Prometheu
 
 from __future__ import annotations
 
-from omnistage.devices import CPU, CUDA  # devices (torch's names)
+from omnistage.contract.devices import CPU, CUDA  # devices (torch's names)
 
 HOST = "host"              # memory of a CPU tensor or a staged one (a TensorRef's `memory`)
 DEVICES = (CPU, CUDA)

@@ -35,11 +35,11 @@ import torch
 
 from omnistage.v1 import tensor_pb2
 
-from .buffers import empty_bytes
-from .errors import BadReference, ConnectorError, TensorNotFound
-from .keys import TensorKey
-from .store import TensorStore
-from .wire import HEADER_BYTES, OK, TensorHeader, as_bytes, from_bytes, off_loop
+from omnistage.connector.buffers import empty_bytes
+from omnistage.connector.errors import BadReference, ConnectorError, TensorNotFound
+from omnistage.connector.keys import TensorKey
+from omnistage.connector.store import TensorStore
+from omnistage.connector.wire import HEADER_BYTES, OK, TensorHeader, as_bytes, from_bytes, off_loop
 
 SEGMENT_PREFIX = "omnistage-"
 # The names this module gives segments (prefix, pid namespace, pid, token, sequence): a reference naming

@@ -18,8 +18,8 @@ import torch
 
 from omnistage.v1 import tensor_pb2
 
-from .held import Held, HeldIndex
-from .keys import TensorKey
+from omnistage.connector.held import Held, HeldIndex
+from omnistage.connector.keys import TensorKey
 
 
 class TensorStore(ABC):

@@ -6,7 +6,7 @@ consumer (already fetched: store.py). Held chunks go when their consumer has fet
 when their request is released), when their request is cancelled (`release_request`), or after a TTL
 when the consumer vanished (a background sweeper). `ChunkReceiver` (consumer side) fetches a chunk's
 tensors as soon as its descriptor arrives; the consuming engine puts chunks in order per edge
-(stage_service/engines/base.py).
+(stage_service/runtime/base.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Mapping
 
 import torch
 
-from omnistage.tensors import TensorFormatError
+from omnistage.contract.tensors import TensorFormatError
 from omnistage.v1 import stage_pb2, tensor_pb2
 
-from .connector import Connector
-from .errors import ChunkTooLarge
-from .keys import TensorKey
-from .metrics import TransferMetrics
+from omnistage.connector.connector import Connector
+from omnistage.connector.errors import ChunkTooLarge
+from omnistage.connector.keys import TensorKey
+from omnistage.connector.metrics import TransferMetrics
 
 
 class ChunkSender:

@@ -35,13 +35,13 @@ import torch
 
 from omnistage.v1 import tensor_pb2
 
-from .buffers import empty_bytes
-from .errors import ConnectorError, PeerUnreachable, TensorNotFound
-from .held import Held
-from .keys import TensorKey
-from .paths import CPU
-from .store import TensorStore
-from .wire import BAD_REQUEST, HEADER_BYTES, NOT_FOUND, OK, TensorHeader, as_bytes, from_bytes
+from omnistage.connector.buffers import empty_bytes
+from omnistage.connector.errors import ConnectorError, PeerUnreachable, TensorNotFound
+from omnistage.connector.held import Held
+from omnistage.connector.keys import TensorKey
+from omnistage.connector.paths import CPU
+from omnistage.connector.store import TensorStore
+from omnistage.connector.wire import BAD_REQUEST, HEADER_BYTES, NOT_FOUND, OK, TensorHeader, as_bytes, from_bytes
 
 REQUEST_BYTES = 1024
 _REQUEST = struct.Struct("<4sHHQQQI")  # magic, op, pad, reply tag, fragment bytes, tensor bytes, key length

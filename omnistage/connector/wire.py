@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from omnistage.tensors import TensorFormatError, proto_dtype, torch_dtype
+from omnistage.contract.tensors import TensorFormatError, proto_dtype, torch_dtype
 
-from .errors import ConnectorError
+from omnistage.connector.errors import ConnectorError
 
 HEADER_BYTES = 128
 MAX_DIMS = 12

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from .graph import slack
+from omnistage.planner.graph import slack
 
 # Each reading moves a class's demand by this much less than the reading says (as load.PER_REQUEST_MEMORY).
 DEMAND_MEMORY = 0.8

@@ -22,16 +22,16 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from omnistage.spec.model import Autoscaling, StageAutoscaling
+from omnistage.api.model import Autoscaling, StageAutoscaling
 
-from .decisions import Change, StageScale, decide
-from .classes import ClassCounts, ClassDemand, Forecast, counted, demand as class_demand, forecast
-from .graph import demand_per_request, edge_ratio, steady_arrivals
-from .latency import Buckets, merged, missed, p95
-from .load import (ReplicaCounters, StageEstimate, StageWindow, arrived, dispersion, estimate, load_floor, need,
+from omnistage.planner.decisions import Change, StageScale, decide
+from omnistage.planner.classes import ClassCounts, ClassDemand, Forecast, counted, demand as class_demand, forecast
+from omnistage.planner.graph import demand_per_request, edge_ratio, steady_arrivals
+from omnistage.planner.latency import Buckets, merged, missed, p95
+from omnistage.planner.load import (ReplicaCounters, StageEstimate, StageWindow, arrived, dispersion, estimate, load_floor, need,
                    offered, window, window_since)
-from .scrape import ORCHESTRATOR_HISTOGRAMS
-from .sizing import Budget, Plan, StageNeed, plan
+from omnistage.planner.scrape import ORCHESTRATOR_HISTOGRAMS
+from omnistage.planner.sizing import Budget, Plan, StageNeed, plan
 
 WINDOW_S = 10.0
 RECENT_S = 3.0

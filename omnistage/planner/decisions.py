@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .sizing import Budget, Plan
+from omnistage.planner.sizing import Budget, Plan
 
 
 REBALANCE_S = 5.0

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from omnistage.spec.graph import topo_order
+from omnistage.api.graph import topo_order
 
 # Each window moves an edge's ratio by this much less than the window says.
 RATIO_MEMORY = 0.8
@@ -38,7 +38,7 @@ Upstream = Mapping[str, Sequence[str]]   # stage -> the stages it reads from (sp
 
 
 def upstream_of(pipeline) -> dict[str, tuple[str, ...]]:
-    """The graph of an OmniPipeline (`omnistage.spec.Pipeline`): each stage's input stages."""
+    """The graph of an OmniPipeline (`omnistage.api.Pipeline`): each stage's input stages."""
     return {s.name: tuple(e.source for e in s.inputs) for s in pipeline.stages}
 
 

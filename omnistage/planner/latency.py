@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from omnistage.spec.model import AutoscalingTargets
+from omnistage.api.model import AutoscalingTargets
 
-from .scrape import FIRST_OUTPUT_MS, RTF
+from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF
 
 # Fewer requests than this in a window say nothing of a p95.
 MIN_REQUESTS = 5

@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from .sizing import StageNeed
+from omnistage.planner.sizing import StageNeed
 
 # Busy time below this share of a second is too little to say what a replica serves.
 MIN_BUSY = 0.02

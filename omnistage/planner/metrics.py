@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from .controller import Decision, Planner
+from omnistage.planner.controller import Decision, Planner
 
 DESIRED_REPLICAS = "omnistage_planner_desired_replicas"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .classes import ClassCounts
-from .load import ReplicaCounters
+from omnistage.planner.classes import ClassCounts
+from omnistage.planner.load import ReplicaCounters
 
 REQUESTS = "omnistage_stage_requests"       # counter, labels stage, outcome
 QUEUE_DEPTH = "omnistage_stage_queue_depth"  # gauge

@@ -4,6 +4,6 @@ No weights are downloaded: tests and the local demo build these and serve
 them with the real engines. Outputs are noise; shapes, flow and timing are real.
 """
 
-from .build import MODELS, build_models
+from omnistage.tiny_models.build import MODELS, build_models
 
 __all__ = ["MODELS", "build_models"]

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import diffusion, lm, qwen2_5_omni, qwen3_omni, sd3
+from omnistage.tiny_models import diffusion, lm, qwen2_5_omni, qwen3_omni, sd3
 
 # Bump when a builder changes, so stale models get rebuilt.
 BUILD_VERSION = 6

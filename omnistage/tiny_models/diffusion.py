@@ -27,7 +27,7 @@ def build(out: Path, seed: int = 0) -> None:
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast
 
-    from .tokenizers_local import train_bpe
+    from omnistage.tiny_models.tokenizers_local import train_bpe
 
     torch.manual_seed(seed)
     tok = train_bpe(300, ["<unk>", "<|startoftext|>", "<|endoftext|>", "<pad>"])

@@ -14,7 +14,7 @@ def build(out: Path, seed: int = 0) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from .tokenizers_local import train_bpe
+    from omnistage.tiny_models.tokenizers_local import train_bpe
 
     tok = train_bpe(512, ["<unk>", "<s>", "</s>", "<pad>"])
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",

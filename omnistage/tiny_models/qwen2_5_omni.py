@@ -105,7 +105,7 @@ def config():
 def tokenizer():
     """A Qwen2Tokenizer as the published checkpoint ships it: the Qwen2 vocabulary (trained locally,
     role words at their ids), the Omni special tokens at theirs."""
-    from .tokenizers_local import qwen_tokenizer
+    from omnistage.tiny_models.tokenizers_local import qwen_tokenizer
 
     return qwen_tokenizer(REGULAR_IDS, ROLE_WORDS, SPECIAL_TOKENS, NOT_SPECIAL, eos_token="<|im_end|>",
                           pad_token="<|endoftext|>", **NAMED_TOKENS)
@@ -178,7 +178,7 @@ def build(out: Path, seed: int = 0) -> None:
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from .tokenizers_local import save_qwen_tokenizer
+    from omnistage.tiny_models.tokenizers_local import save_qwen_tokenizer
 
     torch.manual_seed(seed)
     cfg = config()

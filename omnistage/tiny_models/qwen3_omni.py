@@ -113,7 +113,7 @@ def config(accept_hidden_layer: int = ACCEPT_HIDDEN_LAYER):
 
 
 def tokenizer():
-    from .tokenizers_local import qwen_tokenizer
+    from omnistage.tiny_models.tokenizers_local import qwen_tokenizer
 
     return qwen_tokenizer(REGULAR_IDS, {i: role for role, i in ROLE_IDS.items()}, {i: t for t, i in TOKEN_IDS.items()},
                           NOT_SPECIAL, **TOKENIZER_ROLES)
@@ -123,7 +123,7 @@ def build(out: Path, seed: int = 0, accept_hidden_layer: int = ACCEPT_HIDDEN_LAY
     import torch
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
 
-    from .tokenizers_local import save_qwen_tokenizer
+    from omnistage.tiny_models.tokenizers_local import save_qwen_tokenizer
 
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config(accept_hidden_layer)).eval()

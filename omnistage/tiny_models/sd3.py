@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .diffusion import save_sharded
-from .tokenizers_local import CORPUS
+from omnistage.tiny_models.diffusion import save_sharded
+from omnistage.tiny_models.tokenizers_local import CORPUS
 
 # CLIP's own pre-tokenizer split (transformers' CLIPTokenizer uses the same): special tokens, contractions,
 # letter runs, single digits, other symbol runs.

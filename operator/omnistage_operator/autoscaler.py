@@ -33,14 +33,14 @@ from typing import Callable, Hashable, Iterator, Mapping
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from omnistage.launch import METRICS_PATH, http_url
+from omnistage.contract.launch import METRICS_PATH, http_url
 from omnistage.planner.classes import ClassCounts
 from omnistage.planner.controller import Planner
 from omnistage.planner.graph import upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
 from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, replica_counters
-from omnistage.spec import Pipeline, SpecError
+from omnistage.api import Pipeline, SpecError
 
 from .kube import Kube
 from .pipeline_object import parse

@@ -12,10 +12,10 @@ from typing import Any, Sequence
 
 import yaml
 
-from omnistage.launch import (API_PORT_NAME, CLIENT_TLS_MOUNT, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT,
+from omnistage.contract.launch import (API_PORT_NAME, CLIENT_TLS_MOUNT, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT,
                               GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG,
                               TLS_MOUNT, drain_hook_command, orchestrator_command, service_env, stage_command)
-from omnistage.spec import OrchestratorHttp, Pipeline, StageDeployment
+from omnistage.api import OrchestratorHttp, Pipeline, StageDeployment
 
 from .certificates import Leaf, build_certificate, leaves
 from .config import TLS_CERT_MANAGER, OperatorConfig

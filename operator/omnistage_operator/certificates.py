@@ -17,7 +17,7 @@ import base64
 from dataclasses import dataclass
 
 from omnistage import tls
-from omnistage.spec import Pipeline
+from omnistage.api import Pipeline
 
 from .config import IssuerRef
 from .vocabulary import COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, ORCHESTRATOR

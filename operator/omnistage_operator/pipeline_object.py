@@ -1,13 +1,13 @@
 """An OmniPipeline object as the operator receives it (a kopf body or an API object): cleaned down
-to what the user wrote, validated by `omnistage.spec` (never re-validated here) and parsed into the
+to what the user wrote, validated by `omnistage.api` (never re-validated here) and parsed into the
 typed pipeline."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from omnistage import spec as omnispec
-from omnistage.spec import FieldError, Pipeline, SpecError
+from omnistage import api as omnispec
+from omnistage.api import FieldError, Pipeline, SpecError
 
 from .vocabulary import API_VERSION
 

@@ -13,10 +13,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping
 
-from omnistage.launch import HTTP_PORT, HTTP_PORT_NAME
+from omnistage.contract.launch import HTTP_PORT, HTTP_PORT_NAME
 from omnistage.planner.controller import Decision
 from omnistage.planner.decisions import Change
-from omnistage.spec import Pipeline
+from omnistage.api import Pipeline
 
 from .conditions import condition
 from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, ORCHESTRATOR, PLANNED,

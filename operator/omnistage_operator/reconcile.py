@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import kopf
 
-from omnistage.spec import Pipeline, SpecError
+from omnistage.api import Pipeline, SpecError
 from omnistage.tls import TlsError
 
 from .builders import Children, build_children, build_tls_secret_meta

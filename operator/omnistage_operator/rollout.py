@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from omnistage.spec import ROLLOUT_STRATEGIES, Pipeline
+from omnistage.api import ROLLOUT_STRATEGIES, Pipeline
 
 from .vocabulary import ORCHESTRATOR, R_PROGRESS_DEADLINE
 

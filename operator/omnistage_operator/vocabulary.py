@@ -1,11 +1,11 @@
 """The operator's vocabulary, shared by builders, rollout, status and handlers: the API it serves,
 the names of the children it owns, their labels and annotations, and its conditions and reasons.
-Ports and probe paths are the process contract's (`omnistage.launch`)."""
+Ports and probe paths are the process contract's (`omnistage.contract.launch`)."""
 
 from __future__ import annotations
 
-from omnistage import spec as omnispec
-from omnistage.launch import GRPC_PORT, stage_service_name
+from omnistage import api as omnispec
+from omnistage.contract.launch import GRPC_PORT, stage_service_name
 
 GROUP, VERSION, PLURAL = omnispec.API_GROUP, omnispec.API_VERSION, "omnipipelines"
 API_VERSION = f"{GROUP}/{VERSION}"

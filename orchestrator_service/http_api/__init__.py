@@ -15,7 +15,7 @@ import ssl
 import uvicorn
 
 from omnistage import tls as tls_files
-from omnistage.spec import Pipeline
+from omnistage.api import Pipeline
 
 from .routes import build_app
 

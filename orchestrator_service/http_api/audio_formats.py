@@ -10,7 +10,7 @@ import io
 import numpy as np
 import soundfile
 
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 
 # name -> (libsndfile container, subtype, content type)
 ENCODERS = {

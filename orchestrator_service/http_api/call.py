@@ -26,7 +26,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping
 import grpc
 from starlette.datastructures import Headers
 
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 from omnistage.v1 import orchestrator_pb2
 
 from ..servicer import Refused

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from omnistage.modalities import MODALITY_CODES
+from omnistage.contract.modalities import MODALITY_CODES
 from omnistage.v1 import orchestrator_pb2
 
 from . import audio_formats

@@ -18,7 +18,7 @@ import grpc
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 
 from ..servicer import Refused
 

@@ -14,7 +14,7 @@ from google.protobuf.json_format import MessageToDict
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from omnistage.spec import Pipeline, accepted_inputs
+from omnistage.api import Pipeline, accepted_inputs
 from omnistage.v1 import orchestrator_pb2
 
 from .call import Call

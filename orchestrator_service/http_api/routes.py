@@ -18,8 +18,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from omnistage.params import InvalidRequest
-from omnistage.spec import Limits, Pipeline
+from omnistage.contract.params import InvalidRequest
+from omnistage.api import Limits, Pipeline
 
 from ..servicer import MAX_REQUEST_ID
 from . import audio_formats, chat, images, speech, translate

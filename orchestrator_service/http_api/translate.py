@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from omnistage.client import build_request
-from omnistage.params import InvalidRequest
-from omnistage.spec import Limits, Pipeline
+from omnistage.contract.params import InvalidRequest
+from omnistage.api import Limits, Pipeline
 from omnistage.v1 import common_pb2, orchestrator_pb2
 
 from . import audio_formats

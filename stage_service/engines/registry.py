@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 
 from omnistage.checkpoints.families import family_of
-from omnistage.launch import model_dir
-from omnistage.spec import Pipeline, Stage
-from omnistage.spec.engines import adapters_for
+from omnistage.contract.launch import model_dir
+from omnistage.api import Pipeline, Stage
+from omnistage.api.engines import adapters_for
 
-from .base import Engine, EngineConfigError
+from stage_service.runtime.base import Engine, EngineConfigError
 
 
 class UnknownModel(EngineConfigError):
@@ -37,9 +37,9 @@ def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLik
     arch = ""
     if stage.engine == "vllm":
         if stage.component == "thinker":
-            from .vllm_thinker import VllmThinkerEngine as cls
+            from stage_service.engines.vllm.thinker import VllmThinkerEngine as cls
         else:  # vLLM reads the model itself (its config.json, or another format it knows)
-            from .vllm_ar import VllmEngine
+            from stage_service.engines.vllm.ar import VllmEngine
 
             return VllmEngine(pipeline, stage, path)
     elif stage.engine == "transformers":
@@ -52,19 +52,19 @@ def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLik
                 raise UnknownModel(f'{path}: a {arch} has the components {", ".join(ENGINES)}; stage '
                                    f'"{stage.name}" asks for component "{stage.component}"')
         elif arch.endswith("ForCausalLM"):
-            from .hf_causal import CausalLmEngine as cls
+            from stage_service.engines.transformers.causal_lm import CausalLmEngine as cls
         else:
             raise UnknownModel(f"{path}: the transformers engine has no adapter for {arch or 'this model'}")
     elif stage.engine == "diffusers":
-        from .diffusion_denoisers import DENOISERS
+        from stage_service.engines.diffusers.denoisers import DENOISERS
 
         arch = _architecture(path)
         if arch in ("CLIPTextModel", "CLIPTextModelWithProjection"):
-            from .diffusion import TextEncoderEngine as cls
+            from stage_service.engines.diffusers.engines import TextEncoderEngine as cls
         elif arch in DENOISERS:  # UNet or DiT: one denoise loop, a table entry per class
-            from .diffusion import DenoiseEngine as cls
+            from stage_service.engines.diffusers.engines import DenoiseEngine as cls
         elif arch == "AutoencoderKL":
-            from .diffusion import VaeDecodeEngine as cls
+            from stage_service.engines.diffusers.engines import VaeDecodeEngine as cls
         else:
             raise UnknownModel(f"{path}: the diffusers engine has no adapter for {arch or 'this model'}")
     else:

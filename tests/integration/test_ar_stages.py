@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2
 from stage_service.server import EXIT_ENGINE_DEAD
 

@@ -18,8 +18,8 @@ import yaml
 
 from omnistage.client import AsyncOmniClient
 from omnistage.connector.shm import SEGMENT_PREFIX
-from omnistage.local import LocalPipeline
-from omnistage.spec import parse_pipeline
+from omnistage.local.serve import LocalPipeline
+from omnistage.api import parse_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 

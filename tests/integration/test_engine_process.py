@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stage_service.engines.registry import create_engine
-from stage_service.errors import EngineConfigError
+from stage_service.runtime.errors import EngineConfigError
 from stage_service.server import EXIT_ENGINE_DEAD
 
 from ..harness import call_stage, example, header, in_engine_process, stage_servers, start_stage

@@ -12,7 +12,7 @@ import urllib.request
 
 import grpc
 
-from omnistage import launch
+from omnistage.contract import launch
 from omnistage.client import AsyncOmniClient
 from orchestrator_service.server import OrchestratorServer
 

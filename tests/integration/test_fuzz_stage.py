@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.connector import TensorKey
 from omnistage.connector.shm import SEGMENT_PREFIX
 from omnistage.connector.wire import HEADER_BYTES, TensorHeader

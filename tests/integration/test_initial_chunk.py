@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from omnistage import tensors
-from stage_service.engines.audio import to_pcm16
+from omnistage.contract import tensors
+from stage_service.engines.omni.audio import to_pcm16
 
 from ..harness import call_stage, example, header, stage_servers
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from omnistage import launch
+from omnistage.contract import launch
 from omnistage.checkpoints.check import StageCheckError, check_pipeline, check_stage
 from omnistage.checkpoints.shards import ShardedCheckpoint
 
@@ -144,7 +144,7 @@ def test_a_diffusers_pipeline_without_the_component(model_dir, tmp_path):
 # ------------------------------------------------------------------ the commands
 
 def _omnistage(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "omnistage.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "omnistage.local.cli", *args], capture_output=True, text=True,
                           timeout=120, **kw)
 
 

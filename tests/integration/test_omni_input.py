@@ -14,7 +14,7 @@ import soundfile
 import torch
 from PIL import Image
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.v1 import common_pb2, stage_pb2
 
 from ..harness import call_stage, example, header, stage_servers
@@ -224,7 +224,7 @@ async def test_encoder_stage_passes_text_only_prompts(qwen3, split):
 async def test_qwen2_5_omni_thinker_equals_transformers_inline_or_with_an_encoder_stage(model_dir):
     from transformers import Qwen2_5OmniProcessor
 
-    from stage_service.engines.qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT
+    from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT
 
     async with stage_servers(QWEN2_5, model_dir, ("thinker",)) as srvs:
         thinker = srvs["thinker"]
@@ -280,7 +280,7 @@ async def test_the_smallest_media_the_orchestrator_admits_are_served(qwen3, edge
 async def test_encoding_requests_together_gives_each_the_rows_it_gets_alone(split):
     """The encoder stage runs every request of a step through each tower in one call: same rows."""
     from omnistage import media
-    from stage_service.engines.omni_media import encode, encode_batch
+    from stage_service.engines.omni.media import encode, encode_batch
 
     engine = split["encoder"].engine
     other = (np.cos(np.arange(16000 * 3) / 5) * 0.2).astype(np.float32)

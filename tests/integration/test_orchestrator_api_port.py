@@ -13,7 +13,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from omnistage import launch
+from omnistage.contract import launch
 from omnistage.client import build_request
 from orchestrator_service.server import OrchestratorServer
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from omnistage.client import AsyncOmniClient
-from stage_service.engines.audio import to_pcm16
-from stage_service.engines.chat import chat_prompt_ids
-from stage_service.engines.qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT
+from stage_service.engines.omni.audio import to_pcm16
+from stage_service.runtime.chat import chat_prompt_ids
+from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT
 
 from ..harness import call_stage, example, header, in_engine_process, served_pipeline
 from .test_stage_support import tensor_of
@@ -41,8 +41,8 @@ class Checkpoint:
     def __init__(self, root):
         from transformers import AutoTokenizer
 
-        from stage_service.engines.chat import load_chat_template
-        from stage_service.engines.qwen2_5_omni_steps import _stop_ids
+        from stage_service.runtime.chat import load_chat_template
+        from stage_service.engines.qwen2_5_omni.steps import _stop_ids
 
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.chat_template = load_chat_template(root, self.tokenizer)

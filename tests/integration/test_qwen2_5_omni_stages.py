@@ -12,11 +12,11 @@ import grpc
 import pytest
 import torch
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.v1 import stage_pb2
-from stage_service.engines.qwen2_5_omni_steps import SPEECH_SYSTEM_PROMPT, THINKER_EMBEDDINGS
-from stage_service.engines.audio import to_pcm16
+from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT, THINKER_EMBEDDINGS
+from stage_service.engines.omni.audio import to_pcm16
 
 from ..harness import call_stage, example, header, stage_servers
 from ..local.test_cli_serve import Served, generate

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
-from stage_service.engines.qwen3_omni_steps import (CODE2WAV, TALKER, THINKER, THINKER_EMBED, Code2Wav, Talker,
+from stage_service.engines.qwen3_omni.steps import (CODE2WAV, TALKER, THINKER, THINKER_EMBED, Code2Wav, Talker,
                                                     Thinker)
 
 from ..harness import example, stage_servers

@@ -10,11 +10,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.client import build_request
-from omnistage.params import InvalidRequest, resolve
+from omnistage.contract.params import InvalidRequest, resolve
 from omnistage.v1 import stage_pb2
-from stage_service.engines.audio import to_pcm16
+from stage_service.engines.omni.audio import to_pcm16
 
 from ..harness import call_stage, example, header, stage_servers
 

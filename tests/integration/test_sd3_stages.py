@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2
 
 from ..harness import call_stage, example, header, stage_servers, start_stage

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omnistage.gpu_placement import ENV_GPUS, ENV_VISIBLE
-from omnistage.local import LocalPipeline
-from omnistage.spec import load_pipeline
+from omnistage.local.gpu_placement import ENV_GPUS, ENV_VISIBLE
+from omnistage.local.serve import LocalPipeline
+from omnistage.api import load_pipeline
 
 from ..conftest import EXAMPLES, REPO
 
-OMNISTAGE = [sys.executable, "-m", "omnistage.cli"]
+OMNISTAGE = [sys.executable, "-m", "omnistage.local.cli"]
 
 
 def pipeline_file(tmp_path: Path, edits: dict[str, dict]) -> Path:

@@ -142,7 +142,7 @@ async def test_text_encoder_and_vae(model_dir):
         assert alone.shape == (1, 77, 32) and torch.equal(joined, alone)
 
         def latents(seed):
-            from omnistage import tensors
+            from omnistage.contract import tensors
             from omnistage.v1 import stage_pb2
             t = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(seed))
             return [stage_pb2.Chunk(stage="denoise", chunk_id=0, end_of_stream=True,

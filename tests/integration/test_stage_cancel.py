@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from ..harness import call_stage, example, header, start_stage

@@ -14,8 +14,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stage_service.engines import lm_steps, qwen3_omni_steps
-from stage_service.engines.faults import fail_steps
+from stage_service.engines.transformers import lm_steps
+
+from stage_service.engines.qwen3_omni import steps as qwen3_omni_steps
+from stage_service.runtime.faults import fail_steps
 from stage_service.server import EXIT_ENGINE_DEAD
 
 from ..harness import call_stage, example, header, start_stage

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage import launch
-from omnistage.spec import parse_pipeline
+from omnistage.contract import launch
+from omnistage.api import parse_pipeline
 from stage_service.server import EXIT_ENGINE_DEAD, StageServer
 
 from ..conftest import EXAMPLES, REPO

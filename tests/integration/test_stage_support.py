@@ -9,7 +9,7 @@ import gc
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from ..polling import wait_until

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.client import AsyncOmniClient
 from omnistage.tiny_models import qwen3_omni
 

@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
-from omnistage import tensors
-from omnistage.spec import accepted_inputs
+from omnistage.contract import tensors
+from omnistage.api import accepted_inputs
 
 from ..harness import call_stage, example, header, stage_servers
 from ..polling import wait_until

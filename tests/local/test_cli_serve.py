@@ -21,7 +21,7 @@ from PIL import Image
 from ..conftest import EXAMPLES, REPO
 from ..polling import wait_until_sync
 
-OMNISTAGE = [sys.executable, "-m", "omnistage.cli"]
+OMNISTAGE = [sys.executable, "-m", "omnistage.local.cli"]
 
 
 class Served:

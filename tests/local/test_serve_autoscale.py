@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from omnistage.client import OmniClient
-from omnistage.launch import METRICS_PATH, http_url, read_ready
+from omnistage.contract.launch import METRICS_PATH, http_url, read_ready
 from omnistage.planner.scrape import UNITS
 
 from ..conftest import EXAMPLES

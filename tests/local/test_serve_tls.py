@@ -16,7 +16,7 @@ import yaml
 from ..conftest import EXAMPLES, REPO
 from .test_cli_serve import Served
 
-OMNISTAGE = [sys.executable, "-m", "omnistage.cli"]
+OMNISTAGE = [sys.executable, "-m", "omnistage.local.cli"]
 TLS_FLAG = "--tls-dir"
 
 

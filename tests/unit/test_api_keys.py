@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator_service.api_keys import ApiKey, ApiKeyError, ApiKeys, parse_entry
 from orchestrator_service.servicer import checked_label
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 
 
 @pytest.mark.parametrize("entry,key", [

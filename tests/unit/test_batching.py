@@ -13,9 +13,9 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import stage_service.engines.packed as packed_module
-from stage_service.engines.invariance import MIN_MATMUL_ROWS, make_batch_invariant, pad_rows
-from stage_service.engines.packed import SequenceKV, _KvBlock, packed_forward, use_packed_attention
+import stage_service.runtime.packed as packed_module
+from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant, pad_rows
+from stage_service.runtime.packed import SequenceKV, _KvBlock, packed_forward, use_packed_attention
 
 
 def seeded(n: int, *shape) -> torch.Tensor:

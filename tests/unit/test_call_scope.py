@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from stage_service.call_scope import StageCalls
-from stage_service.engines.base import InputChunk, OutputChunk, StageRequest
-from stage_service.errors import EngineError, InputError
+from stage_service.runtime.base import InputChunk, OutputChunk, StageRequest
+from stage_service.runtime.errors import EngineError, InputError
 from stage_service.metrics import StageMetrics
 from stage_service.servicer import status_for
-from stage_service.work_tally import WorkTally
+from stage_service.runtime.work_tally import WorkTally
 
 from ..polling import wait_until
 

@@ -1,4 +1,4 @@
-"""The one prompt policy of every text-in engine (stage_service/engines/chat.py): which token ids a
+"""The one prompt policy of every text-in engine (stage_service/runtime/chat.py): which token ids a
 request's prompt becomes, and where a checkpoint's chat template is found."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.client import build_request
-from omnistage.params import InvalidRequest, resolve
-from omnistage.spec import Limits
-from stage_service.engines.chat import load_chat_template, prompt_ids
+from omnistage.contract.params import InvalidRequest, resolve
+from omnistage.api import Limits
+from stage_service.runtime.chat import load_chat_template, prompt_ids
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

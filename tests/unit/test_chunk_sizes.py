@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnistage.spec import SpecError, Stage, parse_pipeline, validate
+from omnistage.api import SpecError, Stage, parse_pipeline, validate
 
 from ..conftest import EXAMPLES
 

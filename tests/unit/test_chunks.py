@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnistage.chunks import ChunkOrderError, EdgeReorderBuffer
+from omnistage.contract.chunks import ChunkOrderError, EdgeReorderBuffer
 
 
 @given(st.integers(1, 40).flatmap(lambda n: st.permutations(list(range(n)))))

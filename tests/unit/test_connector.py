@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from omnistage.connector import ConnectorError, TensorKey, TensorNotFound, choose_transport, make_connector
 from omnistage.connector.wire import MAX_DIMS, TensorHeader
-from omnistage.tensors import TensorFormatError
+from omnistage.contract.tensors import TensorFormatError
 from omnistage.v1 import tensor_pb2
 
 from ..connector_peer import DTYPES, make_tensor

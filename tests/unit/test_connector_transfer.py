@@ -184,7 +184,7 @@ async def test_metrics_per_edge(stage_pair):
 
 async def test_duplicate_tensor_names_are_refused(stage_pair):
     _, receiver, _, _ = stage_pair
-    from omnistage.tensors import TensorFormatError, to_proto
+    from omnistage.contract.tensors import TensorFormatError, to_proto
     t = to_proto("x", torch.zeros(2))
     with pytest.raises(TensorFormatError, match="names a tensor twice"):
         await receiver.receive("r1", as_chunk(0, [t, t]))

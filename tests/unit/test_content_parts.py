@@ -10,10 +10,12 @@ import pytest
 import soundfile
 from PIL import Image as PILImage
 
-from omnistage import cli, media
+from omnistage.local import cli
+
+from omnistage import media
 from omnistage.client import (audio_part, build_request, image_part, pcm_part, raw_image_part, text_part,
                               video_file_part, video_part)
-from omnistage.spec import MAX_MESSAGE_BYTES, Limits, accepted_inputs, stage_inputs
+from omnistage.api import MAX_MESSAGE_BYTES, Limits, accepted_inputs, stage_inputs
 from orchestrator_service.request_run import RequestRun, stage_params
 from orchestrator_service.routing import Router
 from orchestrator_service.server import MIN_RECEIVE_BYTES

@@ -1,4 +1,4 @@
-"""The process contract (omnistage/launch.py): the command lines a launcher writes are the ones the
+"""The process contract (omnistage/contract/launch.py): the command lines a launcher writes are the ones the
 services read back, and the environment, model store and ports are spelled in one place."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from omnistage import launch
+from omnistage.contract import launch
 
 PY = "/usr/bin/python3"
 

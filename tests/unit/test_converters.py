@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnistage import tensors
+from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2, tensor_pb2
 from orchestrator_service.outputs import OutputAssembler, png_size, token_ids
 from stage_service.convert import input_from_proto, output_to_proto
-from stage_service.engines.base import OutputChunk
+from stage_service.runtime.base import OutputChunk
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]

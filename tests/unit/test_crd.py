@@ -1,6 +1,6 @@
-"""The OmniPipeline CRD is generated from the API model (omnistage/spec/model.py): the committed file is
+"""The OmniPipeline CRD is generated from the API model (omnistage/api/model.py): the committed file is
 the generated one, every example validates against its schema, bad documents are refused by both the
-schema and omnistage.spec.validate where a v1.20 schema can say so, and a field added to the model
+schema and omnistage.api.validate where a v1.20 schema can say so, and a field added to the model
 reaches validation, defaults, the CRD and `omnistage explain` with no other edit."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import jsonschema
 import pytest
 import yaml
 
-from omnistage import spec as omnispec
-from omnistage.spec import model
-from omnistage.spec.crd import crd_yaml
-from omnistage.spec.explain import UnknownField, explain
-from omnistage.spec.fields import api_field, api_fields
+from omnistage import api as omnispec
+from omnistage.api import model
+from omnistage.api.crd import crd_yaml
+from omnistage.api.explain import UnknownField, explain
+from omnistage.api.fields import api_field, api_fields
 
 from ..conftest import EXAMPLES, REPO
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnistage.launch import ENV_TRANSPORTS
+from omnistage.contract.launch import ENV_TRANSPORTS
 from stage_service.data_plane import (DataPlane, consumers_device, out_transport, spec_device, ucx_available,
                                       wanted_transports)
 

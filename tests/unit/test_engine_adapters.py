@@ -1,5 +1,5 @@
 """Every stage-service engine adapter names its entry in the catalog validation checks topologies
-against (omnistage/spec/engines.py), and the registry refuses a model that another adapter serves."""
+against (omnistage/api/engines.py), and the registry refuses a model that another adapter serves."""
 
 from __future__ import annotations
 
@@ -7,25 +7,25 @@ import json
 
 import pytest
 
-from omnistage.spec import ADAPTERS
-from omnistage.spec.engines import engines_for_kind
+from omnistage.api import ADAPTERS
+from omnistage.api.engines import engines_for_kind
 
 from ..harness import example
 
-ENGINE_CLASSES = [("stage_service.engines.vllm_ar", "VllmEngine"),
-                  ("stage_service.engines.vllm_thinker", "VllmThinkerEngine"),
-                  ("stage_service.engines.hf_causal", "CausalLmEngine"),
-                  ("stage_service.engines.qwen3_omni", "ThinkerEngine"),
-                  ("stage_service.engines.qwen3_omni", "TalkerEngine"),
-                  ("stage_service.engines.qwen3_omni", "Code2WavEngine"),
-                  ("stage_service.engines.qwen3_omni", "EncoderEngine"),
-                  ("stage_service.engines.qwen2_5_omni", "EncoderEngine"),
-                  ("stage_service.engines.qwen2_5_omni", "ThinkerEngine"),
-                  ("stage_service.engines.qwen2_5_omni", "TalkerEngine"),
-                  ("stage_service.engines.qwen2_5_omni", "Token2WavEngine"),
-                  ("stage_service.engines.diffusion", "TextEncoderEngine"),
-                  ("stage_service.engines.diffusion", "DenoiseEngine"),
-                  ("stage_service.engines.diffusion", "VaeDecodeEngine")]
+ENGINE_CLASSES = [("stage_service.engines.vllm.ar", "VllmEngine"),
+                  ("stage_service.engines.vllm.thinker", "VllmThinkerEngine"),
+                  ("stage_service.engines.transformers.causal_lm", "CausalLmEngine"),
+                  ("stage_service.engines.qwen3_omni.engines", "ThinkerEngine"),
+                  ("stage_service.engines.qwen3_omni.engines", "TalkerEngine"),
+                  ("stage_service.engines.qwen3_omni.engines", "Code2WavEngine"),
+                  ("stage_service.engines.qwen3_omni.engines", "EncoderEngine"),
+                  ("stage_service.engines.qwen2_5_omni.engines", "EncoderEngine"),
+                  ("stage_service.engines.qwen2_5_omni.engines", "ThinkerEngine"),
+                  ("stage_service.engines.qwen2_5_omni.engines", "TalkerEngine"),
+                  ("stage_service.engines.qwen2_5_omni.engines", "Token2WavEngine"),
+                  ("stage_service.engines.diffusers.engines", "TextEncoderEngine"),
+                  ("stage_service.engines.diffusers.engines", "DenoiseEngine"),
+                  ("stage_service.engines.diffusers.engines", "VaeDecodeEngine")]
 
 
 def test_every_adapter_class_names_a_catalog_entry_and_every_entry_has_one():

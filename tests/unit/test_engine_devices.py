@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnistage.devices import DevicePlan, DeviceUnavailable, plan_device
-from omnistage.spec import Parallelism, StageDeployment
-from stage_service.engines.base import EngineConfigError
-from stage_service.engines.invariance import applies_on
+from omnistage.contract.devices import DevicePlan, DeviceUnavailable, plan_device
+from omnistage.api import Parallelism, StageDeployment
+from stage_service.runtime.base import EngineConfigError
+from stage_service.runtime.invariance import applies_on
 from stage_service.engines.registry import create_engine
-from stage_service.engines.sampling import SamplingSettings
-from stage_service.engines.vllm_ar import check_build, engine_args
+from stage_service.runtime.sampling import SamplingSettings
+from stage_service.engines.vllm.ar import check_build, engine_args
 
 from ..harness import call_stage, example, header, start_stage
 from ..integration.test_stage_support import token_ids

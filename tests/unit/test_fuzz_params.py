@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from omnistage.params import InvalidRequest, RequestParams, resolve
-from omnistage.spec import load_pipeline
+from omnistage.contract.params import InvalidRequest, RequestParams, resolve
+from omnistage.api import load_pipeline
 from omnistage.v1 import common_pb2, orchestrator_pb2
 from orchestrator_service import servicer as orchestrator
 

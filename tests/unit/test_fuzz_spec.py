@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from omnistage.spec import Pipeline, SpecError, parse_pipeline, parse_pipeline_yaml, validate
+from omnistage.api import Pipeline, SpecError, parse_pipeline, parse_pipeline_yaml, validate
 from omnistage_operator.handlers import validate as webhook
 
 from ..conftest import EXAMPLES

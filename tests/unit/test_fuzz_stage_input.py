@@ -10,13 +10,13 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from omnistage import tensors
-from omnistage.chunks import ChunkOrderError, EdgeReorderBuffer
+from omnistage.contract import tensors
+from omnistage.contract.chunks import ChunkOrderError, EdgeReorderBuffer
 from omnistage.connector import TensorKey
-from omnistage.params import InvalidRequest
-from omnistage.spec import load_pipeline
+from omnistage.contract.params import InvalidRequest
+from omnistage.api import load_pipeline
 from omnistage.v1 import common_pb2, stage_pb2, tensor_pb2
-from stage_service.errors import InputError
+from stage_service.runtime.errors import InputError
 from stage_service.servicer import check_input_chunk, header_from_proto, request_from_proto
 
 from ..conftest import EXAMPLES

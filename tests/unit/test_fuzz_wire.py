@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from omnistage.connector import ConnectorError, TensorKey
 from omnistage.connector.shm import SEGMENT_PREFIX, ShmStore
 from omnistage.connector.wire import BAD_REQUEST, HEADER_BYTES, MAX_DIMS, NOT_FOUND, OK, TensorHeader, from_bytes
-from omnistage.tensors import proto_dtype
+from omnistage.contract.tensors import proto_dtype
 from omnistage.v1 import tensor_pb2
 
 from ..connector_peer import DTYPES

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from omnistage.spec import parse_pipeline, validate
+from omnistage.api import parse_pipeline, validate
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 from orchestrator_service.http_api import audio_formats
 
 RATE = 24000

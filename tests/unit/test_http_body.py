@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from omnistage.spec import load_pipeline
+from omnistage.api import load_pipeline
 from orchestrator_service.http_api import routes, translate
 
 from ..conftest import EXAMPLES

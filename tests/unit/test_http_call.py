@@ -11,7 +11,7 @@ import grpc
 import pytest
 from starlette.datastructures import Headers
 
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 from omnistage.v1 import orchestrator_pb2
 from orchestrator_service.api_keys import ApiKeys
 from orchestrator_service.http_api import images

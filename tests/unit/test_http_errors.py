@@ -8,7 +8,7 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 from orchestrator_service.http_api.errors import (ApiError, UnknownModel, error_response, field_path,
                                                   from_exception, openai_param)
 from orchestrator_service.http_api.schemas import ChatCompletionRequest

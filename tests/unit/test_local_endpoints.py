@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from omnistage.launch import ReadyPorts
-from omnistage.local import LaunchError, LocalPipeline, Proc
-from omnistage.spec import load_pipeline
+from omnistage.contract.launch import ReadyPorts
+from omnistage.local.serve import LaunchError, LocalPipeline, Proc
+from omnistage.api import load_pipeline
 
 from ..conftest import EXAMPLES
 

@@ -12,11 +12,11 @@ import pytest
 from PIL import Image
 
 from omnistage.client import image_part
-from omnistage.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest
 from orchestrator_service.admission import Overloaded
 from orchestrator_service.media_check import MediaCheck
-from stage_service.engines.media_work import MediaWork
-from stage_service.errors import EngineOverloaded
+from stage_service.engines.omni.media_work import MediaWork
+from stage_service.runtime.errors import EngineOverloaded
 
 from ..harness import example
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import yaml
 
-from omnistage import launch
+from omnistage.contract import launch
 from omnistage_operator.builders import build_children, config_hash
 from omnistage_operator.config import ModelVolume, OperatorConfig
 from omnistage_operator.pipeline_object import parse
@@ -107,7 +107,7 @@ def test_probes_drain_and_grace():
     assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
     # An exec hook inside the container: /drain refuses a GET from the node, where an httpGet hook comes from.
     assert c["lifecycle"]["preStop"] == {"exec": {"command": [
-        "python", "-c", "from omnistage.launch import drain_self; drain_self()"]}}
+        "python", "-c", "from omnistage.contract.launch import drain_self; drain_self()"]}}
     assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 12.5
     assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 28
 

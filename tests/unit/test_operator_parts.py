@@ -10,7 +10,7 @@ import kopf
 import pytest
 import yaml
 
-from omnistage.spec import SpecError
+from omnistage.api import SpecError
 from omnistage_operator.compare import matches
 from omnistage_operator.config import ConfigError, ModelVolume, from_env
 from omnistage_operator.handlers import validate

@@ -12,7 +12,9 @@ import pytest
 import yaml
 from cryptography import x509
 
-from omnistage import launch, tls
+from omnistage.contract import launch
+
+from omnistage import tls
 from omnistage_operator.builders import build_children, build_tls_secret_meta
 from omnistage_operator.certificates import (CertificateAuthority, build_tls_secret, ca_from_secret, leaves,
                                              needs_reissue, tls_secret_name)
@@ -97,7 +99,7 @@ def test_client_tls_secret_is_mounted_on_the_orchestrator_only(cfg):
 
 
 def test_client_tls_secret_name_is_validated():
-    from omnistage.spec import SpecError
+    from omnistage.api import SpecError
     with pytest.raises(SpecError, match=r"spec.deployment.orchestrator.tls.secretName"):
         pipeline(with_client_tls("Not_A_Name"))
 

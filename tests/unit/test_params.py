@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from omnistage.client import build_request, image_part, text_part
-from omnistage.modalities import MODALITY_CODES
-from omnistage.params import InvalidRequest, resolve
-from omnistage.spec import MODALITIES, Limits
+from omnistage.contract.modalities import MODALITY_CODES
+from omnistage.contract.params import InvalidRequest, resolve
+from omnistage.api import MODALITIES, Limits
 from omnistage.v1 import common_pb2, orchestrator_pb2
 
 LIMITS = Limits()
@@ -126,7 +126,7 @@ def test_a_vanishing_temperature_is_greedy(temperature, resolved):
 def test_sampling_with_a_vanishing_temperature_picks_the_argmax():
     import torch
 
-    from stage_service.engines.sampling import SamplingSettings, choose, new_generator
+    from stage_service.runtime.sampling import SamplingSettings, choose, new_generator
 
     logits = torch.tensor([0.5, 3.0, -1.0, 2.9], dtype=torch.bfloat16)
     for t in (1e-45, 1e-30, 1e-6):

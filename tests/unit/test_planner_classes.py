@@ -16,7 +16,7 @@ from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
 from omnistage.planner.scrape import orchestrator_classes
-from omnistage.spec.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
+from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 from orchestrator_service.metrics import OrchestratorMetrics
 
 CHAIN = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}

@@ -12,7 +12,7 @@ from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import DESIRED_REPLICAS, PlannerMetrics
 from omnistage.planner.scrape import replica_counters
-from omnistage.spec.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
+from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 from stage_service.metrics import StageMetrics
 
 

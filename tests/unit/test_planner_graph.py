@@ -14,7 +14,7 @@ from omnistage.planner.graph import (RATIO_MEMORY, demand_per_request, edge_rati
                                      steady_arrivals, upstream_of)
 from omnistage.planner.load import MIN_DRAIN_S, ReplicaCounters, StageWindow, arrived, offered, offered_parts
 from omnistage.planner.sizing import StageNeed
-from omnistage.spec.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
+from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 
 CHAIN = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}
 
@@ -22,7 +22,7 @@ CHAIN = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}
 def test_the_graph_of_a_pipeline_is_each_stages_inputs():
     from pathlib import Path
 
-    from omnistage.spec.loading import load_pipeline
+    from omnistage.api.loading import load_pipeline
 
     p = load_pipeline(Path(__file__).resolve().parents[2] / "examples" / "qwen3-omni-tiny.yaml")
     assert upstream_of(p) == CHAIN

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnistage.spec import SchedulerSettings
-from stage_service.errors import EngineDead, EngineError, EngineOverloaded
-from stage_service.scheduler import StepScheduler, StepState
+from omnistage.api import SchedulerSettings
+from stage_service.runtime.errors import EngineDead, EngineError, EngineOverloaded
+from stage_service.runtime.scheduler import StepScheduler, StepState
 
 from ..polling import wait_until
 

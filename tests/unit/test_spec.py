@@ -7,7 +7,7 @@ import copy
 import pytest
 import yaml
 
-from omnistage.spec import SpecError, load_pipeline, parse_pipeline, parse_pipeline_yaml, validate
+from omnistage.api import SpecError, load_pipeline, parse_pipeline, parse_pipeline_yaml, validate
 
 from ..conftest import EXAMPLES
 

@@ -11,9 +11,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnistage.spec import SpecError, parse_pipeline, validate
-from omnistage.spec.crd import crd
-from omnistage.spec.model import (CONDITION_TYPES, Autoscaling, AutoscalingBudget, AutoscalingTargets,
+from omnistage.api import SpecError, parse_pipeline, validate
+from omnistage.api.crd import crd
+from omnistage.api.model import (CONDITION_TYPES, Autoscaling, AutoscalingBudget, AutoscalingTargets,
                                   ReplicaStatus, StageAutoscaling)
 
 from ..conftest import EXAMPLES

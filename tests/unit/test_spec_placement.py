@@ -8,8 +8,8 @@ import copy
 import pytest
 import yaml
 
-from omnistage.spec import SpecError, parse_pipeline, validate
-from omnistage.spec.model import RollingUpdate, Toleration
+from omnistage.api import SpecError, parse_pipeline, validate
+from omnistage.api.model import RollingUpdate, Toleration
 
 from ..conftest import EXAMPLES
 

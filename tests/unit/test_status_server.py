@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from omnistage import launch
+from omnistage.contract import launch
 from omnistage.serving import HttpStatusServer, drain_permitted, grpc_server_options
 
 TOKEN = "pod-token"

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stage_service.engines.omni_media import EncodedPrompt, prompt_rows
-from stage_service.engines.vllm_media import (EXTRA_KEY, MediaCursor, MediaPrompt, MediaStep, PositionsOnly,
+from stage_service.engines.omni.media import EncodedPrompt, prompt_rows
+from stage_service.engines.vllm.media import (EXTRA_KEY, MediaCursor, MediaPrompt, MediaStep, PositionsOnly,
                                               batch_inputs, media_payload, media_refusal, slots_of)
-from stage_service.engines.vllm_thinker import FAMILIES, thinker_text_config
-from stage_service.engines.vllm_thinker_text import MROPE_KEY
+from stage_service.engines.vllm.thinker import FAMILIES, thinker_text_config
+from stage_service.engines.vllm.thinker_text import MROPE_KEY
 
 H = 4
 P = 6
@@ -148,7 +148,7 @@ def test_the_decoder_config_names_the_mrope_sections_under_our_key_only(model_di
 
 @pytest.mark.parametrize("model,family", [("qwen3-omni-tiny", "qwen3_omni"), ("qwen2.5-omni-tiny", "qwen2_5_omni")])
 def test_the_weightless_stand_in_gives_the_thinker_models_positions(model_dir, model, family):
-    from stage_service.engines.components import read_config
+    from stage_service.runtime.components import read_config
 
     config_cls, thinker_cls = FAMILIES[family].transformers_classes()
     cfg = read_config(model_dir / model, config_cls).thinker_config

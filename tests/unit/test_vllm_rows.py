@@ -14,11 +14,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stage_service.engines.base import EngineConfigError
-from stage_service.engines.vllm_rows import (LENGTH_MARGIN, RowsMissing, RowsReceiver, engine_length, ours,
+from stage_service.runtime.base import EngineConfigError
+from stage_service.engines.vllm.rows import (LENGTH_MARGIN, RowsMissing, RowsReceiver, engine_length, ours,
                                              rows_engine_args)
-from stage_service.engines.vllm_rows_connector import RowCursor, expand_cpu, slots_of
-from stage_service.engines.vllm_thinker import thinker_text_config, thinker_text_view
+from stage_service.engines.vllm.rows_connector import RowCursor, expand_cpu, slots_of
+from stage_service.engines.vllm.thinker import thinker_text_config, thinker_text_view
 
 
 def test_the_engine_gets_room_for_the_last_rows_within_the_models_limit():
@@ -33,7 +33,7 @@ def test_engine_args_turn_on_extraction_of_the_asked_layers():
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3]
     kv = args["kv_transfer_config"]
-    assert kv["kv_connector_module_path"] == "stage_service.engines.vllm_rows_connector"
+    assert kv["kv_connector_module_path"] == "stage_service.engines.vllm.rows_connector"
     assert kv["kv_connector_extra_config"] == {"endpoint": "ipc:///tmp/x.sock"}
     assert args["max_model_len"] == 514
     assert args["enable_prefix_caching"] is False and args["async_scheduling"] is False

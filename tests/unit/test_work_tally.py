@@ -1,14 +1,14 @@
-"""Per-request work units on a stage (stage_service/work_tally.py): what the step scheduler tallies per
+"""Per-request work units on a stage (stage_service/runtime/work_tally.py): what the step scheduler tallies per
 request is what the stage's `omnistage_stage_units_total` counts, and taking a request's units forgets it."""
 
 from __future__ import annotations
 
 import asyncio
 
-from omnistage.spec import SchedulerSettings
+from omnistage.api import SchedulerSettings
 from stage_service.metrics import StageMetrics
-from stage_service.scheduler import StepScheduler, StepState
-from stage_service.work_tally import WorkTally
+from stage_service.runtime.scheduler import StepScheduler, StepState
+from stage_service.runtime.work_tally import WorkTally
 
 
 def test_a_requests_units_add_up_until_taken_and_then_are_gone():

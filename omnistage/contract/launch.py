@@ -1,0 +1,319 @@
+"""The process contract: how a stage or an orchestrator process is started and probed.
+
+Whoever starts one (the operator's builders, `omnistage serve`, the test harness, benchmarks) builds
+its command line with `stage_command` / `orchestrator_command` and its environment with `service_env`;
+the process parses that command line with `stage_parser` / `orchestrator_parser`. Both sides read the
+same flag tables, so a flag one side writes is a flag the other side reads. Also here: the environment
+variable names the services read, the model store's default and layout, ports and probe paths.
+Also the ready file: how a launched process tells its launcher, once serving, which ports it bound
+(`write_ready` / `read_ready`).
+Pure: no imports from the services, nothing read from the environment at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from omnistage.api import Stage
+
+STAGE_MODULE = "stage_service"
+ORCHESTRATOR_MODULE = "orchestrator_service"
+
+# Environment variables the services read.
+ENV_MODEL_DIR = "OMNISTAGE_MODEL_DIR"        # root of the model store
+ENV_HOST = "OMNISTAGE_HOST"                  # the address to bind when --host is not given
+ENV_SAME_HOST = "OMNISTAGE_PEERS_SAME_HOST"  # "1": every stage of the pipeline runs on this host (local mode)
+ENV_HOST_ID = "OMNISTAGE_HOST_ID"            # the shared-memory domain's name (default: the host name)
+ENV_TRANSPORTS = "OMNISTAGE_TRANSPORTS"      # override the stores a stage enables, e.g. "shm" or "shm,ucx"
+ENV_POD_IP = "POD_IP"                        # on a cluster, from the downward API
+ENV_POD_NAMESPACE = "POD_NAMESPACE"          # on a cluster, from the downward API
+# Bearer keys of the OpenAI-compatible API, comma-separated: how a Kubernetes Secret reaches the orchestrator
+# (an env var from a secretKeyRef), and how `omnistage serve` passes them without showing them in `ps`.
+ENV_API_KEYS = "OMNISTAGE_API_KEYS"
+ENV_CLIENT_API_KEY = "OMNISTAGE_API_KEY"     # the one key a client (`omnistage generate`) sends
+# The process's mTLS identity: a folder in the Kubernetes TLS Secret layout (ca.crt, tls.crt, tls.key; see
+# omnistage/tls.py). Given: stages accept only the pipeline's own peers and the orchestrator dials them over TLS.
+ENV_TLS_DIR = "OMNISTAGE_TLS_DIR"
+TLS_MOUNT = "/etc/omnistage-tls"             # where the operator mounts a pod's certificate Secret (beside, not inside,
+                                             # the pipeline ConfigMap's read-only /etc/omnistage: no mount point within it)
+# The orchestrator's client-facing certificate (tls.crt, tls.key): its gRPC and HTTP API ports serve TLS.
+ENV_CLIENT_TLS_DIR = "OMNISTAGE_CLIENT_TLS_DIR"
+CLIENT_TLS_MOUNT = "/etc/omnistage-client-tls"
+
+DEFAULT_MODEL_DIR = "models"                 # relative to the working directory
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_NAMESPACE = "default"
+
+# Ports and their names on a cluster (the pod IP keeps pods apart); locally every port is 0 (any free).
+GRPC_PORT, HTTP_PORT = 50051, 8080
+GRPC_PORT_NAME, HTTP_PORT_NAME = "grpc", "http"
+# The orchestrator's OpenAI-compatible HTTP API (spec.deployment.orchestrator.http.port overrides the port).
+API_PORT, API_PORT_NAME = 8000, "openai"
+# Paths on the HTTP port.
+METRICS_PATH = "/metrics"   # Prometheus
+READY_PATH = "/readyz"      # 200 once serving, 503 while loading or draining
+LIVE_PATH = "/livez"
+DRAIN_PATH = "/drain"       # a preStop hook: answers once admitted work is finished
+API_PATH = "/v1"            # the base of the OpenAI-compatible API, on its own port
+# The pod's own service-account token: besides a caller inside the pod, only a bearer of it may ask for /drain.
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+# The preStop hook runs this in the container (an exec hook: an httpGet hook comes from the node, which
+# /drain refuses): Python, so any image that runs omnistage runs it.
+DRAIN_HOOK_CODE = "from omnistage.contract.launch import drain_self; drain_self()"
+# Where a process that refuses to start writes its one-line reason (Kubernetes' default terminationMessagePath;
+# the kubelet shows it as the container's last termination message).
+TERMINATION_LOG = "/dev/termination-log"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: `--name` (underscores as dashes), read back as `args.name`."""
+    name: str
+    help: str
+    type: Callable[[str], Any] = str
+    default: Any = None
+    env: str | None = None          # the default comes from this variable when it is set
+    required: bool = False
+    repeat: bool = False            # may be given several times; the value is a list (with `env`: the
+                                    # variable's comma-separated items, replaced by the flags when given)
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+# Flags both services take.
+_PIPELINE = Flag("pipeline", "OmniPipeline YAML file", required=True)
+_SERVING = (
+    Flag("host", f"address to bind (default ${ENV_HOST} or {DEFAULT_HOST})", default=DEFAULT_HOST, env=ENV_HOST),
+    Flag("port", "gRPC port (0: any free port)", int, default=0),
+    Flag("http_port", f"HTTP port for {METRICS_PATH}, {READY_PATH}, {LIVE_PATH}, {DRAIN_PATH}", int),
+    Flag("tls_dir", f"mTLS identity between the pipeline's processes: a folder with ca.crt, tls.crt, tls.key "
+                    f"(default ${ENV_TLS_DIR}; none: plaintext)", env=ENV_TLS_DIR, metavar="DIR"),
+)
+_LIFECYCLE = (
+    Flag("drain_seconds", "bound on finishing admitted work at SIGTERM", float),
+    Flag("ready_file", "once serving, write the bound ports here (see launch.write_ready)"),
+    Flag("log_level", "logging level", default="INFO"),
+)
+STAGE_FLAGS = (
+    _PIPELINE,
+    Flag("stage", "name of the stage to serve", required=True),
+    *_SERVING,
+    Flag("model_dir", f"root of the model store (default ${ENV_MODEL_DIR} or ./{DEFAULT_MODEL_DIR})"),
+    *_LIFECYCLE,
+    Flag("inject_step_failure", "fault injection for tests: every engine step after the N-th raises", int,
+         metavar="N"),
+)
+ORCHESTRATOR_FLAGS = (
+    _PIPELINE,
+    *_SERVING,
+    Flag("stage_endpoint", "static replicas of a stage (repeat per stage)", repeat=True,
+         metavar="NAME=HOST:PORT[,HOST:PORT]"),
+    Flag("discovery", "static: --stage-endpoint flags; file: the --endpoints-file, re-read when it changes (what "
+                      "omnistage serve writes as it scales); kubernetes: watch the endpoints of the stage Services "
+                      f"(<pipeline>-<stage>, port {GRPC_PORT_NAME}) in --namespace",
+         default="static", choices=("static", "file", "kubernetes")),
+    Flag("endpoints_file", 'with --discovery file: a JSON object, stage name -> ["host:port", ...]', metavar="FILE"),
+    Flag("namespace", f"namespace to watch (default ${ENV_POD_NAMESPACE} or {DEFAULT_NAMESPACE})",
+         default=DEFAULT_NAMESPACE, env=ENV_POD_NAMESPACE),
+    Flag("wait_for_stages", "seconds to wait at start-up for every stage replica to be SERVING", float,
+         default=0.0),
+    Flag("api_port", "port of the OpenAI-compatible HTTP API (0: any free port; not given: no API)", int),
+    Flag("api_key", f"a bearer key both APIs (gRPC and HTTP) accept; KEY:N also allows priority up to N (repeat; "
+                    f"default: ${ENV_API_KEYS}, comma-separated; none: no key needed)", repeat=True, env=ENV_API_KEYS,
+         metavar="KEY[:N]"),
+    Flag("client_tls_dir", f"serve the client-facing gRPC and HTTP API ports over TLS with tls.crt and tls.key "
+                           f"from this folder (default ${ENV_CLIENT_TLS_DIR}; none: plaintext)",
+         env=ENV_CLIENT_TLS_DIR, metavar="DIR"),
+    *_LIFECYCLE,
+)
+
+
+@dataclass(frozen=True)
+class ReadyPorts:
+    """What a process bound, as its ready file says: the gRPC port, and the HTTP status and API ports
+    when it serves them."""
+    grpc: int
+    http: int | None = None
+    api: int | None = None
+
+
+def write_ready(path: str | os.PathLike, ports: ReadyPorts) -> None:
+    """Write the ready file: one line `NAME PORT` per bound port (names: grpc, http, api), e.g.
+
+        grpc 43211
+        http 43212
+        api 43213
+
+    Written to a temporary file and renamed, so a reader sees the whole file or none."""
+    path = Path(path)
+    text = "".join(f"{f.name} {getattr(ports, f.name)}\n" for f in fields(ports)
+                   if getattr(ports, f.name) is not None)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_ready(path: str | os.PathLike) -> ReadyPorts | None:
+    """The ports a ready file names; None until it is complete (absent, empty, a last line without its
+    newline, a line that is not `NAME PORT`, or no grpc port). Unknown names are skipped: a newer process
+    may name more ports than this reader knows."""
+    try:
+        text = Path(path).read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    if not text.endswith("\n"):
+        return None
+    known = {f.name for f in fields(ReadyPorts)}
+    ports: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, port = line.partition(" ")
+        if not port.isdigit():
+            return None
+        if name in known:
+            ports[name] = int(port)
+    return ReadyPorts(**ports) if "grpc" in ports else None
+
+
+def http_url(host: str, port: int, path: str = "") -> str:
+    """`http://HOST:PORT/PATH`; an IPv6 address in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
+
+
+def drain_self(env: Mapping[str, str] | None = None, port: int = HTTP_PORT) -> None:
+    """Ask this pod's own service for /drain and wait for the answer (the preStop hook; the kubelet bounds
+    it by the grace period). The service binds the pod IP, so the call goes there: from inside the pod,
+    as /drain requires."""
+    import urllib.request  # here: only the hook needs it
+
+    env = os.environ if env is None else env
+    with urllib.request.urlopen(http_url(env.get(ENV_POD_IP) or DEFAULT_HOST, port, DRAIN_PATH)) as answer:
+        answer.read()
+
+
+def drain_hook_command(python: str = sys.executable) -> list[str]:
+    """argv of the preStop hook (see `drain_self`)."""
+    return [python, "-c", DRAIN_HOOK_CODE]
+
+
+def stage_service_name(pipeline: str, stage: str) -> str:
+    """The Kubernetes name of one stage's Service (and Deployment, disruption budget): `<pipeline>-<stage>`;
+    the operator creates it and the orchestrator finds the stage's replicas by it."""
+    return f"{pipeline}-{stage}"
+
+
+def stage_command(pipeline: str | os.PathLike, stage: str, *, python: str = sys.executable,
+                  **flags: Any) -> list[str]:
+    """argv of one stage replica; `flags` are STAGE_FLAGS by name (None: left out)."""
+    return _command(python, STAGE_MODULE, STAGE_FLAGS, pipeline=pipeline, stage=stage, **flags)
+
+
+def orchestrator_command(pipeline: str | os.PathLike, *, python: str = sys.executable,
+                         stage_endpoints: Mapping[str, Sequence[str]] | None = None, **flags: Any) -> list[str]:
+    """argv of the orchestrator; `stage_endpoints` maps a stage to its replicas' `host:port`."""
+    endpoints = [f"{stage}={','.join(addrs)}" for stage, addrs in (stage_endpoints or {}).items()] or None
+    return _command(python, ORCHESTRATOR_MODULE, ORCHESTRATOR_FLAGS, pipeline=pipeline,
+                    stage_endpoint=endpoints, **flags)
+
+
+def stage_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    return _parser(STAGE_MODULE, "Serve one stage of an OmniPipeline.", STAGE_FLAGS, env)
+
+
+def orchestrator_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    return _parser(ORCHESTRATOR_MODULE, "Serve the client API of an OmniPipeline.", ORCHESTRATOR_FLAGS, env)
+
+
+def service_env(model_dir: str | os.PathLike | None = None, *, same_host: bool = False) -> dict[str, str]:
+    """What a stage or orchestrator process is started with, on top of what it inherits."""
+    # One torch thread per model process: with two under load, tokens/s fell 12x (DESIGN.md).
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if model_dir is not None:
+        env[ENV_MODEL_DIR] = str(model_dir)
+    if same_host:
+        env[ENV_SAME_HOST] = "1"
+    return env
+
+
+def report_exit(message: str, path: str = TERMINATION_LOG) -> None:
+    """Say why this process exits: on stderr, and in the termination log where the container has one."""
+    print(message, file=sys.stderr, flush=True)
+    if os.path.exists(path):
+        try:
+            with open(path, "w") as f:
+                f.write(message[:4096])
+        except OSError:
+            pass
+
+
+def model_root(root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """The model store: `root` when given, else $OMNISTAGE_MODEL_DIR, else ./models."""
+    env = os.environ if env is None else env
+    return Path(root or env.get(ENV_MODEL_DIR) or DEFAULT_MODEL_DIR)
+
+
+def checkpoint_dir(stage: "Stage", root: str | os.PathLike | None = None,
+                   env: Mapping[str, str] | None = None) -> Path:
+    """The directory a stage's `model` names: absolute, or under the model store."""
+    path = Path(stage.model)
+    return path if path.is_absolute() else model_root(root, env) / path
+
+
+def model_dir(stage: "Stage", root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """Where a stage's weights lie: its `model` (absolute, or under the model store); for a diffusers
+    pipeline (`model_index.json`) the `component` sub-folder. A combined transformers checkpoint
+    (Qwen-Omni) keeps every component in one set of shards, so its stages get the root."""
+    path = checkpoint_dir(stage, root, env)
+    if stage.component and (path / "model_index.json").exists():
+        return path / stage.component
+    return path
+
+
+def _command(python: str, module: str, table: tuple[Flag, ...], **values: Any) -> list[str]:
+    unknown = set(values) - {f.name for f in table}
+    if unknown:
+        raise TypeError(f"python -m {module} has no flag {', '.join(sorted(unknown))}")
+    argv = [python, "-m", module]
+    for f in table:
+        value = values.get(f.name)
+        if value is None:
+            continue
+        for item in (value if f.repeat else [value]):
+            argv += [f.option, str(item)]
+    return argv
+
+
+class _Repeated(argparse.Action):
+    """A repeatable flag whose default (from the environment) the flags replace instead of extending:
+    argparse's own `append` would add them to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if current is self.default else current), values])
+
+
+def _parser(module: str, description: str, table: tuple[Flag, ...],
+            env: Mapping[str, str] | None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    for f in table:
+        default = (env.get(f.env) or f.default) if f.env else f.default
+        kw: dict[str, Any] = {"help": f.help, "type": f.type, "metavar": f.metavar, "choices": f.choices}
+        if f.repeat:
+            items = [x.strip() for x in (env.get(f.env) or "").split(",")] if f.env else []
+            kw.update(action=_Repeated, default=[f.type(x) for x in items if x])
+        elif f.required:
+            kw.update(required=True)
+        else:
+            kw.update(default=default)
+        p.add_argument(f.option, **kw)
+    return p

@@ -1,0 +1,171 @@
+"""Request parameters: resolve defaults and check them against a pipeline's limits.
+
+Pure functions over the GenerationParams message; the orchestrator checks at
+admission and every stage checks again, so a bad request never reaches an engine.
+Content parts are checked here for structure only (count, bytes, text length);
+decoding them is the costlier check of `omnistage.media`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omnistage.api import Limits
+from omnistage.v1 import common_pb2
+
+# Below this a temperature samples greedily, as vLLM does: logits divided by 1e-45 overflow to inf and the
+# softmax to NaN, which would fail the request's step and every request batched beside it.
+MIN_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float | None) -> bool:
+    """Whether a request's temperature means greedy decoding (unset, 0, or below MIN_TEMPERATURE)."""
+    return not temperature or temperature < MIN_TEMPERATURE
+
+
+class InvalidRequest(ValueError):
+    """A request field with a value no stage can serve; carries the field path."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    prompt: str
+    prompt_token_ids: tuple[int, ...]
+    seed: int
+    max_tokens: int
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    ignore_eos: bool
+    max_codec_frames: int
+    speaker: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str
+    # Chat: a system turn before the prompt, or the prompt sent as written (no chat template applied).
+    system_prompt: str = ""
+    raw_prompt: bool = False
+    # The user turn as ordered content parts (the ContentPart messages as given); `prompt`, when also set,
+    # is one more text part after them (see `content`).
+    parts: tuple[common_pb2.ContentPart, ...] = ()
+
+    @property
+    def content(self) -> tuple[common_pb2.ContentPart, ...]:
+        """The user turn in order: `parts`, then `prompt` as a last text part when there is one."""
+        return self.parts + ((common_pb2.ContentPart(text=self.prompt),) if self.prompt else ())
+
+    @property
+    def text(self) -> str:
+        """The user turn's text, for stages that read text only: its text parts and the prompt, in order,
+        as written (no separator added)."""
+        if not self.parts:
+            return self.prompt
+        return "".join(x.text for x in self.content if x.WhichOneof("part") == "text")
+
+
+def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
+    """Defaults filled in; InvalidRequest names the first field out of bounds.
+
+    A request says what to answer with `prompt`, `prompt_token_ids` or `parts`. With `parts`, `prompt`
+    (when set) is one more text part after them, and their text and the prompt together count against
+    max_prompt_chars; `parts` do not go with `prompt_token_ids`, and media parts not with `raw_prompt`
+    (media is placed by the chat template)."""
+    parts = tuple(p.parts)
+    if not p.prompt and not p.prompt_token_ids and not parts:
+        raise InvalidRequest("params.prompt", "is required (or params.prompt_token_ids, or params.parts)")
+    if len(p.prompt) > limits.max_prompt_chars:
+        raise InvalidRequest("params.prompt", f"is {len(p.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    if parts:
+        _check_request_parts(p, parts, limits)
+    if len(p.prompt_token_ids) > limits.max_prompt_chars:
+        raise InvalidRequest("params.prompt_token_ids",
+                             f"has {len(p.prompt_token_ids)} tokens; the limit is {limits.max_prompt_chars}")
+    if any(t < 0 for t in p.prompt_token_ids):
+        raise InvalidRequest("params.prompt_token_ids", "token ids must be >= 0")
+    t = p.text
+    max_tokens = t.max_tokens or limits.default_max_tokens
+    _bound("params.text.max_tokens", max_tokens, 1, limits.max_tokens)
+    temperature = t.temperature if t.HasField("temperature") else None
+    if temperature is not None and not (0.0 <= temperature <= 100.0 and math.isfinite(temperature)):
+        raise InvalidRequest("params.text.temperature", f"must be between 0 and 100, got {temperature}")
+    top_p = t.top_p if t.HasField("top_p") else None
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise InvalidRequest("params.text.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = t.top_k if t.HasField("top_k") else None
+    if top_k is not None:
+        _bound("params.text.top_k", top_k, 1, 1_000_000)
+    frames = p.audio.max_codec_frames or limits.default_codec_frames
+    _bound("params.audio.max_codec_frames", frames, 1, limits.max_codec_frames)
+    img = p.image
+    width = img.width or limits.default_image_side
+    height = img.height or limits.default_image_side
+    for name, side in (("width", width), ("height", height)):
+        _bound(f"params.image.{name}", side, 8, limits.max_image_side)
+        if side % 8:
+            raise InvalidRequest(f"params.image.{name}", f"must be a multiple of 8, got {side}")
+    steps = img.num_inference_steps or limits.default_inference_steps
+    _bound("params.image.num_inference_steps", steps, 1, limits.max_inference_steps)
+    guidance = img.guidance_scale if img.HasField("guidance_scale") else 7.5
+    if not (0.0 <= guidance <= 100.0 and math.isfinite(guidance)):
+        raise InvalidRequest("params.image.guidance_scale", f"must be between 0 and 100, got {guidance}")
+    if len(img.negative_prompt) > limits.max_prompt_chars:
+        raise InvalidRequest("params.image.negative_prompt", f"is longer than {limits.max_prompt_chars} characters")
+    if len(p.system_prompt) > limits.max_prompt_chars:
+        raise InvalidRequest("params.system_prompt", f"is longer than {limits.max_prompt_chars} characters")
+    if p.system_prompt and p.raw_prompt:
+        raise InvalidRequest("params.system_prompt", "cannot be used with params.raw_prompt (no chat template is applied)")
+    if len(p.audio.speaker) > 64:
+        raise InvalidRequest("params.audio.speaker", "is longer than 64 characters")
+    return RequestParams(
+        prompt=p.prompt, prompt_token_ids=tuple(p.prompt_token_ids), seed=p.seed if p.HasField("seed") else 0,
+        max_tokens=max_tokens, temperature=None if is_greedy(temperature) else temperature, top_p=top_p, top_k=top_k, ignore_eos=t.ignore_eos,
+        max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
+        num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
+        system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts)
+
+
+def check_parts(parts, limits: Limits) -> None:
+    """The cheap checks of content parts: how many, each one set, each within the byte limit, no empty
+    text. Decoding them (`omnistage.media.decode_parts`) is the costly check."""
+    if len(parts) > limits.max_parts:
+        raise InvalidRequest("params.parts", f"has {len(parts)} parts; the limit is {limits.max_parts}")
+    for i, part in enumerate(parts):
+        kind = part.WhichOneof("part")
+        if kind is None:
+            raise InvalidRequest(f"params.parts[{i}]", "empty part (set text, image, audio or video)")
+        size = part.ByteSize()
+        if size > limits.max_part_bytes:
+            raise InvalidRequest(f"params.parts[{i}].{kind}", f"is {size} bytes; the limit is {limits.max_part_bytes}")
+        if kind == "text" and not part.text:
+            raise InvalidRequest(f"params.parts[{i}].text", "is empty")
+
+
+def has_media(parts) -> bool:
+    """Some part is an image, audio or video."""
+    return any(x.WhichOneof("part") not in ("text", None) for x in parts)
+
+
+def _check_request_parts(p: common_pb2.GenerationParams, parts, limits: Limits) -> None:
+    if p.prompt_token_ids:
+        raise InvalidRequest("params.parts", "cannot be used with params.prompt_token_ids (parts go through the "
+                                             "chat template)")
+    check_parts(parts, limits)
+    chars = len(p.prompt) + sum(len(x.text) for x in parts if x.WhichOneof("part") == "text")
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest("params.parts", f"text parts and prompt are {chars} characters together; the limit "
+                                             f"is {limits.max_prompt_chars}")
+    if p.raw_prompt and has_media(parts):
+        raise InvalidRequest("params.raw_prompt", "cannot be used with media parts (media is placed by the chat "
+                                                  "template)")
+
+
+def _bound(field: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise InvalidRequest(field, f"must be between {lo} and {hi}, got {value}")

@@ -1,0 +1,381 @@
+"""`omnistage serve`: every stage replica and the orchestrator as local processes on loopback.
+
+Stages start in parallel (each in its own process group, so engine helper
+processes go with it), the orchestrator once every stage is SERVING. On
+Ctrl-C or SIGTERM every process gets SIGTERM, then SIGKILL after a bound: no
+process is left behind. A process that dies is reported by name.
+
+Every process serves its HTTP status port (metrics, readiness, liveness) on a
+free port, and the orchestrator the OpenAI-compatible API when asked; each
+process's ready file says which ports it bound. `prometheus-targets.json` in
+the log folder lists every status port for a Prometheus `file_sd_configs`.
+
+The hops between the orchestrator and the stages are mutual TLS unless `tls=False`: at start a throwaway
+CA (its key never written) issues a leaf for the orchestrator and one per stage (namespace "local", the
+pipeline's name) into a private temporary folder (0700), deleted at stop. The client-facing ports stay
+plaintext unless a `client_tls_dir` (tls.crt, tls.key) is given.
+
+GPUs: before anything starts, each stage replica is given its GPUs (`omnistage.local.gpu_placement`) from the
+machine's; a file that asks for more than the machine has is refused then. Each stage process sees only its
+GPUs in CUDA_VISIBLE_DEVICES; a CPU stage, and the orchestrator, see none ("").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from omnistage.local import gpu_placement
+from omnistage import tls as certificates
+from omnistage.contract.launch import (API_PATH, ENV_API_KEYS, ENV_CLIENT_TLS_DIR, ENV_TLS_DIR, ReadyPorts, http_url,
+                              model_dir, orchestrator_command, read_ready, service_env, stage_command)
+from omnistage.api import Pipeline
+
+TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
+ENDPOINTS_FILE = "endpoints.json"           # in the log folder: the orchestrator's stage replicas (--discovery file)
+# A drained replica is told to stop this long after the orchestrator's endpoints file dropped it (a few of the
+# orchestrator's polls): no new call reaches it by then, and the ones it has it finishes (its drain contract).
+DRAIN_AFTER_UNLISTED_S = 1.0
+DRAIN_KILL_MARGIN_S = 10.0   # past its drainSeconds and this, a drained replica that has not exited is killed
+SCRAPE_JOB = "omnistage"
+LOCAL_NAMESPACE = "local"           # the namespace part of every local process's identity
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    name: str            # "stage thinker[0]" or "orchestrator"
+    argv: list[str]
+    log_path: Path
+    ready_file: Path
+    stage: str | None = None        # None: the orchestrator
+    gpus: tuple[str, ...] = ()      # the GPU ids its CUDA_VISIBLE_DEVICES names (none: the CPU)
+    popen: subprocess.Popen | None = None
+    ports: ReadyPorts | None = None  # once ready
+    started: float = 0.0
+    ready_after: float | None = None
+    stop_at: float | None = None     # a replica being drained: when it gets SIGTERM
+    kill_at: float | None = None     # ... and SIGKILL, when its drain bound has passed and it is still there
+
+    @property
+    def port(self) -> int | None:
+        """The gRPC port, once ready."""
+        return self.ports.grpc if self.ports else None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalPipeline:
+    pipeline_file: Path
+    pipeline: Pipeline
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    log_dir: Path | None = None
+    replicas: dict[str, int] = field(default_factory=dict)  # overrides spec.deployment replicas
+    progress: Callable[[str], None] = lambda m: print(m, flush=True)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    api_port: int | None = None     # the orchestrator's OpenAI-compatible API (0: any free port; None: none)
+    api_keys: Sequence[str] = ()    # bearer keys the API takes (none: no key needed)
+    tls: bool = True                # mutual TLS between the orchestrator and the stages (throwaway CA)
+    client_tls_dir: Path | None = None  # tls.crt + tls.key: the orchestrator's client ports serve TLS
+
+    def __post_init__(self):
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix=f"omnistage-{self.pipeline.name}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.stages: list[Proc] = []
+        self.orchestrator: Proc | None = None
+        self.endpoint: str | None = None
+        self.targets_file = self.log_dir / TARGETS_FILE
+        self.tls_root: Path | None = None   # the private folder of this run's certificates, while running
+        self.gpu_assignment: dict[gpu_placement.ReplicaKey, tuple[str, ...]] = {}   # once placed
+        self.endpoints_file = self.log_dir / ENDPOINTS_FILE
+        self.starting: list[Proc] = []   # replicas added while serving, not ready yet
+        self.draining: list[Proc] = []   # replicas taken out of service, finishing what they hold
+        self._env: dict[str, str] = {}
+        self._tls_dirs: dict[str | None, Path] = {}
+        self._added = 0
+
+    def replica_counts(self) -> dict[str, int]:
+        """Replicas each stage runs here, in stage order (a stage scaled to 0 in the file still runs one)."""
+        return {st.name: self.replicas.get(st.name, self.pipeline.deployment.stages[st.name].replicas) or 1
+                for st in self.pipeline.stages}
+
+    def place_gpus(self, env: dict[str, str]) -> gpu_placement.MachineGpus:
+        """Every stage replica's GPUs from those of the machine (as `env` shows them); LaunchError when the
+        file asks for more than there are. Prints the assignment when some stage has GPUs."""
+        deployments = {st.name: self.pipeline.deployment.stages[st.name] for st in self.pipeline.stages}
+        try:
+            machine = gpu_placement.machine_gpus(env)
+            self.gpu_assignment = gpu_placement.assign_gpus(deployments, machine, self.replica_counts())
+        except gpu_placement.GpuPlacementError as e:
+            raise LaunchError(str(e)) from None
+        lines = gpu_placement.assignment_lines(deployments, self.gpu_assignment)
+        if lines:
+            self.progress(f"GPUs: {machine.describe()}")
+            for line in lines:
+                self.progress(line)
+        return machine
+
+    # ------------------------------------------------------------ start
+    def check_models(self) -> None:
+        missing = [f"{s.name}: {model_dir(s, self.model_dir)}" for s in self.pipeline.stages
+                   if not model_dir(s, self.model_dir).exists()]
+        if missing:
+            raise LaunchError("model not found for " + "; ".join(missing) +
+                              f" (build the tiny models with `omnistage models build {self.model_dir}`)")
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # every stage runs on this host: `auto` edges may use shared memory between them
+        env.update(service_env(self.model_dir, same_host=True))
+        env.update({"UCX_TLS": env.get("UCX_TLS", "tcp"), "UCX_WARN_UNUSED_ENV_VARS": "n"})
+        for key in (ENV_TLS_DIR, ENV_CLIENT_TLS_DIR):  # serve decides: its own certificates, or none (--no-tls)
+            env.pop(key, None)
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, proc: Proc, env: dict[str, str]) -> None:
+        proc.ready_file.unlink(missing_ok=True)
+        log = open(proc.log_path, "wb")
+        proc.popen = subprocess.Popen(proc.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        log.close()
+        proc.started = time.monotonic()
+
+    def start(self, timeout: float = 600.0) -> str:
+        """Start everything; returns the orchestrator endpoint. Raises LaunchError naming what failed."""
+        self.check_models()
+        env = self.env()
+        # refused keys and GPU placements: before anything starts; the orchestrator never uses a GPU
+        orchestrator_env = {**env, **self._api_key_env(), **gpu_placement.replica_env()}
+        machine = self.place_gpus(env)
+        self._tls_dirs = tls_dirs = self._issue_certificates() if self.tls else {}
+        self._env = env
+        for (stage, i), gpus in self.gpu_assignment.items():   # every stage replica, in stage order
+            proc = self._stage_proc(stage, f"{stage}-{i}", f"stage {stage}[{i}]", gpus)
+            self._spawn(proc, {**env, **gpu_placement.replica_env(gpus, machine)})
+            self.stages.append(proc)
+        self.progress(f"starting {len(self.stages)} stage process(es) for {self.pipeline.name} "
+                      f"(logs in {self.log_dir})")
+        self._wait_ready(self.stages, timeout)
+        self.write_endpoints()
+        ready_file = self.log_dir / "orchestrator.ready"
+        argv = orchestrator_command(self.pipeline_file, host=self.host, port=self.port, http_port=0,
+                                    api_port=self.api_port, discovery="file", endpoints_file=self.endpoints_file,
+                                    wait_for_stages=30, ready_file=ready_file, tls_dir=tls_dirs.get(None),
+                                    client_tls_dir=self.client_tls_dir)
+        self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log", ready_file)
+        self._spawn(self.orchestrator, orchestrator_env)
+        self._wait_ready([self.orchestrator], 60)
+        self.endpoint = f"{self.host}:{self.orchestrator.port}"
+        self.write_targets()
+        return self.endpoint
+
+    def _stage_proc(self, stage: str, tag: str, name: str, gpus: tuple[str, ...] = ()) -> Proc:
+        ready_file = self.log_dir / f"{tag}.ready"
+        argv = stage_command(self.pipeline_file, stage, host=self.host, port=0, http_port=0,
+                             model_dir=self.model_dir, ready_file=ready_file, tls_dir=self._tls_dirs.get(stage))
+        return Proc(name, argv, self.log_dir / f"{tag}.log", ready_file, stage=stage, gpus=gpus)
+
+    def write_endpoints(self) -> None:
+        """The ready replicas in service, as the orchestrator reads them (`--discovery file`); written whole
+        and renamed into place, so a reader never sees half of it."""
+        endpoints: dict[str, list[str]] = {st.name: [] for st in self.pipeline.stages}
+        for p in self.stages:
+            endpoints[p.stage].append(f"{self.host}:{p.port}")
+        tmp = self.endpoints_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(endpoints, indent=2) + "\n")
+        os.replace(tmp, self.endpoints_file)
+        if self.orchestrator is not None:  # once serving, the scrape targets follow the replicas too
+            self.write_targets()
+
+    def write_targets(self) -> None:
+        self.targets_file.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
+
+    # ------------------------------------------------------------ scaling while serving
+    def add_replica(self, stage: str) -> Proc:
+        """Start one more replica of a CPU stage; it joins the orchestrator's replicas once ready
+        (`poll_scaling`). A GPU stage keeps the replicas it started with (its GPUs were placed then)."""
+        if any(p.gpus for p in self.stages if p.stage == stage):
+            raise LaunchError(f"stage {stage} runs on GPUs: serve places GPUs at start and does not add replicas")
+        self._added += 1
+        proc = self._stage_proc(stage, f"{stage}-added{self._added}", f"stage {stage}[+{self._added}]")
+        self._spawn(proc, {**self._env, **gpu_placement.replica_env()})
+        self.starting.append(proc)
+        return proc
+
+    def cancel_starting(self, stage: str) -> Proc | None:
+        """Stop the newest replica of a stage that is still starting (it serves nothing yet), if any."""
+        mine = [p for p in self.starting if p.stage == stage]
+        if not mine:
+            return None
+        proc = max(mine, key=lambda p: p.started)
+        self.starting.remove(proc)
+        _signal_group(proc.popen, signal.SIGTERM)
+        proc.stop_at, proc.kill_at = None, time.monotonic() + DRAIN_KILL_MARGIN_S
+        self.draining.append(proc)   # reaped (or killed) there
+        return proc
+
+    def drain_replica(self, stage: str) -> Proc | None:
+        """Take the newest ready replica of a stage out of service (never its last): it leaves the
+        orchestrator's endpoints now and gets SIGTERM (its drain) shortly after, in `poll_scaling`."""
+        mine = [p for p in self.stages if p.stage == stage]
+        if len(mine) < 2:
+            return None
+        proc = max(mine, key=lambda p: p.started)
+        self.stages.remove(proc)
+        self.write_endpoints()
+        proc.stop_at = time.monotonic() + DRAIN_AFTER_UNLISTED_S
+        self.draining.append(proc)
+        return proc
+
+    def poll_scaling(self) -> list[str]:
+        """Advance the replicas being added and drained; returns what happened, one line each."""
+        events = []
+        for p in list(self.starting):
+            p.ports = read_ready(p.ready_file)
+            if p.ports is not None:
+                p.ready_after = time.monotonic() - p.started
+                self.starting.remove(p)
+                self.stages.append(p)
+                self.write_endpoints()
+                events.append(f"{p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s, in service")
+            elif p.popen.poll() is not None:
+                self.starting.remove(p)
+                events.append(f"{p.name} exited with code {p.popen.returncode} while starting; last log lines "
+                              f"({p.log_path}):\n{p.tail()}")
+        for p in list(self.draining):
+            now = time.monotonic()
+            if p.stop_at is not None and now >= p.stop_at:
+                _signal_group(p.popen, signal.SIGTERM)
+                p.stop_at = None
+                p.kill_at = now + self.pipeline.deployment.stages[p.stage].drain_seconds + DRAIN_KILL_MARGIN_S
+            elif p.popen.poll() is not None:
+                self.draining.remove(p)
+                events.append(f"{p.name}: drained, exited with code {p.popen.returncode}")
+            elif p.kill_at is not None and now >= p.kill_at:
+                _signal_group(p.popen, signal.SIGKILL)
+                p.kill_at = None
+                events.append(f"{p.name}: still there past its drain bound; killed")
+        return events
+
+    def _issue_certificates(self) -> dict[str | None, Path]:
+        """A throwaway CA and a leaf for the orchestrator (key None) and each stage, each in its own folder
+        under a private temporary one. The CA's key stays in memory: nothing else can be issued from it."""
+        self.tls_root = Path(tempfile.mkdtemp(prefix=f"omnistage-tls-{self.pipeline.name}-"))  # 0700
+        ca, ca_key = certificates.new_ca(f"omnistage serve {self.pipeline.name} (throwaway)")
+        dirs = certificates.write_pipeline_dirs(self.tls_root, ca, ca_key, LOCAL_NAMESPACE, self.pipeline.name,
+                                                [st.name for st in self.pipeline.stages])
+        return {who: files.folder for who, files in dirs.items()}
+
+    def _api_key_env(self) -> dict[str, str]:
+        """The keys reach the orchestrator in its environment, not its command line (which `ps` shows)."""
+        if not self.api_keys:
+            return {}
+        if any(not k or "," in k or k != k.strip() for k in self.api_keys):
+            raise LaunchError("an API key must be non-empty, without commas or surrounding spaces")
+        return {ENV_API_KEYS: ",".join(self.api_keys)}
+
+    def _wait_ready(self, procs: list[Proc], timeout: float) -> None:
+        end = time.monotonic() + timeout
+        waiting = list(procs)
+        last_note = time.monotonic()
+        while waiting:
+            for p in list(waiting):
+                p.ports = read_ready(p.ready_file)
+                if p.ports is not None:
+                    p.ready_after = time.monotonic() - p.started
+                    self.progress(f"  {p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s "
+                                  f"(pid {p.popen.pid})")
+                    waiting.remove(p)
+                elif p.popen.poll() is not None:
+                    raise LaunchError(f"{p.name} exited with code {p.popen.returncode} while starting; "
+                                      f"last log lines ({p.log_path}):\n{p.tail()}")
+            if waiting and time.monotonic() > end:
+                raise LaunchError(f"{', '.join(p.name for p in waiting)} not ready after {timeout:.0f}s")
+            if waiting and time.monotonic() - last_note > 10:
+                self.progress(f"  waiting for {', '.join(p.name for p in waiting)} "
+                              f"({time.monotonic() - waiting[0].started:.0f}s: loading models)")
+                last_note = time.monotonic()
+            time.sleep(0.05)
+
+    # ------------------------------------------------------- where to reach it
+    @property
+    def api_url(self) -> str | None:
+        """The OpenAI-compatible API's base URL (`http://HOST:PORT/v1`, https with a client_tls_dir); None
+        when it is not served."""
+        ports = self.orchestrator.ports if self.orchestrator else None
+        if not ports or ports.api is None:
+            return None
+        url = http_url(self.host, ports.api, API_PATH)
+        return certificates.https(url) if self.client_tls_dir else url
+
+    @property
+    def status_urls(self) -> dict[str, str]:
+        """Process name -> the base URL of its HTTP status port (append launch.METRICS_PATH, READY_PATH, ...)."""
+        return {p.name: http_url(self.host, p.ports.http) for p in self.all_procs()
+                if p.ports is not None and p.ports.http is not None}
+
+    def scrape_targets(self) -> list[dict]:
+        """Every status port, as Prometheus file-based service discovery lists targets."""
+        return [{"targets": [f"{self.host}:{p.ports.http}"],
+                 "labels": {"job": SCRAPE_JOB, "pipeline": self.pipeline.name, "process": p.name}}
+                for p in self.all_procs() if p.ports is not None and p.ports.http is not None]
+
+    # ------------------------------------------------------------- run
+    def all_procs(self) -> list[Proc]:
+        return self.stages + ([self.orchestrator] if self.orchestrator else [])
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.all_procs() if p.popen is not None and p.popen.poll() is not None]
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM every process group, wait up to `grace`, then SIGKILL what is left."""
+        procs = [p for p in [*self.all_procs(), *self.starting, *self.draining] if p.popen is not None]
+        for p in procs:
+            _signal_group(p.popen, signal.SIGTERM)
+        end = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.popen.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:  # the group too: engine helper processes must not outlive their stage
+            _signal_group(p.popen, signal.SIGKILL)
+            try:
+                p.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.tls_root is not None:  # the keys go with the processes that used them
+            shutil.rmtree(self.tls_root, ignore_errors=True)
+            self.tls_root = None
+
+    def __enter__(self) -> "LocalPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

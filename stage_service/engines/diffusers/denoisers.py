@@ -1,0 +1,93 @@
+"""How the denoise loop calls each diffusers denoiser class: one `DenoiserCall` per class, keyed by the
+`_class_name` of the component's `config.json`.
+
+The loop itself (`DenoiseEngine`) is the same for every class: per image its own scheduler object and
+step, classifier-free guidance over [unconditional, conditional] rows, one model call per step for
+every image in the batch. What differs between classes is only how that call is spelled, which is
+what an entry says:
+
+- `latents_kwarg`: the forward argument that takes the (packed) latents;
+- `text`: which tensors of the text stage's chunk go to which forward argument, and the config key
+  giving each one's width (checked before a request joins a batch);
+- `timestep_scale`: FLUX-style models take t / 1000 where the scheduler's timesteps run to 1000;
+- `patch`: latent pixels per image token along a side (for the size check and the image's token
+  count); `max_latent_side`: the largest latent side the model's position embedding covers;
+- `schedule`: extra `set_timesteps` arguments for an image (by default the resolution-dependent
+  shift `mu` of a flow-matching scheduler whose config asks for `use_dynamic_shifting`);
+- `pack` / `unpack`: the model's latent layout when it is not [batch, channels, h, w] (FLUX and
+  Qwen-Image take 2x2 patches as a token sequence);
+- `extra`: further forward arguments built from the packed latents, the text tensors and each row's
+  guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`).
+
+So a FluxTransformer2DModel or QwenImageTransformer2DModel plugs in as one more entry (plus, for its
+text conditioning, a `PromptEncoder` in diffusion_text.py), not as another engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from omnistage.api import Adapter, engines
+
+Config = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TextInput:
+    kwarg: str         # the model's forward argument
+    tensor: str        # the tensor of the text stage's chunk
+    width: str         # the config key of its last dimension
+    per_token: bool    # [rows, tokens, width]; else [rows, width]
+
+
+def resolution_shift(image_tokens: int, scheduler_cfg: Config) -> float:
+    """`mu` of a flow-matching scheduler with `use_dynamic_shifting`: the time shift grows linearly with
+    the image's token count, from `base_shift` at `base_image_seq_len` to `max_shift` at `max_image_seq_len`."""
+    lo_n, hi_n = scheduler_cfg.get("base_image_seq_len", 256), scheduler_cfg.get("max_image_seq_len", 4096)
+    lo, hi = scheduler_cfg.get("base_shift", 0.5), scheduler_cfg.get("max_shift", 1.15)
+    return lo + (hi - lo) * (image_tokens - lo_n) / (hi_n - lo_n)
+
+
+def default_schedule(steps: int, image_tokens: int, scheduler_cfg: Config) -> dict[str, Any]:
+    if scheduler_cfg.get("use_dynamic_shifting"):
+        return {"mu": resolution_shift(image_tokens, scheduler_cfg)}
+    return {}
+
+
+def _same(x: torch.Tensor, *_: Any) -> torch.Tensor:
+    return x
+
+
+def _nothing(*_: Any) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class DenoiserCall:
+    adapter: Adapter
+    latents_kwarg: str
+    text: tuple[TextInput, ...]
+    timestep_scale: float = 1.0
+    patch: Callable[[Config], int] = lambda cfg: 1
+    max_latent_side: Callable[[Config], int | None] = lambda cfg: None
+    schedule: Callable[[int, int, Config], dict[str, Any]] = default_schedule
+    pack: Callable[[torch.Tensor, Config], torch.Tensor] = _same
+    unpack: Callable[[torch.Tensor, torch.Size, Config], torch.Tensor] = _same
+    # (packed latents, text forward arguments, guidance scale per row, model config) -> forward arguments
+    extra: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Config], dict[str, Any]] = _nothing
+
+
+DENOISERS: dict[str, DenoiserCall] = {
+    "UNet2DConditionModel": DenoiserCall(
+        adapter=engines.DENOISER, latents_kwarg="sample",
+        text=(TextInput("encoder_hidden_states", "embeddings", "cross_attention_dim", per_token=True),)),
+    "SD3Transformer2DModel": DenoiserCall(
+        adapter=engines.DIT_DENOISER, latents_kwarg="hidden_states",
+        text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
+              TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
+        patch=lambda cfg: cfg["patch_size"],
+        max_latent_side=lambda cfg: cfg["pos_embed_max_size"] * cfg["patch_size"]),
+}

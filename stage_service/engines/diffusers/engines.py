@@ -1,0 +1,453 @@
+"""Diffusion stages on diffusers components: text encoding, the denoise loop, VAE decoding.
+
+Each stage loads one component folder of a diffusers pipeline directory as published
+(`model: sd-tiny`, `component: text_encoder | unet | vae`; an SD3-style DiT pipeline:
+`text_encoder | transformer | vae`). What differs between pipeline families is configuration, not
+engines: the text stage's prompt encoding by pipeline class (diffusion_text.py), the denoiser's call by
+model class (diffusion_denoisers.py), the scheduler class by `scheduler_config.json`, the VAE's latent
+shift and scale by its config. All three run on the shared step scheduler: the denoise loop batches one
+model call per step over every image with the same latent and text shapes, whatever step each is at
+(requests join and leave between steps); the text encoder and the VAE batch what is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+import torch
+
+from omnistage.contract.devices import DevicePlan
+from omnistage.contract.params import InvalidRequest
+from omnistage.api import engines
+
+from stage_service.runtime.engine_process import CoreStates, RemoteState, remote_step
+from stage_service.runtime.errors import RequestFailed
+from stage_service.runtime.scheduler import StepState
+from stage_service.runtime import device
+from stage_service.runtime.base import (EngineConfigError, InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine,
+                   tensor)
+from stage_service.engines.diffusers.denoisers import DENOISERS
+from stage_service.engines.diffusers.layout import PipelineDir
+from stage_service.engines.diffusers.text import prompt_encoder
+from stage_service.runtime.invariance import make_batch_invariant
+from stage_service.runtime.per_request import alone
+
+
+# --------------------------------------------------------------- text encoder
+
+@dataclass(eq=False)
+class PromptState(StepState):
+    prompts: list[str]  # [prompt], or [negative, prompt] under classifier-free guidance
+    finished: bool = False
+
+
+class TextEncoderEngine(SteppedEngine):
+    """prompt (+ negative prompt under classifier-free guidance) -> `embeddings` [1 or 2, tokens, dim], and
+    what else the pipeline's denoiser takes (SD3: `pooled_embeddings` [1 or 2, dim])."""
+
+    ADAPTER = engines.TEXT_ENCODER
+
+    unit = "prompts"
+
+    def load(self) -> None:
+        self.encoder = prompt_encoder(PipelineDir(self.model_dir), self.dtype, self.batch_invariant,
+                                      self.device)
+
+    def step(self, states: list[PromptState]) -> list[dict[str, torch.Tensor]]:
+        prompts = [q for st in states for q in st.prompts]  # every prompt is padded to the model length
+        with torch.inference_mode():
+            encoded = self.encoder.encode(prompts)
+        out, i = [], 0
+        for st in states:
+            out.append({name: t[i:i + len(st.prompts)].clone() for name, t in encoded.items()})
+            i += len(st.prompts)
+            st.finished = True
+        return out
+
+    async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        p = req.params
+        prompts = [p.text] if p.guidance_scale <= 1.0 else [p.negative_prompt, p.text]
+        async with self.scheduler.submit(req.request_id, PromptState(prompts)) as stream:
+            encoded = await stream.next()
+        yield OutputChunk(tensors=encoded, last=True, queue_ms=stream.queue_ms, compute_ms=stream.compute_ms)
+
+
+# ------------------------------------------------------------- denoise loop
+
+@dataclass(eq=False)
+class DenoiseState(StepState):
+    scheduler: Any                 # the diffusers scheduler object: it holds per-image state
+    latents: torch.Tensor          # [1, C, h, w]
+    text: dict[str, torch.Tensor]  # forward argument -> [1 or 2 rows, ...]: [unconditional, conditional]
+    guidance: float
+    generator: torch.Generator
+    timesteps: list[torch.Tensor] = field(default_factory=list)
+    done_steps: int = 0
+    finished: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.text.values())))
+
+    @property
+    def key(self):  # images share a model call when their latents and text shapes agree
+        return tuple(self.latents.shape[1:]), tuple((k, tuple(t.shape[1:])) for k, t in self.text.items())
+
+    def held_bytes(self) -> int:
+        return self.latents.nbytes + sum(t.nbytes for t in self.text.values())
+
+    def release(self) -> None:
+        self.latents = torch.empty(0)  # a [:0] view would keep the storage alive
+        self.text = {}
+        self.scheduler = None
+
+
+class DenoiseEngine(SteppedEngine):
+    """The denoise-step loop (a UNet or a DiT, called as its `DENOISERS` entry says, with the pipeline's own
+    scheduler): the text stage's `embeddings` (and pooled embeddings where the model takes them) -> `latents`.
+
+    A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once.
+    """
+
+    ADAPTERS = tuple(dict.fromkeys(call.adapter for call in DENOISERS.values()))  # unet, transformer
+
+    unit = "steps"
+
+    def load(self) -> None:
+        pipe = PipelineDir(self.model_dir)
+        cfg = pipe.config(pipe.component)
+        self.arch = cfg.get("_class_name", "")
+        if self.arch not in DENOISERS:
+            raise EngineConfigError(f"{self.model_dir / 'config.json'}: no denoise loop for a {self.arch or 'model'} "
+                                    f"(known: {', '.join(DENOISERS)})")
+        self.call = DENOISERS[self.arch]
+        self.model = pipe.load(pipe.component, device=self.device, dtype=self.dtype)
+        if self.batch_invariant:
+            make_batch_invariant(self.model)
+        self.config = dict(self.model.config)
+        self.scheduler_cls = pipe.scheduler_class()
+        self.scheduler_cfg = pipe.config("scheduler")
+        self.step_takes_generator = "generator" in inspect.signature(self.scheduler_cls.step).parameters
+        self.timesteps_take_device = "device" in inspect.signature(self.scheduler_cls.set_timesteps).parameters
+        vae_cfg = pipe.config("vae")
+        if "block_out_channels" not in vae_cfg:
+            raise EngineConfigError(f"{pipe.root / 'vae' / 'config.json'}: no block_out_channels "
+                                    "(the VAE's downsampling, which sets the latent size)")
+        self.vae_scale = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
+        self.latent_channels = self.config["in_channels"]
+
+    def new_state(self, req: StageRequest, text: dict[str, torch.Tensor]) -> DenoiseState:
+        """The image's scheduler, timesteps and latents on the engine's device. Its noise comes from a CPU
+        generator whatever the device (as diffusers advises for reproducible images): a seed starts from the
+        same latents on a GPU as on the CPU, and the scheduler's own draws take it as diffusers'
+        `randn_tensor` does, on the CPU then moved."""
+        p = req.params
+        shape = (1, self.latent_channels, p.height // self.vae_scale, p.width // self.vae_scale)
+        sched = self.scheduler_cls.from_config(self.scheduler_cfg)  # schedulers hold per-request state
+        patch = self.call.patch(self.config)
+        image_tokens = (shape[2] // patch) * (shape[3] // patch)
+        on = {"device": self.device} if self.timesteps_take_device else {}
+        sched.set_timesteps(p.num_inference_steps, **on,
+                            **self.call.schedule(p.num_inference_steps, image_tokens, self.scheduler_cfg))
+        g = torch.Generator().manual_seed(p.seed)
+        latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.device, self.dtype)
+        if hasattr(sched, "init_noise_sigma"):  # flow-matching schedulers start from plain noise
+            latents = latents * sched.init_noise_sigma
+        return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
+                            timesteps=list(sched.timesteps))
+
+    def step(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+        """One denoise step of every image in the batch, each at its own timestep, in one model call."""
+        call = self.call
+        with torch.inference_mode():
+            model_in, ts, text = [], [], {k: [] for k in states[0].text}
+            for st in states:
+                t = st.timesteps[st.done_steps]
+                x = torch.cat([st.latents] * st.rows)  # two rows under classifier-free guidance
+                if hasattr(st.scheduler, "scale_model_input"):
+                    x = st.scheduler.scale_model_input(x, t)
+                model_in.append(x)
+                ts.append(t.expand(len(x)))
+                for k, v in st.text.items():
+                    text[k].append(v)
+            x = torch.cat(model_in)
+            timestep = torch.cat(ts)
+            if call.timestep_scale != 1.0:
+                timestep = timestep * call.timestep_scale
+            text = {k: torch.cat(v) for k, v in text.items()}
+            guidance = torch.tensor([st.guidance for st in states for _ in range(st.rows)], device=self.device)
+            packed = call.pack(x, self.config)
+            pred_all = self.model(**{call.latents_kwarg: packed}, timestep=timestep, **text,
+                                  **call.extra(packed, text, guidance, self.config), return_dict=False)[0]
+            pred_all = call.unpack(pred_all, x.shape, self.config)
+            out, i = [], 0
+            for st in states:
+                out.append(alone(st, self._denoised, st, pred_all[i:i + st.rows]))
+                i += st.rows
+        return out
+
+    def _denoised(self, st: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+        """The image's own part of a step: its guidance and its scheduler's step from the model's prediction."""
+        if st.rows == 2:
+            uncond, cond = pred.chunk(2)
+            pred = uncond + st.guidance * (cond - uncond)
+        t = st.timesteps[st.done_steps]
+        kw = {"generator": st.generator} if self.step_takes_generator else {}
+        st.latents = st.scheduler.step(pred, t, st.latents, **kw).prev_sample
+        st.done_steps += 1
+        st.finished = st.done_steps == len(st.timesteps)
+        return st.latents
+
+    def text_inputs(self, chunk) -> dict[str, torch.Tensor]:
+        """The text stage's tensors as the model's forward arguments, each checked against its config width."""
+        text: dict[str, torch.Tensor] = {}
+        rows = 0  # of the first (per-token) tensor; the others must agree
+        for ti in self.call.text:
+            t = self.on_device(tensor(chunk, ti.tensor)).to(self.dtype)
+            width = self.config[ti.width]
+            if ti.per_token:
+                ok, want = t.dim() == 3 and t.shape[0] in (1, 2) and t.shape[2] == width, f"[1 or 2, tokens, {width}]"
+                rows = rows or (t.shape[0] if ok else 0)
+            else:
+                ok, want = t.dim() == 2 and t.shape[0] == rows and t.shape[1] == width, f"[{rows}, {width}]"
+            if not ok:
+                raise InputError(f"{ti.tensor} must be {want}, got {list(t.shape)}")
+            text[ti.kwarg] = t
+        return text
+
+    def check_size(self, req: StageRequest) -> None:
+        """Image sides this model can take: whole patches of latents, within its position embedding."""
+        side = self.vae_scale * self.call.patch(self.config)
+        most = self.call.max_latent_side(self.config)
+        for name, value in (("width", req.params.width), ("height", req.params.height)):
+            if value % side:
+                raise InvalidRequest(f"params.image.{name}", f"must be a multiple of {side} for this {self.arch}, "
+                                                              f"got {value}")
+            if most is not None and value // self.vae_scale > most:
+                raise InvalidRequest(f"params.image.{name}", f"must be at most {most * self.vae_scale} for this "
+                                                              f"{self.arch}, got {value}")
+
+    async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        self.check_size(req)
+        chunks = await inputs.collect()
+        if not chunks:
+            raise InputError("no embeddings arrived from the text encoder")
+        text = self.text_inputs(chunks[-1])
+        transfer_ms = sum(c.transfer_ms for c in chunks)
+        del chunks
+        every = self.stage.chunk_size
+        st = self.new_state(req, text)
+        first, done_steps, compute_before = True, 0, 0.0
+        async with self.scheduler.submit(req.request_id, st) as stream:
+            async for latents in stream:
+                done_steps += 1
+                done = done_steps == req.params.num_inference_steps
+                if done or (every and done_steps % every == 0):
+                    yield OutputChunk(tensors={"latents": latents}, last=done,
+                                      queue_ms=stream.queue_ms if first else 0.0,
+                                      compute_ms=stream.compute_ms - compute_before,
+                                      transfer_ms=transfer_ms if first else 0.0)
+                    first, compute_before = False, stream.compute_ms
+
+
+# ---------------------------------------------------------------- VAE decode
+
+@dataclass(eq=False)
+class LatentsState(StepState):
+    latents: torch.Tensor  # [1, C, h, w]
+    finished: bool = False
+
+    @property
+    def key(self):
+        return tuple(self.latents.shape)
+
+    def held_bytes(self) -> int:
+        return self.latents.nbytes
+
+    def release(self) -> None:
+        self.latents = torch.empty(0)
+
+
+class VaeDecoder:
+    """The VAE's decode as both placements run it (in the stage process, or in an engine process): latents
+    of one shape in, each image's 8-bit RGB pixels out. The denoiser's latents are scaled and shifted as the
+    VAE's config says (`scaling_factor`, and `shift_factor` where it has one, as SD3's does)."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, batch_invariant: bool):
+        from diffusers import AutoencoderKL
+
+        self.vae = AutoencoderKL.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        if batch_invariant:
+            make_batch_invariant(self.vae)
+        self.device, self.dtype = device, dtype
+        self.scaling = self.vae.config.scaling_factor
+        self.shift = getattr(self.vae.config, "shift_factor", None)
+
+    def decode(self, latents: list[torch.Tensor]) -> list[np.ndarray]:
+        """Each image's pixels [h, w, 3] (uint8), converted for the whole batch at once."""
+        with torch.inference_mode():
+            x = torch.cat(latents).to(self.device, self.dtype) / self.scaling
+            if self.shift is not None:
+                x = x + self.shift
+            images = self.vae.decode(x).sample
+            pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+            return list(pixels.permute(0, 2, 3, 1).contiguous().cpu().numpy())
+
+
+class VaeCore(CoreStates):
+    """In the engine process (`engineArgs.engine_process: true`, `engine_process.py`): the VAE and the latents
+    of every image not yet decoded, by id. Latents arrive and pixels leave as numpy arrays (plain bytes on
+    the pipe: a tensor would travel through shared memory and a file descriptor)."""
+
+    def __init__(self, model_dir: str, placement: DevicePlan, batch_invariant: bool):
+        super().__init__()
+        device.apply(placement)
+        self.decoder = VaeDecoder(Path(model_dir), device.DTYPES[placement.dtype], torch.device(placement.device),
+                                  batch_invariant)
+
+    def info(self) -> dict:
+        return {}
+
+    def add(self, sid: int, latents: np.ndarray) -> None:
+        self.states[sid] = LatentsState(torch.from_numpy(latents).to(self.decoder.device, self.decoder.dtype))
+
+    def step(self, sids: list[int], feeds=None) -> list[tuple[np.ndarray, str, int]]:
+        """Each image's pixels, its finish reason (decoded: one step) and the bytes still held for it."""
+        states = [self.states[s] for s in sids]
+        pixels = self.decoder.decode([st.latents for st in states])
+        return [(px, "decoded", st.held_bytes()) for st, px in zip(states, pixels)]
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteLatentsState(RemoteState):
+    """An image decoded by the engine process, as the stage process sees it."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def key(self):
+        return self.shape
+
+    def took(self, pixels: np.ndarray) -> np.ndarray:
+        return pixels
+
+
+class VaeDecodeEngine(SteppedEngine):
+    """`latents` -> one PNG (tensor `image`: the encoded bytes, uint8); latents of one shape share a decode
+    (`VaeDecoder`), in the stage process or, with `engineArgs.engine_process: true`, in a process of its own.
+
+    The PNGs are encoded beside the step thread: a step hands its batch's pixels to the encoder thread in
+    one job and returns at once (each state's result is a future of the event loop, settled for the whole
+    batch in one call), so the next decode starts while this batch is encoded.
+    """
+
+    ADAPTER = engines.VAE_DECODER
+    ENGINE_PROCESS = True
+
+    unit = "images"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"png-{self.stage.name}")
+        self.loop: asyncio.AbstractEventLoop | None = None  # where the PNGs are awaited
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().start()
+
+    def load(self) -> None:
+        from diffusers import AutoencoderKL
+
+        self.latent_channels = AutoencoderKL.load_config(self.model_dir)["latent_channels"]
+        if self.options.engine_process:
+            self.start_core(VaeCore, (str(self.model_dir), self.placement, self.batch_invariant))
+            return
+        self.decoder = VaeDecoder(self.model_dir, self.dtype, self.device, self.batch_invariant)
+
+    @property
+    def vae(self):
+        """The model, where it is in the stage process."""
+        return self.decoder.vae
+
+    def step(self, states: list[LatentsState | RemoteLatentsState]) -> list[asyncio.Future | RequestFailed]:
+        """The batch's decode; each state's result is the future of its PNG."""
+        if self.core is not None:
+            pixels = remote_step(self.core, states)
+        else:
+            pixels = self.decoder.decode([st.latents for st in states])
+            for st in states:
+                st.finished = True
+        out, batch = [], []
+        for st, px in zip(states, pixels):
+            if isinstance(px, RequestFailed):
+                out.append(px)
+                continue
+            png = asyncio.Future(loop=self.loop)  # only made here: the loop settles it
+            batch.append((st, px, png))
+            out.append(png)
+        if batch:
+            self.encoder.submit(self._encode, batch)
+        return out
+
+    def _encode(self, batch: list[tuple[StepState, np.ndarray, asyncio.Future]]) -> None:
+        """On the encoder thread: the batch's PNGs (each image's own part, failing alone), handed to the loop
+        in one call."""
+        done = [(png, alone(st, self._png, px)) for st, px, png in batch]
+        with contextlib.suppress(RuntimeError):  # the loop is closed: no request waits any more
+            self.loop.call_soon_threadsafe(_settle, done)
+
+    @staticmethod
+    def _png(pixels: np.ndarray) -> torch.Tensor:
+        """The image's own part: its PNG bytes."""
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+    async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        chunks = await inputs.collect()
+        if not chunks:
+            raise InputError("no latents arrived from the denoise stage")
+        latents = self.on_device(tensor(chunks[-1], "latents"))  # the final latents; earlier ones are previews
+        if latents.dim() != 4 or latents.shape[:2] != (1, self.latent_channels):
+            raise InputError(f"latents must be [1, {self.latent_channels}, h, w], got {list(latents.shape)}")
+        transfer_ms = sum(c.transfer_ms for c in chunks)
+        del chunks
+        if self.core is not None:  # float32 on the pipe (numpy has no bfloat16); the core casts back
+            state = RemoteLatentsState(seq=self.core.sequence(latents.float().numpy()), core=self.core,
+                                       shape=tuple(latents.shape))
+        else:
+            state = LatentsState(latents)
+        del latents
+        async with self.scheduler.submit(req.request_id, state) as stream:
+            encoded = await stream.next()
+        t0 = time.perf_counter()
+        png = await encoded
+        if isinstance(png, RequestFailed):
+            raise png
+        yield OutputChunk(tensors={"image": png}, last=True, queue_ms=stream.queue_ms,
+                          compute_ms=stream.compute_ms, transfer_ms=transfer_ms,
+                          encode_ms=(time.perf_counter() - t0) * 1e3)
+
+    async def shutdown(self) -> None:
+        try:
+            await super().shutdown()
+        finally:  # PNGs already handed over are finished and delivered
+            await asyncio.to_thread(self.encoder.shutdown)
+
+
+def _settle(done: list[tuple[asyncio.Future, torch.Tensor | RequestFailed]]) -> None:
+    """On the loop: a batch's PNGs to the requests still waiting for them."""
+    for png, result in done:
+        if not png.done():  # else its request was cancelled meanwhile
+            png.set_result(result)

@@ -1,0 +1,114 @@
+"""Prompt conditioning per diffusers pipeline family: what the text-encoder stage runs and emits.
+
+The text stage serves `component: text_encoder`; which encoders it runs, and how their outputs
+become the denoiser's conditioning, depends on the pipeline class in `model_index.json`:
+
+- `StableDiffusionPipeline`: one CLIP encoder; `embeddings` is its last hidden state.
+- `StableDiffusion3Pipeline`: CLIP-L (`text_encoder`) and CLIP-G (`text_encoder_2`), and T5
+  (`text_encoder_3`) when the pipeline has one, combined as `StableDiffusion3Pipeline.encode_prompt`
+  does: `embeddings` is both CLIPs' penultimate hidden states side by side, zero-padded to T5's width,
+  followed by T5's tokens (zeros when there is no T5); `pooled_embeddings` is both CLIPs' projected
+  pooled outputs side by side.
+
+Every prompt of a batch is padded to the encoders' fixed lengths, so a prompt encodes the same alone
+or in a batch. Another family plugs in as one more `PromptEncoder` in `PROMPT_ENCODERS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from stage_service.runtime.errors import EngineConfigError
+from stage_service.engines.diffusers.layout import PipelineDir
+from stage_service.runtime.invariance import make_batch_invariant
+
+# StableDiffusion3Pipeline's default `max_sequence_length`: the T5 tokens (or zero rows) after the CLIP tokens.
+SD3_T5_TOKENS = 256
+
+
+class PromptEncoder(ABC):
+    """Loads a pipeline's text encoders on `device`; `encode(prompts)` gives each output tensor, one row
+    per prompt, on that device."""
+
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        self.pipe, self.dtype, self.batch_invariant, self.device = pipe, dtype, batch_invariant, torch.device(device)
+
+    def _encoder(self, component: str) -> torch.nn.Module:
+        model = self.pipe.load(component, device=self.device, dtype=self.dtype)
+        return make_batch_invariant(model) if self.batch_invariant else model
+
+    def _ids(self, tokenizer, prompts: list[str], length: int) -> torch.Tensor:
+        return tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
+                         return_tensors="pt").input_ids.to(self.device)
+
+    @abstractmethod
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Blocking; runs under inference mode on the stage's worker thread."""
+
+
+class ClipPromptEncoder(PromptEncoder):
+    """StableDiffusionPipeline: `embeddings` [n, 77, width] from one CLIP text encoder."""
+
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__(pipe, dtype, batch_invariant, device)
+        self.tokenizer = pipe.load("tokenizer")
+        self.encoder = self._encoder("text_encoder")
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        ids = self._ids(self.tokenizer, prompts, self.tokenizer.model_max_length)
+        return {"embeddings": self.encoder(ids)[0]}
+
+
+class Sd3PromptEncoder(PromptEncoder):
+    """StableDiffusion3Pipeline: `embeddings` [n, 77 + 256, joint width] and `pooled_embeddings` [n, pooled width]."""
+
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__(pipe, dtype, batch_invariant, device)
+        self.clips = [(pipe.load("tokenizer"), self._encoder("text_encoder")),
+                      (pipe.load("tokenizer_2"), self._encoder("text_encoder_2"))]
+        self.clip_tokens = self.clips[0][0].model_max_length  # both CLIPs take the first tokenizer's length
+        self.t5 = None
+        if pipe.has("text_encoder_3"):
+            self.t5 = (pipe.load("tokenizer_3"), self._encoder("text_encoder_3"))
+        else:  # no T5: its tokens are zeros as wide as the transformer's joint attention
+            width = pipe.config("transformer").get("joint_attention_dim")
+            if not isinstance(width, int):
+                raise EngineConfigError(f"{pipe.root / 'transformer' / 'config.json'}: no joint_attention_dim "
+                                        "(the width of the text tokens when the pipeline has no text_encoder_3)")
+            self.t5_width = width
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        hidden, pooled = [], []
+        for tokenizer, encoder in self.clips:
+            out = encoder(self._ids(tokenizer, prompts, self.clip_tokens), output_hidden_states=True)
+            pooled.append(out[0])               # the projected pooled output
+            hidden.append(out.hidden_states[-2])  # SD3 conditions on the penultimate layer
+        clip = torch.cat(hidden, dim=-1)
+        if self.t5 is None:
+            t5 = torch.zeros(len(prompts), SD3_T5_TOKENS, self.t5_width, dtype=clip.dtype, device=clip.device)
+        else:
+            tokenizer, encoder = self.t5
+            t5 = encoder(self._ids(tokenizer, prompts, SD3_T5_TOKENS))[0].to(clip.dtype)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return {"embeddings": torch.cat([clip, t5], dim=-2), "pooled_embeddings": torch.cat(pooled, dim=-1)}
+
+
+PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
+    "StableDiffusionPipeline": ClipPromptEncoder,
+    "StableDiffusion3Pipeline": Sd3PromptEncoder,
+}
+
+
+def prompt_encoder(pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                   device: torch.device | str = "cpu") -> PromptEncoder:
+    cls = PROMPT_ENCODERS.get(pipe.pipeline_class)
+    if cls is None:
+        raise EngineConfigError(f"{pipe.index_file}: the text-encoder stage has no prompt encoding for a "
+                                f"{pipe.pipeline_class} (known: {', '.join(PROMPT_ENCODERS)})")
+    return cls(pipe, dtype, batch_invariant, device)

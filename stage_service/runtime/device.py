@@ -1,0 +1,32 @@
+"""The torch side of a stage's device plan (`omnistage.contract.devices`): what the engine sees and applies."""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.contract.devices import DeviceUnavailable, DevicePlan, plan_device
+from omnistage.api import StageDeployment
+
+from stage_service.runtime.errors import EngineConfigError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cuda_devices() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve(stage: str, sd: StageDeployment) -> DevicePlan:
+    """The stage's plan on this host; a stage asking for GPUs it cannot have is an EngineConfigError."""
+    try:
+        return plan_device(stage, sd, cuda_devices())
+    except DeviceUnavailable as e:
+        raise EngineConfigError(str(e)) from None
+
+
+def apply(plan: DevicePlan) -> None:
+    """Bound the process's CUDA memory to the plan's fraction of each GPU it uses (torch engines)."""
+    if plan.on_cuda and plan.memory_fraction:
+        for i in range(plan.gpus):
+            torch.cuda.set_per_process_memory_fraction(plan.memory_fraction, i)

@@ -1,0 +1,270 @@
+"""A stepped engine's model in a process of its own (`engineArgs.engine_process: true`).
+
+In the stage process the gRPC service, the asyncio loop and the model's Python code share one
+interpreter lock: on a small model, whose forward is mostly Python, the service's work per step
+(results, detokenizing, chunks, gRPC writes) is time the model does not run. With this option the
+model and its sequences (KV caches, generators) live in a child process, the "engine core"; the stage
+process keeps what the service needs (tokenizer, requests' progress) and drives the core over a pipe,
+one synchronous round trip per step from the scheduler's worker thread. While the core computes a
+step, the stage process serves; the round trip itself costs a few pickled tuples.
+
+The stage process's interpreter switches threads every `SWITCH_INTERVAL_S` instead of Python's 5 ms:
+its step thread, woken by the core's answer, would otherwise wait up to 5 ms for the event loop to
+yield the lock while the core sits idle (measured on the tiny LM at 16 concurrent requests: 0.5 ms
+gives about 10% more tokens/s; with the model in-process the shorter interval costs as much).
+
+The core object (`factory`, "module:Class", built in the child from picklable arguments) implements
+`info() -> dict`, `add(sid, spec)`, `release(sid)`, `step(sids, feeds) -> list` (feeds: what streamed in
+for each sequence since its last step, or None) and `stats() -> (states, bytes)`. Sequences are named by integer ids the stage process allocates; a new sequence's spec travels
+with the first step that uses it; releases travel before the next message. The child exits when the
+pipe closes (the stage process ended or was killed), so no core outlives its stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import signal
+import sys
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from stage_service.runtime.errors import EngineConfigError, EngineDead, EngineError, RequestFailed
+from stage_service.runtime.scheduler import StepState
+
+log = logging.getLogger("omnistage.stage")
+SWITCH_INTERVAL_S = 0.0005
+
+
+def serve(conn, factory: Callable[..., Any], args: tuple) -> None:
+    """The child's loop: build the core, then answer one message at a time until the pipe closes. Ctrl-C
+    reaches the whole process group: the stage process drains on it, so the child ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        core = factory(*args)
+        conn.send(("ok", core.info()))
+    except Exception as e:  # noqa: BLE001 - the stage process reports it and refuses to start
+        conn.send(("load-failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    while True:
+        try:
+            op, *rest = conn.recv()
+        except (EOFError, OSError):
+            return  # the stage process is gone
+        if op == "close":
+            return
+        released, *body = rest
+        for sid in released:
+            try:
+                core.release(sid)
+            except Exception:  # noqa: BLE001 - one sequence's release must not keep the others
+                log.exception("engine process: releasing sequence %d failed", sid)
+        if op == "release":
+            continue  # never answered: the stage process does not wait for it
+        try:
+            if op == "step":
+                new, sids, feeds = body
+                for sid, spec in new:
+                    core.add(sid, spec)
+                conn.send(("ok", core.step(sids, feeds)))
+            elif op == "stats":
+                conn.send(("ok", core.stats()))
+            else:
+                conn.send(("failed", f"unknown operation {op!r}", ""))
+        except Exception as e:  # noqa: BLE001 - the step's failure, reported to the scheduler
+            conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+class CoreStates:
+    """What every core keeps: its live states by id, freed on release, counted for the leak check."""
+
+    def __init__(self):
+        self.states: dict[int, Any] = {}
+
+    def release(self, sid: int) -> None:
+        st = self.states.pop(sid, None)
+        if st is not None:
+            st.release()
+
+    def stats(self) -> tuple[int, int]:
+        return len(self.states), sum(st.held_bytes() for st in self.states.values())
+
+
+class RemoteSequence:
+    """The stage process's handle on one sequence of the core: its id and, until sent, its spec."""
+
+    def __init__(self, sid: int, spec: Any):
+        self.sid = sid
+        self.spec = spec  # None once the core has it
+
+
+class EngineProcess:
+    """The stage process's side: starts the core, sends steps, forwards releases. `step`, `start` and
+    `stats` block and run on the scheduler's worker thread (one at a time); `release` may be called from
+    any thread: it queues the id and asks `on_release` to flush it from that worker thread."""
+
+    def __init__(self, stage: str, factory: Callable[..., Any], args: tuple):
+        self.stage = stage
+        self._factory, self._args = factory, args
+        self._ids = itertools.count(1)
+        self._released: deque[int] = deque()
+        self._lock = threading.Lock()  # one message in flight: flush and step may come from two threads
+        self._conn = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        # Called after a release is queued: the owner flushes on its step thread (the queue also travels
+        # with the next message). Never `flush` itself from the loop: it waits for a step in flight.
+        self.on_release: Callable[[], None] = lambda: None
+
+    def start(self) -> dict:
+        """Start the child and wait for its core to load; returns the core's `info()`."""
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads and gRPC
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(child, self._factory, self._args), daemon=True,
+                                 name=f"engine-core-{self.stage}")
+        self._proc.start()
+        child.close()
+        status, *rest = self._recv("loading the model")
+        if status != "ok":
+            message, trace = rest
+            log.error("stage %s: the engine process failed to load\n%s", self.stage, trace.rstrip())
+            raise EngineConfigError(f"the engine process could not load the model: {message}")
+        return rest[0]
+
+    def sequence(self, spec: Any) -> RemoteSequence:
+        return RemoteSequence(next(self._ids), spec)
+
+    def step(self, seqs: list[RemoteSequence], feeds: list | None = None) -> list:
+        """One step of the core over these sequences: its list of results, one per sequence. `feeds`: what
+        arrived for each sequence since its last step (streamed inputs), in the core's form."""
+        new = [(s.sid, s.spec) for s in seqs if s.spec is not None]
+        for s in seqs:
+            s.spec = None
+        return self._call("step", new, [s.sid for s in seqs], feeds)
+
+    def stats(self) -> tuple[int, int]:
+        """(sequences the core holds, their bytes): a leak check."""
+        return self._call("stats")
+
+    def release(self, seq: RemoteSequence) -> None:
+        self._released.append(seq.sid)
+        self.on_release()
+
+    def flush(self) -> None:
+        """Send queued releases now (the core frees their memory before any later step)."""
+        with self._lock:
+            if self._released and self._alive():
+                self._send("release")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the child to exit (it ends once its step in flight does), then end it if it has not."""
+        if self._proc is None:
+            return
+        if self._lock.acquire(timeout=timeout):
+            try:
+                if self._alive():
+                    with contextlib.suppress(OSError):
+                        self._conn.send(("close",))
+            finally:
+                self._lock.release()
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout)
+        self._conn.close()
+
+    def kill(self) -> None:
+        """End the child now (a step that hangs): the step waiting on it gets `EngineDead`."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+
+    # ------------------------------------------------------------------ the pipe
+
+    def _call(self, op: str, *body) -> Any:
+        with self._lock:
+            if not self._alive():
+                raise self._gone()
+            self._send(op, *body)
+            status, *rest = self._recv(f"running a {op}")
+        if status == "ok":
+            return rest[0]
+        message, trace = rest
+        log.error("stage %s: the engine process failed a %s\n%s", self.stage, op, trace.rstrip())
+        raise EngineError(message)
+
+    def _send(self, op: str, *body) -> None:
+        """One message, with the releases queued so far (put back if it could not go)."""
+        released = self._drain()
+        try:
+            self._conn.send((op, released, *body))
+        except BaseException as e:
+            self._released.extendleft(reversed(released))
+            if isinstance(e, OSError):
+                raise self._gone() from None
+            raise
+
+    def _recv(self, doing: str) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise self._gone(doing) from None
+
+    def _drain(self) -> list[int]:
+        out = []
+        while self._released:
+            out.append(self._released.popleft())
+        return out
+
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive() and not self._conn.closed
+
+    def _gone(self, doing: str = "") -> EngineDead:
+        if self._proc is not None:
+            self._proc.join(1.0)
+        code = None if self._proc is None else self._proc.exitcode
+        return EngineDead(f"the engine process exited (exit code {code}){f' while {doing}' if doing else ''}")
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteState(StepState):
+    """A state stepped by the engine process, as the stage process sees it: its sequence, how it finished,
+    the bytes the child holds for it. Subclasses turn a step's value into the engine's result (`took`)."""
+
+    seq: RemoteSequence
+    core: EngineProcess
+    finish_reason: str | None = None
+    finished: bool = False
+    child_bytes: int = 0
+    _released: bool = False
+
+    def took(self, value: Any) -> Any:
+        """This state's result of a step whose value (a token, a frame) the core sent."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        return self.child_bytes
+
+    def release(self) -> None:
+        if not self._released:
+            self._released, self.child_bytes = True, 0
+            self.core.release(self.seq)
+
+
+def remote_step(core: EngineProcess, states: list[RemoteState], feeds: list | None = None) -> list:
+    """One step of these states in the engine process (the core answers (value, finish reason, bytes)
+    per state, or the state's own `RequestFailed`), applied to their stage-side states."""
+    out = []
+    for st, r in zip(states, core.step([st.seq for st in states], feeds)):
+        if isinstance(r, RequestFailed):
+            st.finished = True
+            out.append(r)
+            continue
+        value, st.finish_reason, st.child_bytes = r
+        st.finished = st.finish_reason is not None
+        out.append(st.took(value))
+    return out
