@@ -63,7 +63,7 @@ RUN set -eu; \
       pip uninstall -y torchvision torchaudio torchcodec; \
       python -c "import torch; assert torch.version.cuda is None, torch.version.cuda"; \
     fi; \
-    python -c "import torch, transformers, diffusers, grpc, kopf, omnistage.v1.stage_pb2, stage_service.server, orchestrator_service.server, omnistage_operator.handlers"; \
+    python -c "import torch, transformers, diffusers, grpc, kopf, omnistage.v1.stage_pb2, stage_service.server, orchestrator_service.server, omnistage_operator.handlers; from omnistage.families import families; assert families()"; \
     rm -rf /app/build /root/.cache
 
 # Non-root, as the operator's pods run it (runAsUser 1000; root filesystem read-only, /tmp an emptyDir).

@@ -1,8 +1,9 @@
 # omnistage: two commands do all the set-up on a fresh machine.
 #   make demo   install what is missing, build the tiny models, serve examples/qwen3-omni-tiny.yaml
 #               locally and answer one request (prints the text, writes out/demo.wav)
-#   make test   install what is missing and run every suite: unit, integration, local and the Kubernetes
-#               e2e suite (fetches helm and builds the control plane when they are not cached)
+#   make test   install what is missing, run `make lint`, then every suite: unit, integration, local and the
+#               Kubernetes e2e suite (fetches helm and builds the control plane when they are not cached)
+#   make lint   ruff (lint + import order), mypy on the contracts and subsystems, import-linter's contracts
 #   make test-fast  the quick loop (about 3 min): unit and integration tests not marked slow or vllm
 SHELL := /bin/bash
 VENV := .venv
@@ -12,7 +13,7 @@ PROTO_SRC := $(wildcard protos/omnistage/v1/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup protos crd models demo demo-image demo-llm test test-unit test-fast e2e bench clean
+.PHONY: setup protos crd models demo demo-image demo-llm lint test test-unit test-fast e2e bench clean
 
 setup:
 	@scripts/setup.sh
@@ -43,7 +44,13 @@ demo-image: models
 demo-llm: models
 	$(VENV)/bin/omnistage run examples/llm-tiny.yaml --models $(MODELS) --prompt "Hello" --return-trace
 
-test: models
+# The map, checked: pyproject.toml holds each tool's settings ([tool.ruff], [tool.mypy], [tool.importlinter]).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: lint models
 	@scripts/run_tests.sh
 
 test-fast: models

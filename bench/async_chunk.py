@@ -45,8 +45,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from common import figure, percentile, print_table, write_results  # noqa: E402
-from omni_load import ROOT, playback_gaps, prompts, run_level, serve_local  # noqa: E402
+from common import figure, percentile, print_table, write_results
+from omni_load import ROOT, playback_gaps, prompts, run_level, serve_local
 
 SHORT_FRAMES = 75      # 6 s of audio: three Code2Wav chunks with async chunk on
 LONG_TOKENS = 128      # text tokens per long request
@@ -73,8 +73,8 @@ def talker_chunks(initial: int | None, every: int | None):
 
 
 def shipped_talker(edit) -> dict:
-    from omni_load import OMNI
     import yaml
+    from omni_load import OMNI
 
     doc = yaml.safe_load(OMNI.read_text())
     if edit:

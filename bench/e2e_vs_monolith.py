@@ -35,9 +35,18 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the replica processes too
 
-from common import (add_device_argument, exit_on_sigterm, figure, on_gpu, percentile, print_table,  # noqa: E402
-                    require_device, results_name, write_results)
-from omni_load import prompts, run_level, serve_local  # noqa: E402
+from common import (
+    add_device_argument,
+    exit_on_sigterm,
+    figure,
+    on_gpu,
+    percentile,
+    print_table,
+    require_device,
+    results_name,
+    write_results,
+)
+from omni_load import prompts, run_level, serve_local
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEC_FRAMES = 50  # 4 s of audio per request
@@ -73,8 +82,8 @@ def generate_one(loaded, text: str, max_tokens: int, frames: int, device: str) -
     """One request through the monolith's `generate`: (text tokens out, seconds of audio out)."""
     import torch
 
-    from stage_service.runtime.chat import chat_prompt_ids
     from stage_service.engines.qwen3_omni.steps import SAMPLE_RATE
+    from stage_service.runtime.chat import chat_prompt_ids
 
     model, tokenizer, template = loaded
     ids = torch.tensor([chat_prompt_ids(tokenizer, template, text)], device=device)

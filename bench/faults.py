@@ -33,12 +33,11 @@ from pathlib import Path
 
 import grpc
 import yaml
-
 from common import figure, finish, percentile, print_table
 
-from omnistage.contract import launch  # noqa: E402
-from omnistage.client import build_request  # noqa: E402
-from omnistage.v1 import orchestrator_pb2_grpc  # noqa: E402
+from omnistage.client import build_request
+from omnistage.contract import launch
+from omnistage.v1 import orchestrator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"

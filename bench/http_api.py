@@ -36,10 +36,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import httpx  # noqa: E402
-
-from common import figure, finish, percentile, print_table  # noqa: E402
-from omni_load import prompts, serve_omni  # noqa: E402
+import httpx
+from common import figure, finish, percentile, print_table
+from omni_load import prompts, serve_omni
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 7

@@ -129,8 +129,8 @@ def main() -> None:
     p.add_argument("--only", action="append", choices=PIPELINES, help="only this pipeline (repeat)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
-    from omnistage.checkpoints.check import check_pipeline
     from omnistage.api import load_pipeline
+    from omnistage.checkpoints.check import check_pipeline
     from omnistage.tiny_models.build import build_models
 
     models = Path(args.models).resolve()

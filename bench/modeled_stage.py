@@ -19,12 +19,11 @@ import json
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_health.v1 import health_pb2_grpc
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2  # noqa: E402
+from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 
 class ModeledStage(stage_pb2_grpc.StageServiceServicer):

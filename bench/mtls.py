@@ -31,14 +31,13 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import grpc  # noqa: E402
-import yaml  # noqa: E402
+import grpc
+import yaml
+from common import figure, finish, percentile, print_table
 
-from common import figure, finish, percentile, print_table  # noqa: E402
-
-from omnistage import tls, tls_grpc  # noqa: E402
-from omnistage.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
-from orchestrator_service.routing import CHANNEL_OPTIONS  # noqa: E402
+from omnistage import tls, tls_grpc
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from orchestrator_service.routing import CHANNEL_OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "llm-tiny.yaml"
@@ -50,8 +49,8 @@ SEED = 7
 @contextlib.contextmanager
 def served(models: Path, use_tls: bool):
     """`omnistage serve` of llm-tiny on the transformers engine, with or without mTLS; yields the LocalPipeline."""
-    from omnistage.local.serve import LocalPipeline
     from omnistage.api import parse_pipeline
+    from omnistage.local.serve import LocalPipeline
 
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"

@@ -32,11 +32,10 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
-
-from common import figure, finish, percentile, print_table  # noqa: E402
-from omni_load import serve_local  # noqa: E402
+import numpy as np
+import yaml
+from common import figure, finish, percentile, print_table
+from omni_load import serve_local
 
 ROOT = Path(__file__).resolve().parent.parent
 ENCODERS = ROOT / "examples" / "qwen3-omni-encoders-tiny.yaml"

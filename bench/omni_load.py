@@ -87,8 +87,8 @@ def serve_local(models: Path, edit=None):
 @contextlib.contextmanager
 def serve_omni(models: Path, edit=None, api_port: int | None = None):
     """As `serve_local`, yielding the LocalPipeline itself (its OpenAI API on `api_port` when given)."""
-    from omnistage.local.serve import LocalPipeline
     from omnistage.api import parse_pipeline
+    from omnistage.local.serve import LocalPipeline
 
     doc = yaml.safe_load(OMNI.read_text())
     if edit:

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import yaml
-
 from common import figure, print_table, write_results  # bench/common.py (puts the repository on sys.path)
+
 from e2e.harness import OPERATOR_USER, Cluster, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,8 @@ def children(c: Cluster, name: str) -> int:
 def ready_names(c: Cluster) -> set[str]:
     items = c.custom.list_namespaced_custom_object("omnistage.io", "v1alpha1", NS, "omnipipelines")["items"]
     return {p["metadata"]["name"] for p in items
-            if any(x["type"] == "Ready" and x["status"] == "True" for x in (p.get("status") or {}).get("conditions", []))}
+            if any(x["type"] == "Ready" and x["status"] == "True"
+                   for x in (p.get("status") or {}).get("conditions", []))}
 
 
 def apply_one(c: Cluster) -> tuple[float, float]:

@@ -26,12 +26,11 @@ from pathlib import Path
 import grpc
 import psutil
 import yaml
-
 from common import figure, percentile, print_table, write_results
 
-from omnistage.contract import launch  # noqa: E402
-from omnistage.client import AsyncOmniClient, build_request  # noqa: E402
-from omnistage.v1 import orchestrator_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
+from omnistage.client import AsyncOmniClient, build_request
+from omnistage.contract import launch
+from omnistage.v1 import orchestrator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -36,8 +36,9 @@ Then one run with the real tiny Qwen3-Omni stages under `omnistage serve --autos
 --quick): budget 4 replicas for 3 stages (the planner must pick the bottleneck for the fourth), target
 utilisation `REAL_UTILIZATION` (a load the clients clearly cross, as the modeled step does),
 speech requests from `REAL_CLIENTS` clients for `REAL_LOAD_S` seconds, then `REAL_LIGHT_CLIENTS` of them
-go on with shorter answers (`REAL_LIGHT_FRAMES`) while the planner drains the replica it added, then none: `planner_real.react_s` (load start to
-the first scale-up), `planner_real.failed_requests` (goal 0), `planner_real.changes`,
+go on with shorter answers (`REAL_LIGHT_FRAMES`) while the planner drains the replica it added, then
+none: `planner_real.react_s` (load start to the first scale-up), `planner_real.failed_requests` (goal 0),
+`planner_real.changes`,
 `planner_real.drained`, and which stage it grew (in the results file). The light phase gives
 `planner.failed_requests_on_scale_down` (requests failed from the end of the heavy load until
 `REAL_AFTER_DRAIN_S` after the drained replica exited; goal 0), `planner_real.scale_down_requests`
@@ -68,14 +69,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from common import figure, finish, print_table  # noqa: E402 (bench/common.py puts the repo on sys.path)
+from common import figure, finish, print_table
 
-from omnistage.planner.classes import ClassCounts  # noqa: E402
-from omnistage.planner.controller import Planner  # noqa: E402
-from omnistage.planner.load import ReplicaCounters  # noqa: E402
-from omnistage.planner.sizing import Budget, StageNeed, offered_load, plan  # noqa: E402
-from omnistage.api.model import (Autoscaling, AutoscalingBudget, AutoscalingTargets,  # noqa: E402
-                                  StageAutoscaling)
+from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
+from omnistage.planner.classes import ClassCounts
+from omnistage.planner.controller import Planner
+from omnistage.planner.load import ReplicaCounters
+from omnistage.planner.sizing import Budget, StageNeed, offered_load, plan
 
 REPO = Path(__file__).resolve().parent.parent
 DT = 0.1
@@ -483,8 +483,8 @@ def real_run(tmp: Path) -> tuple[list[dict], dict]:
     path = tmp / "qwen3-omni-auto.yaml"
     path.write_text(yaml.safe_dump(doc))
     log = tmp / "serve.out"
-    serve = subprocess.Popen([sys.executable, "-m", "omnistage.local.cli", "serve", str(path), "--autoscale", "--no-api",
-                              "--no-tls", "--models", str(REPO / "models"), "--log-dir", str(tmp / "logs")],
+    serve = subprocess.Popen([sys.executable, "-m", "omnistage.local.cli", "serve", str(path), "--autoscale",
+                              "--no-api", "--no-tls", "--models", str(REPO / "models"), "--log-dir", str(tmp / "logs")],
                              stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
 
     def wait_for(pattern: str, timeout: float, since: int = 0) -> re.Match | None:

@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -79,8 +79,8 @@ def left_padded(ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Ten
 def ar_transformers(args) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stage_service.runtime.chat import load_chat_template
     from stage_service.engines.transformers.lm_steps import DecoderLm
+    from stage_service.runtime.chat import load_chat_template
     from stage_service.runtime.sampling import SamplingSettings
 
     root = MODELS / "qwen2-tiny"
@@ -133,8 +133,8 @@ def _qwen3_omni(part: str, cls_name: str, **kwargs):
     import transformers
 
     from omnistage.checkpoints.shards import ShardedCheckpoint
-    from stage_service.runtime.components import load_component
     from stage_service.engines.qwen3_omni.steps import _config
+    from stage_service.runtime.components import load_component
 
     root = MODELS / "qwen3-omni-tiny"
     combined = _config(root, part)
@@ -145,9 +145,9 @@ def _qwen3_omni(part: str, cls_name: str, **kwargs):
 def thinker(args) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from stage_service.runtime.chat import load_chat_template
     from stage_service.engines.omni.thinker import OmniThinkerEngine
     from stage_service.engines.qwen3_omni.steps import Thinker
+    from stage_service.runtime.chat import load_chat_template
     from stage_service.runtime.sampling import SamplingSettings
 
     root = MODELS / "qwen3-omni-tiny"
@@ -191,10 +191,10 @@ def step_thinker_all(th, states) -> list[list]:
 def talker(args) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from stage_service.runtime.chat import load_chat_template
     from stage_service.engines.omni.talker import END_OF_TEXT
     from stage_service.engines.omni.thinker import OmniThinkerEngine
     from stage_service.engines.qwen3_omni.steps import Talker, Thinker
+    from stage_service.runtime.chat import load_chat_template
     from stage_service.runtime.sampling import SamplingSettings
 
     root = MODELS / "qwen3-omni-tiny"

@@ -38,19 +38,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import grpc
+import psutil
+import torch
 import yaml
 
 # bench/common.py, which also puts the repo on sys.path
-from common import (add_device_argument, engine_available, exit_on_sigterm, figure, merge_results,  # noqa: E402
-                    require_device, results_name, write_results)
+from common import (
+    add_device_argument,
+    engine_available,
+    exit_on_sigterm,
+    figure,
+    merge_results,
+    require_device,
+    results_name,
+    write_results,
+)
 
-import grpc  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
-
-from omnistage.contract import launch, tensors  # noqa: E402
-from omnistage.client import build_request  # noqa: E402
-from omnistage.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
+from omnistage.client import build_request
+from omnistage.contract import launch, tensors
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 4, 16)

@@ -55,16 +55,15 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # traffic stays on 127.0.0.0/8
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
+import grpc
+import torch
+from common import add_device_argument, exit_on_sigterm, figure, require_device, results_name, write_results
 
-from common import add_device_argument, exit_on_sigterm, figure, require_device, results_name, write_results  # noqa: E402
-
-from omnistage.connector import TensorKey, make_connector, shm  # noqa: E402
-from omnistage.connector.ucx import UCX_DEFAULTS  # noqa: E402
-from omnistage.connector.wire import HEADER_BYTES, TensorHeader  # noqa: E402
-from omnistage.v1 import tensor_pb2  # noqa: E402
-from tests.connector_peer import PeerProcess, decode, make_tensor  # noqa: E402 (common puts the repo on sys.path)
+from omnistage.connector import TensorKey, make_connector, shm
+from omnistage.connector.ucx import UCX_DEFAULTS
+from omnistage.connector.wire import HEADER_BYTES, TensorHeader
+from omnistage.v1 import tensor_pb2
+from tests.connector_peer import PeerProcess, decode, make_tensor
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "256KiB": 256 * KiB, "1MiB": MiB, "16MiB": 16 * MiB, "64MiB": 64 * MiB,
@@ -268,8 +267,8 @@ async def serve_inline() -> None:
 
 
 async def start_inline_server():
-    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--serve-inline", stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--serve-inline",
+                                                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     while not (line := await proc.stdout.readline()).startswith(b"@@ "):
         if not line:
             raise RuntimeError("inline gRPC server exited")
@@ -438,7 +437,8 @@ def print_table(result: dict, sizes: list[str]) -> None:
         cells = []
         for c in cols:
             s = sec.get((c, label))
-            cells.append("-" if s is None else f"{s * 1e6:.0f} us" if label == "4KiB" else f"{SIZES[label] / s / 1e9:.2f}")
+            cells.append("-" if s is None else f"{s * 1e6:.0f} us" if label == "4KiB"
+                         else f"{SIZES[label] / s / 1e9:.2f}")
         ratio = (f"{sec[('ucx_perftest', label)] / sec[('ucx', label)]:.2f}"
                  if SIZES[label] > 4 * KiB and ("ucx_perftest", label) in sec else "-")
         print(f"{label:>7} " + " ".join(f"{c:>14}" for c in cells) + f" {ratio:>13}")

@@ -240,6 +240,12 @@ class Cluster:
                 if e.status != 404:
                     raise
 
+    def delete_pipeline(self, namespace: str, name: str, what: str, timeout: float = 120) -> None:
+        """Delete a pipeline and wait until none of its pods is left (`what`: what the wait says it waited for)."""
+        self.kubectl("delete", "omnip", "-n", namespace, name, "--ignore-not-found", "--wait=true")
+        wait_for(lambda: not self.core.list_namespaced_pod(
+            namespace, label_selector=f"omnistage.io/pipeline={name}").items, timeout, what)
+
     # ------------------------------------------------------------------------ observations
 
     def pipeline(self, namespace: str, name: str) -> dict:

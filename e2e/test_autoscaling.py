@@ -48,9 +48,7 @@ def planned(operator):
     operator.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
     operator.wait_condition(NS, PIPE, "Ready", "True", READY_TIMEOUT)
     yield operator
-    operator.kubectl("delete", "omnip", "-n", NS, PIPE, "--ignore-not-found", "--wait=true")
-    wait_for(lambda: not operator.core.list_namespaced_pod(NS, label_selector=f"omnistage.io/pipeline={PIPE}").items,
-             120, f"the {PIPE} pods to go")
+    operator.delete_pipeline(NS, PIPE, f"the {PIPE} pods to go")
 
 
 def replicas(c) -> dict[str, int]:

@@ -16,8 +16,8 @@ import json
 import uuid
 
 import kubernetes
-import urllib3
 import pytest
+import urllib3
 import yaml
 from cryptography import x509
 
@@ -66,7 +66,10 @@ def test_helm_install_serves_pipelines_and_uninstall_removes_it(chart_only):
     assert pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
     # Both replicas keep their records in the chart's KopfPeering (the older one leads, leadership.py).
     custom = kubernetes.client.CustomObjectsApi(c.api)
-    peering = lambda: custom.get_namespaced_custom_object("kopf.dev", "v1", HELM_NS, "kopfpeerings", RELEASE)
+
+    def peering():
+        return custom.get_namespaced_custom_object("kopf.dev", "v1", HELM_NS, "kopfpeerings", RELEASE)
+
     wait_for(lambda: {p.metadata.name for p in pods} <= set(peering().get("status") or {}), 60,
              "both operator replicas in the KopfPeering")
 

@@ -45,9 +45,7 @@ def gpu_pipeline(operator):
     doc["spec"]["deployment"]["orchestrator"] = {"replicas": 0}
     operator.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
     yield operator
-    operator.kubectl("delete", "omnip", "-n", NS, NAME, "--ignore-not-found", "--wait=true")
-    wait_for(lambda: not operator.core.list_namespaced_pod(NS, label_selector=f"omnistage.io/pipeline={NAME}").items,
-             120, "the GPU pipeline's pods to go")
+    operator.delete_pipeline(NS, NAME, "the GPU pipeline's pods to go")
     operator.kubectl("delete", "-f", "-", "--ignore-not-found", input=CLASSES)
 
 

@@ -14,10 +14,9 @@ import wave
 import grpc
 import pytest
 
-from omnistage.contract import launch
-
 from omnistage import tls
 from omnistage.client import OmniClient
+from omnistage.contract import launch
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .conftest import NS

@@ -44,9 +44,7 @@ def broken(operator):
     doc["spec"]["deployment"]["orchestrator"] = {"replicas": 0}
     operator.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
     yield operator
-    operator.kubectl("delete", "omnip", "-n", NS, NAME, "--ignore-not-found", "--wait=true")
-    wait_for(lambda: not operator.core.list_namespaced_pod(NS, label_selector=f"omnistage.io/pipeline={NAME}").items,
-             120, "the broken pipeline's pods to go")
+    operator.delete_pipeline(NS, NAME, "the broken pipeline's pods to go")
 
 
 def last_failure(c) -> dict:
@@ -123,9 +121,7 @@ def two_of_each(operator):
                  TWO_READY_TIMEOUT, f"{REPLICAS} ready {stage} replicas")
     wait_all_ready(operator)
     yield operator
-    operator.kubectl("delete", "omnip", "-n", NS, TWO, "--ignore-not-found", "--wait=true")
-    wait_for(lambda: not operator.core.list_namespaced_pod(NS, label_selector=f"omnistage.io/pipeline={TWO}").items,
-             120, f"the {TWO} pods to go")
+    operator.delete_pipeline(NS, TWO, f"the {TWO} pods to go")
 
 
 def stage_pods(c, stage: str) -> list:

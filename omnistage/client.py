@@ -25,13 +25,13 @@ import time
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Iterable, Iterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 import numpy as np
 
-from omnistage.contract.modalities import MODALITY_CODES
 from omnistage.api import MAX_MESSAGE_BYTES
+from omnistage.contract.request import build_request
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 ORCHESTRATOR_SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
@@ -182,47 +182,7 @@ def _raw_image(pixels: np.ndarray) -> common_pb2.ImagePart:
     return common_pb2.ImagePart(data=np.ascontiguousarray(pixels).tobytes(), width=w, height=h)
 
 
-def _part(p: common_pb2.ContentPart | str) -> common_pb2.ContentPart:
-    return text_part(p) if isinstance(p, str) else p
-
-
-# ------------------------------------------------------------------------ requests
-
-def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), system_prompt: str = "",
-                  raw_prompt: bool = False, max_tokens: int = 0,
-                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                  seed: int | None = None, ignore_eos: bool = False, max_codec_frames: int = 0, speaker: str = "",
-                  width: int = 0, height: int = 0, num_inference_steps: int = 0, guidance_scale: float | None = None,
-                  negative_prompt: str = "", outputs: Iterable[str] = (), return_trace: bool = False,
-                  priority: int = 0, request_id: str = "",
-                  parts: Iterable[common_pb2.ContentPart | str] = ()) -> orchestrator_pb2.GenerateRequest:
-    """One Generate request. `parts`: the user turn as ordered content parts (a str is a text part); a
-    `prompt` with them is one more text part after them."""
-    text = common_pb2.TextParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    if temperature is not None:
-        text.temperature = temperature
-    if top_p is not None:
-        text.top_p = top_p
-    if top_k is not None:
-        text.top_k = top_k
-    image = common_pb2.ImageParams(width=width, height=height, num_inference_steps=num_inference_steps,
-                                   negative_prompt=negative_prompt)
-    if guidance_scale is not None:
-        image.guidance_scale = guidance_scale
-    params = common_pb2.GenerationParams(prompt=prompt, prompt_token_ids=list(prompt_token_ids), text=text,
-                                         audio=common_pb2.AudioParams(max_codec_frames=max_codec_frames,
-                                                                      speaker=speaker), image=image,
-                                         system_prompt=system_prompt, raw_prompt=raw_prompt,
-                                         parts=[_part(p) for p in parts])
-    if seed is not None:
-        params.seed = seed
-    unknown = [o for o in outputs if o not in MODALITY_CODES]
-    if unknown:
-        raise ValueError(f"unknown output modality {unknown[0]!r} (use {', '.join(MODALITY_CODES)})")
-    return orchestrator_pb2.GenerateRequest(request_id=request_id, params=params,
-                                            outputs=[MODALITY_CODES[o] for o in outputs],
-                                            return_trace=return_trace, priority=priority)
-
+# ------------------------------------------------------------------------ channels
 
 def channel_target(endpoints: Endpoints) -> tuple[str, list[tuple[str, str]]]:
     """The gRPC target for one or several orchestrator addresses, and the channel options it needs beyond
@@ -285,7 +245,8 @@ class OmniClient:
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
         self.metadata = _auth_metadata(api_key)
 
-    def stream(self, prompt: str = "", *, timeout: float | None = None, **kw) -> Iterator[orchestrator_pb2.GenerateResponse]:
+    def stream(self, prompt: str = "", *, timeout: float | None = None,
+               **kw) -> Iterator[orchestrator_pb2.GenerateResponse]:
         return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt: str = "", *, timeout: float | None = None, **kw) -> GenerateResult:
@@ -319,7 +280,8 @@ class AsyncOmniClient:
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
         self.metadata = _auth_metadata(api_key)
 
-    def stream(self, prompt: str = "", *, timeout: float | None = None, **kw) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+    def stream(self, prompt: str = "", *, timeout: float | None = None,
+               **kw) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=self.metadata)
 
     async def generate(self, prompt: str = "", *, timeout: float | None = None, **kw) -> GenerateResult:

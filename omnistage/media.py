@@ -24,8 +24,8 @@ import soundfile
 from PIL import Image as PILImage
 from PIL import ImageOps
 
-from omnistage.contract.params import InvalidRequest, check_parts
 from omnistage.api import Limits
+from omnistage.contract.params import InvalidRequest, check_parts
 from omnistage.v1 import common_pb2
 
 ALL = frozenset({"text", "image", "audio", "video"})

@@ -4,6 +4,7 @@ domain errors to status codes."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import ipaddress
@@ -12,7 +13,7 @@ import os
 import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Any, Callable, Coroutine, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,7 +21,16 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from omnistage.contract.launch import DRAIN_PATH, LIVE_PATH, METRICS_PATH, READY_PATH, SERVICE_ACCOUNT_TOKEN
+from omnistage import tls
+from omnistage.api import SpecError
+from omnistage.contract.launch import (
+    DRAIN_PATH,
+    LIVE_PATH,
+    METRICS_PATH,
+    READY_PATH,
+    SERVICE_ACCOUNT_TOKEN,
+    report_exit,
+)
 
 log = logging.getLogger("omnistage")
 
@@ -75,6 +85,20 @@ async def set_serving(health: health_aio.HealthServicer, services: list[str], se
         await health.set(name, status)
 
 
+async def start_grpc_server(service: str, add_servicer: Callable[[grpc.aio.Server], None], max_receive_bytes: int,
+                            max_send_bytes: int, request_timeout_s: float,
+                            interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+                            ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    """A server with every omnistage server's options (`grpc_server_options`), the service `add_servicer`
+    puts on it, health (NOT_SERVING for now) and reflection; its ports are the caller's to add."""
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=grpc_server_options(max_receive_bytes, max_send_bytes, request_timeout_s))
+    add_servicer(server)
+    health = add_health_and_reflection(server, [service])
+    await set_serving(health, [service], False)
+    return server, health
+
+
 def _is_loopback(address: str) -> bool:
     try:
         ip = ipaddress.ip_address(address)
@@ -117,7 +141,7 @@ class HttpStatusServer:
         registry_, ready_, drain_, live_ = registry, ready, drain, live
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's naming
+            def do_GET(self):
                 if self.path.startswith(METRICS_PATH):
                     body, code, ctype = generate_latest(registry_), 200, CONTENT_TYPE_LATEST
                 elif self.path.startswith(READY_PATH):
@@ -176,3 +200,23 @@ def on_signals(callback: Callable[[], None], signals=(signal.SIGTERM, signal.SIG
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_server(serve: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], args: argparse.Namespace,
+               name: str, refusals: Sequence[tuple[type[Exception], str]] = ()) -> int:
+    """A server process's main: logging at `args.log_level`, then `serve(args)`, its exit code. What it
+    refuses to start on exits 2 with one line saying why, not a traceback (`launch.report_exit`: on stderr
+    and in the termination log): an invalid pipeline, TLS material (`name` says whose), and each
+    (exception, prefix) of `refusals`, the first that fits, as "prefix: message"."""
+    configure_logging(args.log_level)
+    try:
+        return asyncio.run(serve(args))
+    except SpecError as e:
+        report_exit(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors))
+        return 2
+    except tls.TlsError as e:
+        report_exit(f"{name}: TLS: {e}")
+        return 2
+    except tuple(kind for kind, _ in refusals) as e:
+        report_exit(next(f"{prefix}: {e}" for kind, prefix in refusals if isinstance(e, kind)))
+        return 2

@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from omnistage.contract.launch import GRPC_PORT_NAME, stage_service_name
 from omnistage.api import Pipeline
+from omnistage.contract.launch import GRPC_PORT_NAME, stage_service_name
 
 log = logging.getLogger("omnistage.orchestrator")
 SERVICE_LABEL = "kubernetes.io/service-name"
@@ -147,7 +147,8 @@ def parse_endpoints_text(text: str, path: str | os.PathLike, pipeline: Pipeline)
     unknown = sorted(set(doc) - set(known))
     missing = [n for n in known if n not in doc]
     if unknown or missing:
-        raise ValueError(f"{path}: " + "; ".join(x for x in (f"unknown stage(s) {', '.join(unknown)}" if unknown else "",
+        raise ValueError(f"{path}: " + "; ".join(x for x in (f"unknown stage(s) {', '.join(unknown)}"
+                                                              if unknown else "",
                                                               f"no entry for {', '.join(missing)}" if missing else "")
                                                  if x))
     for name, addrs in doc.items():

@@ -15,9 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from omnistage.media import decode_parts
-from omnistage.contract.params import InvalidRequest
 from omnistage.api import Pipeline, accepted_inputs
+from omnistage.contract.params import InvalidRequest
+from omnistage.media import decode_parts
 from omnistage.v1 import common_pb2
 
 from .admission import Overloaded

@@ -5,8 +5,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # the stage planner reads them (targets.ttfpP95Ms, targets.rtf; per request class, the demand on each stage)
-from omnistage.planner.scrape import (CLASS_ENDED, CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS,
-                                      FIRST_OUTPUT_MS, RTF)
+from omnistage.planner.scrape import (
+    CLASS_ENDED,
+    CLASS_FINISHED,
+    CLASS_REQUESTS,
+    CLASS_STAGE_REQUESTS,
+    CLASS_STAGE_UNITS,
+    FIRST_OUTPUT_MS,
+    RTF,
+)
 
 _MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 # Real-time factors: fine around 1 (where a target sits: its p95 is read as the upper bound of a bucket)

@@ -7,6 +7,7 @@ import struct
 
 from omnistage.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 
+
 def _tensor(chunk: stage_pb2.Chunk, name: str) -> tensor_pb2.Tensor | None:
     for t in chunk.tensors:
         if t.name == name:

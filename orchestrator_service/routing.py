@@ -20,9 +20,9 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnistage.api import MAX_MESSAGE_BYTES, Pipeline
 from omnistage.serving import KEEPALIVE_CHANNEL_OPTIONS
 from omnistage.tls_grpc import ChannelTls
-from omnistage.api import MAX_MESSAGE_BYTES, Pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .outliers import Outlier, nothing_sent

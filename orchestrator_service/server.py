@@ -15,14 +15,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-import grpc
-
+from omnistage import serving, tls, tls_grpc
+from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, load_pipeline
 from omnistage.contract import launch
-
-from omnistage import tls, tls_grpc
-from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
-                               grpc_server_options, on_signals, set_serving)
-from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
@@ -89,7 +84,7 @@ class OrchestratorServer:
         self.ready = False
         self.stopped = asyncio.Event()
         self._drain_called = False
-        self.http: HttpStatusServer | None = None
+        self.http: serving.HttpStatusServer | None = None
         # In a cluster: stage replicas come from the Endpoints of their Services.
         # Locally: from the endpoints file `omnistage serve` rewrites as it scales.
         self.discovery = (KubernetesDiscovery(pipeline, namespace, self.router.set_endpoints)
@@ -101,11 +96,9 @@ class OrchestratorServer:
         # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
         # message gets gRPC's RESOURCE_EXHAUSTED).
         receive = min(max(MIN_RECEIVE_BYTES, self.pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
-        self.server = grpc.aio.server(options=grpc_server_options(
-            receive, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds))
-        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, self.server)
-        self.health = add_health_and_reflection(self.server, [SERVICE])
-        await set_serving(self.health, [SERVICE], False)
+        self.server, self.health = await serving.start_grpc_server(
+            SERVICE, lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server),
+            receive, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds)
         self.port = self._add_port()
         await self.server.start()
         self.router.start()
@@ -115,8 +108,9 @@ class OrchestratorServer:
             self.discovery.start()
             await asyncio.wait_for(self.discovery.synced.wait(), 60)
         if self.http_port is not None:
-            self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
-                                        blocking_drain(asyncio.get_running_loop(), self.drain)).start()
+            self.http = serving.HttpStatusServer(self.host, self.http_port, self.metrics.registry,
+                                                 lambda: self.ready,
+                                                 serving.blocking_drain(asyncio.get_running_loop(), self.drain)).start()
         if wait_for_stages:
             await self.router.wait_ready(wait_for_stages)
         if self.api_port is not None:  # before ready: /readyz answering 200 means the API answers too
@@ -127,7 +121,7 @@ class OrchestratorServer:
             self.api_port = await api.start()
             self.api = api  # only once bound: a drain after a failed start has no API to stop
         self.ready = True
-        await set_serving(self.health, [SERVICE], True)
+        await serving.set_serving(self.health, [SERVICE], True)
         log.info("orchestrator for %s serving on %s:%d", self.pipeline.name, self.host, self.port)
         return self.port
 
@@ -153,7 +147,7 @@ class OrchestratorServer:
         self._drain_called = True
         self.servicer.draining = True
         self.ready = False
-        await set_serving(self.health, [SERVICE], False)
+        await serving.set_serving(self.health, [SERVICE], False)
         try:
             # One bound for both front doors: server.stop waits for gRPC calls only.
             await asyncio.gather(self.server.stop(grace=self.drain_seconds),
@@ -219,7 +213,7 @@ async def serve(args: argparse.Namespace) -> int:
                              namespace=namespace, api_port=args.api_port, api_keys=args.api_key,
                              tls_dir=args.tls_dir, client_tls_dir=args.client_tls_dir,
                              endpoints_file=args.endpoints_file if args.discovery == "file" else None)
-    on_signals(lambda: asyncio.ensure_future(srv.drain()))
+    serving.on_signals(lambda: asyncio.ensure_future(srv.drain()))
     try:
         await srv.start(wait_for_stages=args.wait_for_stages)
     except OSError as e:  # a port already taken: one line saying which, not a traceback
@@ -244,16 +238,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        return asyncio.run(serve(args))
-    except SpecError as e:
-        print(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors), file=sys.stderr)
-        return 2
-    except tls.TlsError as e:
-        launch.report_exit(f"orchestrator: TLS: {e}")
-        return 2
-    except ApiKeyError as e:  # names the entry, never the key
-        launch.report_exit(f"orchestrator: {e}")
-        return 2
+    return serving.run_server(serve, parse_args(argv), "orchestrator",
+                              [(ApiKeyError, "orchestrator")])  # names the entry, never the key

@@ -8,13 +8,13 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
 
 import grpc
 
-from omnistage.contract.modalities import MODALITY_CODES, MODALITY_NAMES
-from omnistage.contract.params import InvalidRequest, has_media, resolve
 from omnistage.api import Pipeline
+from omnistage.contract.modalities import MODALITY_CODES, MODALITY_NAMES
+from omnistage.contract.params import InvalidRequest, RequestParams, fill_resolved, has_media, resolve
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
@@ -100,10 +100,14 @@ def unready_stage(router: Router, stages) -> tuple[str, str] | None:
     return None
 
 
-def estimated_cost(p) -> float:
-    """Relative work of a request, for ShortestFirst ordering (pure; units do not matter, order does)."""
-    return float((p.text.max_tokens or 16) + (p.audio.max_codec_frames or 0) +
-                 4 * (p.image.num_inference_steps or 0))
+def estimated_cost(params: RequestParams, outputs: Iterable[str]) -> float:
+    """Relative work of a request, for ShortestFirst ordering (pure; units do not matter, order does): its text
+    tokens, its codec frames when it asks for audio, and its denoise steps (weighted 4) when it asks for an
+    image. From the resolved parameters, so a number the request leaves out counts as the pipeline's default:
+    the number its stages will make."""
+    outputs = set(outputs)
+    return float(params.max_tokens + (params.max_codec_frames if "audio" in outputs else 0) +
+                 4 * (params.num_inference_steps if "image" in outputs else 0))
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -187,7 +191,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             try:
                 async with asyncio.timeout(remaining(deadline)):
                     ticket = await self.admission.admit(stages, request.priority,
-                                                        estimated_cost(request.params))
+                                                        estimated_cost(params, outputs.values()))
             except TimeoutError:
                 outcome = "timeout"
                 raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -198,7 +202,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             m.class_requests.labels(req_class).inc()
             m.admission_wait_ms.observe(ticket.wait_ms)
             m.inflight.set(self.admission.inflight)
-            run = RequestRun(self.pipeline, self.router, rid, request.params, outputs, deadline,
+            # The stages are sent the values resolved here, so they apply no defaults of their own.
+            sent = fill_resolved(request.params, params)
+            run = RequestRun(self.pipeline, self.router, rid, sent, outputs, deadline,
                              max_attempts=self.max_attempts, on_dispatched=lambda: self.admission.arrived(ticket))
             self.runs[rid] = run
             first, last_audio = True, t0

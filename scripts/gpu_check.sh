@@ -2,7 +2,7 @@
 # The GPU check (issue 15): one idempotent script for a machine with a CUDA GPU and no network.
 #   scripts/gpu_check.sh
 # Prepare it on a machine with network first: `scripts/gpu_wheels.sh` (wheels the GPU machine lacks, into
-# gpu-wheels/) and `make protos` (the generated gRPC code); both travel with the working tree. Then:
+# gpu-wheels/) and `make protos` (the generated gRPC code); copy both to the GPU machine with the checkout. Then:
 #   1. describes the machine (GPU model, driver, CUDA) and installs the carried wheels into .venv-gpu
 #      (a venv over the machine's own Python and its torch);
 #   2. builds the tiny models (models/);
@@ -97,7 +97,7 @@ for p in sorted(pathlib.Path("bench/results/gpu").glob("*.json")):
     for f in doc["figures"]:
         print(f"  {f['name']:<48s} {f['value']:>12.4g} {f['unit']}")
 PY
-# On the device machine only $OUT comes back: the results and the logs of what failed.
+# With $OUT set (a runner that keeps only that folder), copy the results and the logs of what failed there.
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/results" "$OUT/logs"
   cp -r bench/results/gpu/. "$OUT/results/" 2> /dev/null

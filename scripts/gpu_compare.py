@@ -40,7 +40,8 @@ SPEECH = {"prompt": "Tell me about the harbour at night.", "max_tokens": 12, "te
 IMAGE = {"prompt": "a lighthouse on a cliff", "width": 32, "height": 32, "num_inference_steps": 4, "seed": 7}
 AUDIO_TOLERANCE = 64        # int16 units (0.2 % of full scale): rounding, not another codec code
 IMAGE_TOLERANCE = 4.0       # mean absolute difference of 8-bit pixel values
-UNITS = {"tokens_equal": "bool", "tokens": "tokens", "first_differing_token": "index", "failed": "bool", "gpu_seconds": "s", "cpu_seconds": "s", "ok": "bool",
+UNITS = {"tokens_equal": "bool", "tokens": "tokens", "first_differing_token": "index", "failed": "bool",
+         "gpu_seconds": "s", "cpu_seconds": "s", "ok": "bool",
          "audio_samples_equal_length": "bool", "audio_max_abs_diff": "int16", "image_mean_abs_diff": "levels"}
 
 
@@ -60,9 +61,9 @@ def request_for(doc: dict) -> dict:
 
 
 def serve_and_ask(doc: dict, models: Path) -> dict:
+    from omnistage.api import parse_pipeline
     from omnistage.client import OmniClient
     from omnistage.local.serve import LocalPipeline
-    from omnistage.api import parse_pipeline
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipeline.yaml"

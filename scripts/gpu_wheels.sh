@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Wheels the GPU check's machine lacks, for its Python 3.12 (it has no network), into gpu-wheels/ (git-ignored),
-# which travels with the working tree (`carry`). What that machine has, as last read (issue 15): torch 2.11
+# to be copied there with the checkout. The machine is expected to have (issue 15): torch 2.11
 # (CUDA 13), transformers 5.17, grpcio, protobuf, prometheus-client, numpy, pyyaml, uvloop, pytest,
-# hypothesis, safetensors, accelerate. Everything it needs besides comes from here, in priority order,
-# within a budget (the working tree and what it carries travel in 64 MiB together): what does not fit is
-# left out and said.
+# hypothesis, safetensors, accelerate. Everything it needs besides is downloaded by this script, in priority
+# order, within a budget (the checkout and gpu-wheels/ together stay under 64 MiB, to be copied as one):
+# what does not fit is left out and said.
 #   scripts/gpu_wheels.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."

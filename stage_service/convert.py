@@ -9,7 +9,6 @@ import torch
 
 from omnistage.contract import tensors as tensor_codec
 from omnistage.v1 import stage_pb2, tensor_pb2
-
 from stage_service.runtime.base import InputChunk, OutputChunk
 
 

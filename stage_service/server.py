@@ -20,21 +20,18 @@ from pathlib import Path
 
 import grpc
 
-from omnistage.contract import launch
-
-from omnistage import tls, tls_grpc
+from omnistage import serving, tls, tls_grpc
+from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, load_pipeline
 from omnistage.checkpoints.check import StageCheckError, check_stage
 from omnistage.checkpoints.shards import CheckpointError
-from omnistage.serving import (HttpStatusServer, add_health_and_reflection, blocking_drain, configure_logging,
-                               grpc_server_options, on_signals, set_serving)
-from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, SpecError, load_pipeline
+from omnistage.contract import launch
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-
-from stage_service.runtime.base import SteppedEngine
-from stage_service.engines.registry import create_engine
 from stage_service.data_plane import DataPlane
-from stage_service.runtime.errors import EngineConfigError
+from stage_service.engines.registry import create_engine
 from stage_service.metrics import StageMetrics
+from stage_service.runtime import faults
+from stage_service.runtime.base import SteppedEngine
+from stage_service.runtime.errors import EngineConfigError
 from stage_service.servicer import StageServicer
 
 log = logging.getLogger("omnistage.stage")
@@ -63,7 +60,7 @@ class StageServer:
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.stages[self.stage.name].drain_seconds)
         self.server: grpc.aio.Server | None = None
-        self.http: HttpStatusServer | None = None
+        self.http: serving.HttpStatusServer | None = None
         self.ready = False
         self.stopped = asyncio.Event()
         self._drain_called = False
@@ -75,17 +72,15 @@ class StageServer:
         t0 = time.monotonic()
         async with self._setup:  # a drain that comes meanwhile waits for the gRPC server to be up
             await self.data_plane.start()
-            self.server = grpc.aio.server(interceptors=self.interceptors, options=grpc_server_options(
-                MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds))
-            stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, self.server)
-            self.health = add_health_and_reflection(self.server, [SERVICE])
-            await set_serving(self.health, [SERVICE], False)
+            self.server, self.health = await serving.start_grpc_server(
+                SERVICE, lambda server: stage_pb2_grpc.add_StageServiceServicer_to_server(self.servicer, server),
+                MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds, self.interceptors)
             self.port = self._add_port()
             await self.server.start()
             if self.http_port is not None:
-                self.http = HttpStatusServer(self.host, self.http_port, self.metrics.registry, lambda: self.ready,
-                                            blocking_drain(asyncio.get_running_loop(), self.drain),
-                                            live=self.stalled).start()
+                self.http = serving.HttpStatusServer(
+                    self.host, self.http_port, self.metrics.registry, lambda: self.ready,
+                    serving.blocking_drain(asyncio.get_running_loop(), self.drain), live=self.stalled).start()
         try:
             await self.engine.start()  # health stays NOT_SERVING until the model is loaded
         except BaseException:
@@ -97,7 +92,7 @@ class StageServer:
             return self.port
         self._watcher = asyncio.create_task(self._watch_engine())
         self.ready = True
-        await set_serving(self.health, [SERVICE], True)
+        await serving.set_serving(self.health, [SERVICE], True)
         log.info("stage %s serving on %s:%d (model loaded in %.1fs)", self.stage.name, self.host, self.port,
                  time.monotonic() - t0)
         return self.port
@@ -129,7 +124,7 @@ class StageServer:
             await self.data_plane.close()
             self.stopped.set()
             return
-        await set_serving(self.health, [SERVICE], False)
+        await serving.set_serving(self.health, [SERVICE], False)
         log.info("stage %s draining: %d in flight, bound %.0fs", self.stage.name, self.servicer.inflight,
                  self.drain_seconds)
         loop = asyncio.get_running_loop()
@@ -180,11 +175,8 @@ async def serve(args: argparse.Namespace) -> int:
     check_stage(pipeline, pipeline.stage(args.stage), args.model_dir)  # before any weights are read
     srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
                       args.drain_seconds, tls_dir=args.tls_dir)
-    if args.inject_step_failure is not None:
-        from stage_service.runtime.faults import fail_steps
-
-        fail_steps(srv.engine, after=args.inject_step_failure)
-    on_signals(lambda: asyncio.ensure_future(srv.drain()))
+    faults.fail_steps_from_env(srv.engine)  # a test's switch: nothing unless the environment asks
+    serving.on_signals(lambda: asyncio.ensure_future(srv.drain()))
     await srv.start()
     if srv.ready:
         if args.ready_file:
@@ -201,18 +193,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        return asyncio.run(serve(args))
-    except SpecError as e:
-        launch.report_exit(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors))
-        return 2
-    except StageCheckError as e:
-        launch.report_exit(f"{args.pipeline}: {e}")
-        return 2
-    except (EngineConfigError, CheckpointError) as e:
-        launch.report_exit(f"{args.pipeline}: stage {args.stage}: {e}")
-        return 2
-    except tls.TlsError as e:
-        launch.report_exit(f"stage {args.stage}: TLS: {e}")
-        return 2
+    stage = f"{args.pipeline}: stage {args.stage}"
+    return serving.run_server(serve, args, f"stage {args.stage}",
+                              [(StageCheckError, args.pipeline), (EngineConfigError, stage), (CheckpointError, stage)])

@@ -11,20 +11,26 @@ from typing import AsyncIterator
 
 import grpc
 
-from omnistage.contract.chunks import ChunkOrderError
+from omnistage.api import Pipeline, Stage
 from omnistage.connector import ChunkTooLarge, ConnectorError, PeerUnreachable, TensorKey, TensorNotFound
 from omnistage.connector.errors import BadReference
+from omnistage.contract.chunks import ChunkOrderError
 from omnistage.contract.params import InvalidRequest, resolve
-from omnistage.api import Pipeline, Stage
 from omnistage.contract.tensors import TensorFormatError, descriptor_bytes
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-
 from stage_service.call_scope import RequestReleased, StageCalls
 from stage_service.convert import output_to_proto
 from stage_service.data_plane import DataPlane
-from stage_service.runtime.base import Engine, InputChunk, OutputChunk, StageRequest
-from stage_service.runtime.errors import EngineDead, EngineError, EngineOverloaded, InputError, RequestFailed, StageDraining
 from stage_service.metrics import StageMetrics
+from stage_service.runtime.base import Engine, InputChunk, OutputChunk, StageRequest
+from stage_service.runtime.errors import (
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    InputError,
+    RequestFailed,
+    StageDraining,
+)
 
 
 def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -90,12 +96,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             async with contextlib.aclosing(call.run(req, request_iterator, to_input,
                                                     context.cancelled)) as outputs:
                 async for out in outputs:
-                    yield stage_pb2.StageOutput(chunk=await self._to_proto(header, out, chunk_id))
+                    msg = stage_pb2.StageOutput(chunk=await self._to_proto(header, out, chunk_id))
+                    with call.sending():  # gRPC sends it in its own frame: see CallScope.sending
+                        yield msg
                     chunk_id, last = chunk_id + 1, out.last
             if not last:  # the engine ended without a last chunk: the stream still ends with one
                 units, unit = self._work(header.request_id)
-                yield stage_pb2.StageOutput(chunk=output_to_proto(OutputChunk(), self.stage.name, chunk_id, True,
+                msg = stage_pb2.StageOutput(chunk=output_to_proto(OutputChunk(), self.stage.name, chunk_id, True,
                                                                   units=units, unit=unit))
+                with call.sending():
+                    yield msg
         if call.status is not None:
             # Outside the scope: the abort must not carry the error's traceback (and with it the
             # engine's frames and request state) into gRPC's call state.
@@ -188,5 +198,10 @@ def check_input_chunk(chunk: stage_pb2.Chunk, request_id: str, pipeline: Pipelin
 
 
 def request_from_proto(h: stage_pb2.StageRequestHeader, limits) -> StageRequest:
+    """The header as the engine's typed request. resolve() checks the params against the pipeline's limits
+    (a stage does not trust its caller) but adds no second set of defaults to a request from the orchestrator:
+    it sends the values it resolved (`fill_resolved`), and resolve() of resolved values is those values again.
+    Only a caller that leaves a field out (a test, a benchmark, a client of the stage itself) gets the default,
+    the same one the orchestrator would have applied."""
     return StageRequest(request_id=h.request_id, params=resolve(h.params, limits),
                         deadline=h.deadline_unix_ms / 1e3 if h.deadline_unix_ms else None)

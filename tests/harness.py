@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
+import pytest
 import yaml
 
-from omnistage.contract import launch
-
 from omnistage import tls, tls_grpc
-from omnistage.client import build_request
 from omnistage.api import Pipeline, parse_pipeline
+from omnistage.client import build_request
+from omnistage.contract import launch, tensors
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 from stage_service.server import StageServer
@@ -38,6 +38,17 @@ def in_engine_process(name: str, stage: str) -> Pipeline:
     return example(name, edit)
 
 
+def small_lm(limits: dict, orchestrator: dict | None = None) -> Pipeline:
+    """llm-tiny with the tiny LM on the transformers engine (no vLLM needed), `limits` as its
+    spec.topology.limits and, when given, `orchestrator` as its spec.deployment.orchestrator."""
+    def edit(doc):
+        doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
+        doc["spec"]["topology"]["limits"] = dict(limits)
+        if orchestrator is not None:
+            doc["spec"]["deployment"]["orchestrator"] = dict(orchestrator)
+    return example("llm-tiny", edit)
+
+
 async def start_stage(pipeline: Pipeline, stage: str, model_dir: Path, **kw) -> StageServer:
     srv = StageServer(pipeline, stage, "127.0.0.1", 0, model_root=str(model_dir), **kw)
     await srv.start()
@@ -57,6 +68,16 @@ async def stage_servers(pipeline: Pipeline, model_dir: Path,
     finally:
         for srv in servers.values():
             await srv.drain()
+
+
+def stage_servers_fixture(pipeline: Pipeline, names: tuple[str, ...] | None = None):
+    """A module-scoped fixture of `stage_servers(pipeline, model_dir, names)`: assign it to the fixture's name
+    in the test module (`servers = stage_servers_fixture(PIPELINE)`)."""
+    @pytest.fixture(scope="module")
+    async def fixture(model_dir):
+        async with stage_servers(pipeline, model_dir, names) as servers:
+            yield servers
+    return fixture
 
 
 @contextlib.asynccontextmanager
@@ -95,6 +116,16 @@ async def call_stage(port: int, first: stage_pb2.StageInput | None, chunks=(), t
     finally:
         if own:
             await channel.close()
+
+
+def tensor_of(chunk: stage_pb2.Chunk, name: str):
+    """The tensor `name` of an output chunk, as a torch tensor."""
+    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
+
+
+def token_ids(chunks) -> list[int]:
+    """The token ids of a stream of LM output chunks, in order."""
+    return [t for c in chunks for t in tensor_of(c, "token_ids").tolist()]
 
 
 class StageProcess:
@@ -145,7 +176,7 @@ class StageProcess:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
-            except Exception:
+            except Exception:  # noqa: BLE001 - not stopped by SIGTERM in time (or the wait failed): kill it either way
                 self.kill()
 
 

@@ -97,7 +97,8 @@ class Agent:
         # Large on purpose: nothing is isolated here, so requests must never keep a pod from scheduling.
         capacity = {"cpu": "1000", "memory": "4Ti", "pods": "1000", "ephemeral-storage": "10Ti"}
         return {"conditions": conds, "capacity": capacity, "allocatable": capacity,
-                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.node}],
+                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                              {"type": "Hostname", "address": self.node}],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
                 "nodeInfo": {"kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2",
                              "containerRuntimeVersion": "e2e-agent://1", "architecture": "amd64",
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     threading.Thread(target=agent.watch_pods, daemon=True, name="pods").start()
-    log.info("node %s registered (%s)", args.node, "simulated pods" if args.simulate else f"pods run with {args.python}")
+    log.info("node %s registered (%s)", args.node,
+             "simulated pods" if args.simulate else f"pods run with {args.python}")
     done.wait()
     agent.shutdown()
     return 0

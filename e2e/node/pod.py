@@ -100,7 +100,7 @@ class PodWorker(threading.Thread):
     def run(self) -> None:
         try:
             self._live()
-        except Exception:   # noqa: BLE001 - one pod's failure must not take the agent down
+        except Exception:
             log.exception("pod %s/%s: agent error", self.ns, self.name)
         finally:   # a forced deletion still gets SIGTERM and the kubelet's 2 s minimum
             self._stop_process(2.0)
@@ -236,12 +236,14 @@ class PodWorker(threading.Thread):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
         for path in self.agent.image_dirs:
             if any(path == t or path.startswith(t.rstrip("/") + "/") for _, t, _ in mounts):
-                lines += [f"mkdir -p {shlex.quote(path)}", f"mount --rbind {shlex.quote(host + path)} {shlex.quote(path)}"]
+                lines += [f"mkdir -p {shlex.quote(path)}",
+                          f"mount --rbind {shlex.quote(host + path)} {shlex.quote(path)}"]
         if sc.get("readOnlyRootFilesystem"):
             lines.append("mount -o remount,bind,ro /")
         priv = ["setpriv"]
         if uid is not None:
-            groups = [str(g) for g in [pod_sc.get("fsGroup"), *(pod_sc.get("supplementalGroups") or ())] if g is not None]
+            groups = [str(g) for g in [pod_sc.get("fsGroup"), *(pod_sc.get("supplementalGroups") or ())]
+                      if g is not None]
             priv += [f"--reuid={uid}", f"--regid={gid}"]
             priv += [f"--groups={','.join(groups)}"] if groups else ["--clear-groups"]
         if sc.get("allowPrivilegeEscalation") is False:

@@ -2,22 +2,60 @@
 (`omnistage crd`) and `omnistage explain`. Both `kubectl apply -f` and `omnistage serve` take the same
 file; every error names its field path, and all errors are reported at once."""
 
-from omnistage.api.engines import ADAPTERS, Adapter, adapter_for
 from omnistage.api.fields import QUANTITY_PATTERN
 from omnistage.api.loading import dump_pipeline, load_pipeline, parse_pipeline, parse_pipeline_yaml
-from omnistage.api.model import (API_GROUP, API_VERSION, CONDITION_STATUSES, CONDITION_TYPES, DEFAULT_IMAGE, DNS_LABEL, DTYPES,
-                    EMITS, ENGINES, FAIRNESS_POLICIES, KIND, MAX_MESSAGE_BYTES, MAX_NAME_LEN, MODALITIES, PLURAL, ROLLOUT_STRATEGIES,
-                    STAGE_KINDS, TRANSPORTS, ApiKeySecret, Condition, Deployment, Edge, Limits, Metadata,
-                    OrchestratorDeployment, OrchestratorHttp, Output, Parallelism, Pipeline, ReplicaStatus, Resources, Rollout, SchedulerSettings, Spec, Stage,
-                    StageDeployment, Status, Topology, TransferSettings, accepted_inputs, stage_inputs)
+from omnistage.api.model import (
+                    API_GROUP,
+                    API_VERSION,
+                    CONDITION_STATUSES,
+                    CONDITION_TYPES,
+                    DEFAULT_IMAGE,
+                    DNS_LABEL,
+                    DTYPES,
+                    EMITS,
+                    ENGINES,
+                    FAIRNESS_POLICIES,
+                    KIND,
+                    MAX_MESSAGE_BYTES,
+                    MAX_NAME_LEN,
+                    MODALITIES,
+                    PLURAL,
+                    ROLLOUT_STRATEGIES,
+                    STAGE_KINDS,
+                    TRANSPORTS,
+                    ApiKeySecret,
+                    Condition,
+                    Deployment,
+                    Edge,
+                    Limits,
+                    Metadata,
+                    OrchestratorDeployment,
+                    OrchestratorHttp,
+                    Output,
+                    Parallelism,
+                    Pipeline,
+                    ReplicaStatus,
+                    Resources,
+                    Rollout,
+                    SchedulerSettings,
+                    Spec,
+                    Stage,
+                    StageDeployment,
+                    Status,
+                    Topology,
+                    TransferSettings,
+                    accepted_inputs,
+                    stage_inputs,
+)
 from omnistage.api.validation import FieldError, SpecError, validate
 
 __all__ = [
-    "ADAPTERS", "API_GROUP", "API_VERSION", "CONDITION_STATUSES", "CONDITION_TYPES", "DEFAULT_IMAGE", "DNS_LABEL",
-    "DTYPES", "EMITS", "ENGINES", "FAIRNESS_POLICIES", "KIND", "MAX_MESSAGE_BYTES", "MAX_NAME_LEN", "MODALITIES", "PLURAL",
-    "QUANTITY_PATTERN", "ROLLOUT_STRATEGIES", "STAGE_KINDS", "TRANSPORTS", "Adapter", "ApiKeySecret", "Condition",
-    "Deployment", "Edge", "FieldError", "Limits", "Metadata", "OrchestratorDeployment", "OrchestratorHttp", "Output", "Parallelism", "Pipeline",
+    "API_GROUP", "API_VERSION", "CONDITION_STATUSES", "CONDITION_TYPES", "DEFAULT_IMAGE", "DNS_LABEL",
+    "DTYPES", "EMITS", "ENGINES", "FAIRNESS_POLICIES", "KIND", "MAX_MESSAGE_BYTES", "MAX_NAME_LEN", "MODALITIES",
+    "PLURAL", "QUANTITY_PATTERN", "ROLLOUT_STRATEGIES", "STAGE_KINDS", "TRANSPORTS", "ApiKeySecret", "Condition",
+    "Deployment", "Edge", "FieldError", "Limits", "Metadata", "OrchestratorDeployment", "OrchestratorHttp", "Output",
+    "Parallelism", "Pipeline",
     "ReplicaStatus", "Resources", "Rollout", "SchedulerSettings", "Spec", "SpecError", "Stage", "StageDeployment",
-    "Status", "Topology", "TransferSettings", "accepted_inputs", "adapter_for", "dump_pipeline", "load_pipeline",
+    "Status", "Topology", "TransferSettings", "accepted_inputs", "dump_pipeline", "load_pipeline",
     "parse_pipeline", "parse_pipeline_yaml", "stage_inputs", "validate",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from omnistage.api.fields import QUANTITY_PATTERN, ApiField, FreeForm, ListOf, MapOf, Obj, Quantity, Scalar, Shape, api_fields
+from omnistage.api import fields
 from omnistage.api.model import API_GROUP, API_VERSION, KIND, PLURAL, Metadata, Spec, Status
 
 HEADER = """\
@@ -39,7 +39,7 @@ PRINTER_COLUMNS = [
 
 def crd() -> dict:
     """The CustomResourceDefinition as an object."""
-    name_field = api_fields(Metadata)[0]
+    name_field = fields.api_fields(Metadata)[0]
     root = {
         "type": "object",
         "description": "A generative pipeline served as a graph of independently deployed stages.",
@@ -50,9 +50,9 @@ def crd() -> dict:
             # Kubernetes allows only restrictions of metadata.name here.
             "metadata": {"type": "object", "properties": {"name": {
                 "type": "string", "maxLength": name_field.api.max_length, "pattern": name_field.api.pattern}}},
-            "spec": schema_of(Obj(Spec), ApiField(doc="The pipeline: its topology and its deployment."),
+            "spec": schema_of(fields.Obj(Spec), fields.ApiField(doc="The pipeline: its topology and its deployment."),
                               keep_unknown=True),
-            "status": schema_of(Obj(Status), ApiField(doc="What the operator observed."), defaults=False),
+            "status": schema_of(fields.Obj(Status), fields.ApiField(doc="What the operator observed."), defaults=False),
         },
     }
     version = {"name": API_VERSION, "served": True, "storage": True, "subresources": {"status": {}},
@@ -74,14 +74,14 @@ def crd_yaml() -> str:
     return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=110)
 
 
-def schema_of(shape: Shape, api: ApiField, *, keep_unknown: bool = False, defaults: bool = True,
+def schema_of(shape: fields.Shape, api: fields.ApiField, *, keep_unknown: bool = False, defaults: bool = True,
               default: Any = None) -> dict:
     """The openAPIV3Schema node of one field."""
     node: dict[str, Any] = {}
-    if isinstance(shape, Scalar):
+    if isinstance(shape, fields.Scalar):
         node.update(_scalar(shape.type, api))
-    elif isinstance(shape, ListOf):
-        item_api = dataclasses.replace(api, doc="") if isinstance(shape.item, Scalar) else ApiField()
+    elif isinstance(shape, fields.ListOf):
+        item_api = dataclasses.replace(api, doc="") if isinstance(shape.item, fields.Scalar) else fields.ApiField()
         node["type"] = "array"
         if api.non_empty:
             node["minItems"] = 1
@@ -91,42 +91,42 @@ def schema_of(shape: Shape, api: ApiField, *, keep_unknown: bool = False, defaul
         elif api.unique:
             node["x-kubernetes-list-type"] = "set"
         node["items"] = schema_of(shape.item, item_api, keep_unknown=keep_unknown, defaults=defaults)
-    elif isinstance(shape, MapOf):
-        value_api = dataclasses.replace(api, doc="") if isinstance(shape.value, Scalar) else ApiField()
+    elif isinstance(shape, fields.MapOf):
+        value_api = dataclasses.replace(api, doc="") if isinstance(shape.value, fields.Scalar) else fields.ApiField()
         value = schema_of(shape.value, value_api, keep_unknown=keep_unknown, defaults=defaults)
         if api.nullable:
             value["nullable"] = True
         node.update(type="object", additionalProperties=value)
-    elif isinstance(shape, FreeForm):
+    elif isinstance(shape, fields.FreeForm):
         node.update({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
     else:
-        fields = api_fields(shape.cls)
+        declared = fields.api_fields(shape.cls)
         node["type"] = "object"
         if keep_unknown:
             node["x-kubernetes-preserve-unknown-fields"] = True
-        required = [f.key for f in fields if f.api.required]
+        required = [f.key for f in declared if f.api.required]
         if required:
             node["required"] = required
         node["properties"] = {
             f.key: schema_of(f.shape, f.api, keep_unknown=keep_unknown, defaults=defaults,
-                             default=f.default if f.has_default else None) for f in fields}
+                             default=f.default if f.has_default else None) for f in declared}
     description = describe(api)
     if description:
         node = {"description": description, **node}
-    if defaults and isinstance(shape, Scalar) and default not in (None, "") and not api.default_from:
+    if defaults and isinstance(shape, fields.Scalar) and default not in (None, "") and not api.default_from:
         node["default"] = default
     return node
 
 
-def describe(api: ApiField) -> str:
+def describe(api: fields.ApiField) -> str:
     if api.default_from:
         return f"{api.doc} Default: the value of {api.default_from}.".strip()
     return api.doc
 
 
-def _scalar(kind: type, api: ApiField) -> dict:
-    if kind is Quantity:
-        return {"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}
+def _scalar(kind: type, api: fields.ApiField) -> dict:
+    if kind is fields.Quantity:
+        return {"x-kubernetes-int-or-string": True, "pattern": fields.QUANTITY_PATTERN}
     if kind is str:
         node: dict[str, Any] = {"type": "string"}
         if api.enum:

@@ -9,7 +9,7 @@ from omnistage.api.crd import describe
 from omnistage.api.fields import ApiField, ListOf, MapOf, ModelField, Obj, Scalar, Shape, api_fields, type_name
 from omnistage.api.model import API_GROUP, API_VERSION, KIND, Metadata, Spec, Status
 
-ROOT = (
+ROOT: tuple[ModelField, ...] = (
     ModelField("api_version", "apiVersion", Scalar(str), ApiField(doc=f"{API_GROUP}/{API_VERSION}"), None),
     ModelField("kind", "kind", Scalar(str), ApiField(doc=KIND), None),
     ModelField("metadata", "metadata", Obj(Metadata), ApiField(doc="Standard object metadata; the name is ours."),
@@ -78,6 +78,8 @@ def _describe(f: ModelField) -> str:
         facts.append(f"At most {api.max_length} characters.")
     if api.list_map_key:
         facts.append(f'Unique by "{api.list_map_key}".')
+    if api.catalog is not None:
+        facts.append(api.catalog())
     return " ".join([text, *facts]).strip()
 
 

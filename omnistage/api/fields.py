@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, NewType, Union
+from typing import Any, Callable, NewType, Union
 
 # A Kubernetes resource quantity ("500m", "1Gi", 2): an int-or-string with this pattern.
 Quantity = NewType("Quantity", str)
@@ -50,6 +50,8 @@ class ApiField:
     free_form: bool = False            # a mapping passed through as is (engine arguments)
     int_format: str = ""               # int32 / int64, for status counters
     default_from: str = ""             # the default is another field's value (documented, resolved by loading)
+    # What `explain` adds from a table read when asked (the model families' components); never in the CRD.
+    catalog: Callable[[], str] | None = None
 
 
 def api_field(doc: str, *, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING,
@@ -96,7 +98,7 @@ def shape_of(hint: Any) -> Shape:
     if hint in (str, int, float, bool, Quantity):
         return Scalar(hint)
     if dataclasses.is_dataclass(hint):
-        return Obj(hint)
+        return Obj(typing.cast(type, hint))   # a type hint: the dataclass itself, never an instance
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return ListOf(shape_of(args[0]))

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from omnistage.contract.launch import API_PORT, API_PORT_NAME, ENV_API_KEYS
-
-from omnistage.api.engines import ENGINE_NAMES, adapter_for
 from omnistage.api.fields import Quantity, api_field
+from omnistage.api.ports import API_PORT, API_PORT_NAME, ENV_API_KEYS
+from omnistage.families import ENGINES, adapter_for, component_catalog
 
 API_GROUP = "omnistage.io"
 API_VERSION = "v1alpha1"
@@ -22,7 +21,6 @@ KIND = "OmniPipeline"
 PLURAL = "omnipipelines"
 
 STAGE_KINDS = ("ar", "diffusion", "generation", "encoder")
-ENGINES = ENGINE_NAMES
 # What stages emit, and so what their edges carry.
 # `media`: an encoder stage's prompt ids and encoder rows, for the Thinker it feeds.
 EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", "image", "media")
@@ -33,7 +31,8 @@ DEVICES = ("auto", "cpu")
 TOLERATION_OPERATORS = ("Equal", "Exists")
 TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 # Label keys (an optional DNS-subdomain prefix and "/") and values, as Kubernetes checks them.
-LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+LABEL_KEY = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+             r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 LABEL_KEY_HINT = 'must be a label key: an optional DNS prefix and "/", then letters, digits, "-", "_" and "."'
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 LABEL_VALUE_HINT = ('must be a label value: at most 63 letters, digits, "-", "_" and ".", starting and ending '
@@ -87,7 +86,7 @@ class Stage:
                                        required=True, enum=EMITS, non_empty=True)
     component: str = api_field("Part of a combined checkpoint this stage runs (thinker, talker, code2wav, "
                                "token2wav; a diffusers sub-folder: text_encoder, unet, transformer, vae); "
-                               "selects the engine adapter.", default="")
+                               "selects the engine adapter.", default="", catalog=component_catalog)
     inputs: tuple[Edge, ...] = api_field("Edges from producing stages.", default=(), list_map_key="stage",
                                          item="input")
     chunk_size: int = api_field("Units (tokens, frames, steps) per chunk on every edge leaving this stage; "
@@ -104,12 +103,14 @@ class Stage:
             return self.initial_chunk_size
         return self.chunk_size
 
-    def chunk_due(self, index: int, pending: int, done: bool) -> bool:
+    def chunk_due(self, index: int, pending: int, done: bool, *, always_end: bool = False) -> bool:
         """Whether the stage, holding `pending` units not yet handed on, hands on its chunk number `index`
         now: once that chunk is full, and at the end with whatever is left (an empty chunk only when it is
-        the first, so every consumer sees an end of stream)."""
+        the first, so every consumer sees an end of stream; or always, with `always_end`, for an engine
+        whose end can come with no unit but with what its last chunk must carry: vLLM's finish reason).
+        Every engine follows this rule through `stage_service.runtime.base.Chunking`."""
         if done:
-            return pending > 0 or index == 0
+            return pending > 0 or index == 0 or always_end
         every = self.chunk_units(index)
         return bool(every) and pending >= every
 
@@ -583,6 +584,7 @@ def stage_inputs(stage: Stage) -> frozenset[str]:
     stage fed `media` by an encoder stage (a Thinker with its encoders split out) reads their text only:
     the encoder read the rest."""
     adapter = adapter_for(stage.engine, stage.kind, stage.component)
+    assert adapter is not None   # validation refuses a stage no adapter serves
     if "media" in adapter.reads and stage.inputs:
         return frozenset({"text"})
     return adapter.inputs

@@ -3,10 +3,10 @@
 Two passes. The first walks the document against the model's declarations (`model.py`): shapes,
 types, bounds, enums, patterns, required and unknown fields (with a "did you mean" hint). The second
 checks what one field cannot say alone: the stage graph (edges name stages, no cycle, every stage feeds
-an output), each stage against its engine adapter (`engines.py`: what it emits, what its edges carry),
-name lengths that add up, defaults within their maximums, a deployment entry for every stage, the
-autoscaling bounds against the stages and the budget, and an HTTP API port apart from the orchestrator's
-other ports.
+an output), each stage against its engine adapter (the family table, `omnistage/families/`: what it
+emits, what its edges carry), name lengths that add up, defaults within their maximums, a deployment
+entry for every stage, the autoscaling bounds against the stages and the budget, and an HTTP API port
+apart from the orchestrator's other ports.
 """
 
 from __future__ import annotations
@@ -16,13 +16,40 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from omnistage.contract.launch import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME
-
-from omnistage.api import engines
-from omnistage.api.fields import QUANTITY_PATTERN, ApiField, FreeForm, ListOf, MapOf, Obj, Quantity, Scalar, Shape, api_fields
+from omnistage import families
+from omnistage.api.fields import (
+    QUANTITY_PATTERN,
+    ApiField,
+    FreeForm,
+    ListOf,
+    MapOf,
+    Obj,
+    Quantity,
+    Scalar,
+    Shape,
+    api_fields,
+)
 from omnistage.api.graph import ancestors, find_cycle
-from omnistage.api.model import (API_GROUP, API_VERSION, ENGINES, KIND, LABEL_KEY, LABEL_KEY_HINT, LABEL_VALUE, LABEL_VALUE_HINT, LIMIT_DEFAULTS, MAX_MESSAGE_BYTES, MAX_NAME_LEN, RESERVED_STAGE_NAMES, Limits,
-                    Metadata, Spec, StageAutoscaling, StageDeployment)
+from omnistage.api.model import (
+    API_GROUP,
+    API_VERSION,
+    ENGINES,
+    KIND,
+    LABEL_KEY,
+    LABEL_KEY_HINT,
+    LABEL_VALUE,
+    LABEL_VALUE_HINT,
+    LIMIT_DEFAULTS,
+    MAX_MESSAGE_BYTES,
+    MAX_NAME_LEN,
+    RESERVED_STAGE_NAMES,
+    Limits,
+    Metadata,
+    Spec,
+    StageAutoscaling,
+    StageDeployment,
+)
+from omnistage.api.ports import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME
 
 
 @dataclass(frozen=True)
@@ -135,7 +162,8 @@ class _Walker:
 
     def scalar(self, value: Any, kind: type, api: ApiField, path: str) -> None:
         if kind is Quantity:
-            if isinstance(value, bool) or not isinstance(value, (int, str)) or not re.match(QUANTITY_PATTERN, str(value)):
+            if (isinstance(value, bool) or not isinstance(value, (int, str))
+                    or not re.match(QUANTITY_PATTERN, str(value))):
                 self.err(path, f"not a resource quantity: {_show(value)}")
         elif kind is str:
             if not isinstance(value, str) or (not value and not api.empty_ok):
@@ -243,11 +271,11 @@ class _Relations:
         self.w.err(path, f'unknown stage "{name}"' + _hint(str(name), self.names))
         return False
 
-    def adapter(self, s: dict, path: str) -> engines.Adapter | None:
+    def adapter(self, s: dict, path: str) -> families.Adapter | None:
         kind, engine, component = s.get("kind"), s.get("engine"), s.get("component", "")
-        if not all(isinstance(v, str) for v in (kind, engine, component)):
+        if not (isinstance(kind, str) and isinstance(engine, str) and isinstance(component, str)):
             return None
-        fits = engines.engines_for_kind(kind)
+        fits = families.engines_for_kind(kind)
         if not fits:
             return None   # an unknown kind, reported by pass 1
         if engine not in fits:
@@ -255,9 +283,9 @@ class _Relations:
                 self.w.err(f"{path}.engine", f'engine "{engine}" cannot serve a "{kind}" stage (use '
                                              f"{' or '.join(fits)})")
             return None
-        adapter = engines.adapter_for(engine, kind, component)
+        adapter = families.adapter_for(engine, kind, component)
         if adapter is None:
-            known = [c or "none" for c in engines.components_for(engine, kind)]
+            known = [c or "none" for c in families.components_for(engine, kind)]
             self.w.err(f"{path}.component" if component else path,
                        f'no {engine} adapter serves a "{kind}" stage with component "{component or "none"}" '
                        f"(components: {', '.join(known)})")
@@ -269,7 +297,7 @@ class _Relations:
         self.initial_chunk(s, path, adapter)
         return adapter
 
-    def initial_chunk(self, s: dict, path: str, adapter: engines.Adapter) -> None:
+    def initial_chunk(self, s: dict, path: str, adapter: families.Adapter) -> None:
         """A smaller first chunk needs chunks (chunkSize > 0), no larger than the rest, from an adapter
         that emits one."""
         first, every = s.get("initialChunkSize", 0), s.get("chunkSize", 0)
@@ -278,7 +306,7 @@ class _Relations:
         key = f"{path}.initialChunkSize"
         if not adapter.initial_chunk:
             self.w.err(key, f"the {adapter.name} adapter emits every chunk at chunkSize (initialChunkSize applies "
-                            f"to {_words(a.name for a in engines.ADAPTERS if a.initial_chunk)})")
+                            f"to {_words(a.name for a in families.all_adapters() if a.initial_chunk)})")
         elif every == 0:
             self.w.err(key, "needs chunkSize > 0: with chunkSize 0 the whole result is one chunk")
         elif first > every:

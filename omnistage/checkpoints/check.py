@@ -13,13 +13,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from omnistage.api import Pipeline, Stage
+from omnistage.checkpoints.configs import read_json, require_keys
+from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import checkpoint_dir
-from omnistage.api import Pipeline, Stage
-
-from omnistage.checkpoints.configs import read_json, require_keys
-from omnistage.checkpoints.families import DIFFUSERS_PIPELINES, Part, family_of, served_architectures
-from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
+from omnistage.families import Part, family_of, served_architectures
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -81,7 +80,7 @@ def _transformers(path: Path, component: str):
     config = read_json(path / "config.json")
     architecture = (config.get("architectures") or [""])[0]
     family = family_of(architecture)
-    if family is None:
+    if family is None or not family.parts:
         raise CheckpointError(f"{path / 'config.json'}: architecture {architecture or '(none)'} is not one "
                               f"omnistage serves ({served_architectures()})")
     part = family.parts.get(component)
@@ -121,10 +120,11 @@ def _files(path: Path, part: Part) -> list[str]:
 def _diffusers(path: Path, component: str):
     index = read_json(path / "model_index.json")
     cls = index.get("_class_name", "")
-    if cls not in DIFFUSERS_PIPELINES:
+    family = family_of(cls)
+    if family is None or not family.pipeline:
         raise CheckpointError(f"{path / 'model_index.json'}: pipeline {cls or '(none)'} is not one omnistage serves "
                               f"({served_architectures()})")
-    name, stages = DIFFUSERS_PIPELINES[cls]
+    name, stages = family.name, family.pipeline
     if component not in stages:
         raise CheckpointError(f"{path}: a {cls} has no stage component \"{component}\" "
                               f"(components: {', '.join(stages)})")

@@ -20,16 +20,15 @@ from typing import Callable
 
 import torch
 
-from omnistage.contract import tensors
 from omnistage.api import TRANSPORTS
-from omnistage.v1 import tensor_pb2
-
 from omnistage.connector.errors import ConnectorError
 from omnistage.connector.keys import TensorKey
 from omnistage.connector.paths import CPU, CUDA, HOST, choose_path, device_kind, sends_device_memory, widen_tls_for_cuda
 from omnistage.connector.shm import ShmStore
 from omnistage.connector.store import TensorStore
 from omnistage.connector.ucx import UcxStore
+from omnistage.contract import tensors
+from omnistage.v1 import tensor_pb2
 
 STORES = (ShmStore.backend, UcxStore.backend)  # the transports that hold tensors (inline holds nothing)
 INLINE_THRESHOLD = 64 << 10

@@ -13,7 +13,8 @@ _SECONDS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30)
 class TransferMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
-        self.bytes = Counter("omnistage_transfer_bytes", "Tensor bytes put (out) or fetched (in), per edge and transport",
+        self.bytes = Counter("omnistage_transfer_bytes",
+                             "Tensor bytes put (out) or fetched (in), per edge and transport",
                              ["edge", "transport", "direction"], registry=r)
         # path: one of paths.PATHS (6 values), so edges x 6 series at most
         self.paths = Counter("omnistage_transfer_path_tensors",

@@ -27,13 +27,16 @@ import re
 import secrets
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import numpy as np
 import psutil
 import torch
 
 from omnistage.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 from omnistage.connector.buffers import empty_bytes
 from omnistage.connector.errors import BadReference, ConnectorError, TensorNotFound
@@ -115,7 +118,12 @@ class ShmStore(TensorStore):
     def reap_consumed(self) -> int:
         """Stop counting segments whose last reader removed them; returns the bytes that freed."""
         gone = [h.key for h in self.held if not h.handle.exists()]
-        return sum(self.held.pop(k, "consumed").nbytes for k in gone)
+        freed = 0
+        for k in gone:
+            held = self.held.pop(k, "consumed")
+            assert held is not None   # just listed from self.held, each key once
+            freed += held.nbytes
+        return freed
 
     @property
     def held_bytes(self) -> int:
@@ -152,7 +160,7 @@ def _write_segment(path: Path, header: TensorHeader, tensor: torch.Tensor) -> No
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.pwrite(fd, header.pack(), 0)
-        view = memoryview(as_bytes(tensor).numpy())
+        view = memoryview(cast("Buffer", as_bytes(tensor).numpy()))
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:done + _IO_MAX], HEADER_BYTES + done)
@@ -280,7 +288,7 @@ os.register_at_fork(after_in_child=_UNMAPPER.after_fork)
 
 def _copy_bytes(fd: int, nbytes: int, ref: tensor_pb2.TensorRef) -> torch.Tensor:
     raw = empty_bytes(nbytes)
-    view = memoryview(raw.numpy())
+    view = memoryview(cast("Buffer", raw.numpy()))
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:done + _IO_MAX]], HEADER_BYTES + done)

@@ -12,14 +12,13 @@ fails, where without keeping every retry would.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from omnistage.v1 import tensor_pb2
-
 from omnistage.connector.held import Held, HeldIndex
 from omnistage.connector.keys import TensorKey
+from omnistage.v1 import tensor_pb2
 
 
 class TensorStore(ABC):
@@ -29,7 +28,7 @@ class TensorStore(ABC):
 
     def __init__(self, host_id: str, clock: Callable[[], float]):
         self.host_id = host_id
-        self.held = HeldIndex(clock=clock)
+        self.held: HeldIndex[Any] = HeldIndex(clock=clock)
         self.retain_fetched = False  # keep a tensor after its last reader (for a retried consumer)
 
     @abstractmethod

@@ -19,13 +19,12 @@ from typing import Mapping
 
 import torch
 
-from omnistage.contract.tensors import TensorFormatError
-from omnistage.v1 import stage_pb2, tensor_pb2
-
 from omnistage.connector.connector import Connector
 from omnistage.connector.errors import ChunkTooLarge
 from omnistage.connector.keys import TensorKey
 from omnistage.connector.metrics import TransferMetrics
+from omnistage.contract.tensors import TensorFormatError
+from omnistage.v1 import stage_pb2, tensor_pb2
 
 
 class ChunkSender:

@@ -28,12 +28,15 @@ import os
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import numpy as np
 import torch
 
 from omnistage.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 from omnistage.connector.buffers import empty_bytes
 from omnistage.connector.errors import ConnectorError, PeerUnreachable, TensorNotFound
@@ -155,7 +158,7 @@ class _LoopWorker:
         self.worker.init_blocking_progress_mode()
         self.loop = asyncio.get_running_loop()
         self._fd = self.worker.epoll_file_descriptor
-        self._pending: dict[object, tuple[asyncio.Future, object]] = {}  # request -> (future, buffer kept alive)
+        self._pending: dict[Any, tuple[asyncio.Future, object]] = {}  # request -> (future, buffer kept alive)
         self._soon: asyncio.Handle | None = None
         self._safety: asyncio.TimerHandle | None = None
         self.loop.add_reader(self._fd, self.progress)
@@ -273,7 +276,7 @@ class UcxStore(TensorStore):
         self.get_timeout_s = get_timeout_s
         self.address = ""
         self._worker: _LoopWorker | None = None
-        self._listener = None
+        self._listener: Any = None  # a ucxx UCXListener once started
         self._next_tag = 1  # reply tags: unique on this store's worker, whichever producer answers
         self._peers: OrderedDict[str, _Peer] = OrderedDict()  # consumer side, least recently used first
         self._connecting: dict[str, asyncio.Future] = {}
@@ -331,13 +334,14 @@ class UcxStore(TensorStore):
     async def _serve_peer(self, ep) -> None:
         """One consumer's connection: say hello, then answer its requests until it says bye or goes away."""
         worker = self._worker
+        assert worker is not None   # close() cancels and awaits these handlers before dropping the worker
         tasks: set[asyncio.Task] = set()
         request = np.empty(REQUEST_BYTES, dtype=np.uint8)
         try:
             await worker.stream_send(ep, _HELLO)
             while True:
                 await worker.stream_recv(ep, request)
-                magic, op, _, tag, fragment_bytes, nbytes, keylen = _REQUEST.unpack_from(request)
+                magic, op, _, tag, fragment_bytes, nbytes, keylen = _REQUEST.unpack_from(cast("Buffer", request))
                 if magic != _MAGIC or op != _GET:
                     break
                 key = bytes(request[_REQUEST.size:_REQUEST.size + keylen]).decode(errors="replace")
@@ -357,6 +361,7 @@ class UcxStore(TensorStore):
         A refusal still sends one empty message per expected fragment, so that the consumer, which posted
         every receive up front, is left with none pending. Returns the sends and the tensor sent (or None)."""
         worker = self._worker
+        assert worker is not None   # called by a running consumer handler (_serve_peer)
         try:
             held = self.held.get(TensorKey.parse(wire_key))
             status = NOT_FOUND if held is None else OK if held.nbytes == nbytes else BAD_REQUEST
@@ -366,6 +371,7 @@ class UcxStore(TensorStore):
             status, nbytes = BAD_REQUEST, 0
         frags = _fragments(nbytes, fragment_bytes)
         if status == OK:
+            assert held is not None   # OK only when the key is held
             header, data = TensorHeader.of(held.handle), _sendable(as_bytes(held.handle))
             payload = [data[o:o + n] for o, n in frags]
         else:
@@ -407,11 +413,12 @@ class UcxStore(TensorStore):
     async def _fetch(self, peer: _Peer, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         """Post the request, the header receive and every fragment receive at once: one round trip."""
         worker = self._worker
+        assert worker is not None   # get() checked that the store started
         frags = _fragments(ref.nbytes, self.fragment_bytes)
         tag, self._next_tag = self._next_tag, self._next_tag + 1 + len(frags)
         key = ref.key.encode()
         request = np.zeros(REQUEST_BYTES, dtype=np.uint8)
-        _REQUEST.pack_into(request, 0, _MAGIC, _GET, 0, tag, self.fragment_bytes, ref.nbytes, len(key))
+        _REQUEST.pack_into(cast("Buffer", request), 0, _MAGIC, _GET, 0, tag, self.fragment_bytes, ref.nbytes, len(key))
         request[_REQUEST.size:_REQUEST.size + len(key)] = np.frombuffer(key, dtype=np.uint8)
         reply = np.empty(HEADER_BYTES, dtype=np.uint8)
         raw = self._receive_buffer(ref.nbytes)
@@ -462,6 +469,7 @@ class UcxStore(TensorStore):
         if not host or not port.isdigit():
             raise ConnectorError(f'UCX address "{address}" is not "host:port"')
         worker = self._worker
+        assert worker is not None   # reached from get(), which checked that the store started
         ep = None
         try:
             ep = worker.api.UCXEndpoint.create(worker.worker, host, int(port), True)
@@ -489,10 +497,11 @@ class UcxStore(TensorStore):
         peer = self._peers.pop(address, None)
         if peer is None:
             return
+        assert self._worker is not None   # peers exist only while started; close() drops them all first
         if bye:
             with contextlib.suppress(Exception):
                 request = np.zeros(REQUEST_BYTES, dtype=np.uint8)
-                _REQUEST.pack_into(request, 0, _MAGIC, _BYE, 0, 0, 0, 0, 0)
+                _REQUEST.pack_into(cast("Buffer", request), 0, _MAGIC, _BYE, 0, 0, 0, 0, 0)
                 await asyncio.wait_for(self._worker.stream_send(peer.ep, request), CLOSE_TIMEOUT_S)
         self._worker.close_endpoint(peer.ep)
 
@@ -510,6 +519,7 @@ class UcxStore(TensorStore):
             _, running = await asyncio.wait(served, timeout=5.0)
             if running:
                 log.warning("UCX store %s: %d consumer handlers still running at close", self.address, len(running))
+        assert self._worker is not None   # started: start() sets the listener only once the worker is up
         self._worker.close()
         self._worker = None
         _Runtime.release()

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from omnistage.contract.tensors import TensorFormatError, proto_dtype, torch_dtype
-
 from omnistage.connector.errors import ConnectorError
+from omnistage.contract.tensors import TensorFormatError, proto_dtype, torch_dtype
 
 HEADER_BYTES = 128
 MAX_DIMS = 12

@@ -19,6 +19,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from omnistage.api.ports import (  # noqa: F401
+    API_PORT,
+    API_PORT_NAME,
+    ENV_API_KEYS,
+    GRPC_PORT,
+    GRPC_PORT_NAME,
+    HTTP_PORT,
+    HTTP_PORT_NAME,
+)
+
 if TYPE_CHECKING:
     from omnistage.api import Stage
 
@@ -33,15 +43,13 @@ ENV_HOST_ID = "OMNISTAGE_HOST_ID"            # the shared-memory domain's name (
 ENV_TRANSPORTS = "OMNISTAGE_TRANSPORTS"      # override the stores a stage enables, e.g. "shm" or "shm,ucx"
 ENV_POD_IP = "POD_IP"                        # on a cluster, from the downward API
 ENV_POD_NAMESPACE = "POD_NAMESPACE"          # on a cluster, from the downward API
-# Bearer keys of the OpenAI-compatible API, comma-separated: how a Kubernetes Secret reaches the orchestrator
-# (an env var from a secretKeyRef), and how `omnistage serve` passes them without showing them in `ps`.
-ENV_API_KEYS = "OMNISTAGE_API_KEYS"
 ENV_CLIENT_API_KEY = "OMNISTAGE_API_KEY"     # the one key a client (`omnistage generate`) sends
 # The process's mTLS identity: a folder in the Kubernetes TLS Secret layout (ca.crt, tls.crt, tls.key; see
 # omnistage/tls.py). Given: stages accept only the pipeline's own peers and the orchestrator dials them over TLS.
 ENV_TLS_DIR = "OMNISTAGE_TLS_DIR"
 TLS_MOUNT = "/etc/omnistage-tls"             # where the operator mounts a pod's certificate Secret (beside, not inside,
-                                             # the pipeline ConfigMap's read-only /etc/omnistage: no mount point within it)
+                                             # the pipeline ConfigMap's read-only /etc/omnistage: no mount point
+                                             # within it)
 # The orchestrator's client-facing certificate (tls.crt, tls.key): its gRPC and HTTP API ports serve TLS.
 ENV_CLIENT_TLS_DIR = "OMNISTAGE_CLIENT_TLS_DIR"
 CLIENT_TLS_MOUNT = "/etc/omnistage-client-tls"
@@ -50,11 +58,6 @@ DEFAULT_MODEL_DIR = "models"                 # relative to the working directory
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_NAMESPACE = "default"
 
-# Ports and their names on a cluster (the pod IP keeps pods apart); locally every port is 0 (any free).
-GRPC_PORT, HTTP_PORT = 50051, 8080
-GRPC_PORT_NAME, HTTP_PORT_NAME = "grpc", "http"
-# The orchestrator's OpenAI-compatible HTTP API (spec.deployment.orchestrator.http.port overrides the port).
-API_PORT, API_PORT_NAME = 8000, "openai"
 # Paths on the HTTP port.
 METRICS_PATH = "/metrics"   # Prometheus
 READY_PATH = "/readyz"      # 200 once serving, 503 while loading or draining
@@ -110,8 +113,6 @@ STAGE_FLAGS = (
     *_SERVING,
     Flag("model_dir", f"root of the model store (default ${ENV_MODEL_DIR} or ./{DEFAULT_MODEL_DIR})"),
     *_LIFECYCLE,
-    Flag("inject_step_failure", "fault injection for tests: every engine step after the N-th raises", int,
-         metavar="N"),
 )
 ORCHESTRATOR_FLAGS = (
     _PIPELINE,

@@ -1,7 +1,9 @@
 """Request parameters: resolve defaults and check them against a pipeline's limits.
 
-Pure functions over the GenerationParams message; the orchestrator checks at
-admission and every stage checks again, so a bad request never reaches an engine.
+Pure functions over the GenerationParams message. The orchestrator resolves a request once, at admission,
+and sends every stage the resolved values (`fill_resolved`); each stage resolves what it is sent again, which
+checks it (a stage may be called by others than the orchestrator) and, on resolved values, gives back the
+very same RequestParams: one set of defaults, applied once.
 Content parts are checked here for structure only (count, bytes, text length);
 decoding them is the costlier check of `omnistage.media`.
 """
@@ -120,15 +122,41 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
     if len(p.system_prompt) > limits.max_prompt_chars:
         raise InvalidRequest("params.system_prompt", f"is longer than {limits.max_prompt_chars} characters")
     if p.system_prompt and p.raw_prompt:
-        raise InvalidRequest("params.system_prompt", "cannot be used with params.raw_prompt (no chat template is applied)")
+        raise InvalidRequest("params.system_prompt",
+                             "cannot be used with params.raw_prompt (no chat template is applied)")
     if len(p.audio.speaker) > 64:
         raise InvalidRequest("params.audio.speaker", "is longer than 64 characters")
     return RequestParams(
         prompt=p.prompt, prompt_token_ids=tuple(p.prompt_token_ids), seed=p.seed if p.HasField("seed") else 0,
-        max_tokens=max_tokens, temperature=None if is_greedy(temperature) else temperature, top_p=top_p, top_k=top_k, ignore_eos=t.ignore_eos,
+        max_tokens=max_tokens, temperature=None if is_greedy(temperature) else temperature, top_p=top_p, top_k=top_k,
+        ignore_eos=t.ignore_eos,
         max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
         system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts)
+
+
+def fill_resolved(p: common_pb2.GenerationParams, params: RequestParams) -> common_pb2.GenerationParams:
+    """`p` with every field that resolve() defaults written as `params` (resolved from `p`) has it, in place,
+    and returned: the request as the stages are sent it. In place, because `p` may hold megabytes of media
+    parts, and they are not copied; the message is the orchestrator's own (parsed for this call, or built by
+    the HTTP door).
+
+    resolve() of the result, under the same limits, is `params` again: each defaulted number is now set and
+    non-zero (taken as given), speaker, seed and guidance scale are set, every value written passed the same
+    bounds, and a temperature read as greedy is cleared, which reads as greedy too; the fields resolve() does
+    not default are left as they were."""
+    p.text.max_tokens = params.max_tokens
+    if params.temperature is None:
+        p.text.ClearField("temperature")
+    else:
+        p.text.temperature = params.temperature
+    p.seed = params.seed
+    p.audio.max_codec_frames = params.max_codec_frames
+    p.audio.speaker = params.speaker
+    p.image.width, p.image.height = params.width, params.height
+    p.image.num_inference_steps = params.num_inference_steps
+    p.image.guidance_scale = params.guidance_scale
+    return p
 
 
 def check_parts(parts, limits: Limits) -> None:

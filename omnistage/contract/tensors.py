@@ -14,7 +14,7 @@ _TO_PROTO = {
     torch.int16: tensor_pb2.INT16, torch.int8: tensor_pb2.INT8, torch.uint8: tensor_pb2.UINT8,
     torch.bool: tensor_pb2.BOOL,
 }
-_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+_FROM_PROTO: dict[int, torch.dtype] = {v: k for k, v in _TO_PROTO.items()}
 DTYPE_NAMES = {v: tensor_pb2.DType.Name(v).lower() for v in _TO_PROTO.values()}
 
 
@@ -29,7 +29,7 @@ def torch_dtype(code: int) -> torch.dtype:
         raise TensorFormatError(f"unsupported tensor dtype code {code}") from None
 
 
-def proto_dtype(dtype: torch.dtype) -> int:
+def proto_dtype(dtype: torch.dtype) -> tensor_pb2.DType:
     try:
         return _TO_PROTO[dtype]
     except KeyError:

@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from omnistage.local import gpu_placement
 from omnistage.api import MODALITIES, SpecError, load_pipeline
-
 from omnistage.contract.launch import ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root
+from omnistage.local import gpu_placement
 
 DEFAULT_MODEL_DIR = str(model_root())
 

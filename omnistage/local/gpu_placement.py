@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from omnistage.contract.devices import uses_gpus
 from omnistage.api import StageDeployment
+from omnistage.contract.devices import uses_gpus
 
 ENV_VISIBLE = "CUDA_VISIBLE_DEVICES"
 ENV_DEVICE_ORDER = "CUDA_DEVICE_ORDER"

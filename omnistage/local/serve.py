@@ -33,11 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from omnistage.local import gpu_placement
 from omnistage import tls as certificates
-from omnistage.contract.launch import (API_PATH, ENV_API_KEYS, ENV_CLIENT_TLS_DIR, ENV_TLS_DIR, ReadyPorts, http_url,
-                              model_dir, orchestrator_command, read_ready, service_env, stage_command)
 from omnistage.api import Pipeline
+from omnistage.contract.launch import (
+    API_PATH,
+    ENV_API_KEYS,
+    ENV_CLIENT_TLS_DIR,
+    ENV_TLS_DIR,
+    ReadyPorts,
+    http_url,
+    model_dir,
+    orchestrator_command,
+    read_ready,
+    service_env,
+    stage_command,
+)
+from omnistage.local import gpu_placement
 
 TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
 ENDPOINTS_FILE = "endpoints.json"           # in the log folder: the orchestrator's stage replicas (--discovery file)

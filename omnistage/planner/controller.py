@@ -23,13 +23,12 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from omnistage.api.model import Autoscaling, StageAutoscaling
-
+from omnistage.planner import load
+from omnistage.planner.classes import ClassCounts, ClassDemand, Forecast, counted, forecast
+from omnistage.planner.classes import demand as class_demand
 from omnistage.planner.decisions import Change, StageScale, decide
-from omnistage.planner.classes import ClassCounts, ClassDemand, Forecast, counted, demand as class_demand, forecast
 from omnistage.planner.graph import demand_per_request, edge_ratio, steady_arrivals
 from omnistage.planner.latency import Buckets, merged, missed, p95
-from omnistage.planner.load import (ReplicaCounters, StageEstimate, StageWindow, arrived, dispersion, estimate, load_floor, need,
-                   offered, window, window_since)
 from omnistage.planner.scrape import ORCHESTRATOR_HISTOGRAMS
 from omnistage.planner.sizing import Budget, Plan, StageNeed, plan
 
@@ -48,7 +47,7 @@ GROW_ERRORS_RECENT = 2.5
 class Decision:
     plan: Plan
     changes: list[Change]
-    estimates: Mapping[str, StageEstimate]
+    estimates: Mapping[str, load.StageEstimate]
     units: Mapping[str, str]   # per stage, what its capacity counts ("tokens/s"; "units/s" before its first step)
     # per stage, the work units one request entering the pipeline takes there (graph.demand_per_request)
     demand: Mapping[str, float] = field(default_factory=dict)
@@ -83,12 +82,12 @@ class Planner:
                        if s in fixed else autoscaling.bounds(s) for s in replicas}
         self.scales = {s: StageScale(min(max(n, self.bounds[s].min_replicas), self.bounds[s].max_replicas))
                        for s, n in replicas.items()}
-        self.estimates = {s: StageEstimate(s) for s in replicas}
+        self.estimates = {s: load.StageEstimate(s) for s in replicas}
         self.units = {s: "" for s in replicas}
         self.upstream = {s: tuple(u for u in (upstream or {}).get(s, ()) if u in replicas) for s in replicas}
         self.ratios: dict[tuple[str, str], float] = {}   # per edge (upstream, stage): graph.edge_ratio
         self.dispersions = {s: 1.0 for s in replicas}    # per stage, of its arrivals (load.dispersion)
-        self._history: dict[str, deque[dict[str, ReplicaCounters]]] = {s: deque() for s in replicas}
+        self._history: dict[str, deque[dict[str, load.ReplicaCounters]]] = {s: deque() for s in replicas}
         # per orchestrator histogram (scrape.ORCHESTRATOR_HISTOGRAMS): (at, its buckets merged over replicas)
         self._orchestrators: dict[str, deque[tuple[float, dict[float, float]]]] = {
             name: deque() for name in ORCHESTRATOR_HISTOGRAMS}
@@ -100,7 +99,7 @@ class Planner:
     def budget(self) -> Budget:
         return Budget(self.config.budget.max_replicas, self.config.budget.max_gpus)
 
-    def observe(self, stage: str, counters: Mapping[str, ReplicaCounters], unit: str = "") -> None:
+    def observe(self, stage: str, counters: Mapping[str, load.ReplicaCounters], unit: str = "") -> None:
         """One reading of every replica of a stage (by replica name), all taken at about the same time."""
         if not counters:
             return
@@ -165,7 +164,7 @@ class Planner:
         windows = self._windows()
         self._measure_edges(windows)
         # per window, the most requests per second that can steadily arrive at each stage (graph.py)
-        steady = [steady_arrivals(self.upstream, {s: arrived(w[i]) for s, w in windows.items()}, self.ratios,
+        steady = [steady_arrivals(self.upstream, {s: load.arrived(w[i]) for s, w in windows.items()}, self.ratios,
                                   {s: w[i].seconds for s, w in windows.items()}, errors)
                   for i, errors in enumerate((GROW_ERRORS, GROW_ERRORS_RECENT, GROW_ERRORS))]
         # per window, what the front door's admissions send each stage at its request classes' demand
@@ -179,7 +178,7 @@ class Planner:
             unit = f"{self.units[stage] or 'units'}/s"
             if stage not in windows:  # not measured over a window yet: held where it is (a 0 s delay must not cut it)
                 held = self.scales[stage].replicas
-                needs.append(need(est, held, held, self.gpus.get(stage, 0), unit, default_capacity=1.0))
+                needs.append(load.need(est, held, held, self.gpus.get(stage, 0), unit, default_capacity=1.0))
                 continue
             long, short, delay_window = windows[stage]
             # the graph bounds what steadily arrives by the upstream's share of its own arrivals, measured over
@@ -187,28 +186,29 @@ class Planner:
             fc = [f.get(stage) for f in ahead[stage]]
             bounds = [_with_forecast(steady[i][stage], fc[i], errors)
                       for i, errors in enumerate((GROW_ERRORS, GROW_ERRORS_RECENT, GROW_ERRORS))]
-            est = self.estimates[stage] = estimate(est, long, targets.queue_seconds, bounds[0])
+            est = self.estimates[stage] = load.estimate(est, long, targets.queue_seconds, bounds[0])
             per_request = est.units_per_request
             # a load step shows first in the recent window
-            recent, recent_backlog = offered(per_request, short, targets.queue_seconds, bounds[1])
+            recent, recent_backlog = load.offered(per_request, short, targets.queue_seconds, bounds[1])
             # fewer replicas must serve the load over the whole scale-down delay: a window that long, whose
             # count is steadier than any of the shorter ones within it (and a load a little over the target
             # for that long is surely over it, where 10 s could not tell)
-            over_delay, delay_backlog = offered(per_request, delay_window, targets.queue_seconds, bounds[2])
+            over_delay, delay_backlog = load.offered(per_request, delay_window, targets.queue_seconds, bounds[2])
             # how steady its arrivals are narrows what each window surely holds; each window's backlog is the
             # queue (the same in all) and what it saw in transit (its own)
-            d = self.dispersions[stage] = dispersion(self._arrival_counts(stage))
-            surely = max(load_floor(est.load, est.backlog, per_request, long.seconds, GROW_ERRORS, d),
-                         load_floor(recent, recent_backlog, per_request, short.seconds, GROW_ERRORS_RECENT, d),
-                         load_floor(over_delay, delay_backlog, per_request, delay_window.seconds, GROW_ERRORS, d),
-                         *(load_floor(f.load, 0.0, f.per_count, f.seconds, GROW_ERRORS) for f in (fc[0], fc[2])
+            d = self.dispersions[stage] = load.dispersion(self._arrival_counts(stage))
+            surely = max(load.load_floor(est.load, est.backlog, per_request, long.seconds, GROW_ERRORS, d),
+                         load.load_floor(recent, recent_backlog, per_request, short.seconds, GROW_ERRORS_RECENT, d),
+                         load.load_floor(over_delay, delay_backlog, per_request, delay_window.seconds, GROW_ERRORS, d),
+                         *(load.load_floor(f.load, 0.0, f.per_count, f.seconds, GROW_ERRORS) for f in (fc[0], fc[2])
                            if f is not None))
             if fc[2] is not None:  # fewer replicas must also serve what the front door keeps sending
                 over_delay = max(over_delay, fc[2].load)
-            load = max(est.load, surely)
-            needs.append(need(replace(est, load=load), b.min_replicas, b.max_replicas, self.gpus.get(stage, 0), unit,
-                              default_capacity=max(load, 1.0) / targets.utilization, grow_load=surely,
-                              keep_load=max(over_delay, load)))
+            planned = max(est.load, surely)
+            needs.append(load.need(replace(est, load=planned), b.min_replicas, b.max_replicas,
+                                   self.gpus.get(stage, 0), unit,
+                                   default_capacity=max(planned, 1.0) / targets.utilization, grow_load=surely,
+                                   keep_load=max(over_delay, planned)))
         needs, why = self._target_pressure(needs, now)
         p = plan(needs, self.budget, targets.utilization)
         if why:
@@ -220,7 +220,7 @@ class Planner:
         return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs}, demand,
                         {s: f.load for s, f in forecasts.get(self.window_s, {}).items()}, dict(self.classes))
 
-    def _windows(self) -> dict[str, tuple[StageWindow, StageWindow, StageWindow]]:
+    def _windows(self) -> dict[str, tuple[load.StageWindow, load.StageWindow, load.StageWindow]]:
         """Per stage measured over a window yet: its last `window_s`, last RECENT_S and last scale-down delay
         (at least `window_s`)."""
         out = {}
@@ -228,17 +228,19 @@ class Planner:
             if len(hist) < 2:
                 continue
             readings, delay = list(hist), self.bounds[stage].scale_down_delay_seconds
-            out[stage] = (window_since(stage, readings, self.window_s), window_since(stage, readings, RECENT_S),
-                          window_since(stage, readings, max(delay, self.window_s)))
+            out[stage] = (load.window_since(stage, readings, self.window_s),
+                          load.window_since(stage, readings, RECENT_S),
+                          load.window_since(stage, readings, max(delay, self.window_s)))
         return out
 
     def _arrival_counts(self, stage: str) -> list[float]:
         """The requests that arrived at the stage between each two successive readings kept (the last
         scale-down delay, at least a window): what `load.dispersion` measures."""
         readings = list(self._history[stage])
-        return [arrived(w) * w.seconds for w in (window(stage, a, b) for a, b in zip(readings, readings[1:]))]
+        return [load.arrived(w) * w.seconds for w in (load.window(stage, a, b) for a, b in zip(readings, readings[1:]))]
 
-    def _measure_edges(self, windows: Mapping[str, tuple[StageWindow, StageWindow, StageWindow]]) -> None:
+    def _measure_edges(self,
+                       windows: Mapping[str, tuple[load.StageWindow, load.StageWindow, load.StageWindow]]) -> None:
         """Each edge's share of the upstream's requests that reach the stage, over the window every stage has
         at the same length (`window_s`): what the stage received (arrived) over what the upstream ended,
         which a catch-up passes through alike and a stage that cannot keep up does not lower
@@ -247,7 +249,7 @@ class Planner:
             for u in ins:
                 if stage in windows and u in windows:
                     self.ratios[(u, stage)] = edge_ratio(self.ratios.get((u, stage), 0.0),
-                                                         windows[u][0].requests_per_s, arrived(windows[stage][0]))
+                                                         windows[u][0].requests_per_s, load.arrived(windows[stage][0]))
 
     def desired(self) -> dict[str, int]:
         return {s: sc.replicas for s, sc in self.scales.items()}

@@ -23,7 +23,6 @@ from typing import Mapping
 
 from omnistage.planner.sizing import Budget, Plan
 
-
 REBALANCE_S = 5.0
 
 
@@ -42,7 +41,8 @@ class Change:
 
 
 def decide(current: Mapping[str, StageScale], plan: Plan, now: float, delays: Mapping[str, float],
-           gpus: Mapping[str, int] | None = None, budget: Budget = Budget()) -> tuple[dict[str, StageScale], list[Change]]:
+           gpus: Mapping[str, int] | None = None,
+           budget: Budget = Budget()) -> tuple[dict[str, StageScale], list[Change]]:
     """The next state of every stage and the changes it makes (see the module docstring)."""
     gpus = gpus or {}
     nxt: dict[str, StageScale] = {}
@@ -79,7 +79,8 @@ def decide(current: Mapping[str, StageScale], plan: Plan, now: float, delays: Ma
                 nxt[stage] = StageScale(nxt[stage].replicas + 1)
                 granted = True
                 break
-    changes = [Change(s, current[s].replicas, nxt[s].replicas) for s in current if nxt[s].replicas != current[s].replicas]
+    changes = [Change(s, current[s].replicas, nxt[s].replicas) for s in current
+               if nxt[s].replicas != current[s].replicas]
     return nxt, changes
 
 

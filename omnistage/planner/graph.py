@@ -7,9 +7,10 @@ its consumer receives that catch-up as a burst (the modeled Talker read 550 to 7
 load; the graph can. Per edge `upstream -> stage`, the planner measures how many of the upstream's
 requests reach the stage (`edge_ratio`: what the stage received over what the upstream ended, over
 windows of the same span; what the upstream ends is what the stage receives, catch-up or not, so the
-ratio holds through one), and the stage's steady arrival rate is at most that ratio times what its upstream is *offered*, plus the binomial spread
-of which of those requests go on (`slack`) (`steady_arrivals`: sources first, each bounded by its
-upstream's steady rate, so a catch-up two stages up is bounded too).
+ratio holds through one), and the stage's steady arrival rate is at most that ratio times what its
+upstream is *offered*, plus the binomial spread of which of those requests go on (`slack`)
+(`steady_arrivals`: sources first, each bounded by its upstream's steady rate, so a catch-up two
+stages up is bounded too).
 What a stage receives above that bound is an upstream backlog in transit: it is planned as backlog
 (work to drain over the drain time), not as a new steady rate (load.offered's `steady`).
 
@@ -61,13 +62,14 @@ def steady_arrivals(upstream: Upstream, arrived: Mapping[str, float], ratios: Ma
                     seconds: Mapping[str, float] | None = None, errors: float = 0.0) -> dict[str, float | None]:
     """Per stage, the most requests per second that can steadily arrive at it over a window (of `seconds`
     per stage) in which `arrived[s]` arrived at each stage: a source (or a stage with an edge not measured
-    yet, or an input not measured in this window or measured over another span), None: no bound; any other, the largest over its inputs
-    of the edge's ratio times what steadily arrived at that input (its own arrivals, where it has no bound),
-    plus `errors` standard deviations of which of those requests go on (`slack`)."""
+    yet, or an input not measured in this window or measured over another span), None: no bound; any
+    other, the largest over its inputs of the edge's ratio times what steadily arrived at that input (its
+    own arrivals, where it has no bound), plus `errors` standard deviations of which of those requests go
+    on (`slack`)."""
     out: dict[str, float | None] = {}
     seconds = seconds or {}
     for stage in order(upstream):
-        bounds = []
+        bounds: list[float] = []
         for u in upstream[stage]:
             ratio = ratios.get((u, stage), 0.0)
             if u not in arrived or ratio <= 0 or not _same_span(seconds.get(u), seconds.get(stage)):

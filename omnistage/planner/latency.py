@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from omnistage.api.model import AutoscalingTargets
-
 from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF
 
 # Fewer requests than this in a window say nothing of a p95.

@@ -8,6 +8,8 @@ contract between them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.planner.classes import ClassCounts
@@ -73,10 +75,17 @@ def orchestrator_buckets(text: str) -> dict[str, dict[float, float]]:
 
 def orchestrator_classes(text: str) -> ClassCounts:
     """An orchestrator's per-class counters (CLASS_*): empty for one that does not export them."""
-    counts = ClassCounts({}, {}, {}, {}, {})
-    into = {f"{CLASS_REQUESTS}_total": (counts.admitted, False), f"{CLASS_FINISHED}_total": (counts.finished, False),
-            f"{CLASS_ENDED}_total": (counts.ended, False),
-            f"{CLASS_STAGE_REQUESTS}_total": (counts.served, True), f"{CLASS_STAGE_UNITS}_total": (counts.units, True)}
+    admitted: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    served: dict[tuple[str, str], float] = {}
+    units: dict[tuple[str, str], float] = {}
+    ended: dict[str, float] = {}
+    counts = ClassCounts(admitted, finished, served, units, ended)
+    # the table each counter sums into (keyed by class, or by (class, stage) where per_stage)
+    into: dict[str, tuple[dict[Any, float], bool]] = {
+        f"{CLASS_REQUESTS}_total": (admitted, False), f"{CLASS_FINISHED}_total": (finished, False),
+        f"{CLASS_ENDED}_total": (ended, False),
+        f"{CLASS_STAGE_REQUESTS}_total": (served, True), f"{CLASS_STAGE_UNITS}_total": (units, True)}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name not in into or "class" not in s.labels:

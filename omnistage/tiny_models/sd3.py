@@ -53,8 +53,12 @@ def clip_tokenizer(pad_token: str = EOS, vocab_size: int = 700):
 
 def build(out: Path, seed: int = 0) -> None:
     import torch
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)

@@ -33,6 +33,7 @@ from typing import Callable, Hashable, Iterator, Mapping
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
+from omnistage.api import Pipeline, SpecError
 from omnistage.contract.launch import METRICS_PATH, http_url
 from omnistage.planner.classes import ClassCounts
 from omnistage.planner.controller import Planner
@@ -40,13 +41,19 @@ from omnistage.planner.graph import upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
 from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, replica_counters
-from omnistage.api import Pipeline, SpecError
 
 from .kube import Kube
 from .pipeline_object import parse
 from .planning import Plans, ScrapeTarget, autoscaled, change_message, planned_view, scrape_targets
-from .vocabulary import (COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, ORCHESTRATOR, R_RECOMMENDED, R_SCALED,
-                         stage_object_name)
+from .vocabulary import (
+    COMPONENT_STAGE,
+    LABEL_COMPONENT,
+    LABEL_STAGE,
+    ORCHESTRATOR,
+    R_RECOMMENDED,
+    R_SCALED,
+    stage_object_name,
+)
 from .workqueue import WorkQueue
 
 log = logging.getLogger("omnistage.operator.autoscaler")
@@ -181,7 +188,8 @@ class Autoscaler:
                 continue   # a pod that does not answer this time is measured next time
             try:
                 if unit == ORCHESTRATOR:   # the latency targets' measures and the request classes
-                    orchestrators[target.pod], classes[target.pod] = orchestrator_buckets(text), orchestrator_classes(text)
+                    orchestrators[target.pod] = orchestrator_buckets(text)
+                    classes[target.pod] = orchestrator_classes(text)
                     continue
                 counters, work = replica_counters(text, self.clock())
             except ValueError:
@@ -214,7 +222,7 @@ class Autoscaler:
                 try:
                     if await asyncio.to_thread(self.step, key):
                         queue.add(key)
-                except Exception:   # noqa: BLE001 - one pipeline's failure must not stop the others' planning
+                except Exception:
                     self._retry_at[key] = self.clock() + RETRY_S
                     log.exception("planning %s/%s failed; again in %.0f s", *key, RETRY_S)
 

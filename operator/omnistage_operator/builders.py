@@ -12,18 +12,49 @@ from typing import Any, Sequence
 
 import yaml
 
-from omnistage.contract.launch import (API_PORT_NAME, CLIENT_TLS_MOUNT, ENV_API_KEYS, ENV_POD_IP, ENV_POD_NAMESPACE, GRPC_PORT,
-                              GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME, LIVE_PATH, READY_PATH, TERMINATION_LOG,
-                              TLS_MOUNT, drain_hook_command, orchestrator_command, service_env, stage_command)
 from omnistage.api import OrchestratorHttp, Pipeline, StageDeployment
+from omnistage.contract.launch import (
+    API_PORT_NAME,
+    CLIENT_TLS_MOUNT,
+    ENV_API_KEYS,
+    ENV_POD_IP,
+    ENV_POD_NAMESPACE,
+    GRPC_PORT,
+    GRPC_PORT_NAME,
+    HTTP_PORT,
+    HTTP_PORT_NAME,
+    LIVE_PATH,
+    READY_PATH,
+    TERMINATION_LOG,
+    TLS_MOUNT,
+    drain_hook_command,
+    orchestrator_command,
+    service_env,
+    stage_command,
+)
 
 from .certificates import Leaf, build_certificate, leaves
 from .config import TLS_CERT_MANAGER, OperatorConfig
 from .planning import autoscaled, starting_replicas
-from .vocabulary import (ANNOTATION_CONFIG_HASH, COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT,
-                         LABEL_MANAGED_BY, LABEL_PIPELINE, LABEL_STAGE, MANAGED_BY, ORCHESTRATOR, PIPELINE_DIR,
-                         PIPELINE_FILE, config_map_name, network_policy_name, orchestrator_network_policy_name,
-                         orchestrator_object_name, selector, stage_object_name)
+from .vocabulary import (
+    ANNOTATION_CONFIG_HASH,
+    COMPONENT_ORCHESTRATOR,
+    COMPONENT_STAGE,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_PIPELINE,
+    LABEL_STAGE,
+    MANAGED_BY,
+    ORCHESTRATOR,
+    PIPELINE_DIR,
+    PIPELINE_FILE,
+    config_map_name,
+    network_policy_name,
+    orchestrator_network_policy_name,
+    orchestrator_object_name,
+    selector,
+    stage_object_name,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 POD_PYTHON = "python"   # the image's interpreter
@@ -412,4 +443,5 @@ def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: 
 
 
 def _service_ports(ports: tuple[tuple[str, int], ...] = ()) -> list[dict]:
-    return [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in ports or _SERVING_PORTS]
+    return [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+            for name, port in ports or _SERVING_PORTS]

@@ -118,7 +118,7 @@ async def stop(memo: kopf.Memo, **_) -> None:
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def pipeline_event(type: str | None, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo,
-                         **_) -> None:  # noqa: A002
+                         **_) -> None:
     key = (namespace, name)
     memo.autoscaler.track(key, type != "DELETED" and autoscaling_enabled(body))
     if type == "DELETED":

@@ -13,14 +13,24 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping
 
+from omnistage.api import Pipeline
 from omnistage.contract.launch import HTTP_PORT, HTTP_PORT_NAME
 from omnistage.planner.controller import Decision
 from omnistage.planner.decisions import Change
-from omnistage.api import Pipeline
 
 from .conditions import condition
-from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, ORCHESTRATOR, PLANNED,
-                         R_BUDGET_LIMITED, R_MEASURING, R_NO_LOAD, R_SIZED)
+from .vocabulary import (
+    COMPONENT_ORCHESTRATOR,
+    COMPONENT_STAGE,
+    LABEL_COMPONENT,
+    LABEL_STAGE,
+    ORCHESTRATOR,
+    PLANNED,
+    R_BUDGET_LIMITED,
+    R_MEASURING,
+    R_NO_LOAD,
+    R_SIZED,
+)
 
 # Between decisions that change nothing, the status's measured figures are refreshed at most this often (a
 # changed replica count or condition reason is written at once): a status write per interval would load

@@ -14,8 +14,7 @@ from omnistage.api import Pipeline, SpecError
 from omnistage.tls import TlsError
 
 from .builders import Children, build_children, build_tls_secret_meta
-from .certificates import (CertificateAuthority, build_tls_secret, ca_from_secret, leaves, needs_reissue,
-                           tls_secret_name)
+from .certificates import CertificateAuthority, build_tls_secret, ca_from_secret, leaves, needs_reissue, tls_secret_name
 from .compare import matches
 from .conditions import now_rfc3339
 from .config import TLS_CHART, OperatorConfig

@@ -15,8 +15,8 @@ Conditions:
   Planned      (autoscaling enabled) the stage planner's last decision (planning.py): True/Sized,
                True/BudgetLimited, True/NoLoad, Unknown/Measuring
 Under autoscaling a stage's `replicas` is what its Deployment runs (the planner sets it), with the planner's
-`desiredReplicas`, `capacity`, `capacityUnit`, `utilization` and `demandPerRequest`; replicas it added are not counted missing
-while they start (only those below the stage's minReplicas are).
+`desiredReplicas`, `capacity`, `capacityUnit`, `utilization` and `demandPerRequest`; replicas it added are
+not counted missing while they start (only those below the stage's minReplicas are).
 """
 
 from __future__ import annotations
@@ -28,10 +28,28 @@ from .conditions import condition, is_true, set_condition
 from .pipeline_object import plain
 from .planning import PlannedView
 from .rollout import RolloutPlan, deadline_exceeded
-from .vocabulary import (COMPONENT_ORCHESTRATOR, COMPONENT_STAGE, DEGRADED, LABEL_COMPONENT, LABEL_STAGE,
-                         ORCHESTRATOR, PLANNED, PROGRESSING, READY, R_ALL_READY, R_AS_EXPECTED, R_INVALID_SPEC, R_NOT_READY,
-                         R_PROGRESS_DEADLINE, R_REPLICA_FAILURE, R_ROLLING_OUT, R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO,
-                         R_STAGE_FAILING, R_STAGE_UNAVAILABLE)
+from .vocabulary import (
+    COMPONENT_ORCHESTRATOR,
+    COMPONENT_STAGE,
+    DEGRADED,
+    LABEL_COMPONENT,
+    LABEL_STAGE,
+    ORCHESTRATOR,
+    PLANNED,
+    PROGRESSING,
+    R_ALL_READY,
+    R_AS_EXPECTED,
+    R_INVALID_SPEC,
+    R_NOT_READY,
+    R_PROGRESS_DEADLINE,
+    R_REPLICA_FAILURE,
+    R_ROLLING_OUT,
+    R_ROLLOUT_COMPLETE,
+    R_SCALED_TO_ZERO,
+    R_STAGE_FAILING,
+    R_STAGE_UNAVAILABLE,
+    READY,
+)
 
 MAX_MESSAGE = 1000
 # A stage entry's fields the stage planner sets (planning.planned_view).

@@ -98,7 +98,8 @@ async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: async
             t0 = time.monotonic()
             outcome = await asyncio.to_thread(reconcile, *key)
             queue.succeeded(key)
-            log.info("reconciled %s/%s in %.2fs: %d writes%s", *key, time.monotonic() - t0, getattr(outcome, "writes", 0),
+            log.info("reconciled %s/%s in %.2fs: %d writes%s", *key, time.monotonic() - t0,
+                     getattr(outcome, "writes", 0),
                      f", again in {outcome.requeue_after:.0f}s" if getattr(outcome, "requeue_after", None) else "")
             if getattr(outcome, "gone", False):
                 queue.forget(key)
@@ -110,7 +111,7 @@ async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: async
         except kopf.TemporaryError as e:
             log.info("%s: %s/%s: %s (again in %.0fs)", name, *key, e, e.delay or 0)
             queue.add_after(key, e.delay if e.delay is not None else queue.backoff(key))
-        except Exception:   # noqa: BLE001 - any failure of one pipeline must not stop the worker
+        except Exception:
             delay = queue.backoff(key)
             log.exception("%s: reconcile of %s/%s failed; again in %.1fs", name, *key, delay)
             queue.add_after(key, delay)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import grpc
-
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 

@@ -146,11 +146,12 @@ class Call:
     async def _run(self) -> None:
         try:
             try:
-                async with contextlib.aclosing(self._servicer.generate(self._request, self.deadline, self.request_id)) as events:
+                events = self._servicer.generate(self._request, self.deadline, self.request_id)
+                async with contextlib.aclosing(events):
                     async for ev in events:
                         await self._queue.put(ev)
                 item = _END
-            except Exception as e:  # any failure reaches the reader as its answer; from_exception logs faults
+            except Exception as e:  # noqa: BLE001 - any failure reaches the reader as its answer; from_exception logs faults
                 item = from_exception(e, self._fields)
             await self._queue.put(item)
         except asyncio.CancelledError:

@@ -18,8 +18,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from omnistage.contract.params import InvalidRequest
 from omnistage.api import Limits, Pipeline
+from omnistage.contract.params import InvalidRequest
 
 from ..servicer import MAX_REQUEST_ID
 from . import audio_formats, chat, images, speech, translate
@@ -88,7 +88,7 @@ def _answers_errors(handler: Callable[..., Awaitable[Response]]):
             return await handler(self, request)
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody is listening: never sent
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure is the client's answer; from_exception logs faults
             return error_response(from_exception(e))
     return wrapped
 

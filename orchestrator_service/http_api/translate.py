@@ -20,9 +20,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from omnistage.client import build_request
-from omnistage.contract.params import InvalidRequest
 from omnistage.api import Limits, Pipeline
+from omnistage.contract.params import InvalidRequest
+from omnistage.contract.request import build_request
 from omnistage.v1 import common_pb2, orchestrator_pb2
 
 from . import audio_formats

@@ -10,23 +10,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import torch
 
+from omnistage.api import Pipeline, Stage, StageDeployment
 from omnistage.contract.chunks import EdgeReorderBuffer
 from omnistage.contract.devices import DevicePlan
 from omnistage.contract.params import RequestParams
-from omnistage.api import Pipeline, Stage, StageDeployment
-
-from stage_service.runtime.errors import (EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputError,  # noqa: F401
-                      StageDraining)  # re-exported for the adapters
+from stage_service.runtime import device, invariance
 from stage_service.runtime.engine_process import EngineProcess
+from stage_service.runtime.errors import (  # noqa: F401
+    EngineConfigError,
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    InputError,
+    StageDraining,  # re-exported for the adapters
+)
 from stage_service.runtime.scheduler import StepScheduler, StepState
 from stage_service.runtime.work_tally import WorkTally
-from stage_service.runtime import device, invariance
 
 
 @dataclass
@@ -51,6 +56,36 @@ class OutputChunk:
     compute_ms: float = 0.0
     transfer_ms: float = 0.0
     encode_ms: float = 0.0       # media decoding, processing and encoders behind this chunk
+
+
+@dataclass
+class Chunking:
+    """One request's output chunks under the stage's chunk rule (`Stage.chunk_due`), which every engine
+    follows: a chunk once `chunkSize` units are made (the first at `initialChunkSize`), what is left at the
+    end. The timings of what came before the request's first unit (its queue wait, its media encoding, its
+    input's transfer) go on the first chunk only."""
+    stage: Stage
+    always_end: bool = False  # hand on a chunk at the end even with no unit left (see Stage.chunk_due)
+    handed_on: int = 0        # chunks handed on so far
+    pending: int = 0          # units made since the last one
+
+    @property
+    def first(self) -> bool:
+        """The next chunk handed on is the request's first."""
+        return self.handed_on == 0
+
+    def due(self, made: int, done: bool) -> bool:
+        """`made` more units (`done`: the request's last): whether a chunk goes on now."""
+        self.pending += made
+        return self.stage.chunk_due(self.handed_on, self.pending, done, always_end=self.always_end)
+
+    def hand_on(self, chunk: OutputChunk, **first_only: float) -> OutputChunk:
+        """`chunk`, counted as handed on; the first carries the `first_only` timings (queue_ms, encode_ms,
+        transfer_ms), a later one none of them."""
+        if self.first:
+            chunk = replace(chunk, **first_only)
+        self.handed_on, self.pending = self.handed_on + 1, 0
+        return chunk
 
 
 @dataclass
@@ -226,8 +261,8 @@ class EngineOptions:
                              f"(known: {', '.join(sorted(known))})")
         for k, v in args.items():
             if type(v) is not known[k] or (known[k] is int and v < 1):
-                raise EngineConfigError(f"{path}.{k}: expected {'a positive integer' if known[k] is int else 'true or false'}, "
-                                 f"got {v!r}")
+                raise EngineConfigError(f"{path}.{k}: expected "
+                                        f"{'a positive integer' if known[k] is int else 'true or false'}, got {v!r}")
         return cls(**args)
 
 
@@ -248,7 +283,7 @@ class SteppedEngine(Engine):
         self.options = EngineOptions.parse(self.stage.name, dict(self.settings.engine_args))
         if self.options.engine_process and not self.ENGINE_PROCESS:
             raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.engine_process: this "
-                                    f"engine ({getattr(self, 'ADAPTER', type(self).__name__)}) runs its model in the stage process only; "
+                                    f"engine ({type(self).__name__}) runs its model in the stage process only; "
                                     "the causal LM, Talker and VAE engines support it")
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
                                        tally=self.tally,
@@ -291,7 +326,8 @@ class SteppedEngine(Engine):
 
     def start_core(self, factory: Callable[..., Any], args: tuple) -> dict:
         """Start the engine process (`engine_process.py`; on the worker thread, from `load`): its core is
-        `factory` (a class, pickled by reference into the child) built from `args`; returns the core's `info()`. Releases travel on the step thread."""
+        `factory` (a class, pickled by reference into the child) built from `args`; returns the core's
+        `info()`. Releases travel on the step thread."""
         self.core = EngineProcess(self.stage.name, factory, args)
         self.core.on_release = lambda: self.scheduler.call_on_worker(self.core.flush)
         try:

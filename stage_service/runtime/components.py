@@ -45,8 +45,10 @@ def load_component(ckpt: ShardedCheckpoint, prefix: str, cls, config, dtype: tor
 
 
 def _borrow_conversions(cls, combined_model_type: str) -> None:
-    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
-                                                 register_checkpoint_conversion_mapping)
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
 
     if get_checkpoint_conversion_mapping(cls.__name__) is None:
         mapping = get_checkpoint_conversion_mapping(combined_model_type)

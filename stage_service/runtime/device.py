@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.contract.devices import DeviceUnavailable, DevicePlan, plan_device
 from omnistage.api import StageDeployment
-
+from omnistage.contract.devices import DevicePlan, DeviceUnavailable, plan_device
 from stage_service.runtime.errors import EngineConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -15,9 +15,10 @@ gives about 10% more tokens/s; with the model in-process the shorter interval co
 
 The core object (`factory`, "module:Class", built in the child from picklable arguments) implements
 `info() -> dict`, `add(sid, spec)`, `release(sid)`, `step(sids, feeds) -> list` (feeds: what streamed in
-for each sequence since its last step, or None) and `stats() -> (states, bytes)`. Sequences are named by integer ids the stage process allocates; a new sequence's spec travels
-with the first step that uses it; releases travel before the next message. The child exits when the
-pipe closes (the stage process ended or was killed), so no core outlives its stage.
+for each sequence since its last step, or None) and `stats() -> (states, bytes)`. Sequences are named
+by integer ids the stage process allocates; a new sequence's spec travels with the first step that
+uses it; releases travel before the next message. The child exits when the pipe closes (the stage
+process ended or was killed), so no core outlives its stage.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def serve(conn, factory: Callable[..., Any], args: tuple) -> None:
         for sid in released:
             try:
                 core.release(sid)
-            except Exception:  # noqa: BLE001 - one sequence's release must not keep the others
+            except Exception:
                 log.exception("engine process: releasing sequence %d failed", sid)
         if op == "release":
             continue  # never answered: the stage process does not wait for it

@@ -2,13 +2,22 @@
 
 Not a mock: the engine loads its model and runs its real steps; from the chosen
 step on, the step raises instead, as a broken device or a corrupted model would.
+
+In process: `fail_steps(engine, after=N)`. In a stage process (`python -m stage_service`), the environment
+variable ENV_INJECT_STEP_FAILURE=N: a test's switch, kept out of the command line, which is the production
+contract (`omnistage/contract/launch.py`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from typing import Mapping
 
-from stage_service.runtime.base import SteppedEngine
+from stage_service.runtime.base import Engine, SteppedEngine
+
+# N: every engine step after the N-th raises (unset: none does).
+ENV_INJECT_STEP_FAILURE = "OMNISTAGE_TEST_INJECT_STEP_FAILURE"
 
 
 class InjectedFault(RuntimeError):
@@ -33,3 +42,24 @@ def fail_steps(engine: SteppedEngine, after: int, count: int | None = None) -> N
         return real(states)
 
     engine.scheduler.step_fn = step
+
+
+def injected_step_failure(env: Mapping[str, str] = os.environ) -> int | None:
+    """The N of ENV_INJECT_STEP_FAILURE (unset or empty: None); ValueError naming the variable otherwise."""
+    value = env.get(ENV_INJECT_STEP_FAILURE, "")
+    if not value:
+        return None
+    try:
+        after = int(value)
+    except ValueError:
+        raise ValueError(f"{ENV_INJECT_STEP_FAILURE}={value!r}: must be a whole number of steps") from None
+    if after < 0:
+        raise ValueError(f"{ENV_INJECT_STEP_FAILURE}={value!r}: must be >= 0")
+    return after
+
+
+def fail_steps_from_env(engine: Engine, env: Mapping[str, str] = os.environ) -> None:
+    """fail_steps(engine, after=N) when the environment asks for it (ENV_INJECT_STEP_FAILURE=N)."""
+    after = injected_step_failure(env)
+    if after is not None:
+        fail_steps(engine, after=after)

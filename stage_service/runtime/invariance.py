@@ -34,9 +34,10 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 - the ecosystem's name for it
 
 from omnistage.contract.devices import DevicePlan
+
 
 def _min_matmul_rows() -> int:
     """Rows from which every matmul on this CPU takes one kernel: 4 measured on AVX2; on AVX-512 the

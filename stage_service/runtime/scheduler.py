@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable
 
 from omnistage.api import SchedulerSettings
-
 from stage_service.runtime.errors import EngineDead, EngineError, EngineOverloaded
 from stage_service.runtime.work_tally import WorkTally
 

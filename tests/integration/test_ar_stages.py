@@ -4,32 +4,24 @@ One vLLM engine serves the whole module (start-up is about 30 s here); the last 
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import psutil
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2
-from stage_service.server import EXIT_ENGINE_DEAD
 
-from ..harness import call_stage, example, header, start_stage
+from ..harness import call_stage, example, header, start_stage, tensor_of, token_ids
 from .test_stage_batching import joins_a_running_batch
 from .test_stage_cancel import run_hundred
-from .test_stage_support import Call, token_ids
+from .test_stage_support import Call, assert_engine_death_ends_the_stage
 
 
 def with_engine(engine: str):
     def edit(doc):
         doc["spec"]["topology"]["stages"][0]["engine"] = engine
     return example("llm-tiny", edit)
-
-
-def tensor_of(chunk, name):
-    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
 
 
 def templated(*turns: str) -> str:
@@ -194,20 +186,10 @@ async def test_vllm_request_joining_a_batch_gets_what_it_gets_alone(vllm_stage):
 @pytest.mark.vllm
 async def test_vllm_engine_death_fails_requests_flips_health_and_stops(vllm_stage):
     """Last in the module: kills the shared engine's core process, a real failure."""
-    srv = vllm_stage
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
-        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-        calls = [Call(ch, header(f"d{i}", max_tokens=250, ignore_eos=True)) for i in range(4)]
-        await asyncio.wait_for(asyncio.gather(*(c.started.wait() for c in calls)), 60)
+    def kill_the_core():
         core = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in p.name()]
         assert core, "no vLLM engine core process found"
         for p in core:
             p.kill()
-        codes = await asyncio.wait_for(asyncio.gather(*(c.outcome() for c in calls)), 60)
-        assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
-        details = [await c.rpc.details() for c in calls]
-        assert all("stage llm: engine failed for good" in d for d in details), details
-        assert (await asyncio.wait_for(watch.read(), 30)).status == health_pb2.HealthCheckResponse.NOT_SERVING
-    await asyncio.wait_for(srv.stopped.wait(), 60)
-    assert srv.exit_code == EXIT_ENGINE_DEAD
+
+    await assert_engine_death_ends_the_stage(vllm_stage, kill_the_core, "stage llm: engine failed for good")

@@ -14,16 +14,13 @@ from omnistage.client import AsyncOmniClient, OmniClient
 from omnistage.serving import set_serving
 from orchestrator_service.server import SERVICE, OrchestratorServer
 
-from ..harness import example, start_stage
+from ..harness import small_lm, start_stage
 from ..polling import wait_until
 
 REQUESTS = 8
 
 
-def small_lm(doc):
-    """The tiny LM on the transformers engine, answers of a few tokens: the requests are cheap."""
-    doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
-    doc["spec"]["topology"]["limits"] = {"defaultMaxTokens": 2, "maxTokens": 4}
+LM_LIMITS = {"defaultMaxTokens": 2, "maxTokens": 4}  # answers of a few tokens: the requests are cheap
 
 
 def finished(orc: OrchestratorServer) -> float:
@@ -33,7 +30,7 @@ def finished(orc: OrchestratorServer) -> float:
 @contextlib.asynccontextmanager
 async def two_replicas(model_dir, **orchestrator_kw):
     """Two orchestrator replicas over one stage replica; all drained on the way out."""
-    pipeline = example("llm-tiny", small_lm)
+    pipeline = small_lm(LM_LIMITS)
     stage = await start_stage(pipeline, "llm", model_dir)
     orcs: list[OrchestratorServer] = []
     try:

@@ -11,10 +11,11 @@ import pytest
 os.environ.setdefault("UCX_TLS", "tcp")  # before ucxx loads; peer processes inherit it
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from omnistage.connector import ConnectorError, TensorKey, TensorNotFound, make_connector  # noqa: E402
+from omnistage.connector import ConnectorError, TensorKey, TensorNotFound, make_connector
 
-from ..connector_peer import DTYPES, PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
-from ..polling import wait_until  # noqa: E402
+from ..connector_peer import DTYPES, PeerProcess, decode, digest, encode, make_tensor
+from ..connector_support import connector_pair
+from ..polling import wait_until
 
 SHM = Path("/dev/shm")
 SHAPES = [(), (1,), (3, 5, 7), (0, 4), (257, 1031)]
@@ -40,11 +41,8 @@ async def nothing_held(conn) -> None:
 
 @pytest.fixture(scope="module")
 async def local():
-    producer = await make_connector("thinker", ("shm", "ucx"), host_id="host-a")
-    consumer = await make_connector("talker", ("shm", "ucx"), host_id="host-a")
-    yield producer, consumer
-    await consumer.close()
-    await producer.close()
+    async with connector_pair("host-a") as connectors:
+        yield connectors
 
 
 @pytest.fixture(scope="module")

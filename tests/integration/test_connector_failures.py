@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+
 import pytest
 from prometheus_client import CollectorRegistry
 
 os.environ.setdefault("UCX_TLS", "tcp")  # before ucxx loads; peer processes inherit it
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from omnistage.connector import (ChunkSender, PeerUnreachable, TensorNotFound,  # noqa: E402
-                                 TransferMetrics, make_connector)
+from omnistage.connector import ChunkSender, PeerUnreachable, TensorNotFound, TransferMetrics, make_connector
 
-from ..connector_peer import PeerProcess, decode, digest, encode, make_tensor  # noqa: E402
-from ..polling import wait_until  # noqa: E402
-from .test_connector_backends import peer_reaches, peer_segments  # noqa: E402
+from ..connector_peer import PeerProcess, decode, digest, encode, make_tensor
+from ..polling import wait_until
+from .test_connector_backends import peer_reaches, peer_segments
 
 CHUNK_SHAPE = [8 << 20]  # float32: 32 MiB per chunk
 
@@ -43,7 +43,8 @@ async def test_consumer_killed_mid_stream_leaves_buffers_to_the_ttl(transport):
         consumer.kill()
         assert await consumer.proc.wait() == -9
         await wait_until(lambda: producer.held_bytes == 0, timeout=30, what="TTL freeing the buffers")
-        ttl = registry.get_sample_value("omnistage_transfer_released_bytes_total", {"stage": "thinker", "reason": "ttl"})
+        ttl = registry.get_sample_value("omnistage_transfer_released_bytes_total",
+                                        {"stage": "thinker", "reason": "ttl"})
         assert ttl >= 2 * (32 << 20)  # chunks 2 and 3 were never asked for: only the TTL could free them
         assert producer.stores["shm"].segments() == []
         # the dead consumer's UCX endpoint is gone too

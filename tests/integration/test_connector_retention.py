@@ -13,9 +13,9 @@ import torch
 os.environ.setdefault("UCX_TLS", "tcp")  # before ucxx loads
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from omnistage.connector import ChunkSender, TensorKey, make_connector  # noqa: E402
+from omnistage.connector import ChunkSender, TensorKey, make_connector
 
-from ..polling import wait_until  # noqa: E402
+from ..polling import wait_until
 
 TRANSPORTS = ("shm", "ucx")
 

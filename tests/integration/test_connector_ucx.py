@@ -14,9 +14,9 @@ import torch
 os.environ.setdefault("UCX_TLS", "tcp")  # before ucxx loads; peer processes inherit it
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from omnistage.connector import PeerUnreachable, TensorKey, make_connector  # noqa: E402
+from omnistage.connector import PeerUnreachable, TensorKey, make_connector
 
-from ..connector_peer import PeerProcess, decode, digest  # noqa: E402
+from ..connector_peer import PeerProcess, decode, digest
 
 MIB = 1 << 20
 

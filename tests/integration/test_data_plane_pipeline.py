@@ -16,10 +16,10 @@ import psutil
 import pytest
 import yaml
 
+from omnistage.api import parse_pipeline
 from omnistage.client import AsyncOmniClient
 from omnistage.connector.shm import SEGMENT_PREFIX
 from omnistage.local.serve import LocalPipeline
-from omnistage.api import parse_pipeline
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 
@@ -64,7 +64,8 @@ class Served:
         return out
 
     async def nothing_held(self) -> bool:
-        return all(l.buffered_bytes == 0 and l.running == 0 and l.queued == 0 for l in (await self.loads()).values())
+        return all(ld.buffered_bytes == 0 and ld.running == 0 and ld.queued == 0
+                   for ld in (await self.loads()).values())
 
     def connections(self, stage: str) -> int:
         """Established TCP connections of a stage process: gRPC's (a fixed few) plus its UCX endpoints."""

@@ -13,22 +13,13 @@ from PIL import Image
 from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2
 
-from ..harness import call_stage, example, header, in_engine_process, stage_servers, start_stage
+from ..harness import call_stage, example, header, in_engine_process, stage_servers, stage_servers_fixture, tensor_of
 from .test_stage_support import Call, assert_nothing_held
 
 PIPELINE = example("text-to-image-tiny")
 
 
-@pytest.fixture(scope="module")
-async def servers(model_dir):
-    srvs = {n: await start_stage(PIPELINE, n, model_dir) for n in ("text-encoder", "denoise", "vae-decode")}
-    yield srvs
-    for s in srvs.values():
-        await s.drain()
-
-
-def tensor_of(chunk, name):
-    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
+servers = stage_servers_fixture(PIPELINE, ("text-encoder", "denoise", "vae-decode"))
 
 
 async def run(servers, **params):

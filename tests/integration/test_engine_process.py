@@ -10,16 +10,14 @@ import asyncio
 import grpc
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stage_service.engines.registry import create_engine
 from stage_service.runtime.errors import EngineConfigError
-from stage_service.server import EXIT_ENGINE_DEAD
 
-from ..harness import call_stage, example, header, in_engine_process, stage_servers, start_stage
+from ..harness import call_stage, example, header, in_engine_process, stage_servers, start_stage, tensor_of, token_ids
 from .test_stage_batching import joins_a_running_batch
 from .test_stage_cancel import run_hundred, scheduler
-from .test_stage_support import Call, assert_nothing_held, tensor_of, token_ids
+from .test_stage_support import Call, assert_engine_death_ends_the_stage, assert_nothing_held
 
 
 def transformers_lm(engine_process: bool):
@@ -112,20 +110,8 @@ def test_an_engine_without_an_engine_process_refuses_the_option(model_dir):
 async def test_the_engine_process_dying_fails_requests_flips_health_and_stops(model_dir):
     srv = await start_stage(transformers_lm(True), "llm", model_dir)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
-            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-            calls = [Call(ch, header(f"d{i}", max_tokens=250, ignore_eos=True)) for i in range(4)]
-            await asyncio.wait_for(asyncio.gather(*(c.started.wait() for c in calls)), 60)
-            core = psutil.Process(srv.engine.core._proc.pid)
-            core.kill()
-            codes = await asyncio.wait_for(asyncio.gather(*(c.outcome() for c in calls)), 60)
-            assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
-            details = [await c.rpc.details() for c in calls]
-            assert all("the engine process exited" in d for d in details), details
-            assert (await asyncio.wait_for(watch.read(), 30)).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        await asyncio.wait_for(srv.stopped.wait(), 60)
-        assert srv.exit_code == EXIT_ENGINE_DEAD
+        await assert_engine_death_ends_the_stage(srv, lambda: psutil.Process(srv.engine.core._proc.pid).kill(),
+                                                 "the engine process exited")
     finally:
         await srv.drain()
 

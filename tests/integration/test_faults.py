@@ -12,8 +12,8 @@ import urllib.request
 
 import grpc
 
-from omnistage.contract import launch
 from omnistage.client import AsyncOmniClient
+from omnistage.contract import launch
 from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, start_stage

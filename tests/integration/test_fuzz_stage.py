@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from omnistage.contract import tensors
 from omnistage.connector import TensorKey
 from omnistage.connector.shm import SEGMENT_PREFIX
 from omnistage.connector.wire import HEADER_BYTES, TensorHeader
+from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 from ..harness import example as pipeline_example

@@ -23,9 +23,10 @@ from orchestrator_service.http_api import responses
 from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, start_stage
+from ..media_builders import wav
 from ..polling import wait_until
 from .test_orchestrator_control import nothing_left
-from .test_orchestrator_media import PNG, wav
+from .test_orchestrator_media import PNG, tone
 
 OMNI = example("qwen3-omni-tiny")
 IMAGES = example("text-to-image-tiny")
@@ -188,7 +189,7 @@ async def test_image_and_audio_parts_reach_the_thinker_in_order(servers):
     decoded = omni.orc.metrics.media_decode_ms._sum.get()
     r = await client.chat.completions.create(model=omni.model, max_tokens=2, messages=user(
         {"type": "image_url", "image_url": {"url": data_url("image/png", PNG)}},
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(0.5)).decode(), "format": "wav"}},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(tone(0.5))).decode(), "format": "wav"}},
         {"type": "text", "text": "What is this?"}))
     assert r.choices[0].message.content and r.choices[0].message.audio is None
     assert omni.orc.metrics.media_decode_ms._sum.get() > decoded

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.contract import tensors
 from stage_service.engines.omni.audio import to_pcm16
 
-from ..harness import call_stage, example, header, stage_servers
+from ..harness import call_stage, example, header, stage_servers, tensor_of
 
 INITIAL, EVERY = 5, 25
 
@@ -19,10 +18,6 @@ def talker_chunks(doc) -> None:
 
 
 PIPELINE = example("qwen3-omni-tiny", talker_chunks)
-
-
-def tensor_of(chunk, name):
-    return tensors.from_proto(next(t for t in chunk.tensors if t.name == name))
 
 
 def decoded_at(model, codes: torch.Tensor, bounds: list[int], left_context: int) -> torch.Tensor:

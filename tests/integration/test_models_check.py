@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from omnistage.contract import launch
 from omnistage.checkpoints.check import StageCheckError, check_pipeline, check_stage
 from omnistage.checkpoints.shards import ShardedCheckpoint
+from omnistage.contract import launch
 
 from ..conftest import EXAMPLES
 from ..harness import example
@@ -160,7 +160,8 @@ def test_models_check_and_serve_refuse_with_exit_2_and_one_line(lm_copy):
     file = str(EXAMPLES / "llm-tiny.yaml")
     r = _omnistage("models", "check", file, "--models", str(lm_copy.parent))
     assert r.returncode == 2
-    assert r.stderr.strip() == f"{file}: spec.topology.stages[0].model (llm): {lm_copy}: no config.json (not a checkpoint)"
+    assert r.stderr.strip() == (f"{file}: spec.topology.stages[0].model (llm): "
+                                f"{lm_copy}: no config.json (not a checkpoint)")
     r = _omnistage("serve", file, "--models", str(lm_copy.parent))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (f"omnistage serve: {file}: spec.topology.stages[0].model (llm): {lm_copy}: "
@@ -173,7 +174,8 @@ def test_the_stage_service_refuses_before_loading_and_writes_its_termination_mes
     r = subprocess.run(launch.stage_command(file, "llm", port=0, model_dir=lm_copy.parent), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().endswith("spec.topology.stages[0].model (llm): " f"{lm_copy}: no config.json (not a checkpoint)")
+    assert r.stderr.strip().endswith("spec.topology.stages[0].model (llm): "
+                                     f"{lm_copy}: no config.json (not a checkpoint)")
 
 
 def test_report_exit_writes_the_termination_log(tmp_path, capsys):

@@ -23,7 +23,7 @@ from omnistage.client import AsyncOmniClient
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 
-from ..harness import call_stage, example, header, pipeline_tls, start_stage, tls_channel
+from ..harness import call_stage, header, pipeline_tls, small_lm, start_stage, tls_channel
 from ..polling import wait_until
 
 NAMESPACE = "test"
@@ -31,10 +31,7 @@ RELOAD_S = 0.05  # the orchestrator looks for rotated files this often here (sec
 STAGE_SERVICE = "/omnistage.v1.StageService/"
 
 
-def small_lm(doc):
-    """The tiny LM on the transformers engine (no vLLM needed), short answers."""
-    doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
-    doc["spec"]["topology"]["limits"] = {"defaultMaxTokens": 4, "maxTokens": 8}
+LM_LIMITS = {"defaultMaxTokens": 4, "maxTokens": 8}  # short answers
 
 
 def leaf_without_identity(ca_pem: bytes, ca_key_pem: bytes) -> tuple[bytes, bytes]:
@@ -91,7 +88,7 @@ class Rig:
 
 @pytest.fixture(scope="module")
 async def rig(model_dir, tmp_path_factory):
-    pipeline = example("llm-tiny", small_lm)
+    pipeline = small_lm(LM_LIMITS)
     ca = tls.new_ca()
     dirs = pipeline_tls(tmp_path_factory.mktemp("tls"), pipeline, NAMESPACE, ca)
     stage = await start_stage(pipeline, "llm", model_dir, tls_dir=str(dirs["llm"].folder))
@@ -239,7 +236,7 @@ async def test_the_real_orchestrator_goes_on_after_its_own_leaf_is_rotated(rig):
 
 
 def test_unusable_tls_files_fail_before_anything_binds(tmp_path):
-    pipeline = example("llm-tiny", small_lm)
+    pipeline = small_lm(LM_LIMITS)
     with pytest.raises(tls.TlsError, match=r"ca\.crt: cannot read"):
         OrchestratorServer(pipeline, {"llm": ["127.0.0.1:1"]}, tls_dir=str(tmp_path))
     with pytest.raises(tls.TlsError, match=r"tls\.crt: cannot read"):

@@ -10,14 +10,12 @@ import time
 import grpc
 import numpy as np
 import pytest
-import soundfile
 import torch
-from PIL import Image
 
-from omnistage.contract import tensors
 from omnistage.v1 import common_pb2, stage_pb2
 
-from ..harness import call_stage, example, header, stage_servers
+from ..harness import call_stage, example, header, stage_servers, stage_servers_fixture, tensor_of, token_ids
+from ..media_builders import png, wav
 
 QWEN3 = example("qwen3-omni-tiny")
 ENCODERS = example("qwen3-omni-encoders-tiny")
@@ -45,25 +43,13 @@ FRAMES = rng.integers(0, 256, (4, 40, 56, 3), dtype=np.uint8)
 TIMES = (0.0, 0.5, 1.0, 1.5)
 
 
-def png(pixels: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
-    buf = io.BytesIO()
-    soundfile.write(buf, samples, rate, format="WAV", subtype="FLOAT")
-    return buf.getvalue()
-
-
 def part(kind: str, value=None) -> common_pb2.ContentPart:
     if kind == "text":
         return common_pb2.ContentPart(text=value)
     if kind == "image":
         return common_pb2.ContentPart(image=common_pb2.ImagePart(data=png(PIXELS)))
     if kind == "audio":
-        return common_pb2.ContentPart(audio=common_pb2.AudioPart(data=wav(SAMPLES)))
+        return common_pb2.ContentPart(audio=common_pb2.AudioPart(data=wav(SAMPLES, subtype="FLOAT")))
     return common_pb2.ContentPart(video=common_pb2.VideoPart(
         frames=[common_pb2.ImagePart(data=png(f)) for f in FRAMES], timestamps=TIMES))
 
@@ -80,14 +66,6 @@ def media_header(case: str, request_id: str = "m1", **params) -> stage_pb2.Stage
     h = header(request_id=request_id, prompt="", max_tokens=TOKENS, ignore_eos=True, **params)
     h.header.params.parts.extend(part(*spec) for spec in CASES[case])
     return h
-
-
-def tokens_of(chunks) -> list[int]:
-    return [t for c in chunks for t in next(tensors.from_proto(x) for x in c.tensors if x.name == "token_ids").tolist()]
-
-
-def tensor_named(chunk, name):
-    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
 
 
 # ----------------------------------------------------------------------- the reference
@@ -160,10 +138,7 @@ async def qwen3(model_dir):
         yield srvs["thinker"]
 
 
-@pytest.fixture(scope="module")
-async def split(model_dir):
-    async with stage_servers(ENCODERS, model_dir, ("encoder", "thinker")) as srvs:
-        yield srvs
+split = stage_servers_fixture(ENCODERS, ("encoder", "thinker"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -171,23 +146,23 @@ async def test_thinker_equals_transformers_processor_and_model(qwen3, case):
     from transformers import Qwen3OmniMoeProcessor
 
     out = await call_stage(qwen3.port, media_header(case))
-    assert tokens_of(out) == reference_tokens(qwen3.engine, Qwen3OmniMoeProcessor, case)
-    prompt = tensor_named(out[0], "prompt_token_ids")
+    assert token_ids(out) == reference_tokens(qwen3.engine, Qwen3OmniMoeProcessor, case)
+    prompt = tensor_of(out[0], "prompt_token_ids")
     cfg = qwen3.engine.thinker.model.config
     media_ids = {"image": cfg.image_token_id, "audio": cfg.audio_token_id, "video": cfg.video_token_id}
     for spec in CASES[case]:
         if spec[0] != "text":
             assert int((prompt == media_ids[spec[0]]).sum()) > 0, spec
     # The Talker's rows: one per position fed, the media rows among them.
-    assert sum(len(tensor_named(c, "embeds")) for c in out) == len(prompt) + TOKENS - 1
+    assert sum(len(tensor_of(c, "embeds")) for c in out) == len(prompt) + TOKENS - 1
     assert out[0].timing.encode_ms > 0
 
 
 async def test_a_media_request_batched_with_text_requests_changes_no_output(qwen3):
-    alone_media = tokens_of(await call_stage(qwen3.port, media_header("mixed", "solo-m")))
-    alone_text = tokens_of(await call_stage(qwen3.port, header(request_id="solo-t", max_tokens=TOKENS,
+    alone_media = token_ids(await call_stage(qwen3.port, media_header("mixed", "solo-m")))
+    alone_text = token_ids(await call_stage(qwen3.port, header(request_id="solo-t", max_tokens=TOKENS,
                                                               ignore_eos=True)))
-    long_text = tokens_of(await call_stage(qwen3.port, header(request_id="solo-l", max_tokens=64, ignore_eos=True)))
+    long_text = token_ids(await call_stage(qwen3.port, header(request_id="solo-l", max_tokens=64, ignore_eos=True)))
     # Long text requests decode while the media request's parts are encoded beside the step loop, then
     # its prompt joins their steps.
     texts = [asyncio.create_task(call_stage(qwen3.port, header(request_id=f"t{i}", max_tokens=64, ignore_eos=True)))
@@ -196,8 +171,8 @@ async def test_a_media_request_batched_with_text_requests_changes_no_output(qwen
     media = await call_stage(qwen3.port, media_header("mixed", "m1"))
     assert not any(t.done() for t in texts)  # it ran while they ran: the step loop steps every running state
     short = await call_stage(qwen3.port, header(request_id="t3", max_tokens=TOKENS, ignore_eos=True))
-    assert tokens_of(media) == alone_media and tokens_of(short) == alone_text
-    assert [tokens_of(t) for t in await asyncio.gather(*texts)] == [long_text, long_text]
+    assert token_ids(media) == alone_media and token_ids(short) == alone_text
+    assert [token_ids(t) for t in await asyncio.gather(*texts)] == [long_text, long_text]
 
 
 @pytest.mark.parametrize("case", ["mixed", "video"])
@@ -208,9 +183,9 @@ async def test_encoder_stage_equals_inline(qwen3, split, case):
     names = {t.name for t in encoded[0].tensors}
     assert {"prompt_token_ids", "mm_image_grid_thw" if case == "mixed" else "mm_video_grid_thw"} <= names
     staged = await call_stage(split["thinker"].port, media_header(case), encoded)
-    assert tokens_of(staged) == tokens_of(inline)
+    assert token_ids(staged) == token_ids(inline)
     for name in ("prompt_token_ids", "embeds", "hidden"):
-        assert torch.equal(tensor_named(staged[0], name), tensor_named(inline[0], name)), name
+        assert torch.equal(tensor_of(staged[0], name), tensor_of(inline[0], name)), name
 
 
 async def test_encoder_stage_passes_text_only_prompts(qwen3, split):
@@ -218,7 +193,7 @@ async def test_encoder_stage_passes_text_only_prompts(qwen3, split):
     encoded = await call_stage(split["encoder"].port, header(max_tokens=TOKENS, ignore_eos=True))
     assert {t.name for t in encoded[0].tensors} == {"prompt_token_ids"}
     staged = await call_stage(split["thinker"].port, header(max_tokens=TOKENS, ignore_eos=True), encoded)
-    assert tokens_of(staged) == tokens_of(inline)
+    assert token_ids(staged) == token_ids(inline)
 
 
 async def test_qwen2_5_omni_thinker_equals_transformers_inline_or_with_an_encoder_stage(model_dir):
@@ -229,12 +204,12 @@ async def test_qwen2_5_omni_thinker_equals_transformers_inline_or_with_an_encode
     async with stage_servers(QWEN2_5, model_dir, ("thinker",)) as srvs:
         thinker = srvs["thinker"]
         out = await call_stage(thinker.port, media_header("mixed"))
-        assert tokens_of(out) == reference_tokens(thinker.engine, Qwen2_5OmniProcessor, "mixed", SPEECH_SYSTEM_PROMPT)
+        assert token_ids(out) == reference_tokens(thinker.engine, Qwen2_5OmniProcessor, "mixed", SPEECH_SYSTEM_PROMPT)
     async with stage_servers(QWEN2_5_ENCODERS, model_dir, ("encoder", "thinker")) as srvs:
         encoded = await call_stage(srvs["encoder"].port, media_header("mixed"))
         staged = await call_stage(srvs["thinker"].port, media_header("mixed"), encoded)
-        assert tokens_of(staged) == tokens_of(out)
-        assert torch.equal(tensor_named(staged[0], "embeds"), tensor_named(out[0], "embeds"))
+        assert token_ids(staged) == token_ids(out)
+        assert torch.equal(tensor_of(staged[0], "embeds"), tensor_of(out[0], "embeds"))
 
 
 
@@ -274,7 +249,7 @@ async def test_the_smallest_media_the_orchestrator_admits_are_served(qwen3, edge
     h = header(request_id="edge", prompt="What is it?", max_tokens=2, ignore_eos=True)
     h.header.params.parts.append(edge)
     out = await call_stage(qwen3.port, h)
-    assert len(tokens_of(out)) == 2 and out[-1].end_of_stream
+    assert len(token_ids(out)) == 2 and out[-1].end_of_stream
 
 
 async def test_encoding_requests_together_gives_each_the_rows_it_gets_alone(split):
@@ -296,10 +271,10 @@ async def test_encoding_requests_together_gives_each_the_rows_it_gets_alone(spli
 
 
 async def test_concurrent_requests_through_the_encoder_stage_equal_inline(qwen3, split):
-    inline = [tokens_of(await call_stage(qwen3.port, media_header(c, f"i-{c}"))) for c in ("mixed", "image")]
+    inline = [token_ids(await call_stage(qwen3.port, media_header(c, f"i-{c}"))) for c in ("mixed", "image")]
     encoded = await asyncio.gather(*(call_stage(split["encoder"].port, media_header(c, f"e-{c}"))
                                      for c in ("mixed", "image")))
-    staged = [tokens_of(await call_stage(split["thinker"].port, media_header(c, f"s-{c}"), e))
+    staged = [token_ids(await call_stage(split["thinker"].port, media_header(c, f"s-{c}"), e))
               for c, e in zip(("mixed", "image"), encoded)]
     assert staged == inline
 
@@ -309,7 +284,8 @@ async def test_a_thinker_fed_by_an_encoder_stage_neither_reads_nor_keeps_the_enc
     assert split_model.visual is None and split_model.audio_tower is None
     assert inline_model.visual is not None and inline_model.audio_tower is not None
     towers = sum(p.numel() for m in (inline_model.visual, inline_model.audio_tower) for p in m.parameters())
-    assert sum(p.numel() for p in split_model.parameters()) == sum(p.numel() for p in inline_model.parameters()) - towers
+    assert (sum(p.numel() for p in split_model.parameters())
+            == sum(p.numel() for p in inline_model.parameters()) - towers)
     read = split["thinker"].engine.checkpoint.stats.keys
     assert read and not any(k.startswith(("thinker.visual.", "thinker.audio_tower.")) for k in read)
     encoder_read = split["encoder"].engine.checkpoint.stats.keys
@@ -328,7 +304,7 @@ async def test_text_beside_media_may_not_carry_the_tokens_the_processor_places(q
         await call_stage(qwen3.port, h)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == f'{field}: contains "{token}", a token the processor places for media'
-    assert tokens_of(await call_stage(qwen3.port, media_header("image")))  # still serving
+    assert token_ids(await call_stage(qwen3.port, media_header("image")))  # still serving
 
 
 async def test_a_media_request_cancelled_or_past_its_deadline_leaves_nothing_held(qwen3):
@@ -339,7 +315,8 @@ async def test_a_media_request_cancelled_or_past_its_deadline_leaves_nothing_hel
     late.header.params.text.max_tokens = 200
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await call_stage(qwen3.port, late)
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # the stage's own answer, not the client's timeout (far beyond the deadline) ending a call left unanswered
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and e.value.details() == "stage thinker: deadline passed"
     call = asyncio.create_task(call_stage(qwen3.port, media_header("video", "gone")))
     await asyncio.sleep(0.01)  # while its parts are decoded, processed or encoded
     call.cancel()
@@ -362,4 +339,4 @@ async def test_an_encoded_video_file_is_decoded_and_served(qwen3):
     h.header.params.parts.append(common_pb2.ContentPart(video=common_pb2.VideoPart(data=buf.getvalue())))
     out = await call_stage(qwen3.port, h)
     video_id = qwen3.engine.thinker.model.config.video_token_id
-    assert len(tokens_of(out)) == 3 and int((tensor_named(out[0], "prompt_token_ids") == video_id).sum()) > 0
+    assert len(token_ids(out)) == 3 and int((tensor_of(out[0], "prompt_token_ids") == video_id).sum()) > 0

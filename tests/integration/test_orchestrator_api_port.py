@@ -13,8 +13,8 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from omnistage.contract import launch
 from omnistage.client import build_request
+from omnistage.contract import launch
 from orchestrator_service.server import OrchestratorServer
 
 from ..conftest import REPO

@@ -4,7 +4,6 @@ cleanup, several orchestrators over the same stages. Real stage services, real m
 from __future__ import annotations
 
 import asyncio
-import os
 
 import grpc
 import psutil

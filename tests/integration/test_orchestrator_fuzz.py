@@ -16,19 +16,12 @@ from hypothesis import strategies as st
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 
-from ..harness import example, start_stage
-
-
-def small_llm(doc):
-    doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
-    doc["spec"]["topology"]["limits"] = {"defaultMaxTokens": 2, "maxTokens": 4, "maxPromptChars": 256,
-                                         "maxInferenceSteps": 4, "maxImageSide": 64, "maxCodecFrames": 8,
-                                         "defaultCodecFrames": 4, "defaultInferenceSteps": 2,
-                                         "defaultImageSide": 32}
-    doc["spec"]["deployment"]["orchestrator"] = {"maxPriority": MAX_PRIORITY}
-
+from ..harness import small_lm, start_stage
 
 MAX_PRIORITY = 1000
+LM_LIMITS = {"defaultMaxTokens": 2, "maxTokens": 4, "maxPromptChars": 256, "maxInferenceSteps": 4, "maxImageSide": 64,
+             "maxCodecFrames": 8, "defaultCodecFrames": 4, "defaultInferenceSteps": 2, "defaultImageSide": 32}
+LM_ORCHESTRATOR = {"maxPriority": MAX_PRIORITY}
 
 
 u32 = st.one_of(st.just(0), st.integers(0, 8), st.integers(0, 2 ** 32 - 1))
@@ -55,7 +48,7 @@ requests = st.builds(
 
 @pytest.fixture(scope="module")
 async def service(model_dir):
-    pipeline = example("llm-tiny", small_llm)
+    pipeline = small_lm(LM_LIMITS, LM_ORCHESTRATOR)
     stage = await start_stage(pipeline, "llm", model_dir)
     orc = OrchestratorServer(pipeline, {"llm": [f"127.0.0.1:{stage.port}"]})
     await orc.start(wait_for_stages=30)

@@ -4,42 +4,32 @@ INVALID_ARGUMENT naming it (no stage ever sees it), bounds the time decoding tak
 from __future__ import annotations
 
 import asyncio
-import io
 
 import grpc
 import numpy as np
 import pytest
-import soundfile
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
 
 from omnistage.client import AsyncOmniClient, audio_part, image_part, pcm_part, video_part
 from omnistage.v1 import common_pb2
 from orchestrator_service.server import OrchestratorServer
 
-from ..harness import example, start_stage
-from .test_orchestrator_fuzz import small_llm
+from ..harness import example, small_lm, start_stage
+from ..media_builders import png, wav
+from .test_orchestrator_fuzz import LM_LIMITS, LM_ORCHESTRATOR
 
 OMNI = example("qwen3-omni-tiny")
 # The same stages, with a decode bound no real image meets.
 OMNI_HASTY = example("qwen3-omni-tiny", lambda d: d["spec"]["topology"].setdefault("limits", {}).update(
     mediaDecodeSeconds=0.001))
-LLM = example("llm-tiny", small_llm)
+LLM = small_lm(LM_LIMITS, LM_ORCHESTRATOR)
 rng = np.random.default_rng(5)
 
 
-def png(pixels: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def wav(seconds: float, rate: int = 16000) -> bytes:
-    buf = io.BytesIO()
-    soundfile.write(buf, (0.3 * np.sin(np.arange(int(rate * seconds)) / 7)).astype(np.float32), rate, format="WAV")
-    return buf.getvalue()
+def tone(seconds: float, rate: int = 16000) -> np.ndarray:
+    return (0.3 * np.sin(np.arange(int(rate * seconds)) / 7)).astype(np.float32)
 
 
 PNG = png(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8))
@@ -96,7 +86,7 @@ async def test_a_bad_part_is_invalid_argument_naming_it_and_reaches_no_stage(omn
 
 async def test_media_decode_time_is_in_the_trace(omni):
     (client, _), (orc, _), _ = omni
-    r = await client.generate("Describe both.", parts=[image_part(PNG), audio_part(wav(0.5))], outputs=["text"],
+    r = await client.generate("Describe both.", parts=[image_part(PNG), audio_part(wav(tone(0.5)))], outputs=["text"],
                               max_tokens=2, return_trace=True, timeout=120)
     assert r.final.trace.media_decode_ms > 0 and r.text
     assert orc.metrics.media_decode_ms._sum.get() > 0

@@ -9,9 +9,17 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omnistage.contract import launch
 from omnistage.client import AsyncOmniClient
-from omnistage.planner.scrape import CLASS_ENDED, CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS, RTF, UNITS
+from omnistage.contract import launch
+from omnistage.planner.scrape import (
+    CLASS_ENDED,
+    CLASS_FINISHED,
+    CLASS_REQUESTS,
+    CLASS_STAGE_REQUESTS,
+    CLASS_STAGE_UNITS,
+    RTF,
+    UNITS,
+)
 from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, start_stage

@@ -10,11 +10,10 @@ import torch
 
 from omnistage.client import AsyncOmniClient
 from stage_service.engines.omni.audio import to_pcm16
-from stage_service.runtime.chat import chat_prompt_ids
 from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT
+from stage_service.runtime.chat import chat_prompt_ids
 
-from ..harness import call_stage, example, header, in_engine_process, served_pipeline
-from .test_stage_support import tensor_of
+from ..harness import call_stage, example, header, in_engine_process, served_pipeline, tensor_of
 
 MODEL = "qwen2.5-omni-tiny"
 PIPELINE = example(MODEL)
@@ -41,8 +40,8 @@ class Checkpoint:
     def __init__(self, root):
         from transformers import AutoTokenizer
 
-        from stage_service.runtime.chat import load_chat_template
         from stage_service.engines.qwen2_5_omni.steps import _stop_ids
+        from stage_service.runtime.chat import load_chat_template
 
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.chat_template = load_chat_template(root, self.tokenizer)

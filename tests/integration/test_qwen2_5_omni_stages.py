@@ -12,16 +12,16 @@ import grpc
 import pytest
 import torch
 
-from omnistage.contract import tensors
 from omnistage.checkpoints.shards import ShardedCheckpoint
+from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2
-from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT, THINKER_EMBEDDINGS
 from stage_service.engines.omni.audio import to_pcm16
+from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT, THINKER_EMBEDDINGS
 
-from ..harness import call_stage, example, header, stage_servers
+from ..harness import call_stage, example, header, stage_servers_fixture, tensor_of, token_ids
 from ..local.test_cli_serve import Served, generate
 from .test_stage_batching import joins_a_burst, joins_a_running_batch
-from .test_stage_support import scheduler, tensor_of, token_ids
+from .test_stage_support import scheduler
 
 MODEL = "qwen2.5-omni-tiny"
 PIPELINE = example(MODEL, lambda d: (scheduler("talker")(d), scheduler("token2wav")(d)))
@@ -29,10 +29,7 @@ SAMPLES_PER_TOKEN = 480  # a codec token is 2 mel frames of 240 samples at 24 kH
 CODEBOOK = 8194          # Token2Wav embeds codec ids 0..num_embeds (8193)
 
 
-@pytest.fixture(scope="module")
-async def servers(model_dir):
-    async with stage_servers(PIPELINE, model_dir) as srvs:
-        yield srvs
+servers = stage_servers_fixture(PIPELINE)
 
 
 def codes_of(chunks) -> torch.Tensor:

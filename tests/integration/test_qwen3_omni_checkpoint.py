@@ -14,10 +14,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
-from stage_service.engines.qwen3_omni.steps import (CODE2WAV, TALKER, THINKER, THINKER_EMBED, Code2Wav, Talker,
-                                                    Thinker)
+from stage_service.engines.qwen3_omni.steps import CODE2WAV, TALKER, THINKER, THINKER_EMBED, Code2Wav, Talker, Thinker
 
-from ..harness import example, stage_servers
+from ..harness import example, stage_servers_fixture
 
 PIPELINE = example("qwen3-omni-tiny")
 MODEL = "qwen3-omni-tiny"
@@ -25,10 +24,7 @@ PREFIX = {"thinker": THINKER, "talker": TALKER, "code2wav": CODE2WAV}
 TTS_ROWS = 3  # the Talker reads the Thinker's embeddings of tts_bos, tts_eos and tts_pad
 
 
-@pytest.fixture(scope="module")
-async def stages(model_dir):
-    async with stage_servers(PIPELINE, model_dir, tuple(PREFIX)) as srvs:
-        yield srvs
+stages = stage_servers_fixture(PIPELINE, tuple(PREFIX))
 
 
 def header_bytes(file: Path) -> int:

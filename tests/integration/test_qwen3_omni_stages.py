@@ -10,25 +10,18 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage.contract import tensors
 from omnistage.client import build_request
+from omnistage.contract import tensors
 from omnistage.contract.params import InvalidRequest, resolve
 from omnistage.v1 import stage_pb2
 from stage_service.engines.omni.audio import to_pcm16
 
-from ..harness import call_stage, example, header, stage_servers
+from ..harness import call_stage, example, header, stage_servers_fixture, tensor_of
 
 PIPELINE = example("qwen3-omni-tiny")
 
 
-@pytest.fixture(scope="module")
-async def servers(model_dir):
-    async with stage_servers(PIPELINE, model_dir) as srvs:
-        yield srvs
-
-
-def tensor_of(chunk, name):
-    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
+servers = stage_servers_fixture(PIPELINE)
 
 
 async def test_thinker_streams_text_and_rows_in_chunks(servers):
@@ -76,7 +69,8 @@ async def test_talker_output_does_not_depend_on_thinker_chunking(servers):
     merged.tensors.append(thinker_out[0].tensors[[t.name for t in thinker_out[0].tensors].index("prompt_token_ids")])
     a = await call_stage(servers["talker"].port, header(max_codec_frames=20), thinker_out)
     b = await call_stage(servers["talker"].port, header(max_codec_frames=20), [merged])
-    assert torch.equal(torch.cat([tensor_of(c, "codes") for c in a], 1), torch.cat([tensor_of(c, "codes") for c in b], 1))
+    assert torch.equal(torch.cat([tensor_of(c, "codes") for c in a], 1),
+                       torch.cat([tensor_of(c, "codes") for c in b], 1))
 
 
 async def test_bad_input_is_invalid_argument_and_the_stage_keeps_serving(servers):

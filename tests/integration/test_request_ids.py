@@ -17,20 +17,17 @@ from omnistage.client import AsyncOmniClient, build_request
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 
-from ..harness import example, start_stage
+from ..harness import small_lm, start_stage
 
 KEYS = ["plain-key", "ops-key:7"]
 
 
-def small_lm(doc):
-    doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
-    doc["spec"]["topology"]["limits"] = {"defaultMaxTokens": 4, "maxTokens": 64}
-    doc["spec"]["deployment"]["orchestrator"] = {"maxPriority": 2}
+LM_LIMITS, LM_ORCHESTRATOR = {"defaultMaxTokens": 4, "maxTokens": 64}, {"maxPriority": 2}
 
 
 @pytest.fixture(scope="module")
 async def rig(model_dir):
-    pipeline = example("llm-tiny", small_lm)
+    pipeline = small_lm(LM_LIMITS, LM_ORCHESTRATOR)
     stage = await start_stage(pipeline, "llm", model_dir)
     open_orc = OrchestratorServer(pipeline, {"llm": [f"127.0.0.1:{stage.port}"]}, api_port=0)
     keyed_orc = OrchestratorServer(pipeline, {"llm": [f"127.0.0.1:{stage.port}"]}, api_keys=KEYS)
@@ -153,7 +150,7 @@ async def test_the_http_label_header_is_checked_the_same_way(rig):
 
 
 async def test_a_draining_orchestrator_refuses_with_a_retry_hint(model_dir):
-    pipeline = example("llm-tiny", small_lm)
+    pipeline = small_lm(LM_LIMITS, LM_ORCHESTRATOR)
     stage = await start_stage(pipeline, "llm", model_dir)
     orc = OrchestratorServer(pipeline, {"llm": [f"127.0.0.1:{stage.port}"]})
     try:

@@ -19,12 +19,12 @@ from PIL import Image
 from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2
 
-from ..harness import call_stage, example, header, stage_servers, start_stage
+from ..harness import call_stage, example, header, stage_servers_fixture, start_stage, tensor_of
 from ..local.test_cli_serve import serves_a_png
 from ..polling import wait_until
 from .test_stage_batching import batched_steps
 from .test_stage_cancel import chunk_every_step
-from .test_stage_support import Call, assert_nothing_held, tensor_of
+from .test_stage_support import Call, assert_nothing_held
 
 MODEL = "sd3-tiny"
 PIPELINE = example(MODEL)
@@ -38,10 +38,7 @@ def sd3_dir(model_dir):
     return model_dir / MODEL
 
 
-@pytest.fixture(scope="module")
-async def servers(model_dir):
-    async with stage_servers(PIPELINE, model_dir, STAGES) as srvs:
-        yield srvs
+servers = stage_servers_fixture(PIPELINE, STAGES)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omnistage.api import load_pipeline
 from omnistage.local.gpu_placement import ENV_GPUS, ENV_VISIBLE
 from omnistage.local.serve import LocalPipeline
-from omnistage.api import load_pipeline
 
 from ..conftest import EXAMPLES, REPO
 

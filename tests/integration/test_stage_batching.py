@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from ..harness import call_stage, example, header, start_stage
+from ..harness import call_stage, example, header, start_stage, tensor_of, token_ids
 from ..polling import wait_until
 from .test_stage_cancel import codes_chunk, embeddings_chunk, llm_transformers
-from .test_stage_support import Call, assert_nothing_held, scheduler, tensor_of, token_ids
+from .test_stage_support import Call, assert_nothing_held, scheduler
 
 
 def batched_steps(srv) -> float:

@@ -14,8 +14,8 @@ import torch
 from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
-from ..harness import call_stage, example, header, start_stage
-from .test_stage_support import Call, assert_nothing_held, scheduler, tensor_of, token_ids
+from ..harness import call_stage, example, header, start_stage, tensor_of, token_ids
+from .test_stage_support import Call, assert_nothing_held, scheduler
 
 N, CANCELLED = 100, set(range(0, 100, 10))
 

@@ -14,16 +14,15 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stage_service.engines.transformers import lm_steps
-
 from stage_service.engines.qwen3_omni import steps as qwen3_omni_steps
+from stage_service.engines.transformers import lm_steps
 from stage_service.runtime.faults import fail_steps
 from stage_service.server import EXIT_ENGINE_DEAD
 
-from ..harness import call_stage, example, header, start_stage
+from ..harness import call_stage, example, header, start_stage, tensor_of, token_ids
 from ..polling import wait_until
 from .test_stage_cancel import embeddings_chunk, llm_transformers
-from .test_stage_support import assert_nothing_held, health, scheduler, tensor_of, token_ids
+from .test_stage_support import assert_nothing_held, health, scheduler
 
 
 def small_batches(pipeline_name: str, stage: str):

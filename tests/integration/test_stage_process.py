@@ -18,14 +18,15 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage.contract import launch
 from omnistage.api import parse_pipeline
+from omnistage.contract import launch
+from stage_service.runtime.faults import ENV_INJECT_STEP_FAILURE
 from stage_service.server import EXIT_ENGINE_DEAD, StageServer
 
 from ..conftest import EXAMPLES, REPO
-from ..harness import call_stage, header
+from ..harness import call_stage, header, token_ids
 from ..polling import wait_until
-from .test_stage_support import load, token_ids
+from .test_stage_support import load
 
 DRAIN_SECONDS = 30
 TOKENS = 256
@@ -47,12 +48,13 @@ def lm_pipeline_file(tmp_path: Path, **engine_args) -> Path:
 
 
 class StageProcess:
-    def __init__(self, tmp_path: Path, model_dir: Path, flags: dict | None = None, **engine_args):
+    def __init__(self, tmp_path: Path, model_dir: Path, flags: dict | None = None, env: dict | None = None,
+                 **engine_args):
         self.ready_file = tmp_path / "ready"
         self.log = open(tmp_path / "stage.log", "w+")
         argv = launch.stage_command(lm_pipeline_file(tmp_path, **engine_args), "llm", port=0,
                                     ready_file=self.ready_file, drain_seconds=DRAIN_SECONDS, **(flags or {}))
-        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **launch.service_env(model_dir)},
+        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **launch.service_env(model_dir), **(env or {})},
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     async def start(self) -> int:
@@ -98,7 +100,8 @@ async def test_sigterm_under_load_finishes_admitted_work_refuses_new_and_exits_0
         await wait_until(draining, 10, what="reported draining")
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call_stage(port, header("late", max_tokens=4))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "stage llm is draining" in refused.value.details()
+        assert (refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                and "stage llm is draining" in refused.value.details())
         assert any(not c.done() for c in calls)  # the refusal came while admitted work still ran
 
         results = await asyncio.wait_for(asyncio.gather(*calls), DRAIN_SECONDS)
@@ -148,8 +151,9 @@ def stage_running(port: int) -> bool:
 
 @pytest.mark.slow
 async def test_a_broken_engine_makes_the_process_exit_non_zero(tmp_path, model_dir):
-    # Every step after the third raises, and one failed step is enough to declare the engine dead.
-    stage = StageProcess(tmp_path, model_dir, {"inject_step_failure": 3}, max_failed_steps=1)
+    # Every step after the third raises (the test fault hook, switched on by the environment), and one failed
+    # step is enough to declare the engine dead.
+    stage = StageProcess(tmp_path, model_dir, env={ENV_INJECT_STEP_FAILURE: "3"}, max_failed_steps=1)
     try:
         port = await stage.start()
         with pytest.raises(grpc.aio.AioRpcError) as failed:

@@ -9,18 +9,11 @@ import gc
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnistage.contract import tensors
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from stage_service.server import EXIT_ENGINE_DEAD
 
+from ..harness import header
 from ..polling import wait_until
-
-
-def tensor_of(chunk, name):
-    return next(tensors.from_proto(t) for t in chunk.tensors if t.name == name)
-
-
-def token_ids(chunks) -> list[int]:
-    return [t for c in chunks for t in tensor_of(c, "token_ids").tolist()]
 
 
 def scheduler(edit_stage: str, max_batch: int = 16, max_queued: int = 128, max_wait_ms: float | None = None):
@@ -101,3 +94,21 @@ async def assert_nothing_held(srv, timeout: float = 30.0) -> None:
         assert (sched.running, sched.queued) == (0, 0)
     else:  # vLLM: its KV cache is free again
         await wait_until(lambda: engine.kv_cache_usage == 0.0, timeout, what="vLLM KV cache free")
+
+
+async def assert_engine_death_ends_the_stage(srv, kill, failed: str) -> None:
+    """`kill()` ends the engine for good while four long calls run: every call fails UNAVAILABLE with `failed`
+    in its details, health flips to NOT_SERVING, and the server stops with EXIT_ENGINE_DEAD."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        calls = [Call(ch, header(f"d{i}", max_tokens=250, ignore_eos=True)) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(c.started.wait() for c in calls)), 60)
+        kill()
+        codes = await asyncio.wait_for(asyncio.gather(*(c.outcome() for c in calls)), 60)
+        assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
+        details = [await c.rpc.details() for c in calls]
+        assert all(failed in d for d in details), details
+        assert (await asyncio.wait_for(watch.read(), 30)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    await asyncio.wait_for(srv.stopped.wait(), 60)
+    assert srv.exit_code == EXIT_ENGINE_DEAD

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnistage.contract import tensors
 from omnistage.client import AsyncOmniClient
+from omnistage.contract import tensors
 from omnistage.tiny_models import qwen3_omni
 
-from ..harness import call_stage, example, header, in_engine_process, served_pipeline, stage_servers
-from .test_stage_support import tensor_of
+from ..harness import call_stage, example, header, in_engine_process, served_pipeline, stage_servers, tensor_of
 
 PIPELINE = example("qwen3-omni-tiny")
 MODEL = "qwen3-omni-tiny"
@@ -145,18 +144,19 @@ async def test_the_thinker_sends_the_hidden_layer_the_checkpoint_names(other_lay
     assert not torch.equal(wav_default_layer.float(), wav.float())
 
 
-# ------------------------------------------------------------ media: the vLLM Thinker takes them only from an encoder stage
+# -------------------------------------------------------- media: the vLLM Thinker takes them only from an encoder stage
 
 async def test_audio_without_an_encoder_stage_is_served_by_transformers_and_refused_by_vllm(staged):
     import grpc
 
     from omnistage.v1 import common_pb2
 
-    from .test_omni_input import SAMPLES, wav
+    from ..media_builders import wav
+    from .test_omni_input import SAMPLES
 
     orc, stages = staged
     on_vllm = hasattr(stages["thinker"].engine, "rows")
-    parts = [common_pb2.ContentPart(audio=common_pb2.AudioPart(data=wav(SAMPLES)))]
+    parts = [common_pb2.ContentPart(audio=common_pb2.AudioPart(data=wav(SAMPLES, subtype="FLOAT")))]
     async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
         if not on_vllm:
             r = await client.generate(parts=parts, max_tokens=4, ignore_eos=True, max_codec_frames=8, timeout=120)

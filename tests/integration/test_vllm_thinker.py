@@ -13,12 +13,12 @@ import grpc
 import pytest
 import torch
 
-from omnistage.contract import tensors
 from omnistage.api import accepted_inputs
+from omnistage.contract import tensors
 
-from ..harness import call_stage, example, header, stage_servers
+from ..harness import call_stage, example, header, stage_servers, tensor_of, token_ids
 from ..polling import wait_until
-from .test_omni_input import media_header, tensor_named, tokens_of, with_encoder_stage
+from .test_omni_input import media_header, with_encoder_stage
 
 pytestmark = pytest.mark.vllm
 
@@ -54,14 +54,14 @@ async def thinkers(model_dir, request):
 
 def assert_same_rows(ours, ref):
     """Same tokens and, chunk by chunk, the same rows (as many, equal within float tolerance)."""
-    assert tokens_of(ours) == tokens_of(ref)
+    assert token_ids(ours) == token_ids(ref)
     assert len(ours) == len(ref)
     for a, b in zip(ours, ref):
         for name in ("embeds", "hidden"):
-            x, y = tensor_named(a, name), tensor_named(b, name)
+            x, y = tensor_of(a, name), tensor_of(b, name)
             assert x.shape == y.shape, name
             torch.testing.assert_close(x, y, atol=ROW_TOLERANCE, rtol=0, msg=name)
-    assert torch.equal(tensor_named(ours[0], "prompt_token_ids"), tensor_named(ref[0], "prompt_token_ids"))
+    assert torch.equal(tensor_of(ours[0], "prompt_token_ids"), tensor_of(ref[0], "prompt_token_ids"))
 
 
 async def test_text_prompt_gives_the_transformers_thinkers_tokens_and_rows(thinkers):
@@ -71,8 +71,8 @@ async def test_text_prompt_gives_the_transformers_thinkers_tokens_and_rows(think
     expected = await call_stage(ref.port, h, encoded)
     got = await call_stage(ours.port, h, encoded)
     assert_same_rows(got, expected)
-    prompt = len(tensor_named(got[0], "prompt_token_ids"))
-    assert sum(len(tensor_named(c, "embeds")) for c in got) == prompt + TOKENS - 1  # one row per position fed
+    prompt = len(tensor_of(got[0], "prompt_token_ids"))
+    assert sum(len(tensor_of(c, "embeds")) for c in got) == prompt + TOKENS - 1  # one row per position fed
 
 
 async def test_audio_from_the_encoder_stage_gives_the_same_tokens_and_rows(thinkers):
@@ -113,7 +113,7 @@ async def test_media_and_text_requests_batched_keep_their_tokens_and_rows(thinke
                                                                                 encoded + [sampled_enc])))
     for got, exp in zip(results, expected):
         assert_same_rows(got, exp)
-    assert len(tokens_of(results[-1])) == TOKENS
+    assert len(token_ids(results[-1])) == TOKENS
 
 
 @pytest.mark.parametrize("name, cut, says", [
@@ -148,11 +148,12 @@ async def test_greedy_requests_batched_with_sampled_ones_keep_their_tokens_and_r
     expected = [await call_stage(ref.port, h, e) for h, e in zip(heads, encoded)]
     sampled = [header(request_id=f"s{i}", max_tokens=24, ignore_eos=True, temperature=0.8, seed=i) for i in range(3)]
     sampled_enc = [await call_stage(encoder.port, h) for h in sampled]
-    results = await asyncio.gather(*(call_stage(ours.port, h, e) for h, e in zip(heads + sampled, encoded + sampled_enc)))
+    results = await asyncio.gather(*(call_stage(ours.port, h, e)
+                                     for h, e in zip(heads + sampled, encoded + sampled_enc)))
     for got, exp in zip(results, expected):
         assert_same_rows(got, exp)
     for got in results[len(heads):]:
-        assert len(tokens_of(got)) == 24
+        assert len(token_ids(got)) == 24
 
 
 async def test_a_cancelled_request_leaves_no_rows_and_no_vllm_request_behind(thinkers):
@@ -168,7 +169,7 @@ async def test_a_cancelled_request_leaves_no_rows_and_no_vllm_request_behind(thi
     await wait_until(lambda: engine.inflight == 0 and engine.unfinished() == 0 and not engine.rows.open_requests,
                      timeout=30)
     after = await call_stage(ours.port, header(request_id="after", max_tokens=TOKENS, ignore_eos=True), encoded)
-    assert len(tokens_of(after)) == TOKENS and not engine.rows.open_requests
+    assert len(token_ids(after)) == TOKENS and not engine.rows.open_requests
 
 
 def test_without_an_encoder_stage_the_pipeline_admits_text_only():

@@ -230,7 +230,8 @@ def test_llm_on_vllm_streams_tokens(model_dir, tmp_path):
     # so allow it a bounded moment on a loaded machine).
     children = {p.pid for p in server_children}
     wait_until_sync(lambda: not descendants_alive(children), timeout=15,
-                    what="vLLM's engine-core helper to exit after its stage", detail=lambda: descendants_alive(children))
+                    what="vLLM's engine-core helper to exit after its stage",
+                    detail=lambda: descendants_alive(children))
 
 
 def test_validate_lists_every_error(tmp_path):

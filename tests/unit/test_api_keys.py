@@ -7,9 +7,9 @@ import hmac
 
 import pytest
 
+from omnistage.contract.params import InvalidRequest
 from orchestrator_service.api_keys import ApiKey, ApiKeyError, ApiKeys, parse_entry
 from orchestrator_service.servicer import checked_label
-from omnistage.contract.params import InvalidRequest
 
 
 @pytest.mark.parametrize("entry,key", [

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from e2e_vs_monolith import RoundRobin, request_order  # noqa: E402
-from omni_load import prompts  # noqa: E402
+from e2e_vs_monolith import RoundRobin, request_order
+from omni_load import prompts
 
 
 @pytest.mark.parametrize(("replicas", "picks", "expected"), [

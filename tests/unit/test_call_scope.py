@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from stage_service.call_scope import StageCalls
+from stage_service.metrics import StageMetrics
 from stage_service.runtime.base import InputChunk, OutputChunk, StageRequest
 from stage_service.runtime.errors import EngineError, InputError
-from stage_service.metrics import StageMetrics
-from stage_service.servicer import status_for
 from stage_service.runtime.work_tally import WorkTally
+from stage_service.servicer import status_for
 
 from ..polling import wait_until
 
@@ -102,12 +102,49 @@ async def serve(calls: StageCalls, request_id: str, items=(), *, hold_open: asyn
     return call, outputs
 
 
+async def sent_by_grpc(calls: StageCalls, request_id: str, items=(), *, hold_open: asyncio.Event | None = None,
+                       deadline: float | None = None, send=None):
+    """What Process does with a scope, driven as gRPC drives it: the servicer is an async generator, and gRPC
+    sends each chunk it yields in its own frame (`send(out)`, awaited there, on the same task) before it asks
+    for the next. Returns the scope and the chunks sent."""
+    scopes, sent = [], []
+
+    async def process():
+        async with calls.scope() as call:
+            scopes.append(call)
+            call.serve(request_id)
+            req = StageRequest(request_id, params=None, deadline=deadline)
+            async with contextlib.aclosing(call.run(req, messages(items, hold_open), to_input,
+                                                    lambda: False)) as run:
+                async for out in run:
+                    with call.sending():
+                        yield out
+
+    async with contextlib.aclosing(process()) as chunks:
+        async for out in chunks:
+            await send(out)  # a cancel landing here would end the call with no status: gRPC answers nothing
+            sent.append(out)
+    assert asyncio.current_task().cancelling() == 0
+    return scopes[0], sent
+
+
 async def running(calls: StageCalls, engine: ScriptedEngine, request_id: str) -> asyncio.Task:
     """A call, as a task, whose engine waits for input that never comes."""
     task = asyncio.create_task(serve(calls, request_id, hold_open=asyncio.Event()))
     await wait_until(lambda: engine.started.is_set(), what="engine running")
     assert len(engine.tally) == 1  # its units so far, which the call's end must not leave behind
     return task
+
+
+async def assert_ends_while_grpc_sends(calls: StageCalls, engine: ScriptedEngine, request_id: str, send,
+                                       deadline: float | None, status: tuple, outcome: str) -> None:
+    """One chunk, held open after it, driven as gRPC drives it (`sent_by_grpc`), ended while `send` has it:
+    the chunk is sent all the same, the call ends with `status` and the engine request with `outcome`."""
+    call, sent = await asyncio.wait_for(sent_by_grpc(calls, request_id, [(0, "a", False)], hold_open=asyncio.Event(),
+                                                     deadline=deadline, send=send), 10)
+    assert [o.text for o in sent] == ["a"]
+    assert call.status == status
+    assert_ended(calls, engine, outcome, [request_id])
 
 
 def assert_ended(calls: StageCalls, engine: ScriptedEngine, outcome: str, released: list[str]) -> None:
@@ -171,6 +208,33 @@ async def test_a_passed_deadline_is_a_timeout_wherever_the_call_waits(where):
     assert time.monotonic() - t0 >= 0.25
     assert call.status == (grpc.StatusCode.DEADLINE_EXCEEDED, "stage s: deadline passed")
     assert_ended(calls, engine, "timeout", ["late"])
+
+
+async def test_a_deadline_passing_while_grpc_sends_a_chunk_is_answered_as_a_timeout():
+    """The deadline passes while the chunk is in gRPC's hands, outside the servicer's frame: the call still
+    ends with DEADLINE_EXCEEDED (from the servicer, when gRPC asks for the next chunk), not with a cancel
+    of gRPC's send that leaves the caller without any status."""
+    engine = ScriptedEngine()
+    calls = stage_calls(engine)
+    deadline = time.time() + 1.0
+
+    async def slow_send(out):  # until the deadline has passed
+        await wait_until(lambda: time.time() > deadline + 0.05, 10, 0.01, what="deadline passed")
+
+    await assert_ends_while_grpc_sends(calls, engine, "late", slow_send, deadline,
+                                       (grpc.StatusCode.DEADLINE_EXCEEDED, "stage s: deadline passed"), "timeout")
+
+
+async def test_release_while_grpc_sends_a_chunk_ends_the_call_with_cancelled():
+    engine = ScriptedEngine()
+    calls = stage_calls(engine)
+
+    async def send(out):
+        calls.release("orphan")  # comes while gRPC still sends the chunk
+        await asyncio.sleep(0.05)
+
+    await assert_ends_while_grpc_sends(calls, engine, "orphan", send, None,
+                                       (grpc.StatusCode.CANCELLED, "stage s: request orphan was released"), "cancelled")
 
 
 async def test_a_cancel_from_outside_propagates_and_ends_the_engine_request():

@@ -9,10 +9,10 @@ import json
 import jinja2
 import pytest
 
+from omnistage.api import Limits
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.client import build_request
 from omnistage.contract.params import InvalidRequest, resolve
-from omnistage.api import Limits
 from stage_service.runtime.chat import load_chat_template, prompt_ids
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

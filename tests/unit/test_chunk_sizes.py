@@ -18,7 +18,7 @@ from omnistage.api import SpecError, Stage, parse_pipeline, validate
 from ..conftest import EXAMPLES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from omni_load import playback_gaps  # noqa: E402
+from omni_load import playback_gaps
 
 BASE = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())
 THINKER, TALKER, CODE2WAV = 0, 1, 2
@@ -91,6 +91,29 @@ def test_chunks_cover_the_result_and_none_is_larger_than_its_size(chunk, initial
     assert sum(sizes) == units and all(n > 0 for n in sizes)
     assert all(n <= s.chunk_units(i) for i, n in enumerate(sizes))
     assert all(n == s.chunk_units(i) for i, n in enumerate(sizes[:-1]))  # only the last is short
+
+
+@pytest.mark.parametrize(("index", "pending", "due"), [(3, 0, True), (3, 2, True), (0, 0, True)])
+def test_with_always_end_the_end_hands_on_a_chunk_even_with_nothing_left(index, pending, due):
+    assert stage(25, 5).chunk_due(index, pending, True, always_end=True) is due
+    s = stage(25, 5)
+    for held in (4, 5, 25):  # before the end: as without it
+        assert s.chunk_due(index, held, False, always_end=True) is s.chunk_due(index, held, False)
+
+
+def test_an_engines_chunks_follow_the_rule_and_only_the_first_carries_the_first_chunk_timings():
+    from stage_service.runtime.base import Chunking, OutputChunk
+
+    chunks, handed = Chunking(stage(25, 5)), []
+    for made in range(1, 41):
+        if chunks.due(1, done=made == 40):
+            units, first = chunks.pending, chunks.first
+            out = chunks.hand_on(OutputChunk(compute_ms=1.0), queue_ms=7.0, encode_ms=2.0, transfer_ms=3.0)
+            handed.append((units, first, out.queue_ms, out.encode_ms, out.transfer_ms, out.compute_ms))
+    assert [h[0] for h in handed] == emitted(stage(25, 5), 40) == [5, 25, 10]
+    assert handed[0][1:] == (True, 7.0, 2.0, 3.0, 1.0)
+    assert all(h[1:] == (False, 0.0, 0.0, 0.0, 1.0) for h in handed[1:])
+    assert not chunks.first and chunks.pending == 0
 
 
 # ------------------------------------------------------------------------------------ the spec field

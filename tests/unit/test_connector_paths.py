@@ -16,6 +16,7 @@ from omnistage.connector.ucx import cuda_transports
 from omnistage.v1 import stage_pb2, tensor_pb2
 
 from ..connector_peer import PeerProcess, decode, digest
+from ..connector_support import connector_pair
 
 KIB = 1 << 10
 BIG = 256 * KIB  # above the inline threshold
@@ -136,11 +137,8 @@ async def test_make_connector_refuses_cuda_without_a_device():
 
 @pytest.fixture
 async def pair():
-    producer = await make_connector("thinker", ("shm", "ucx"), host_id="h")
-    consumer = await make_connector("talker", ("shm", "ucx"), host_id="h")
-    yield producer, consumer
-    await consumer.close()
-    await producer.close()
+    async with connector_pair("h") as connectors:
+        yield connectors
 
 
 async def test_cpu_tensors_are_host_memory_in_the_descriptor(pair):

@@ -96,7 +96,8 @@ async def test_ack_wakes_a_waiting_producer_and_inline_tensors_do_not_count(stag
 
 async def test_chunk_bigger_than_the_whole_budget_is_refused(stage_pair):
     sender, _, _, _ = stage_pair
-    with pytest.raises(ChunkTooLarge, match=r"needs 786432 bytes, more than the stage's whole buffer budget \(524288\)"):
+    with pytest.raises(ChunkTooLarge,
+                       match=r"needs 786432 bytes, more than the stage's whole buffer budget \(524288\)"):
         await sender.put_chunk("r1", 0, {"x": torch.zeros(3 * CHUNK // 4)})
     assert sender.held_bytes == 0
 

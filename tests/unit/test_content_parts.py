@@ -3,39 +3,32 @@ client's part builders and the CLI's --image/--audio/--video in command-line ord
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
-import soundfile
-from PIL import Image as PILImage
-
-from omnistage.local import cli
 
 from omnistage import media
-from omnistage.client import (audio_part, build_request, image_part, pcm_part, raw_image_part, text_part,
-                              video_file_part, video_part)
 from omnistage.api import MAX_MESSAGE_BYTES, Limits, accepted_inputs, stage_inputs
+from omnistage.client import (
+    audio_part,
+    build_request,
+    image_part,
+    pcm_part,
+    raw_image_part,
+    text_part,
+    video_file_part,
+    video_part,
+)
+from omnistage.local import cli
 from orchestrator_service.request_run import RequestRun, stage_params
 from orchestrator_service.routing import Router
 from orchestrator_service.server import MIN_RECEIVE_BYTES
 
 from ..harness import example
+from ..media_builders import png, wav
 
 PIXELS = np.random.default_rng(1).integers(0, 256, (6, 10, 3), dtype=np.uint8)
 OMNI_THINKER_READS = frozenset({"text", "image", "audio", "video"})
-
-
-def png(pixels: np.ndarray = PIXELS) -> bytes:
-    buf = io.BytesIO()
-    PILImage.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def wav(seconds: float = 0.1, rate: int = 8000) -> bytes:
-    buf = io.BytesIO()
-    soundfile.write(buf, np.zeros(int(rate * seconds), np.float32), rate, format="WAV")
-    return buf.getvalue()
+PNG, WAV = png(PIXELS), wav(np.zeros(800, np.float32), 8000)  # WAV: 0.1 s of silence at 8 kHz
 
 
 # ------------------------------------------------------------------ what stages read
@@ -61,7 +54,7 @@ def test_with_an_encoder_stage_only_the_encoder_reads_media():
 
 
 def test_a_stage_is_sent_only_the_media_it_reads():
-    params = build_request("And now?", parts=["Look:", image_part(png()), audio_part(wav()), "and listen."],
+    params = build_request("And now?", parts=["Look:", image_part(PNG), audio_part(WAV), "and listen."],
                            max_tokens=5).params
     assert stage_params(params, OMNI_THINKER_READS) is params  # reads it all: the message as is
     text_only = stage_params(params, frozenset({"text"}))
@@ -77,12 +70,12 @@ def test_a_stage_is_sent_only_the_media_it_reads():
     original.ClearField("parts")
     assert text_only == original
     images_only = stage_params(params, frozenset({"text", "image"}))
-    assert images_only.parts[1].image.data == png() and images_only.parts[2].audio.ByteSize() == 0
+    assert images_only.parts[1].image.data == PNG and images_only.parts[2].audio.ByteSize() == 0
 
 
 def test_each_stage_call_opens_with_the_params_its_stage_reads():
     pipeline = example("qwen3-omni-tiny")
-    params = build_request("Say it.", parts=[image_part(png())]).params
+    params = build_request("Say it.", parts=[image_part(PNG)]).params
     run = RequestRun(pipeline, Router(pipeline), "r1", params, {"thinker": "text", "code2wav": "audio"})
     sent = {stage: call.header.params for stage, call in run._calls.items()}
     assert sent["thinker"] == params
@@ -98,11 +91,11 @@ def test_the_orchestrator_receives_the_largest_request_the_limits_admit():
 # -------------------------------------------------------------------------- client
 
 def test_client_parts_decode_to_what_was_given(tmp_path):
-    (tmp_path / "a.png").write_bytes(png())
+    (tmp_path / "a.png").write_bytes(PNG)
     samples = np.array([0.0, 0.5, -0.5, 1.0], np.float32)
-    parts = [text_part("hi"), image_part(tmp_path / "a.png"), image_part(png()), raw_image_part(PIXELS),
-             audio_part(wav()), pcm_part(samples, 16000), pcm_part(np.stack([samples, samples], 1), 8000),
-             video_part([PIXELS, tmp_path / "a.png", png()], [0.0, 0.5, 1.0])]
+    parts = [text_part("hi"), image_part(tmp_path / "a.png"), image_part(PNG), raw_image_part(PIXELS),
+             audio_part(WAV), pcm_part(samples, 16000), pcm_part(np.stack([samples, samples], 1), 8000),
+             video_part([PIXELS, tmp_path / "a.png", PNG], [0.0, 0.5, 1.0])]
     got = media.decode_parts(build_request(parts=parts).params.parts, Limits())
     assert [media.MODALITY[type(p)] for p in got] == ["text", "image", "image", "image", "audio", "audio", "audio",
                                                       "video"]
@@ -135,8 +128,8 @@ def parse(*argv: str):
 
 def test_media_flags_keep_their_command_line_order_and_the_prompt_comes_last(tmp_path):
     for name in ("a.png", "b.png"):
-        (tmp_path / name).write_bytes(png())
-    (tmp_path / "c.wav").write_bytes(wav())
+        (tmp_path / name).write_bytes(PNG)
+    (tmp_path / "c.wav").write_bytes(WAV)
     frames = tmp_path / "frames"
     frames.mkdir()
     for name in ("002.png", "001.png", "003.png"):

@@ -19,8 +19,8 @@ PY = "/usr/bin/python3"
      ["--port", "0", "--model-dir", "/m", "--ready-file", "/tmp/r"]),
     ({"host": "$(POD_IP)", "port": launch.GRPC_PORT, "http_port": launch.HTTP_PORT},
      ["--host", "$(POD_IP)", "--port", "50051", "--http-port", "8080"]),
-    ({"drain_seconds": 30, "inject_step_failure": 3, "log_level": "WARNING"},
-     ["--drain-seconds", "30", "--log-level", "WARNING", "--inject-step-failure", "3"]),
+    ({"drain_seconds": 30, "log_level": "WARNING"},
+     ["--drain-seconds", "30", "--log-level", "WARNING"]),
     ({"http_port": None}, []),   # None: left out, the service's default applies
 ])
 def test_stage_command(flags, argv_tail):
@@ -52,7 +52,7 @@ def test_a_flag_the_service_does_not_take_is_refused_where_the_command_is_built(
 @pytest.mark.parametrize("flags", [
     {},
     {"host": "0.0.0.0", "port": 50051, "http_port": 8080, "model_dir": "/models", "drain_seconds": 12.5,
-     "ready_file": "/tmp/r", "log_level": "DEBUG", "inject_step_failure": 2},
+     "ready_file": "/tmp/r", "log_level": "DEBUG"},
 ])
 def test_stage_parser_reads_back_what_stage_command_writes(flags):
     args = launch.stage_parser(env={}).parse_args(launch.stage_command("p.yaml", "s", **flags)[3:])
@@ -190,3 +190,12 @@ def test_a_ready_file_may_name_ports_this_reader_does_not_know(tmp_path):
 ])
 def test_http_url(host, port, path, url):
     assert launch.http_url(host, port, path) == url
+
+
+def test_the_stage_command_line_has_no_test_switch():
+    """Fault injection is a test's switch, set in the environment (stage_service.runtime.faults), not part of
+    the production command line."""
+    with pytest.raises(TypeError, match="no flag inject_step_failure"):
+        launch.stage_command("p.yaml", "s", inject_step_failure=3)
+    with pytest.raises(SystemExit):
+        launch.stage_parser(env={}).parse_args(["--pipeline", "p.yaml", "--stage", "s", "--inject-step-failure", "3"])

@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from omnistage.contract.launch import ENV_TRANSPORTS
-from stage_service.data_plane import (DataPlane, consumers_device, out_transport, spec_device, ucx_available,
-                                      wanted_transports)
+from stage_service.data_plane import (
+    DataPlane,
+    consumers_device,
+    out_transport,
+    spec_device,
+    ucx_available,
+    wanted_transports,
+)
 
 from ..harness import example
 

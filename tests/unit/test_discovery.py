@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from omnistage.contract.launch import stage_service_name
 from omnistage.api import load_pipeline
+from omnistage.contract.launch import stage_service_name
 from orchestrator_service.discovery import FileDiscovery, read_endpoints_file, ready_addresses, slice_addresses
 
 from ..conftest import EXAMPLES

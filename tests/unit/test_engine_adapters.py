@@ -1,5 +1,5 @@
-"""Every stage-service engine adapter names its entry in the catalog validation checks topologies
-against (omnistage/api/engines.py), and the registry refuses a model that another adapter serves."""
+"""Every adapter in the family table is served by an engine class of its family, and the registry refuses a
+model that another adapter serves."""
 
 from __future__ import annotations
 
@@ -7,33 +7,21 @@ import json
 
 import pytest
 
-from omnistage.api import ADAPTERS
-from omnistage.api.engines import engines_for_kind
+from omnistage.families import all_adapters, engines_for_kind, families
 
 from ..harness import example
 
-ENGINE_CLASSES = [("stage_service.engines.vllm.ar", "VllmEngine"),
-                  ("stage_service.engines.vllm.thinker", "VllmThinkerEngine"),
-                  ("stage_service.engines.transformers.causal_lm", "CausalLmEngine"),
-                  ("stage_service.engines.qwen3_omni.engines", "ThinkerEngine"),
-                  ("stage_service.engines.qwen3_omni.engines", "TalkerEngine"),
-                  ("stage_service.engines.qwen3_omni.engines", "Code2WavEngine"),
-                  ("stage_service.engines.qwen3_omni.engines", "EncoderEngine"),
-                  ("stage_service.engines.qwen2_5_omni.engines", "EncoderEngine"),
-                  ("stage_service.engines.qwen2_5_omni.engines", "ThinkerEngine"),
-                  ("stage_service.engines.qwen2_5_omni.engines", "TalkerEngine"),
-                  ("stage_service.engines.qwen2_5_omni.engines", "Token2WavEngine"),
-                  ("stage_service.engines.diffusers.engines", "TextEncoderEngine"),
-                  ("stage_service.engines.diffusers.engines", "DenoiseEngine"),
-                  ("stage_service.engines.diffusers.engines", "VaeDecodeEngine")]
 
+def test_every_adapter_has_an_engine_class_in_its_family_and_every_class_is_an_engine():
+    from stage_service.runtime.base import Engine
 
-def test_every_adapter_class_names_a_catalog_entry_and_every_entry_has_one():
-    import importlib
-
-    classes = [getattr(importlib.import_module(m), c) for m, c in ENGINE_CLASSES]
-    named = {a for cls in classes for a in (getattr(cls, "ADAPTERS", None) or (cls.ADAPTER,))}
-    assert named == set(ADAPTERS)
+    for family in families():
+        table = family.engines()
+        served = {a for (_, a) in table}
+        assert served == set(family.adapters), family.name
+        for (engine, adapter), cls in table.items():
+            assert engine in adapter.engines and issubclass(cls, Engine), (family.name, adapter.name)
+    assert set(all_adapters()) == {a for f in families() for a in f.adapters}
 
 
 def test_kinds_and_engines_come_from_the_catalog():

@@ -8,16 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnistage.contract.devices import DevicePlan, DeviceUnavailable, plan_device
 from omnistage.api import Parallelism, StageDeployment
+from omnistage.contract.devices import DevicePlan, DeviceUnavailable, plan_device
+from stage_service.engines.registry import create_engine
+from stage_service.engines.vllm.ar import check_build, engine_args
 from stage_service.runtime.base import EngineConfigError
 from stage_service.runtime.invariance import applies_on
-from stage_service.engines.registry import create_engine
 from stage_service.runtime.sampling import SamplingSettings
-from stage_service.engines.vllm.ar import check_build, engine_args
 
-from ..harness import call_stage, example, header, start_stage
-from ..integration.test_stage_support import token_ids
+from ..harness import call_stage, example, header, start_stage, token_ids
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 no_cuda_here = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a host without CUDA")

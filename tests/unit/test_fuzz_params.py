@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from omnistage.contract.params import InvalidRequest, RequestParams, resolve
 from omnistage.api import load_pipeline
+from omnistage.contract.params import InvalidRequest, RequestParams, fill_resolved, resolve
 from omnistage.v1 import common_pb2, orchestrator_pb2
 from orchestrator_service import servicer as orchestrator
 
@@ -71,6 +71,20 @@ def test_params_resolve_within_the_limits_or_name_the_field(p, pipeline):
     assert 1 <= r.num_inference_steps <= limits.max_inference_steps
     assert 0 <= r.guidance_scale <= 100 and math.isfinite(r.guidance_scale)
     assert len(r.parts) <= limits.max_parts and all(x.WhichOneof("part") for x in r.parts)
+
+
+@FUZZ
+@given(generation_params(), st.sampled_from(PIPELINES))
+def test_resolved_params_as_the_stages_are_sent_them_resolve_to_themselves(p, pipeline):
+    """The orchestrator sends every stage the values it resolved; the stage's resolve of them (its check)
+    gives back the very same parameters: no second set of defaults, nothing refused that was admitted."""
+    try:
+        r = resolve(p, pipeline.limits)
+    except InvalidRequest:
+        return
+    sent = common_pb2.GenerationParams()
+    sent.CopyFrom(p)
+    assert resolve(fill_resolved(sent, r), pipeline.limits) == r
 
 
 @FUZZ

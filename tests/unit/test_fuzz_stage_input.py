@@ -10,11 +10,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from omnistage.api import load_pipeline
+from omnistage.connector import TensorKey
 from omnistage.contract import tensors
 from omnistage.contract.chunks import ChunkOrderError, EdgeReorderBuffer
-from omnistage.connector import TensorKey
 from omnistage.contract.params import InvalidRequest
-from omnistage.api import load_pipeline
 from omnistage.v1 import common_pb2, stage_pb2, tensor_pb2
 from stage_service.runtime.errors import InputError
 from stage_service.servicer import check_input_chunk, header_from_proto, request_from_proto

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import io
 import subprocess
 import sys
 from pathlib import Path
@@ -49,11 +48,9 @@ def test_results_on_cuda_go_under_gpu():
 
 
 def _png(value: int) -> bytes:
-    from PIL import Image
+    from ..media_builders import png
 
-    buf = io.BytesIO()
-    Image.fromarray(np.full((8, 8, 3), value, dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+    return png(np.full((8, 8, 3), value, dtype=np.uint8))
 
 
 def _answer(tokens=(1, 2, 3), pcm=(0, 100, -100), images=()) -> dict:
@@ -63,8 +60,10 @@ def _answer(tokens=(1, 2, 3), pcm=(0, 100, -100), images=()) -> dict:
 
 @pytest.mark.parametrize("gpu, ok, field, value", [
     (_answer(), True, "audio_max_abs_diff", 0),
-    (_answer(pcm=(0, 100 + gpu_compare.AUDIO_TOLERANCE, -100)), True, "audio_max_abs_diff", gpu_compare.AUDIO_TOLERANCE),
-    (_answer(pcm=(0, 101 + gpu_compare.AUDIO_TOLERANCE, -100)), False, "audio_max_abs_diff", gpu_compare.AUDIO_TOLERANCE + 1),
+    (_answer(pcm=(0, 100 + gpu_compare.AUDIO_TOLERANCE, -100)), True, "audio_max_abs_diff",
+     gpu_compare.AUDIO_TOLERANCE),
+    (_answer(pcm=(0, 101 + gpu_compare.AUDIO_TOLERANCE, -100)), False, "audio_max_abs_diff",
+     gpu_compare.AUDIO_TOLERANCE + 1),
     (_answer(pcm=(0, 100)), False, "audio_samples_equal_length", 0),
     (_answer(tokens=(1, 2, 4)), False, "tokens_equal", 0),
 ])

@@ -14,11 +14,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnistage.local.gpu_placement import (ENV_DEVICE_ORDER, ENV_GPUS, ENV_VISIBLE, PCI_ORDER, GpuPlacementError,
-                                     MachineGpus, assign_gpus, assignment_lines, machine_gpus, replica_env,
-                                     smi_ids, visible_ids)
-from omnistage.local.serve import LaunchError, LocalPipeline
 from omnistage.api import StageDeployment
+from omnistage.local.gpu_placement import (
+    ENV_DEVICE_ORDER,
+    ENV_GPUS,
+    ENV_VISIBLE,
+    PCI_ORDER,
+    GpuPlacementError,
+    MachineGpus,
+    assign_gpus,
+    assignment_lines,
+    machine_gpus,
+    replica_env,
+    smi_ids,
+    visible_ids,
+)
+from omnistage.local.serve import LaunchError, LocalPipeline
 
 from ..harness import example
 

@@ -9,8 +9,14 @@ import pytest
 from pydantic import ValidationError
 
 from omnistage.contract.params import InvalidRequest
-from orchestrator_service.http_api.errors import (ApiError, UnknownModel, error_response, field_path,
-                                                  from_exception, openai_param)
+from orchestrator_service.http_api.errors import (
+    ApiError,
+    UnknownModel,
+    error_response,
+    field_path,
+    from_exception,
+    openai_param,
+)
 from orchestrator_service.http_api.schemas import ChatCompletionRequest
 from orchestrator_service.servicer import Refused
 

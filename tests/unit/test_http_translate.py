@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from omnistage.api import load_pipeline
 from omnistage.contract.modalities import MODALITY_CODES
 from omnistage.contract.params import InvalidRequest
-from omnistage.api import load_pipeline
 from orchestrator_service.http_api import translate
 from orchestrator_service.http_api.errors import UnknownModel
 from orchestrator_service.http_api.schemas import ChatCompletionRequest, ImageRequest, SpeechRequest

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from omnistage.api import load_pipeline
 from omnistage.contract.launch import ReadyPorts
 from omnistage.local.serve import LaunchError, LocalPipeline, Proc
-from omnistage.api import load_pipeline
 
 from ..conftest import EXAMPLES
 
@@ -26,7 +26,8 @@ def local(tmp_path: Path, **kw) -> LocalPipeline:
 
 def test_status_urls_and_scrape_targets_of_every_process_with_a_status_port(tmp_path):
     lp = local(tmp_path)
-    lp.orchestrator = Proc("orchestrator", [], tmp_path / "o.log", tmp_path / "o.ready", ports=ReadyPorts(100, 200, 300))
+    lp.orchestrator = Proc("orchestrator", [], tmp_path / "o.log", tmp_path / "o.ready",
+                           ports=ReadyPorts(100, 200, 300))
     assert lp.status_urls == {"stage text_encoder[0]": "http://127.0.0.1:201", "stage unet[0]": "http://127.0.0.1:202",
                               "orchestrator": "http://127.0.0.1:200"}
     assert lp.scrape_targets()[0] == {"targets": ["127.0.0.1:201"], "labels": {

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from PIL import Image as PILImage
 
 from omnistage import media
-from omnistage.contract.params import InvalidRequest
 from omnistage.api import Limits
+from omnistage.contract.params import InvalidRequest
 from omnistage.v1 import common_pb2
 
 LIMITS = Limits()

@@ -4,12 +4,10 @@ queue without bound, what they cannot start in time."""
 from __future__ import annotations
 
 import asyncio
-import io
 import threading
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from omnistage.client import image_part
 from omnistage.contract.params import InvalidRequest
@@ -19,6 +17,7 @@ from stage_service.engines.omni.media_work import MediaWork
 from stage_service.runtime.errors import EngineOverloaded
 
 from ..harness import example
+from ..media_builders import png
 
 
 async def test_media_work_refuses_beyond_its_threads_and_queue_room():
@@ -43,9 +42,7 @@ async def test_media_work_refuses_beyond_its_threads_and_queue_room():
 
 
 def big_png() -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (1800, 1800, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
+    return png(np.random.default_rng(0).integers(0, 256, (1800, 1800, 3), dtype=np.uint8))
 
 
 async def test_a_request_that_cannot_get_a_decode_slot_in_time_is_overload_not_a_queue():

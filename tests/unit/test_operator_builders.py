@@ -409,6 +409,7 @@ def test_dev_shm_size_limit_is_a_canonical_quantity():
     """The apiserver rewrites quantities to canonical form; a canonical one reads back equal, so the
     comparison with the live Deployment never sees a difference that is not one."""
     from kubernetes.utils import parse_quantity
+
     from omnistage_operator.builders import SHM_SIZE_LIMIT
     assert parse_quantity(SHM_SIZE_LIMIT) == 2 * 1024 ** 3 and SHM_SIZE_LIMIT == "2Gi"
 

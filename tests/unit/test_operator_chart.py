@@ -262,8 +262,9 @@ def test_tls_off_and_a_pre_created_ca():
 
 @needs_helm
 def test_pipeline_ca_is_a_ca_kept_by_helm():
-    from cryptography import x509
     import base64
+
+    from cryptography import x509
     secret = render()[("Secret", "omnistage-pipeline-ca")]
     assert secret["type"] == "kubernetes.io/tls"
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"

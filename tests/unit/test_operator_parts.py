@@ -108,7 +108,8 @@ def doc_with(edit):
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["spec"]["topology"]["stages"][1]["inputs"].__setitem__(0, {"stage": "talkr"}),
      'spec.topology.stages[1].inputs[0]: unknown stage "talkr" (did you mean "talker"?)'),
-    (lambda d: d["metadata"].update(name="9lives"), 'metadata.name: "9lives" must be lower-case letters, digits and "-", start with a letter'),
+    (lambda d: d["metadata"].update(name="9lives"),
+     'metadata.name: "9lives" must be lower-case letters, digits and "-", start with a letter'),
     (lambda d: d["spec"]["topology"]["stages"][2].update(name="orchestrator") or
      d["spec"]["deployment"]["stages"].update(orchestrator=d["spec"]["deployment"]["stages"].pop("code2wav")) or
      d["spec"]["topology"]["outputs"][1].update(stage="orchestrator"),

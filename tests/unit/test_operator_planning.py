@@ -25,13 +25,30 @@ from omnistage_operator.autoscaler import Autoscaler, _Merged, autoscaling_enabl
 from omnistage_operator.builders import build_children
 from omnistage_operator.config import ConfigError, ModelVolume, OperatorConfig, from_env
 from omnistage_operator.pipeline_object import parse
-from omnistage_operator.planning import (STATUS_REFRESH_S, Plans, PlannedView, ScrapeTarget, change_message,
-                                         planned_replicas,
-                                         planned_view, ready_floor, scrape_targets, starting_replicas)
+from omnistage_operator.planning import (
+    STATUS_REFRESH_S,
+    PlannedView,
+    Plans,
+    ScrapeTarget,
+    change_message,
+    planned_replicas,
+    planned_view,
+    ready_floor,
+    scrape_targets,
+    starting_replicas,
+)
 from omnistage_operator.rollout import RolloutPlan
 from omnistage_operator.status import build_status
-from omnistage_operator.vocabulary import (COMPONENT_STAGE, LABEL_COMPONENT, LABEL_STAGE, PLANNED, R_BUDGET_LIMITED,
-                                          R_MEASURING, R_NO_LOAD, R_SIZED)
+from omnistage_operator.vocabulary import (
+    COMPONENT_STAGE,
+    LABEL_COMPONENT,
+    LABEL_STAGE,
+    PLANNED,
+    R_BUDGET_LIMITED,
+    R_MEASURING,
+    R_NO_LOAD,
+    R_SIZED,
+)
 from orchestrator_service.metrics import OrchestratorMetrics
 
 from ..conftest import EXAMPLES
@@ -306,7 +323,8 @@ def test_every_pipelines_decisions_are_one_exposition():
     registry.register(_Merged(by_pipeline))
     families = list(text_string_to_metric_families(generate_latest(registry).decode()))
     desired = next(f for f in families if f.name == "omnistage_planner_desired_replicas")
-    assert {(s.labels["pipeline"], s.labels["stage"]): s.value for s in desired.samples if s.labels["stage"] == "talker"} \
+    assert {(s.labels["pipeline"], s.labels["stage"]): s.value
+            for s in desired.samples if s.labels["stage"] == "talker"} \
         == {("a/p", "talker"): 2.0, ("b/p", "talker"): 3.0}
     assert len([f for f in families if f.name == desired.name]) == 1   # one family, both pipelines' samples
     del by_pipeline[("a", "p")]                                          # a pipeline forgotten leaves it

@@ -8,8 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omnistage_operator.pipeline_object import parse
-from omnistage_operator.rollout import (ONE_STAGE_AT_A_TIME, PARALLEL, RolloutPlan, UnitState,
-                                        deployment_rolled_out, plan_rollout, rollout_order)
+from omnistage_operator.rollout import (
+    ONE_STAGE_AT_A_TIME,
+    PARALLEL,
+    RolloutPlan,
+    UnitState,
+    deployment_rolled_out,
+    plan_rollout,
+    rollout_order,
+)
 from omnistage_operator.vocabulary import ORCHESTRATOR
 
 from ..conftest import EXAMPLES

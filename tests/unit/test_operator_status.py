@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import pytest
 
+from omnistage_operator import vocabulary
 from omnistage_operator.conditions import condition, get_condition, set_condition
 from omnistage_operator.rollout import RolloutPlan
-from omnistage_operator.status import (MAX_MESSAGE, MAX_TERMINATION_MESSAGE, build_status, failure_summary,
-                                       invalid_status, last_failure, new_failures, pods_by_unit, status_patch,
-                                       unit_counts)
-from omnistage_operator.vocabulary import (R_ALL_READY, R_AS_EXPECTED, R_INVALID_SPEC, R_NOT_READY,
-                                           R_PROGRESS_DEADLINE, R_REPLICA_FAILURE, R_ROLLING_OUT,
-                                           R_ROLLOUT_COMPLETE, R_SCALED_TO_ZERO, R_STAGE_FAILING,
-                                           R_STAGE_UNAVAILABLE)
+from omnistage_operator.status import (
+    MAX_MESSAGE,
+    MAX_TERMINATION_MESSAGE,
+    build_status,
+    failure_summary,
+    invalid_status,
+    last_failure,
+    new_failures,
+    pods_by_unit,
+    status_patch,
+    unit_counts,
+)
 
 T0, T1 = "2024-01-01T00:00:00Z", "2024-01-01T00:05:00Z"
 IDLE = RolloutPlan((), (), ())
@@ -69,9 +75,10 @@ def cond(st, type_):
 
 def test_all_ready():
     st = status()
-    assert (cond(st, "Ready")["status"], cond(st, "Ready")["reason"]) == ("True", R_ALL_READY)
-    assert (cond(st, "Progressing")["status"], cond(st, "Progressing")["reason"]) == ("False", R_ROLLOUT_COMPLETE)
-    assert (cond(st, "Degraded")["status"], cond(st, "Degraded")["reason"]) == ("False", R_AS_EXPECTED)
+    assert (cond(st, "Ready")["status"], cond(st, "Ready")["reason"]) == ("True", vocabulary.R_ALL_READY)
+    assert (cond(st, "Progressing")["status"], cond(st, "Progressing")["reason"]) == (
+        "False", vocabulary.R_ROLLOUT_COMPLETE)
+    assert (cond(st, "Degraded")["status"], cond(st, "Degraded")["reason"]) == ("False", vocabulary.R_AS_EXPECTED)
     assert st["observedGeneration"] == 3 and st["stagesReady"] == "3/3"
     assert st["stages"]["talker"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
     assert st["orchestratorEndpoint"] == "p-orchestrator.ns.svc:50051"
@@ -81,7 +88,7 @@ def test_all_ready():
 def test_starting_up_is_not_degraded():
     st = status(counts={"thinker": (1, 0), "talker": (1, 1), "code2wav": (1, 0)},
                 plan=RolloutPlan((), (), ("thinker", "code2wav")))
-    assert cond(st, "Ready")["reason"] == R_NOT_READY
+    assert cond(st, "Ready")["reason"] == vocabulary.R_NOT_READY
     assert "thinker 0/1 ready" in cond(st, "Ready")["message"]
     assert cond(st, "Degraded")["status"] == "False"
     assert cond(st, "Progressing")["status"] == "True"
@@ -92,7 +99,8 @@ def test_losing_a_replica_after_ready_is_degraded_until_back():
     ready = status()
     lost = status(old=ready, counts={"thinker": (1, 1), "talker": (1, 0), "code2wav": (1, 1)}, now=T1)
     assert cond(lost, "Ready")["status"] == "False" and cond(lost, "Ready")["lastTransitionTime"] == T1
-    assert (cond(lost, "Degraded")["status"], cond(lost, "Degraded")["reason"]) == ("True", R_STAGE_UNAVAILABLE)
+    assert (cond(lost, "Degraded")["status"], cond(lost, "Degraded")["reason"]) == (
+        "True", vocabulary.R_STAGE_UNAVAILABLE)
     still = status(old=lost, counts={"thinker": (1, 1), "talker": (1, 0), "code2wav": (1, 1)}, now=T1)
     assert cond(still, "Degraded")["status"] == "True"   # stays degraded while short
     back = status(old=lost, now=T1)
@@ -107,13 +115,13 @@ def test_orchestrator_counts_for_ready():
 
 def test_scaled_to_zero():
     st = status(counts={"thinker": (0, 0), "talker": (1, 1), "code2wav": (1, 1)})
-    assert (cond(st, "Ready")["status"], cond(st, "Ready")["reason"]) == ("False", R_SCALED_TO_ZERO)
+    assert (cond(st, "Ready")["status"], cond(st, "Ready")["reason"]) == ("False", vocabulary.R_SCALED_TO_ZERO)
 
 
 def test_rolling_out_message_names_units():
     st = status(plan=RolloutPlan(("talker",), ("code2wav",), ("talker",)))
     p = cond(st, "Progressing")
-    assert (p["status"], p["reason"]) == ("True", R_ROLLING_OUT)
+    assert (p["status"], p["reason"]) == ("True", vocabulary.R_ROLLING_OUT)
     assert p["message"] == "rolling out: talker; waiting their turn: code2wav"
     assert cond(st, "Ready")["status"] == "True"   # a surge rollout keeps serving
 
@@ -122,8 +130,8 @@ def test_deployment_failures_are_degraded():
     stuck = {"status": {"conditions": [{"type": "Progressing", "status": "False",
                                         "reason": "ProgressDeadlineExceeded"}]}}
     failing = {"status": {"conditions": [{"type": "ReplicaFailure", "status": "True"}]}}
-    assert cond(status(deployments={"talker": stuck}), "Degraded")["reason"] == R_PROGRESS_DEADLINE
-    assert cond(status(deployments={"talker": failing}), "Degraded")["reason"] == R_REPLICA_FAILURE
+    assert cond(status(deployments={"talker": stuck}), "Degraded")["reason"] == vocabulary.R_PROGRESS_DEADLINE
+    assert cond(status(deployments={"talker": failing}), "Degraded")["reason"] == vocabulary.R_REPLICA_FAILURE
 
 
 def test_same_world_same_status_no_patch():
@@ -145,9 +153,9 @@ def test_invalid_spec_keeps_counts_and_says_why():
     old = status()
     bad = invalid_status(old, generation=4, errors=['spec.topology.stages[1].inputs[0]: unknown stage "x"'], now=T1)
     r = cond(bad, "Ready")
-    assert (r["status"], r["reason"]) == ("False", R_INVALID_SPEC)
+    assert (r["status"], r["reason"]) == ("False", vocabulary.R_INVALID_SPEC)
     assert 'unknown stage "x"' in r["message"] and r["lastTransitionTime"] == T1
-    assert cond(bad, "Progressing")["reason"] == R_INVALID_SPEC
+    assert cond(bad, "Progressing")["reason"] == vocabulary.R_INVALID_SPEC
     assert bad["observedGeneration"] == 4 and bad["stages"] == old["stages"]
     again = invalid_status(bad, generation=4, errors=['spec.topology.stages[1].inputs[0]: unknown stage "x"'],
                            now="2030-01-01T00:00:00Z")
@@ -204,10 +212,10 @@ def test_a_terminated_container_gives_the_stage_its_last_failure_and_degraded_na
         "pod": "p-talker-1", "container": "stage", "exitCode": 2, "reason": "CrashLoopBackOff",
         "message": LINE, "finishedAt": T0}
     d = cond(st, "Degraded")
-    assert (d["status"], d["reason"]) == ("True", R_STAGE_FAILING)
+    assert (d["status"], d["reason"]) == ("True", vocabulary.R_STAGE_FAILING)
     assert d["message"] == f"talker: exit code 2, CrashLoopBackOff: {LINE}"
     assert "lastFailure" not in st["stages"]["thinker"]
-    assert cond(st, "Ready")["reason"] == R_NOT_READY
+    assert cond(st, "Ready")["reason"] == vocabulary.R_NOT_READY
 
 
 @pytest.mark.parametrize("cs_state, last, want", [

@@ -12,12 +12,17 @@ import pytest
 import yaml
 from cryptography import x509
 
-from omnistage.contract import launch
-
 from omnistage import tls
+from omnistage.contract import launch
 from omnistage_operator.builders import build_children, build_tls_secret_meta
-from omnistage_operator.certificates import (CertificateAuthority, build_tls_secret, ca_from_secret, leaves,
-                                             needs_reissue, tls_secret_name)
+from omnistage_operator.certificates import (
+    CertificateAuthority,
+    build_tls_secret,
+    ca_from_secret,
+    leaves,
+    needs_reissue,
+    tls_secret_name,
+)
 from omnistage_operator.config import ConfigError, IssuerRef, ModelVolume, OperatorConfig, from_env
 from omnistage_operator.pipeline_object import parse
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from omnistage.planner.scrape import CLASS_ENDED, CLASS_FINISHED, CLASS_REQUESTS, CLASS_STAGE_REQUESTS, CLASS_STAGE_UNITS
+from omnistage.planner.scrape import (
+    CLASS_ENDED,
+    CLASS_FINISHED,
+    CLASS_REQUESTS,
+    CLASS_STAGE_REQUESTS,
+    CLASS_STAGE_UNITS,
+)
 from omnistage.v1 import common_pb2
 from orchestrator_service.metrics import OrchestratorMetrics
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from omnistage.api import MODALITIES, Limits
 from omnistage.client import build_request, image_part, text_part
 from omnistage.contract.modalities import MODALITY_CODES
 from omnistage.contract.params import InvalidRequest, resolve
-from omnistage.api import MODALITIES, Limits
 from omnistage.v1 import common_pb2, orchestrator_pb2
 
 LIMITS = Limits()

@@ -10,13 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from omnistage.planner.classes import (DEMAND_MEMORY, MIN_FINISHED, ClassCounts, ClassDemand, counted, demand,
-                                       forecast)
+from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
+from omnistage.planner.classes import DEMAND_MEMORY, MIN_FINISHED, ClassCounts, ClassDemand, counted, demand, forecast
 from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
 from omnistage.planner.scrape import orchestrator_classes
-from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 from orchestrator_service.metrics import OrchestratorMetrics
 
 CHAIN = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}
@@ -207,8 +206,8 @@ def test_a_shift_to_speech_grows_the_talker_before_its_own_counters_show_it():
     m = PlannerMetrics("p")
     m.record(with_classes, d)
     text = generate_latest(m.registry).decode()
-    exported = re.search(rf'omnistage_planner_class_demand{{class="{re.escape(SPEECH)}",pipeline="p",stage="talker"}} (\S+)',
-                         text)
+    exported = re.search(rf'omnistage_planner_class_demand{{class="{re.escape(SPEECH)}",'
+                         rf'pipeline="p",stage="talker"}} (\S+)', text)
     assert exported and float(exported.group(1)) == pytest.approx(120.0)
     assert 'omnistage_planner_forecast_load{pipeline="p",stage="talker"}' in text
     # no orchestrator answers from now on: once the last reading is a window old, what they admitted

@@ -8,11 +8,11 @@ import random
 import pytest
 from prometheus_client import generate_latest
 
+from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 from omnistage.planner.controller import Planner
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import DESIRED_REPLICAS, PlannerMetrics
 from omnistage.planner.scrape import replica_counters
-from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 from stage_service.metrics import StageMetrics
 
 
@@ -259,8 +259,8 @@ def test_arrivals_steadier_than_poisson_are_measured_and_make_a_step_sure_sooner
     measured = planner()
     steady_at = first_growth(measured, counts)
     assert measured.dispersions["talker"] < 1.0, measured.dispersions
-    import omnistage.planner.controller as controller
-    monkeypatch.setattr(controller, "dispersion", lambda counts: 1.0)
+    from omnistage.planner import load
+    monkeypatch.setattr(load, "dispersion", lambda counts: 1.0)
     poisson_at = first_growth(planner(), counts)
     assert steady_at is not None and 30 < steady_at <= 40, steady_at     # 10 s of evenly sent requests
     assert poisson_at is None or poisson_at >= 50, poisson_at             # twice that as Poisson

@@ -116,7 +116,8 @@ def test_under_a_full_budget_a_stage_above_its_allocation_gives_up_replicas_it_s
     needs = [StageNeed("a", 300, 100, 1, 8), StageNeed("b", 600, 100, 1, 8)]
     p = plan(needs, Budget(max_replicas=6))
     assert p.replicas() == {"a": 2, "b": 4} and p.stages["a"].keep_down_to == 2
-    state, changes = run({"a": StageScale(4), "b": StageScale(2)}, [(t, p) for t in (0.0, REBALANCE_S, 2 * REBALANCE_S)],
-                         {"a": 60, "b": 60}, Budget(max_replicas=6))
+    state, changes = run({"a": StageScale(4), "b": StageScale(2)},
+                         [(t, p) for t in (0.0, REBALANCE_S, 2 * REBALANCE_S)], {"a": 60, "b": 60},
+                         Budget(max_replicas=6))
     assert {s: sc.replicas for s, sc in state.items()} == {"a": 2, "b": 4}
     assert all(t >= REBALANCE_S for t, _ in changes)

@@ -9,12 +9,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 from omnistage.planner.controller import Planner
-from omnistage.planner.graph import (RATIO_MEMORY, demand_per_request, edge_ratio, order, reach, slack,
-                                     steady_arrivals, upstream_of)
+from omnistage.planner.graph import (
+    RATIO_MEMORY,
+    demand_per_request,
+    edge_ratio,
+    order,
+    reach,
+    slack,
+    steady_arrivals,
+    upstream_of,
+)
 from omnistage.planner.load import MIN_DRAIN_S, ReplicaCounters, StageWindow, arrived, offered, offered_parts
 from omnistage.planner.sizing import StageNeed
-from omnistage.api.model import Autoscaling, AutoscalingBudget, AutoscalingTargets, StageAutoscaling
 
 CHAIN = {"thinker": (), "talker": ("thinker",), "code2wav": ("talker",)}
 

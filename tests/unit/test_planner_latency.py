@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
+from omnistage.api.model import Autoscaling, AutoscalingTargets, StageAutoscaling
 from omnistage.planner.controller import Planner
 from omnistage.planner.latency import MAX_PRESSURE, MIN_REQUESTS, merged, missed, p95, pressure
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF, orchestrator_buckets
-from omnistage.api.model import Autoscaling, AutoscalingTargets, StageAutoscaling
 from orchestrator_service.metrics import OrchestratorMetrics
 
 BOUNDS = (100.0, 500.0, 1000.0, 5000.0, math.inf)

@@ -6,9 +6,24 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnistage.planner.load import (CAPACITY_MEMORY, MIN_BUSY, MIN_DISPERSION, MIN_DRAIN_S, PER_REQUEST_MEMORY,
-                                    ReplicaCounters, StageEstimate, StageWindow, capacity_seen, dispersion, estimate,
-                                    load_floor, need, offered, window, window_since)
+from omnistage.planner.load import (
+    CAPACITY_MEMORY,
+    MIN_BUSY,
+    MIN_DISPERSION,
+    MIN_DRAIN_S,
+    PER_REQUEST_MEMORY,
+    ReplicaCounters,
+    StageEstimate,
+    StageWindow,
+    capacity_seen,
+    dispersion,
+    estimate,
+    load_floor,
+    need,
+    offered,
+    window,
+    window_since,
+)
 
 
 def C(at, units=0.0, busy=0.0, finished=0.0, queued=0, running=0, steps=0.0):

@@ -76,7 +76,7 @@ def restricted_violations(pod: dict) -> list[str]:
         added = set(caps.get("add") or ()) - ALLOWED_ADDED_CAPABILITIES
         if added:
             out.append(f"{name}: capabilities add {sorted(added)}")
-        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
             out.append(f"{name}: runAsNonRoot must be true (pod or container)")
         if sc.get("runAsUser") == 0:
             out.append(f"{name}: runAsUser 0")

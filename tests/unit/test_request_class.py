@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from omnistage.api import MODALITIES, Limits
 from omnistage.client import audio_part, build_request, image_part, text_part, video_file_part
 from omnistage.contract.params import resolve
-from omnistage.api import MODALITIES, Limits
 from orchestrator_service.request_class import MODALITY_ORDER, request_class
 
 IMAGE, AUDIO, VIDEO = image_part(b"png"), audio_part(b"wav"), video_file_part(b"mp4")

@@ -5,9 +5,9 @@ these run without a model; the engines' integration tests run the same scheduler
 from __future__ import annotations
 
 import asyncio
-import time
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest

@@ -13,8 +13,14 @@ from hypothesis import strategies as st
 
 from omnistage.api import SpecError, parse_pipeline, validate
 from omnistage.api.crd import crd
-from omnistage.api.model import (CONDITION_TYPES, Autoscaling, AutoscalingBudget, AutoscalingTargets,
-                                  ReplicaStatus, StageAutoscaling)
+from omnistage.api.model import (
+    CONDITION_TYPES,
+    Autoscaling,
+    AutoscalingBudget,
+    AutoscalingTargets,
+    ReplicaStatus,
+    StageAutoscaling,
+)
 
 from ..conftest import EXAMPLES
 
@@ -272,7 +278,7 @@ def test_the_crd_carries_the_planner_status():
 
 
 def test_the_committed_crd_takes_a_full_block_and_refuses_a_bad_one():
-    from .test_crd import schema_errors   # the committed CRD as the apiserver reads it
+    from .test_crd import schema_errors  # the committed CRD as the apiserver reads it
 
     assert schema_errors(with_autoscaling(FULL)) == []
     assert schema_errors(with_autoscaling({"targets": {"utilization": 0}}))

@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from stage_service.engines.omni.media import EncodedPrompt, prompt_rows
-from stage_service.engines.vllm.media import (EXTRA_KEY, MediaCursor, MediaPrompt, MediaStep, PositionsOnly,
-                                              batch_inputs, media_payload, media_refusal, slots_of)
+from stage_service.engines.vllm.media import (
+    EXTRA_KEY,
+    MediaCursor,
+    MediaPrompt,
+    MediaStep,
+    PositionsOnly,
+    batch_inputs,
+    media_payload,
+    media_refusal,
+    slots_of,
+)
 from stage_service.engines.vllm.thinker import FAMILIES, thinker_text_config
 from stage_service.engines.vllm.thinker_text import MROPE_KEY
 

@@ -14,11 +14,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stage_service.runtime.base import EngineConfigError
-from stage_service.engines.vllm.rows import (LENGTH_MARGIN, RowsMissing, RowsReceiver, engine_length, ours,
-                                             rows_engine_args)
+from stage_service.engines.vllm.rows import (
+    LENGTH_MARGIN,
+    RowsMissing,
+    RowsReceiver,
+    engine_length,
+    ours,
+    rows_engine_args,
+)
 from stage_service.engines.vllm.rows_connector import RowCursor, expand_cpu, slots_of
 from stage_service.engines.vllm.thinker import thinker_text_config, thinker_text_view
+from stage_service.runtime.base import EngineConfigError
 
 
 def test_the_engine_gets_room_for_the_last_rows_within_the_models_limit():
@@ -228,7 +234,8 @@ def _push(endpoint: str):
     def send(rid: str, start: int, rows: torch.Tensor, done: bool = False):
         head = {"start": start, "n": len(rows), "done": done, "shape": list(rows.shape),
                 "dtype": str(rows.dtype).removeprefix("torch.")}
-        sock.send_multipart([rid.encode(), json.dumps(head).encode(), rows.contiguous().view(torch.uint8).numpy().tobytes()])
+        sock.send_multipart([rid.encode(), json.dumps(head).encode(),
+                             rows.contiguous().view(torch.uint8).numpy().tobytes()])
 
     return sock, send
 

@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from omnistage.api import Adapter, engines
+from omnistage.families import Adapter
+from omnistage.families.adapters import DENOISER, DIT_DENOISER
 
 Config = dict[str, Any]
 
@@ -82,10 +83,10 @@ class DenoiserCall:
 
 DENOISERS: dict[str, DenoiserCall] = {
     "UNet2DConditionModel": DenoiserCall(
-        adapter=engines.DENOISER, latents_kwarg="sample",
+        adapter=DENOISER, latents_kwarg="sample",
         text=(TextInput("encoder_hidden_states", "embeddings", "cross_attention_dim", per_token=True),)),
     "SD3Transformer2DModel": DenoiserCall(
-        adapter=engines.DIT_DENOISER, latents_kwarg="hidden_states",
+        adapter=DIT_DENOISER, latents_kwarg="hidden_states",
         text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
               TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
         patch=lambda cfg: cfg["patch_size"],

@@ -27,20 +27,16 @@ import torch
 
 from omnistage.contract.devices import DevicePlan
 from omnistage.contract.params import InvalidRequest
-from omnistage.api import engines
-
-from stage_service.runtime.engine_process import CoreStates, RemoteState, remote_step
-from stage_service.runtime.errors import RequestFailed
-from stage_service.runtime.scheduler import StepState
-from stage_service.runtime import device
-from stage_service.runtime.base import (EngineConfigError, InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine,
-                   tensor)
 from stage_service.engines.diffusers.denoisers import DENOISERS
 from stage_service.engines.diffusers.layout import PipelineDir
 from stage_service.engines.diffusers.text import prompt_encoder
+from stage_service.runtime import device
+from stage_service.runtime.base import Chunking, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
+from stage_service.runtime.engine_process import CoreStates, RemoteState, remote_step
+from stage_service.runtime.errors import EngineConfigError, InputError, RequestFailed
 from stage_service.runtime.invariance import make_batch_invariant
 from stage_service.runtime.per_request import alone
-
+from stage_service.runtime.scheduler import StepState
 
 # --------------------------------------------------------------- text encoder
 
@@ -54,7 +50,8 @@ class TextEncoderEngine(SteppedEngine):
     """prompt (+ negative prompt under classifier-free guidance) -> `embeddings` [1 or 2, tokens, dim], and
     what else the pipeline's denoiser takes (SD3: `pooled_embeddings` [1 or 2, dim])."""
 
-    ADAPTER = engines.TEXT_ENCODER
+    ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection")  # the component's config `_class_name`
+
 
     unit = "prompts"
 
@@ -118,7 +115,7 @@ class DenoiseEngine(SteppedEngine):
     A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once.
     """
 
-    ADAPTERS = tuple(dict.fromkeys(call.adapter for call in DENOISERS.values()))  # unet, transformer
+    ARCHITECTURES = tuple(DENOISERS)  # UNet or DiT: one denoise loop, a table entry per class
 
     unit = "steps"
 
@@ -244,19 +241,18 @@ class DenoiseEngine(SteppedEngine):
         text = self.text_inputs(chunks[-1])
         transfer_ms = sum(c.transfer_ms for c in chunks)
         del chunks
-        every = self.stage.chunk_size
+        chunks = Chunking(self.stage)
         st = self.new_state(req, text)
-        first, done_steps, compute_before = True, 0, 0.0
+        done_steps, compute_before = 0, 0.0
         async with self.scheduler.submit(req.request_id, st) as stream:
             async for latents in stream:
                 done_steps += 1
                 done = done_steps == req.params.num_inference_steps
-                if done or (every and done_steps % every == 0):
-                    yield OutputChunk(tensors={"latents": latents}, last=done,
-                                      queue_ms=stream.queue_ms if first else 0.0,
-                                      compute_ms=stream.compute_ms - compute_before,
-                                      transfer_ms=transfer_ms if first else 0.0)
-                    first, compute_before = False, stream.compute_ms
+                if chunks.due(1, done):
+                    yield chunks.hand_on(OutputChunk(tensors={"latents": latents}, last=done,
+                                                     compute_ms=stream.compute_ms - compute_before),
+                                         queue_ms=stream.queue_ms, transfer_ms=transfer_ms)
+                    compute_before = stream.compute_ms
 
 
 # ---------------------------------------------------------------- VAE decode
@@ -350,7 +346,8 @@ class VaeDecodeEngine(SteppedEngine):
     batch in one call), so the next decode starts while this batch is encoded.
     """
 
-    ADAPTER = engines.VAE_DECODER
+    ARCHITECTURES = ("AutoencoderKL",)
+
     ENGINE_PROCESS = True
 
     unit = "images"

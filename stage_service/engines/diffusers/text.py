@@ -19,10 +19,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 - the ecosystem's name for it
 
-from stage_service.runtime.errors import EngineConfigError
 from stage_service.engines.diffusers.layout import PipelineDir
+from stage_service.runtime.errors import EngineConfigError
 from stage_service.runtime.invariance import make_batch_invariant
 
 # StableDiffusion3Pipeline's default `max_sequence_length`: the T5 tokens (or zero rows) after the CLIP tokens.

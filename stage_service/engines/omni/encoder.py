@@ -7,7 +7,8 @@ the same processor and encoders the Thinker runs inline (`omni_media`) and emits
 token ids and the encoders' rows (`EncodedPrompt.to_tensors`); the Thinker merges them into its prompt.
 A request without media gets its prompt ids only. Decoding and processing run on the stage's media
 threads (`media_work`: bounded, refused when full); the towers run on the stage's step scheduler, every
-request of a step in one call per tower (`encode_batch`).
+request of a step in one call per tower (`encode_batch`), padded for batch invariance (`invariance.py`) as the
+Thinker pads its inline towers: otherwise the rows differ from inline ones in the last bits.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from typing import AsyncIterator
 from omnistage.checkpoints.names import THINKER_TOWERS
 from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest, RequestParams, has_media
-
-from stage_service.runtime.scheduler import StepState
+from stage_service.engines.omni.media import EncodedPrompt, Family, MediaInputs, OmniProcessor, encode, encode_batch
+from stage_service.engines.omni.media_work import MediaStage
+from stage_service.engines.omni.thinker import prepare_turn
 from stage_service.runtime.base import OutputChunk, StageInputs, StageRequest, SteppedEngine
 from stage_service.runtime.chat import load_chat_template, prompt_ids
 from stage_service.runtime.components import load_component
-from stage_service.engines.omni.media_work import MediaStage
-from stage_service.engines.omni.media import EncodedPrompt, Family, MediaInputs, OmniProcessor, encode, encode_batch
-from stage_service.engines.omni.thinker import prepare_turn
+from stage_service.runtime.invariance import make_batch_invariant
+from stage_service.runtime.scheduler import StepState
 
 VISUAL, AUDIO = THINKER_TOWERS
 
@@ -64,7 +65,7 @@ class EncodeState(StepState):
 
 
 class OmniEncoderEngine(MediaStage, SteppedEngine):
-    """Subclasses set `ADAPTER`, `MEDIA_FAMILY`, `DEFAULT_SYSTEM_PROMPT` and `classes()`: the family's
+    """Subclasses set `MEDIA_FAMILY`, `DEFAULT_SYSTEM_PROMPT` and `classes()`: the family's
     config, Thinker, vision encoder and audio encoder classes."""
 
     MEDIA_FAMILY: Family
@@ -86,6 +87,9 @@ class OmniEncoderEngine(MediaStage, SteppedEngine):
         visual = load_component(self.checkpoint, VISUAL, vision_cls, thinker.vision_config, self.dtype,
                                 device=self.device)
         audio = load_component(self.checkpoint, AUDIO, audio_cls, thinker.audio_config, self.dtype, device=self.device)
+        if self.batch_invariant:  # as the Thinker pads its inline towers (DecoderLm): the same rows either way
+            for tower in (visual, audio):
+                make_batch_invariant(tower)
         self.towers = Towers(thinker_cls, visual, audio, thinker)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat_template = load_chat_template(self.model_dir, self.tokenizer)

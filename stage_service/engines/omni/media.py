@@ -36,7 +36,6 @@ from omnistage import media
 from omnistage.checkpoints.names import PROCESSOR_CONFIG, THINKER_TOWERS
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.contract.params import InvalidRequest
-
 from stage_service.runtime.errors import InputError
 
 # The encoders: sub-modules of every omni Thinker's model (`thinker.visual.*` -> `visual`).

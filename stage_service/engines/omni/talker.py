@@ -20,13 +20,23 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from stage_service.runtime.scheduler import StepState
-from stage_service.runtime.base import InputChunk, InputError, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
-from stage_service.engines.transformers.causal_lm import text_sampling
+from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next
 from stage_service.engines.omni.talker_core import RemoteTalker, TalkerCore
+from stage_service.engines.transformers.causal_lm import text_sampling
+from stage_service.runtime.base import (
+    Chunking,
+    InputChunk,
+    InputError,
+    OutputChunk,
+    StageInputs,
+    StageRequest,
+    SteppedEngine,
+    tensor,
+)
 from stage_service.runtime.packed import SequenceKV
 from stage_service.runtime.sampling import SamplingSettings
-from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next
+from stage_service.runtime.scheduler import StepState
+
 
 @dataclass(eq=False, kw_only=True)
 class FedTalkerState(StepState):
@@ -188,7 +198,7 @@ class FedTalkerEngine(SteppedEngine):
             st.inbox.append(END_OF_TEXT)
         del embeds, hidden
         frames: list[list[int]] = []
-        sent, compute_before = 0, 0.0  # chunks handed on so far; the first may be smaller (chunk_units)
+        chunks, compute_before = Chunking(self.stage), 0.0  # the first chunk may be the smaller one
         async with self.scheduler.submit(req.request_id, st) as stream:
             feeder = None if st.text_ended() else asyncio.create_task(self._feed(inputs, st, stream))
             try:
@@ -196,14 +206,14 @@ class FedTalkerEngine(SteppedEngine):
                     if step.frame is not None:
                         frames.append(step.frame)
                     done = step.finish_reason is not None
-                    if self.stage.chunk_due(sent, len(frames), done):
+                    if chunks.due(int(step.frame is not None), done):
                         codes = torch.tensor(frames, dtype=torch.int64).T if frames else torch.empty(
                             (self.talker.groups, 0), dtype=torch.int64)
-                        yield OutputChunk(tensors={"codes": codes.contiguous()}, last=done,
-                                          finish_reason=step.finish_reason or "",
-                                          queue_ms=stream.queue_ms if not sent else 0.0,
-                                          compute_ms=stream.compute_ms - compute_before)
-                        sent, frames, compute_before = sent + 1, [], stream.compute_ms
+                        yield chunks.hand_on(OutputChunk(tensors={"codes": codes.contiguous()}, last=done,
+                                                         finish_reason=step.finish_reason or "",
+                                                         compute_ms=stream.compute_ms - compute_before),
+                                             queue_ms=stream.queue_ms)
+                        frames, compute_before = [], stream.compute_ms
             finally:
                 if feeder is not None:
                     feeder.cancel()

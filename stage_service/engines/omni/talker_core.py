@@ -20,11 +20,10 @@ import torch
 
 from omnistage.contract.devices import DevicePlan
 from omnistage.contract.params import InvalidRequest
-
+from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next
+from stage_service.runtime import device
 from stage_service.runtime.engine_process import CoreStates, EngineProcess, RemoteState, remote_step
 from stage_service.runtime.errors import RequestFailed
-from stage_service.runtime import device
-from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next
 from stage_service.runtime.sampling import SamplingSettings
 
 

@@ -7,8 +7,9 @@ A family's `load` hands `use_thinker` a `DecoderLm` with `model` (the family's
 result with `token`, `finish_reason`, `embeds`, `hidden`), and sets `max_len`.
 
 Media (`params.parts`) go through the checkpoint's processor and the Thinker's own encoders
-(`omni_media`), on the stage's media threads beside the step loop (`media_work`), so a request with an image shares decode steps
-with text-only ones while its encoders run; or, where the topology gives the Thinker an encoder stage,
+(`omni_media`), on the stage's media threads beside the step loop (`media_work`), so a request with an
+image shares decode steps with text-only ones while its encoders run; or, where the topology gives the
+Thinker an encoder stage,
 the encoder's chunk carries the prompt ids and encoder rows, and only the merge happens here.
 """
 
@@ -19,13 +20,20 @@ import time
 import torch
 
 from omnistage import media
-from omnistage.contract.params import InvalidRequest, RequestParams, has_media
 from omnistage.api import accepted_inputs
-
-from stage_service.runtime.base import InputError, StageInputs, StageRequest
-from stage_service.engines.transformers.causal_lm import CausalLmEngine, text_sampling
+from omnistage.contract.params import InvalidRequest, RequestParams, has_media
+from stage_service.engines.omni.media import (
+    PROCESSOR_CONFIG,
+    QWEN3_OMNI,
+    EncodedPrompt,
+    Family,
+    OmniProcessor,
+    encode,
+    prompt_rows,
+)
 from stage_service.engines.omni.media_work import MediaStage
-from stage_service.engines.omni.media import PROCESSOR_CONFIG, QWEN3_OMNI, EncodedPrompt, Family, OmniProcessor, encode, prompt_rows
+from stage_service.engines.transformers.causal_lm import CausalLmEngine, text_sampling
+from stage_service.runtime.base import InputError, StageInputs, StageRequest
 
 
 class OmniThinkerEngine(MediaStage, CausalLmEngine):

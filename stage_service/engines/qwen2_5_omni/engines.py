@@ -9,17 +9,15 @@ from typing import AsyncIterator
 import torch
 
 from omnistage.checkpoints.shards import ShardedCheckpoint
-from omnistage.api import engines
-
 from stage_service.engines.omni.audio import AudioDecoderEngine, to_pcm16
-from stage_service.runtime.base import InputError, OutputChunk, StageInputs, StageRequest, tensor
-from stage_service.runtime.components import read_config
-from stage_service.engines.omni.talker import FedTalkerEngine
 from stage_service.engines.omni.encoder import OmniEncoderEngine
 from stage_service.engines.omni.media import QWEN2_5_OMNI
+from stage_service.engines.omni.talker import FedTalkerEngine
 from stage_service.engines.omni.thinker import OmniThinkerEngine
 from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT, Talker, Thinker
 from stage_service.engines.qwen2_5_omni.token2wav import SpeechChunkState, Token2Wav
+from stage_service.runtime.base import InputError, OutputChunk, StageInputs, StageRequest, tensor
+from stage_service.runtime.components import read_config
 
 
 class _Checkpoint:
@@ -33,7 +31,6 @@ class _Checkpoint:
 
 
 class ThinkerEngine(_Checkpoint, OmniThinkerEngine):
-    ADAPTER = engines.QWEN2_5_OMNI_THINKER
     DEFAULT_SYSTEM_PROMPT = SPEECH_SYSTEM_PROMPT
     MEDIA_FAMILY = QWEN2_5_OMNI
 
@@ -48,7 +45,6 @@ class ThinkerEngine(_Checkpoint, OmniThinkerEngine):
 class TalkerEngine(FedTalkerEngine):
     """Consumes the Thinker's rows as they arrive; emits `codes` [1, frames] per chunk."""
 
-    ADAPTER = engines.QWEN2_5_OMNI_TALKER
     REPETITION_PENALTY = 1.05  # as Qwen2.5-Omni's generate()
 
     @staticmethod
@@ -66,7 +62,6 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
     """Turns the Talker's codec tokens into int16 PCM as they arrive (see qwen2_5_omni_token2wav for how
     chunk boundaries are handled); chunks of equal shape from many requests share one forward."""
 
-    ADAPTER = engines.QWEN2_5_OMNI_TOKEN2WAV
     CPU_MAX_BATCHED_FRAMES = 200
 
     def load(self) -> None:
@@ -113,15 +108,16 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
 class EncoderEngine(OmniEncoderEngine):
     """The Thinker's vision and audio encoders as their own stage."""
 
-    ADAPTER = engines.QWEN2_5_OMNI_ENCODER
     MEDIA_FAMILY = QWEN2_5_OMNI
     DEFAULT_SYSTEM_PROMPT = SPEECH_SYSTEM_PROMPT
 
     @staticmethod
     def classes():
         from transformers import Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGeneration
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniAudioEncoder,
-                                                                            Qwen2_5OmniVisionEncoder)
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoder,
+            Qwen2_5OmniVisionEncoder,
+        )
 
         return (Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGeneration, Qwen2_5OmniVisionEncoder,
                 Qwen2_5OmniAudioEncoder)

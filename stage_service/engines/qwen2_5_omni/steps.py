@@ -28,14 +28,13 @@ import torch
 from omnistage.checkpoints.names import QWEN2_5_OMNI_SPEAKERS
 from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest
-
-from stage_service.runtime.errors import RequestFailed
-from stage_service.runtime.chat import load_chat_template
-from stage_service.runtime.components import load_component
-from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
-from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState, next_token
 from stage_service.engines.omni.media import TOWERS
 from stage_service.engines.omni.talker import FedTalkerState
+from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState, next_token
+from stage_service.runtime.chat import load_chat_template
+from stage_service.runtime.components import load_component
+from stage_service.runtime.errors import RequestFailed
+from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
 from stage_service.runtime.packed import packed_forward, use_packed_attention
 from stage_service.runtime.per_request import alone, unless_failed
 from stage_service.runtime.sampling import SamplingSettings, apply_repetition_penalty, new_generator

@@ -31,12 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.checkpoints.shards import ShardedCheckpoint
-
-from stage_service.runtime.scheduler import StepState
+from stage_service.engines.qwen2_5_omni.steps import check_speaker, load_speakers
 from stage_service.runtime.components import load_component
 from stage_service.runtime.invariance import MIN_CONV_BATCH, make_batch_invariant, pad_rows
-from stage_service.engines.qwen2_5_omni.steps import check_speaker, load_speakers
 from stage_service.runtime.sampling import new_generator
+from stage_service.runtime.scheduler import StepState
 
 SAMPLE_RATE = 24000  # Qwen2.5-Omni speaks at 24 kHz: 240 samples per mel frame, 100 frames a second
 

@@ -10,19 +10,16 @@ from typing import AsyncIterator
 
 import torch
 
-from omnistage.api import engines
-
 from stage_service.engines.omni.audio import AudioDecoderEngine, to_pcm16
-from stage_service.runtime.base import InputError, OutputChunk, StageInputs, StageRequest, tensor
 from stage_service.engines.omni.encoder import OmniEncoderEngine
 from stage_service.engines.omni.media import QWEN3_OMNI
 from stage_service.engines.omni.talker import FedTalkerEngine
 from stage_service.engines.omni.thinker import OmniThinkerEngine
 from stage_service.engines.qwen3_omni.steps import Code2Wav, Talker, Thinker
+from stage_service.runtime.base import InputError, OutputChunk, StageInputs, StageRequest, tensor
 
 
 class ThinkerEngine(OmniThinkerEngine):
-    ADAPTER = engines.QWEN3_OMNI_THINKER
 
     def load(self) -> None:
         # Fed by an encoder stage, the Thinker neither reads nor keeps the encoders.
@@ -35,7 +32,6 @@ class ThinkerEngine(OmniThinkerEngine):
 class TalkerEngine(FedTalkerEngine):
     """Consumes the Thinker's embedding rows as they arrive; emits `codes` [groups, frames] per chunk."""
 
-    ADAPTER = engines.QWEN3_OMNI_TALKER
     REPETITION_PENALTY = 1.05  # as Qwen3-Omni's generate()
 
     @staticmethod
@@ -50,7 +46,6 @@ class Code2WavEngine(AudioDecoderEngine):
     """Decodes each incoming chunk of codec frames (with left context) into int16 PCM as it arrives;
     chunks of equal length from many requests share one forward."""
 
-    ADAPTER = engines.QWEN3_OMNI_CODE2WAV
     CPU_MAX_BATCHED_FRAMES = 100  # a frame becomes 1920 samples; past ~100 a CPU forward slows per frame
 
     def load(self) -> None:
@@ -92,14 +87,15 @@ class Code2WavEngine(AudioDecoderEngine):
 class EncoderEngine(OmniEncoderEngine):
     """The Thinker's vision and audio encoders as their own stage."""
 
-    ADAPTER = engines.QWEN3_OMNI_ENCODER
     MEDIA_FAMILY = QWEN3_OMNI
 
     @staticmethod
     def classes():
         from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeThinkerForConditionalGeneration
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3OmniMoeAudioEncoder,
-                                                                                Qwen3OmniMoeVisionEncoder)
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeAudioEncoder,
+            Qwen3OmniMoeVisionEncoder,
+        )
 
         return (Qwen3OmniMoeConfig, Qwen3OmniMoeThinkerForConditionalGeneration, Qwen3OmniMoeVisionEncoder,
                 Qwen3OmniMoeAudioEncoder)

@@ -12,7 +12,8 @@ adapters run it on their worker thread.
 
 Each part loads from the combined checkpoint as published (one `config.json`, one set of shards): it
 reads only the tensors under its own prefix (`THINKER`, `TALKER`, `CODE2WAV`), plus, for the Talker,
-three rows of the Thinker's embedding matrix; the config keys each part reads are the family table's (omnistage/checkpoints/families.py).
+three rows of the Thinker's embedding matrix; the config keys each part reads are its family's
+(stage_service/engines/families/qwen3_omni.py).
 """
 
 from __future__ import annotations
@@ -25,20 +26,19 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
-from omnistage.checkpoints.families import QWEN3_OMNI
 from omnistage.contract.params import InvalidRequest
-
-from stage_service.runtime.errors import InputError, RequestFailed
-from stage_service.runtime.scheduler import StepState
-from stage_service.runtime.chat import load_chat_template
-from stage_service.runtime.components import load_component, read_config
-from stage_service.runtime.invariance import MIN_MATMUL_ROWS, MOE_EXPERTS, make_batch_invariant
-from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState, next_token
+from omnistage.families import family_named
 from stage_service.engines.omni.media import TOWERS
 from stage_service.engines.omni.talker import FedTalkerState
+from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState, next_token
+from stage_service.runtime.chat import load_chat_template
+from stage_service.runtime.components import load_component, read_config
+from stage_service.runtime.errors import InputError, RequestFailed
+from stage_service.runtime.invariance import MIN_MATMUL_ROWS, MOE_EXPERTS, make_batch_invariant
 from stage_service.runtime.packed import packed_forward, use_packed_attention
 from stage_service.runtime.per_request import alone, unless_failed
 from stage_service.runtime.sampling import SamplingSettings, apply_repetition_penalty, choose, new_generator
+from stage_service.runtime.scheduler import StepState
 
 THINKER, TALKER, CODE2WAV = "thinker.", "talker.", "code2wav."
 # The Talker's "speech starts / ends / pause" conditioning is the Thinker's embedding of tts_bos / tts_eos /
@@ -57,7 +57,7 @@ def _moe_kwargs(batch_invariant: bool) -> dict:
 def _config(root: Path, part: str):
     from transformers import Qwen3OmniMoeConfig
 
-    return read_config(root, Qwen3OmniMoeConfig, QWEN3_OMNI.parts[part].config_keys)
+    return read_config(root, Qwen3OmniMoeConfig, family_named("qwen3_omni").parts[part].config_keys)
 
 
 def _generation_eos(root: Path) -> list[int]:

@@ -8,13 +8,11 @@ from typing import AsyncIterator
 import torch
 
 from omnistage.contract.params import InvalidRequest, RequestParams
-from omnistage.api import engines
-
-from stage_service.runtime.base import OutputChunk, StageInputs, StageRequest, SteppedEngine
-from stage_service.runtime.chat import load_chat_template, prompt_ids
-from stage_service.runtime.engine_process import remote_step
 from stage_service.engines.transformers.lm_core import LmCore, RemoteTokenState
 from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState
+from stage_service.runtime.base import Chunking, OutputChunk, StageInputs, StageRequest, SteppedEngine
+from stage_service.runtime.chat import load_chat_template, prompt_ids
+from stage_service.runtime.engine_process import remote_step
 from stage_service.runtime.sampling import SamplingSettings
 
 
@@ -43,7 +41,6 @@ class CausalLmEngine(SteppedEngine):
     The prompt becomes token ids by the one prompt policy (`chat.prompt_ids`): `load` sets `tokenizer`
     and `chat_template` (None: the checkpoint has none)."""
 
-    ADAPTER = engines.CAUSAL_LM
     DEFAULT_SYSTEM_PROMPT = ""  # the system turn the model needs when a request has none ("": none)
     ENGINE_PROCESS = True
     unit = "tokens"
@@ -117,11 +114,11 @@ class CausalLmEngine(SteppedEngine):
         st = self.new_state(ids, p)
         st.prompt_rows, rows = rows, None  # the state drops them once fed
         deltas = TextDeltas(self.decode)
-        every = self.stage.chunk_size
+        chunks = Chunking(self.stage)
         generated: list[int] = []
         tokens: list[int] = []
         extra: dict[str, list[torch.Tensor]] = {}
-        first, compute_before = True, 0.0
+        compute_before = 0.0
         async with self.scheduler.submit(req.request_id, st) as stream:
             async for step in stream:
                 generated.append(step.token)
@@ -129,14 +126,13 @@ class CausalLmEngine(SteppedEngine):
                 for name, t in self.step_tensors(step).items():
                     extra.setdefault(name, []).append(t)
                 done = step.finish_reason is not None
-                if done or (every and len(tokens) >= every):
+                if chunks.due(1, done):
                     out = {"token_ids": torch.tensor(tokens, dtype=torch.int64),
                            **{name: torch.cat(ts) for name, ts in extra.items()}}
-                    if first:
+                    if chunks.first:
                         out["prompt_token_ids"] = torch.tensor(ids, dtype=torch.int64)
-                    yield OutputChunk(tensors=out, text=deltas.delta(generated, done), last=done,
-                                      finish_reason=step.finish_reason or "",
-                                      queue_ms=stream.queue_ms if first else 0.0,
-                                      compute_ms=stream.compute_ms - compute_before,
-                                      encode_ms=encode_ms if first else 0.0)
-                    first, tokens, extra, compute_before = False, [], {}, stream.compute_ms
+                    yield chunks.hand_on(OutputChunk(tensors=out, text=deltas.delta(generated, done), last=done,
+                                                     finish_reason=step.finish_reason or "",
+                                                     compute_ms=stream.compute_ms - compute_before),
+                                         queue_ms=stream.queue_ms, encode_ms=encode_ms)
+                    tokens, extra, compute_before = [], {}, stream.compute_ms

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omnistage.contract.devices import DevicePlan
-
+from stage_service.engines.transformers.lm_steps import DecoderLm, TokenStep
+from stage_service.runtime import device
 from stage_service.runtime.engine_process import CoreStates, RemoteState
 from stage_service.runtime.errors import RequestFailed
-from stage_service.runtime import device
-from stage_service.engines.transformers.lm_steps import DecoderLm, TokenStep
 
 
 class LmCore(CoreStates):

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_service.runtime.errors import RequestFailed
-from stage_service.runtime.scheduler import StepState
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
 from stage_service.runtime.packed import SequenceKV, packed_forward, positions, use_packed_attention
 from stage_service.runtime.per_request import alone
 from stage_service.runtime.sampling import SamplingSettings, choose, new_generator
+from stage_service.runtime.scheduler import StepState
 
 
 @dataclass(eq=False)

@@ -32,10 +32,19 @@ import torch
 
 from omnistage.contract.devices import DevicePlan
 from omnistage.contract.params import InvalidRequest
-from omnistage.api import engines
-
-from stage_service.runtime.base import (Engine, EngineConfigError, EngineDead, EngineError, EngineOverloaded, InputChunk, InputError,
-                   OutputChunk, StageInputs, StageRequest)
+from stage_service.runtime.base import (
+    Chunking,
+    Engine,
+    EngineConfigError,
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    InputChunk,
+    InputError,
+    OutputChunk,
+    StageInputs,
+    StageRequest,
+)
 from stage_service.runtime.chat import load_chat_template, prompt_ids
 
 DEFAULT_MAX_MODEL_LEN = 512
@@ -74,7 +83,6 @@ def check_build(stage: str, plan: DevicePlan, vllm_device: str) -> None:
 
 
 class VllmEngine(Engine):
-    ADAPTER = engines.CAUSAL_LM
     unit = "tokens"  # generated tokens, per iteration in metrics (`_record`) and per request in the tally
 
     def __init__(self, *args, **kwargs):
@@ -162,11 +170,12 @@ class VllmEngine(Engine):
                             top_k=p.top_k or 0, seed=p.seed, ignore_eos=p.ignore_eos,
                             stop_token_ids=self.stop_ids(p), output_kind=RequestOutputKind.DELTA,
                             extra_args=self.sampling_extra_args(prompt))
-        every = self.stage.chunk_size
+        # always_end: vLLM may end a request with an output that brings no new token (an abort, a trimmed
+        # stop); a last chunk still goes on, with the finish reason.
+        chunks = Chunking(self.stage, always_end=True)
         tokens: list[int] = []
         text = ""
         t0 = time.perf_counter()
-        first = True
         sent = 0  # generated tokens in the chunks already yielded
         # vLLM's id for this call: unique even when a request id comes back while its last call is aborting
         call_id = f"{req.request_id}.{uuid.uuid4().hex[:8]}"
@@ -181,18 +190,17 @@ class VllmEngine(Engine):
                     self.tally.add(req.request_id, len(c.token_ids))
                     text += c.text
                     done = out.finished
-                    if done or (every and len(tokens) >= every):
+                    if chunks.due(len(c.token_ids), done):
                         now = time.perf_counter()
                         out_t = {"token_ids": torch.tensor(tokens, dtype=torch.int64),
                                  **await self.chunk_tensors(call_id, n_prompt, sent, sent + len(tokens))}
                         sent += len(tokens)
-                        if first and prompt_ids is not None:
+                        if chunks.first and prompt_ids is not None:
                             out_t["prompt_token_ids"] = torch.tensor(prompt_ids, dtype=torch.int64)
-                        yield OutputChunk(tensors=out_t, text=text, last=done,
-                                          finish_reason=(c.finish_reason or "") if done else "",
-                                          compute_ms=(now - t0) * 1e3,
-                                          queue_ms=_queue_ms(out) if first else 0.0)
-                        first = False
+                        yield chunks.hand_on(OutputChunk(tensors=out_t, text=text, last=done,
+                                                         finish_reason=(c.finish_reason or "") if done else "",
+                                                         compute_ms=(now - t0) * 1e3),
+                                             queue_ms=_queue_ms(out))
                         tokens, text, t0 = [], "", now
         except (asyncio.CancelledError, GeneratorExit, InvalidRequest, EngineOverloaded):
             raise
@@ -204,7 +212,7 @@ class VllmEngine(Engine):
         finally:
             self.inflight -= 1
             self.close_request(call_id)
-        if first:  # the engine finished without output
+        if chunks.first:  # the engine finished without output
             yield OutputChunk(last=True)
 
     async def _prompt(self, req: StageRequest, inputs: StageInputs) -> tuple[dict, list[int] | None, int]:

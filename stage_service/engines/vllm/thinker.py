@@ -31,13 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from omnistage.checkpoints.families import family_of
 from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest, has_media
-from omnistage.api import engines
-
-from stage_service.runtime.base import EngineConfigError, InputError
-from stage_service.runtime.components import read_config
+from omnistage.families import family_of
 from stage_service.engines.omni.media import EncodedPrompt, prompt_rows
 from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT
 from stage_service.engines.qwen2_5_omni.steps import _stop_ids as qwen2_5_stop_ids
@@ -47,6 +43,8 @@ from stage_service.engines.vllm.media import EXTRA_KEY, POSITIONS_FACTOR, Positi
 from stage_service.engines.vllm.models import QWEN2_5_OMNI_THINKER_TEXT, QWEN3_OMNI_THINKER_TEXT
 from stage_service.engines.vllm.rows import LENGTH_MARGIN, RowsReceiver, engine_length, rows_engine_args
 from stage_service.engines.vllm.thinker_text import MROPE_KEY
+from stage_service.runtime.base import EngineConfigError, InputError
+from stage_service.runtime.components import read_config
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class VllmThinkerEngine(VllmEngine):
-    ADAPTER = engines.OMNI_THINKER_VLLM
 
     async def start(self) -> None:
         try:

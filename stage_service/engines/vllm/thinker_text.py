@@ -61,7 +61,8 @@ class OmniThinkerText:
             old = layer.self_attn.rotary_emb
             layer.self_attn.rotary_emb = get_rope(
                 old.head_size, max_position=old.max_position_embeddings, is_neox_style=old.is_neox_style,
-                rope_parameters={"rope_type": "default", "rope_theta": old.base, "mrope_section": list(mrope["section"]),
+                rope_parameters={"rope_type": "default", "rope_theta": old.base,
+                                 "mrope_section": list(mrope["section"]),
                                  "mrope_interleaved": bool(mrope["interleaved"])}, dtype=old.dtype)
         self._slots_layer = layers[0].self_attn.attn.layer_name
         # Deepstack row i goes into the stream after layer i: before layer i + 1 reads it (its hidden-states
@@ -102,7 +103,7 @@ class Qwen3OmniThinkerText(OmniThinkerText, Qwen3MoeForCausalLM):
         return super().load_weights(thinker_text_weights(weights))
 
 
-class Qwen2_5OmniThinkerText(OmniThinkerText, Qwen2ForCausalLM):
+class Qwen2_5OmniThinkerText(OmniThinkerText, Qwen2ForCausalLM):  # noqa: N801 - named after transformers' class
     """Qwen2.5-Omni's Thinker decoder: Qwen2's layout and M-RoPE."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
