@@ -196,11 +196,27 @@ class Resources:
         return {part: dict(v) for part, v in (("requests", self.requests), ("limits", self.limits)) if v}
 
 
+# The vLLM engine arguments a stage entry's own fields set (`stage_service/engines/vllm/ar.py` builds them),
+# by the field's path under the entry: `engineArgs` may not set them too, since the GPUs a replica reserves
+# and validation follow the fields.
+VLLM_ARGS_OF_FIELDS = {
+    "tensor_parallel_size": "parallelism.tensor",
+    "pipeline_parallel_size": "parallelism.pipeline",
+    "data_parallel_size": "parallelism.data",
+    "enable_expert_parallel": "parallelism.expert",
+    "quantization": "quantization",
+}
+
+
 @dataclass(frozen=True)
 class Parallelism:
     tensor: int = api_field("Tensor-parallel degree.", default=1, minimum=1, maximum=1024)
     pipeline: int = api_field("Pipeline-parallel degree.", default=1, minimum=1, maximum=1024)
-    data: int = api_field("Data-parallel degree.", default=1, minimum=1, maximum=1024)
+    data: int = api_field("Data-parallel degree: vLLM's data_parallel_size, engine copies within a replica.",
+                          default=1, minimum=1, maximum=1024)
+    expert: bool = api_field("Expert parallelism for a mixture-of-experts model (vLLM's enable_expert_parallel): "
+                             "the experts are spread over the tensor x data GPUs instead of each split by "
+                             "tensor parallelism.", default=False)
 
 
 @dataclass(frozen=True)
@@ -272,6 +288,10 @@ class StageDeployment:
     parallelism: Parallelism = api_field("Engine parallelism within a replica.", default_factory=Parallelism)
     dtype: str = api_field("Weights and activations dtype; auto: bfloat16 on a GPU, float32 on the CPU.",
                            default="auto", enum=DTYPES)
+    quantization: str = api_field("Quantization method of the weights, as vLLM names it (vLLM's quantization, "
+                                  "e.g. fp8, awq, gptq); checked against the installed vLLM when the stage starts. "
+                                  "Unset: the checkpoint's own (or none). vLLM stages only.", default="",
+                                  max_length=64)
     engine_args: Mapping[str, Any] = api_field("Passed to the engine as is (for vLLM, engine arguments by "
                                                "name).", default_factory=dict, free_form=True)
     scheduler: SchedulerSettings = api_field("The stage's step scheduler.", default_factory=SchedulerSettings)

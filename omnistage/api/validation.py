@@ -43,6 +43,7 @@ from omnistage.api.model import (
     MAX_MESSAGE_BYTES,
     MAX_NAME_LEN,
     RESERVED_STAGE_NAMES,
+    VLLM_ARGS_OF_FIELDS,
     Limits,
     Metadata,
     Spec,
@@ -370,12 +371,17 @@ class _Relations:
                     self.w.err(f"{path}.gpus", f"a vLLM stage uses tensor x pipeline x data parallel = {uses} "
                                                f"GPU(s) per replica; gpus is {gpus}")
             elif isinstance(engine, str) and engine in ENGINES:
-                if uses != 1:
+                if degrees[2] != 1:
+                    self.w.err(f"{path}.parallelism.data", f"the {engine} engine runs one model per replica; "
+                                                           "data parallelism applies to vLLM stages (scale with "
+                                                           "replicas)")
+                elif uses != 1:
                     self.w.err(f"{path}.parallelism", f"the {engine} engine runs one model per replica; "
                                                       "parallelism applies to vLLM stages (scale with replicas)")
                 if gpus > 1:
                     self.w.err(f"{path}.gpus", f"the {engine} engine runs on one GPU per replica; gpus: {gpus} "
                                                "reserves GPUs it never uses (scale with replicas)")
+        self.vllm_only(path, engine, sd, par)
         fraction = sd.get("gpuMemoryFraction", 0)
         if isinstance(fraction, (int, float)) and fraction and (gpus == 0 or sd.get("device") == "cpu"):
             self.w.err(f"{path}.gpuMemoryFraction", "applies to a stage on GPUs (gpus > 0 and device auto)")
@@ -395,6 +401,29 @@ class _Relations:
                 self.w.err(f"{path}.tolerations[{i}].key", "an empty key needs operator Exists")
             if t.get("tolerationSeconds") and t.get("effect") != "NoExecute":
                 self.w.err(f"{path}.tolerations[{i}].tolerationSeconds", "applies to effect NoExecute only")
+
+    def vllm_only(self, path: str, engine: object, sd: dict, par: dict) -> None:
+        """Expert parallelism and quantization, which only vLLM stages honour, and engineArgs that would set
+        what a field of the entry sets."""
+        expert, method = par.get("expert", False), sd.get("quantization", "")
+        if engine != "vllm":
+            if isinstance(engine, str) and engine in ENGINES:
+                if expert is True:
+                    self.w.err(f"{path}.parallelism.expert", f"applies to vLLM stages serving a mixture-of-experts "
+                                                             f"model; the {engine} engine runs one model per replica")
+                if isinstance(method, str) and method:
+                    self.w.err(f"{path}.quantization", f"applies to vLLM stages; the {engine} engine loads the "
+                                                       "weights in the stage's dtype (no quantized path yet)")
+            return
+        tensor, data = par.get("tensor", 1), par.get("data", 1)
+        if expert is True and type(tensor) is int and type(data) is int and tensor * data == 1:
+            self.w.err(f"{path}.parallelism.expert", "spreads the experts over tensor x data parallel GPUs; with "
+                                                     "tensor x data = 1 there is one (raise tensor or data)")
+        for key in _dict(sd.get("engineArgs")):
+            field = VLLM_ARGS_OF_FIELDS.get(str(key).replace("-", "_"))
+            if field is not None:
+                self.w.err(f"{path}.engineArgs.{key}", f"set {path}.{field} instead (the stage's GPUs and its "
+                                                       "checks follow the field)")
 
     def autoscaling(self) -> None:
         """The planner's bounds: per-stage entries name stages and have min <= max, and the budget leaves

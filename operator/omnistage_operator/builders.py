@@ -7,7 +7,7 @@ import copy
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any, Sequence
 
 import yaml
@@ -148,16 +148,37 @@ def build_config_map(p: Pipeline) -> dict:
             "data": {PIPELINE_FILE: yaml.safe_dump(dict(p.raw), sort_keys=False)}}
 
 
+def set_fields(obj: Any) -> Any:
+    """A model object as plain data, without the fields at their default (pure): what a pipeline says, not
+    what the API version it was read with fills in."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if f.default is not MISSING and value == f.default:
+                continue
+            if f.default_factory is not MISSING and value == f.default_factory():
+                continue
+            out[f.name] = set_fields(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [set_fields(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: set_fields(v) for k, v in obj.items()}
+    return obj
+
+
 def config_hash(p: Pipeline, stage: str | None = None) -> str:
     """What a pod reads from the pipeline file at start, hashed: the topology and its own deployment
     entry (the orchestrator's when stage is None). Replica counts are left out: scaling never rolls; so is
     a stage's rollingUpdate, which shapes its next rollout, not its pods. The typed model is hashed, not the
-    document, so a default written out (the CRD's defaulting, or a user spelling one) changes nothing."""
-    own = asdict(p.deployment.stages[stage] if stage is not None else p.deployment.orchestrator)
-    own.pop("replicas")
+    document, so a default written out (the CRD's defaulting, or a user spelling one) changes nothing; and
+    fields at their default are left out, so a new API field (an operator upgrade) rolls no pod."""
+    own = set_fields(p.deployment.stages[stage] if stage is not None else p.deployment.orchestrator)
+    own.pop("replicas", None)
     own.pop("rolling_update", None)
-    topology = {"stages": [asdict(s) for s in p.stages], "outputs": [asdict(o) for o in p.outputs],
-                "limits": asdict(p.limits)}
+    topology = {"stages": [set_fields(s) for s in p.stages], "outputs": [set_fields(o) for o in p.outputs],
+                "limits": set_fields(p.limits)}
     text = json.dumps({"topology": topology, "own": own}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

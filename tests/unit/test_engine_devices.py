@@ -5,13 +5,16 @@ the GPU giving the CPU's greedy tokens in float32."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from omnistage.api import Parallelism, StageDeployment
+from omnistage.api.model import VLLM_ARGS_OF_FIELDS
 from omnistage.contract.devices import DevicePlan, DeviceUnavailable, plan_device
 from stage_service.engines.registry import create_engine
-from stage_service.engines.vllm.ar import check_build, engine_args
+from stage_service.engines.vllm.ar import check_build, check_experts, check_quantization, engine_args
 from stage_service.runtime.base import EngineConfigError
 from stage_service.runtime.invariance import applies_on
 from stage_service.runtime.sampling import SamplingSettings
@@ -194,6 +197,85 @@ def test_vllm_engine_args_let_engine_args_override():
     args = engine_args("/m", StageDeployment(engine_args={"gpu_memory_utilization": 0.3}),
                        DevicePlan("cuda", "bfloat16", 1, 0.5))
     assert args["gpu_memory_utilization"] == 0.3
+
+
+@pytest.mark.parametrize("parallelism, quantization, expected", [
+    (Parallelism(), "", {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                         "enable_expert_parallel": False}),
+    (Parallelism(tensor=2, data=4), "", {"tensor_parallel_size": 2, "data_parallel_size": 4}),
+    (Parallelism(tensor=2, data=2, expert=True), "", {"data_parallel_size": 2, "enable_expert_parallel": True}),
+    (Parallelism(), "fp8", {"quantization": "fp8"}),
+], ids=["defaults", "data-4", "expert", "fp8"])
+def test_vllm_engine_args_carry_parallelism_and_quantization(parallelism, quantization, expected):
+    args = engine_args("/m", StageDeployment(parallelism=parallelism, quantization=quantization),
+                       DevicePlan("cuda", "bfloat16", parallelism.tensor * parallelism.data))
+    assert {k: args[k] for k in expected} == expected
+    assert ("quantization" in args) == bool(quantization)   # unset: vLLM reads the checkpoint's own
+
+
+def test_every_engine_argument_a_field_owns_is_built_from_it():
+    args = engine_args("/m", StageDeployment(quantization="fp8"), DevicePlan("cpu", "float32"))
+    assert set(VLLM_ARGS_OF_FIELDS) <= set(args)
+
+
+def test_vllm_engine_args_name_real_async_engine_args_fields():
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+    known = {f.name for f in dataclasses.fields(arg_utils.AsyncEngineArgs)}
+    assert set(VLLM_ARGS_OF_FIELDS) <= known
+
+
+def test_an_unknown_quantization_method_is_refused_naming_the_known_ones():
+    quantization = pytest.importorskip("vllm.model_executor.layers.quantization")
+    check_quantization("llm", "", quantization.QUANTIZATION_METHODS)       # unset
+    check_quantization("llm", "fp8", quantization.QUANTIZATION_METHODS)
+    with pytest.raises(EngineConfigError) as e:
+        check_quantization("llm", "int3", quantization.QUANTIZATION_METHODS)
+    msg = str(e.value)
+    assert msg.startswith('spec.deployment.stages.llm.quantization: "int3" is not a quantization method of the '
+                          "vLLM installed here; known: ") and "\n" not in msg
+    assert all(m in msg for m in ("awq", "fp8", "gptq"))
+
+
+async def test_a_vllm_stage_refuses_an_unknown_quantization_at_start_before_loading(model_dir, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")   # what start() sets, undone after
+    p = example("llm-tiny", lambda doc: doc["spec"]["deployment"]["stages"]["llm"].update(quantization="int3"))
+    engine = create_engine(p, p.stage("llm"), model_dir)
+    with pytest.raises(EngineConfigError, match=r'stages\.llm\.quantization: "int3" .* known: .*fp8'):
+        await engine.start()
+    assert not hasattr(engine, "llm")   # refused before vLLM started
+
+
+async def test_a_vllm_stage_refuses_expert_parallelism_for_a_dense_model_at_start(model_dir, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")   # what start() sets, undone after
+    p = example("llm-tiny", lambda doc: doc["spec"]["deployment"]["stages"]["llm"].update(
+        parallelism={"tensor": 2, "expert": True}))
+    engine = create_engine(p, p.stage("llm"), model_dir)
+    with pytest.raises(EngineConfigError, match=r"stages\.llm\.parallelism\.expert: the model's config\.json "
+                                                "counts no experts"):
+        await engine.start()
+    assert not hasattr(engine, "llm")
+
+
+@pytest.mark.parametrize("config, refused", [
+    ({"num_experts": 4}, False),
+    ({"thinker_config": {"text_config": {"num_experts": 128}}}, False),     # a combined omni checkpoint
+    ({"num_local_experts": 8}, False),
+    ({"n_routed_experts": 256}, False),
+    ({"num_experts": 1}, True),
+    ({"hidden_size": 64, "num_experts_per_tok": 2}, True),
+    ({}, True),
+], ids=["qwen-moe", "omni-nested", "mixtral", "deepseek", "one-expert", "dense", "no-config"])
+def test_expert_parallelism_is_refused_for_a_model_without_experts(config, refused):
+    check_experts("llm", False, config)      # off: never refused
+    if not refused:
+        check_experts("llm", True, config)
+        return
+    with pytest.raises(EngineConfigError) as e:
+        check_experts("llm", True, config)
+    assert str(e.value).startswith("spec.deployment.stages.llm.parallelism.expert: the model's config.json "
+                                   "counts no experts")
 
 
 @pytest.mark.parametrize("plan, build, says", [

@@ -469,3 +469,24 @@ def test_placement_of_one_stage_rolls_only_that_stage(entry):
     for stage in ("thinker", "code2wav"):
         assert old.stages[stage].deployment == new.stages[stage].deployment
     assert old.orchestrator_deployment == new.orchestrator_deployment
+
+
+def test_a_field_at_its_default_is_not_hashed_so_a_new_api_field_rolls_no_pod():
+    from dataclasses import dataclass, field
+
+    from omnistage_operator.builders import set_fields
+
+    @dataclass(frozen=True)
+    class Before:
+        name: str
+        size: int = 1
+
+    @dataclass(frozen=True)
+    class After:   # the same, with a field a later API version adds
+        name: str
+        size: int = 1
+        extra: tuple[str, ...] = field(default_factory=tuple)
+
+    assert set_fields(Before("a", 2)) == set_fields(After("a", 2)) == {"name": "a", "size": 2}
+    assert set_fields(After("a", 2, ("x",))) == {"name": "a", "size": 2, "extra": ["x"]}
+    assert set_fields([Before("a")]) == [{"name": "a"}]

