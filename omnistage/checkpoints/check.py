@@ -15,12 +15,11 @@ from pathlib import Path
 
 from omnistage.api import Pipeline, Stage
 from omnistage.checkpoints.configs import read_json, require_keys
-from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
+from omnistage.checkpoints.names import TOKENIZER_FILES
+from omnistage.checkpoints.shards import DTYPES, CheckpointError, ShardedCheckpoint
 from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import checkpoint_dir
 from omnistage.families import Part, family_of, served_architectures
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,33 @@ def _transformers(path: Path, component: str):
     if not ckpt.keys(part.prefix):
         raise CheckpointError(f"{ckpt.index_file if ckpt.index_file.exists() else path}: no tensors under "
                               f"{part.prefix!r} (the checkpoint lacks its {component} part)")
+    _no_stray_tensors(ckpt, family.parts.values())
     for key in part.borrows:
         ckpt.info(key)
     others = ["config.json", *_files(path, part)]
-    return f"{family.name}/{component or 'model'}", ckpt.bytes_by_file(part.prefix), tuple(others)
+    weights = ckpt.bytes_by_file(part.prefix)
+    _readable(ckpt, part.prefix)
+    return f"{family.name}/{component or 'model'}", weights, tuple(others)
+
+
+def _no_stray_tensors(ckpt: ShardedCheckpoint, parts) -> None:
+    """Every tensor the index names is under some part a stage serves: any other is a checkpoint of another
+    layout (or a renamed part) whose weights no stage would read."""
+    prefixes = tuple(p for part in parts for p in ((part.prefix,) if isinstance(part.prefix, str) else part.prefix))
+    stray = [k for k in ckpt.keys() if not k.startswith(prefixes)]
+    if stray:
+        where = ckpt.index_file if ckpt.index_file.exists() else ckpt.root
+        raise CheckpointError(f"{where}: {len(stray)} tensor{'s' * (len(stray) != 1)} under no part a stage reads "
+                              f"(first: {stray[0]}; parts: {', '.join(prefixes)})")
+
+
+def _readable(ckpt: ShardedCheckpoint, prefix: str = "") -> None:
+    """Every tensor under `prefix` is in a dtype omnistage reads: refused by name before anything loads."""
+    for key in ckpt.keys(prefix):
+        info = ckpt.info(key)
+        if info.dtype not in DTYPES:
+            raise CheckpointError(f"{info.file}: {key} has dtype {info.dtype} ({info.nbytes} bytes), which omnistage "
+                                  f"cannot read (it reads {', '.join(DTYPES)})")
 
 
 def _files(path: Path, part: Part) -> list[str]:
@@ -149,7 +171,9 @@ def _diffusers(path: Path, component: str):
                     None)
         if stem is None:
             raise CheckpointError(f"{folder}: no weights (diffusion_pytorch_model.safetensors or model.safetensors)")
-        weights += [(f"{folder.name}/{name}", n) for name, n in ShardedCheckpoint(folder, stem).bytes_by_file()]
+        ckpt = ShardedCheckpoint(folder, stem)
+        weights += [(f"{folder.name}/{name}", n) for name, n in ckpt.bytes_by_file()]
+        _readable(ckpt)
     return f"{name}/{component}", tuple(weights), tuple(others)
 
 

@@ -5,3 +5,4 @@ PROCESSOR_CONFIG = "preprocessor_config.json"  # the processor's settings: audio
 # The omni Thinkers' encoders, served inline or by an encoder stage: their tensors' name prefixes.
 THINKER_TOWERS = ("thinker.visual.", "thinker.audio_tower.")
 QWEN2_5_OMNI_SPEAKERS = "spk_dict.pt"  # Qwen2.5-Omni's speakers (conditioning, reference mel, bos token), at the root
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a fast tokenizer's files: either one will do

@@ -27,7 +27,9 @@ DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E8M0": torch.float8_e8m0fnu,
 }
+# Anything else a safetensors header may name (F4, F6_*, C64, ...) is refused by name, before a byte is read.
 
 
 class CheckpointError(Exception):
@@ -179,13 +181,31 @@ class ShardedCheckpoint:
         for key, meta in header.items():
             if key == "__metadata__":
                 continue
-            b, e = meta["data_offsets"]
-            out[key] = TensorInfo(file, meta["dtype"], tuple(meta["shape"]), base + b, base + e)
+            try:
+                b, e = (int(x) for x in meta["data_offsets"])
+                info = TensorInfo(file, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]), base + b, base + e)
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{file}: {key}: not a safetensors tensor entry ({meta!r:.80})") from None
+            _check_size(info, key)
+            out[key] = info
             end_max = max(end_max, base + e)
         if end_max > size:
             raise CheckpointError(f"{file}: truncated ({size} bytes, its header needs {end_max})")
         self._headers[file] = out
         return out
+
+
+def _check_size(info: TensorInfo, key: str) -> None:
+    """The header's shape and dtype agree with its byte range (for a dtype omnistage knows)."""
+    dtype = DTYPES.get(info.dtype)
+    if dtype is None:
+        return
+    n = dtype.itemsize
+    for d in info.shape:
+        n *= d
+    if n != info.nbytes or info.nbytes < 0:
+        raise CheckpointError(f"{info.file}: {key} is {info.dtype} {list(info.shape)} ({n} bytes) but its header "
+                              f"gives it {info.nbytes} bytes")
 
 
 class LazyTensor:

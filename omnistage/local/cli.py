@@ -1,4 +1,4 @@
-"""The `omnistage` command: validate, explain, crd, serve, generate, run, models build."""
+"""The `omnistage` command: validate, explain, crd, serve, generate, run, models build / check / hollow."""
 
 from __future__ import annotations
 
@@ -334,6 +334,21 @@ def cmd_models_check(args) -> int:
     return 2 if errors else 0
 
 
+def cmd_models_hollow(args) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_model_libraries()
+    from omnistage.checkpoints.hollow import PUBLISHED_MODELS, write_hollow
+
+    if args.family not in PUBLISHED_MODELS:
+        print(f"omnistage models hollow: no published layout for {args.family!r} "
+              f"(known: {', '.join(PUBLISHED_MODELS)})", file=sys.stderr)
+        return 2
+    h = write_hollow(args.family, args.dir)
+    print(f"{PUBLISHED_MODELS[args.family].repo}: {h.tensors} tensors, {h.nbytes / 2**30:.1f} GiB in "
+          f"{len(h.files)} sparse shard{'s' * (len(h.files) != 1)} (no data written) in {h.directory}")
+    return 0
+
+
 def _quiet_model_libraries() -> None:
     import logging
     import warnings
@@ -445,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file", help="OmniPipeline YAML file")
     c.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
     c.set_defaults(fn=cmd_models_check)
+    h = msub.add_parser("hollow", help="write a real model's published layout: configs, real safetensors headers, "
+                                       "sparse shards with no data (for checks without the download)")
+    h.add_argument("family", help="qwen3_omni, qwen2_5_omni or sd3")
+    h.add_argument("dir", help="the checkpoint directory to write")
+    h.set_defaults(fn=cmd_models_hollow)
     return parser
 
 

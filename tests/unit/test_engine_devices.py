@@ -333,3 +333,20 @@ async def test_qwen3_omni_thinker_on_cuda_gives_the_cpu_s_greedy_tokens(model_di
         finally:
             await srv.drain()
     assert len(results[0]) == 8 and results[1] == results[0]
+
+
+@pytest.mark.parametrize("config, context", [
+    ({"max_position_embeddings": 32768}, 32768),
+    ({"text_config": {"max_position_embeddings": 40960}}, 40960),
+    ({"thinker_config": {"text_config": {"max_position_embeddings": 65536}}}, 65536),
+    ({"model_type": "gguf-like"}, None),
+])
+def test_a_vllm_stage_takes_its_context_from_the_checkpoint_unless_engine_args_set_one(config, context):
+    from stage_service.engines.vllm.ar import context_length, engine_args
+
+    assert context_length(config) == context
+    plan = DevicePlan("cpu", "float32")
+    args = engine_args("/m", StageDeployment(), plan, context=context_length(config))
+    assert args.get("max_model_len") == context   # absent: vLLM reads the model's own
+    assert engine_args("/m", StageDeployment(engine_args={"max_model_len": 512}), plan,
+                       context=context_length(config))["max_model_len"] == 512

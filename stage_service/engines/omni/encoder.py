@@ -25,11 +25,18 @@ from stage_service.engines.omni.media_work import MediaStage
 from stage_service.engines.omni.thinker import prepare_turn
 from stage_service.runtime.base import OutputChunk, StageInputs, StageRequest, SteppedEngine
 from stage_service.runtime.chat import load_chat_template, prompt_ids
-from stage_service.runtime.components import load_component
+from stage_service.runtime.components import Piece
 from stage_service.runtime.invariance import make_batch_invariant
 from stage_service.runtime.scheduler import StepState
 
 VISUAL, AUDIO = THINKER_TOWERS
+
+
+def tower_pieces(classes: tuple, thinker_config) -> tuple[Piece, Piece]:
+    """The encoder stage's two modules, from the family's `classes()` (the mapping check builds the same)."""
+    _, _, vision_cls, audio_cls = classes
+    return (Piece(VISUAL, vision_cls, thinker_config.vision_config),
+            Piece(AUDIO, audio_cls, thinker_config.audio_config))
 
 
 class Towers(SimpleNamespace):
@@ -81,12 +88,11 @@ class OmniEncoderEngine(MediaStage, SteppedEngine):
 
         from stage_service.runtime.components import read_config
 
-        config_cls, thinker_cls, vision_cls, audio_cls = self.classes()
-        thinker = read_config(self.model_dir, config_cls).thinker_config
+        classes = self.classes()
+        thinker_cls = classes[1]
+        thinker = read_config(self.model_dir, classes[0]).thinker_config
         self.checkpoint = ShardedCheckpoint(self.model_dir)
-        visual = load_component(self.checkpoint, VISUAL, vision_cls, thinker.vision_config, self.dtype,
-                                device=self.device)
-        audio = load_component(self.checkpoint, AUDIO, audio_cls, thinker.audio_config, self.dtype, device=self.device)
+        visual, audio = (p.load(self.checkpoint, self.dtype, self.device) for p in tower_pieces(classes, thinker))
         if self.batch_invariant:  # as the Thinker pads its inline towers (DecoderLm): the same rows either way
             for tower in (visual, audio):
                 make_batch_invariant(tower)

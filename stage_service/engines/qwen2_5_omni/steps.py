@@ -32,7 +32,7 @@ from stage_service.engines.omni.media import TOWERS
 from stage_service.engines.omni.talker import FedTalkerState
 from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState, next_token
 from stage_service.runtime.chat import load_chat_template
-from stage_service.runtime.components import load_component
+from stage_service.runtime.components import Piece
 from stage_service.runtime.errors import RequestFailed
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
 from stage_service.runtime.packed import packed_forward, use_packed_attention
@@ -45,6 +45,27 @@ GENERATION_CONFIG = "generation_config.json"
 # The system prompt the model card requires for speech output (without it the Talker's speech degrades).
 SPEECH_SYSTEM_PROMPT = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
                         "perceiving auditory and visual inputs, as well as generating text and speech.")
+
+
+def pieces(config, component: str, encoders: bool = True) -> tuple[Piece, ...]:
+    """What the stage serving `component` loads (the mapping check builds the same); the encoder stage's towers
+    are the omni encoder's (`omni.encoder.tower_pieces`)."""
+    from transformers import (
+        Qwen2_5OmniTalkerForConditionalGeneration,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        Qwen2_5OmniToken2WavModel,
+    )
+
+    if component == "thinker":
+        return (Piece("thinker.", Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config, config.model_type,
+                      without=() if encoders else TOWERS),)
+    if component == "talker":
+        return (Piece("talker.", Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config, config.model_type),)
+    if component == "token2wav":
+        # float32 whatever the stage's dtype: upstream runs Token2Wav in float32 only (generate() casts it).
+        return (Piece("token2wav.", Qwen2_5OmniToken2WavModel, config.token2wav_config, config.model_type,
+                      dtype=torch.float32),)
+    raise KeyError(component)
 
 
 def load_speakers(root: Path) -> dict[str, dict]:
@@ -92,11 +113,10 @@ class Thinker(DecoderLm):
                  batch_invariant: bool = True, encoders: bool = True, device: torch.device | str = "cpu"):
         """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
         them)."""
-        from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
+        from transformers import AutoTokenizer
 
-        model = load_component(ckpt, "thinker.", Qwen2_5OmniThinkerForConditionalGeneration,
-                               config.thinker_config, dtype, config.model_type,
-                               without=() if encoders else TOWERS, device=device)
+        (thinker,) = pieces(config, "thinker", encoders)
+        model = thinker.load(ckpt, dtype, device)
         super().__init__(model, rope_axes=ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
         root = ckpt.root
         self.tokenizer = AutoTokenizer.from_pretrained(root)
@@ -147,11 +167,9 @@ class Talker:
 
     def __init__(self, ckpt: ShardedCheckpoint, config, dtype: torch.dtype = torch.float32,
                  batch_invariant: bool = True, device: torch.device | str = "cpu"):
-        from transformers import Qwen2_5OmniTalkerForConditionalGeneration
-
         self.checkpoint = ckpt
-        self.model = load_component(ckpt, "talker.", Qwen2_5OmniTalkerForConditionalGeneration,
-                                    config.talker_config, dtype, config.model_type, device=device)
+        (talker,) = pieces(config, "talker")
+        self.model = talker.load(ckpt, dtype, device)
         self.device = self.model.device
         use_packed_attention(self.model.model)
         if batch_invariant:

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.checkpoints.shards import ShardedCheckpoint
-from stage_service.engines.qwen2_5_omni.steps import check_speaker, load_speakers
-from stage_service.runtime.components import load_component
+from stage_service.engines.qwen2_5_omni.steps import check_speaker, load_speakers, pieces
 from stage_service.runtime.invariance import MIN_CONV_BATCH, make_batch_invariant, pad_rows
 from stage_service.runtime.sampling import new_generator
 from stage_service.runtime.scheduler import StepState
@@ -89,11 +88,8 @@ class Token2Wav:
 
     def __init__(self, ckpt: ShardedCheckpoint, config, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
-        from transformers import Qwen2_5OmniToken2WavModel
-
-        # float32 whatever the stage's dtype: upstream runs Token2Wav in float32 only (generate() casts it).
-        model = load_component(ckpt, "token2wav.", Qwen2_5OmniToken2WavModel, config.token2wav_config,
-                               torch.float32, config.model_type, device=device)
+        (token2wav,) = pieces(config, "token2wav")  # float32, whatever the stage's dtype
+        model = token2wav.load(ckpt, torch.float32, device)
         self.device = model.device
         if batch_invariant:
             make_batch_invariant(model)

@@ -32,7 +32,7 @@ from stage_service.engines.omni.media import TOWERS
 from stage_service.engines.omni.talker import FedTalkerState
 from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState, next_token
 from stage_service.runtime.chat import load_chat_template
-from stage_service.runtime.components import load_component, read_config
+from stage_service.runtime.components import Piece, read_config
 from stage_service.runtime.errors import InputError, RequestFailed
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, MOE_EXPERTS, make_batch_invariant
 from stage_service.runtime.packed import packed_forward, use_packed_attention
@@ -58,6 +58,27 @@ def _config(root: Path, part: str):
     from transformers import Qwen3OmniMoeConfig
 
     return read_config(root, Qwen3OmniMoeConfig, family_named("qwen3_omni").parts[part].config_keys)
+
+
+def pieces(cfg, component: str, encoders: bool = True, batch_invariant: bool = True) -> tuple[Piece, ...]:
+    """What the stage serving `component` loads (the mapping check builds the same); the encoder stage's towers
+    are the omni encoder's (`omni.encoder.tower_pieces`)."""
+    from transformers import (
+        Qwen3OmniMoeCode2Wav,
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+
+    moe = tuple(_moe_kwargs(batch_invariant).items())
+    if component == "thinker":
+        return (Piece(THINKER, Qwen3OmniMoeThinkerForConditionalGeneration, cfg.thinker_config, cfg.model_type,
+                      without=() if encoders else TOWERS, kwargs=moe),)
+    if component == "talker":
+        return (Piece(TALKER, Qwen3OmniMoeTalkerForConditionalGeneration, cfg.talker_config, cfg.model_type,
+                      kwargs=moe),)
+    if component == "code2wav":
+        return (Piece(CODE2WAV, Qwen3OmniMoeCode2Wav, cfg.code2wav_config),)
+    raise KeyError(component)
 
 
 def _generation_eos(root: Path) -> list[int]:
@@ -89,7 +110,7 @@ class Thinker(DecoderLm):
                  encoders: bool = True, device: torch.device | str = "cpu"):
         """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
         them)."""
-        from transformers import AutoTokenizer, Qwen3OmniMoeThinkerForConditionalGeneration
+        from transformers import AutoTokenizer
 
         cfg = _config(root, "thinker")
         # The hidden-states index (0 = embeddings, i = after decoder layer i) generate() hands the Talker.
@@ -99,9 +120,8 @@ class Thinker(DecoderLm):
             raise CheckpointError(f"{Path(root) / 'config.json'}: talker_config.accept_hidden_layer is "
                                   f"{self.accept_layer}, but the Thinker has {layers} layers")
         self.checkpoint = ShardedCheckpoint(root)
-        model = load_component(self.checkpoint, THINKER, Qwen3OmniMoeThinkerForConditionalGeneration,
-                               cfg.thinker_config, dtype, cfg.model_type,
-                               without=() if encoders else TOWERS, device=device, **_moe_kwargs(batch_invariant))
+        (thinker,) = pieces(cfg, "thinker", encoders, batch_invariant)
+        model = thinker.load(self.checkpoint, dtype, device)
         super().__init__(model, rope_axes=self.ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.chat_template = load_chat_template(root, self.tokenizer)
@@ -149,13 +169,10 @@ class Talker:
 
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
-        from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
-
         combined = _config(root, "talker")
         self.checkpoint = ShardedCheckpoint(root)
-        self.model = load_component(self.checkpoint, TALKER, Qwen3OmniMoeTalkerForConditionalGeneration,
-                                    combined.talker_config, dtype, combined.model_type, device=device,
-                                    **_moe_kwargs(batch_invariant))
+        (talker,) = pieces(combined, "talker", batch_invariant=batch_invariant)
+        self.model = talker.load(self.checkpoint, dtype, device)
         self.device = self.model.device
         use_packed_attention(self.model.model)
         if batch_invariant:
@@ -339,12 +356,10 @@ class Code2Wav:
 
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
-        from transformers import Qwen3OmniMoeCode2Wav
-
         combined = _config(root, "code2wav")
         self.checkpoint = ShardedCheckpoint(root)
-        self.model = load_component(self.checkpoint, CODE2WAV, Qwen3OmniMoeCode2Wav, combined.code2wav_config, dtype,
-                                    device=device)
+        (code2wav,) = pieces(combined, "code2wav")
+        self.model = code2wav.load(self.checkpoint, dtype, device)
         self.device = self.model.device
         if batch_invariant:
             make_batch_invariant(self.model)

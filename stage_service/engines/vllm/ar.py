@@ -27,7 +27,8 @@ import json
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
 
@@ -48,11 +49,24 @@ from stage_service.runtime.base import (
 )
 from stage_service.runtime.chat import load_chat_template, prompt_ids
 
-DEFAULT_MAX_MODEL_LEN = 512
+
+def context_length(config: Mapping[str, Any]) -> int | None:
+    """The context a checkpoint's config declares (`max_position_embeddings`; an omni checkpoint's under its
+    Thinker's text config) (pure); None where it declares none (vLLM then reads the model its own way)."""
+    for path in ((), ("text_config",), ("thinker_config", "text_config")):
+        node: Any = config
+        for key in path:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        value = node.get("max_position_embeddings") if isinstance(node, Mapping) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
-def engine_args(model: str, settings, plan: DevicePlan, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """AsyncEngineArgs keywords for a stage placed by `plan` (pure)."""
+def engine_args(model: str, settings, plan: DevicePlan, defaults: dict[str, Any] | None = None,
+                context: int | None = None) -> dict[str, Any]:
+    """AsyncEngineArgs keywords for a stage placed by `plan` (pure). The context is the checkpoint's own
+    (`context`) unless engineArgs.max_model_len says otherwise: no model limit of ours."""
     args: dict[str, Any] = {
         "model": model,
         "tokenizer": model,
@@ -62,10 +76,11 @@ def engine_args(model: str, settings, plan: DevicePlan, defaults: dict[str, Any]
         "data_parallel_size": settings.parallelism.data,
         "enable_expert_parallel": settings.parallelism.expert,
         "max_num_seqs": settings.scheduler.max_batch,
-        "max_model_len": DEFAULT_MAX_MODEL_LEN,
         "enforce_eager": not plan.on_cuda,
         "disable_log_stats": True,  # the stage's own stat logger still receives them
     }
+    if context:
+        args["max_model_len"] = context
     if settings.quantization:
         args["quantization"] = settings.quantization
     if plan.memory_fraction:
@@ -148,9 +163,11 @@ class VllmEngine(Engine):
         if self.settings.parallelism.expert:
             config = self.model_dir / "config.json"
             check_experts(self.stage.name, True, json.loads(config.read_text()) if config.exists() else {})
+        config = Path(self.vllm_model_dir()) / "config.json"
         kwargs = engine_args(str(self.vllm_model_dir()), self.settings, self.placement,
-                             {"enable_prompt_embeds": True} if self.stage.inputs else None)
-        self.max_model_len = kwargs["max_model_len"]
+                             {"enable_prompt_embeds": True} if self.stage.inputs else None,
+                             context_length(json.loads(config.read_text())) if config.exists() else None)
+        self.max_model_len = kwargs.get("max_model_len")
         kwargs.update(self.more_engine_args(self.max_model_len))
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(kwargs) - known)
@@ -158,6 +175,8 @@ class VllmEngine(Engine):
             raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs: unknown vLLM engine "
                              f"argument(s) {', '.join(unknown)}")
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger()])
+        if self.max_model_len is None:  # vLLM chose it from the model
+            self.max_model_len = self.llm.model_config.max_model_len
         self.tokenizer = self.llm.tokenizer
         self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
         self.vocab = len(self.tokenizer)
@@ -167,7 +186,7 @@ class VllmEngine(Engine):
         """The directory vLLM loads (a subclass may hand it a view of a combined checkpoint)."""
         return self.model_dir
 
-    def more_engine_args(self, max_model_len: int) -> dict[str, Any]:
+    def more_engine_args(self, max_model_len: int | None) -> dict[str, Any]:
         """Engine arguments a subclass adds (they win over the pipeline file's engineArgs)."""
         return {}
 

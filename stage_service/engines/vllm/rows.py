@@ -24,9 +24,14 @@ LENGTH_MARGIN = 2
 POLL_S = 0.5  # how often a waiting take() looks whether the engine is still alive
 
 
-def engine_length(stage_limit: int, model_limit: int | None) -> tuple[int, int]:
+def engine_length(stage_limit: int | None, model_limit: int | None) -> tuple[int, int]:
     """(vLLM's max_model_len, the stage's admission limit) for a stage asking `stage_limit` of a model that
-    takes `model_limit` positions (pure): vLLM gets LENGTH_MARGIN more, within the model's limit."""
+    takes `model_limit` positions (pure): vLLM gets LENGTH_MARGIN more, within the model's limit. A stage that
+    asks no limit gets the model's."""
+    if stage_limit is None:
+        if model_limit is None:
+            raise ValueError("the Thinker's config declares no max_position_embeddings: set engineArgs.max_model_len")
+        stage_limit = model_limit
     engine = stage_limit + LENGTH_MARGIN if model_limit is None else min(stage_limit + LENGTH_MARGIN, model_limit)
     return engine, engine - LENGTH_MARGIN
 

@@ -247,7 +247,10 @@ class VllmThinkerEngine(VllmEngine):
     def vllm_model_dir(self):
         return self.view
 
-    def more_engine_args(self, max_model_len: int) -> dict[str, Any]:
+    def more_engine_args(self, max_model_len: int | None) -> dict[str, Any]:
+        if max_model_len is None and self.model_positions is None:
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.max_model_len: the "
+                                    "Thinker's config declares no max_position_embeddings; set the context here")
         engine_len, self.max_model_len = engine_length(max_model_len, self.model_positions)
         return rows_engine_args(self.layers, self.rows.endpoint, engine_len)
 
