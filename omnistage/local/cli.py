@@ -326,12 +326,31 @@ def cmd_models_check(args) -> int:
     except SpecError as e:
         _print_spec_errors(args.file, e)
         return 2
+    if args.plan:
+        return _print_memory_plans(args.file, pipeline, args.models)
     plans, errors = check_pipeline(pipeline, args.models)
     if plans:
         print(describe(plans))
     for e in errors:
         print(f"{args.file}: {e}", file=sys.stderr)
     return 2 if errors else 0
+
+
+def _print_memory_plans(file: str, pipeline, models: str) -> int:
+    from omnistage.checkpoints.check import StageCheckError
+    from omnistage.checkpoints.plan import describe_plans, plan_stage
+    from omnistage.checkpoints.shards import CheckpointError
+
+    plans, failed = [], False
+    for stage in pipeline.stages:
+        try:
+            plans.append(plan_stage(pipeline, stage, models))
+        except (StageCheckError, CheckpointError) as e:
+            print(f"{file}: {e}", file=sys.stderr)
+            failed = True
+    if plans:
+        print(describe_plans(plans))
+    return 2 if failed else 0
 
 
 def cmd_models_hollow(args) -> int:
@@ -459,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = msub.add_parser("check", help="what each stage of a pipeline will load (files, bytes, device), or why not")
     c.add_argument("file", help="OmniPipeline YAML file")
     c.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
+    c.add_argument("--plan", action="store_true", help="print each stage's memory plan (weights in its dtype, "
+                                                       "KV cache at its context and batch, activations), GiB")
     c.set_defaults(fn=cmd_models_check)
     h = msub.add_parser("hollow", help="write a real model's published layout: configs, real safetensors headers, "
                                        "sparse shards with no data (for checks without the download)")
