@@ -16,7 +16,7 @@ from pathlib import Path
 from omnistage.api import Pipeline, Stage
 from omnistage.checkpoints.configs import read_json, require_keys
 from omnistage.checkpoints.names import TOKENIZER_FILES
-from omnistage.checkpoints.shards import DTYPES, CheckpointError, ShardedCheckpoint
+from omnistage.checkpoints.shards import DTYPES, CheckpointError, ShardedCheckpoint, TensorInfo
 from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import checkpoint_dir
 from omnistage.families import Part, family_of, served_architectures
@@ -30,6 +30,7 @@ class LoadPlan:
     weights: tuple[tuple[str, int], ...]  # (file relative to directory, bytes of this stage's tensors in it)
     other_files: tuple[str, ...]         # configs, tokenizers, speaker files read besides the weights
     device: str
+    tensors: tuple[TensorInfo, ...] = ()  # the headers of this stage's tensors (read once, here)
 
     @property
     def weight_bytes(self) -> int:
@@ -65,12 +66,12 @@ def check_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None
         if not path.is_dir():
             raise CheckpointError(f"{path}: no such model directory")
         if (path / "model_index.json").exists():
-            family, weights, others = _diffusers(path, stage.component)
+            family, weights, others, tensors = _diffusers(path, stage.component)
         else:
-            family, weights, others = _transformers(path, stage.component)
+            family, weights, others, tensors = _transformers(path, stage.component)
     except CheckpointError as e:
         raise StageCheckError(f"{field}.model", stage.name, str(e)) from None
-    return LoadPlan(stage.name, family, path, weights, others, device)
+    return LoadPlan(stage.name, family, path, weights, others, device, tensors)
 
 
 # ------------------------------------------------------------------ transformers checkpoints
@@ -97,8 +98,8 @@ def _transformers(path: Path, component: str):
         ckpt.info(key)
     others = ["config.json", *_files(path, part)]
     weights = ckpt.bytes_by_file(part.prefix)
-    _readable(ckpt, part.prefix)
-    return f"{family.name}/{component or 'model'}", weights, tuple(others)
+    tensors = _readable(ckpt, part.prefix)
+    return f"{family.name}/{component or 'model'}", weights, tuple(others), tensors
 
 
 def _no_stray_tensors(ckpt: ShardedCheckpoint, parts) -> None:
@@ -112,13 +113,16 @@ def _no_stray_tensors(ckpt: ShardedCheckpoint, parts) -> None:
                               f"(first: {stray[0]}; parts: {', '.join(prefixes)})")
 
 
-def _readable(ckpt: ShardedCheckpoint, prefix: str = "") -> None:
-    """Every tensor under `prefix` is in a dtype omnistage reads: refused by name before anything loads."""
-    for key in ckpt.keys(prefix):
-        info = ckpt.info(key)
+def _readable(ckpt: ShardedCheckpoint, prefix: str = "") -> tuple[TensorInfo, ...]:
+    """The headers of the tensors under `prefix`, each in a dtype omnistage reads: any other is refused by name
+    before anything loads."""
+    keys = ckpt.keys(prefix)
+    infos = tuple(ckpt.info(key) for key in keys)
+    for key, info in zip(keys, infos):
         if info.dtype not in DTYPES:
-            raise CheckpointError(f"{info.file}: {key} has dtype {info.dtype} ({info.nbytes} bytes), which omnistage "
-                                  f"cannot read (it reads {', '.join(DTYPES)})")
+            raise CheckpointError(f"{info.file}: {key} has dtype {info.dtype} ({info.nbytes} bytes), which "
+                                  f"omnistage cannot read (it reads {', '.join(DTYPES)})")
+    return infos
 
 
 def _files(path: Path, part: Part) -> list[str]:
@@ -151,6 +155,7 @@ def _diffusers(path: Path, component: str):
         raise CheckpointError(f"{path}: a {cls} has no stage component \"{component}\" "
                               f"(components: {', '.join(stages)})")
     weights: list[tuple[str, int]] = []
+    tensors: list[TensorInfo] = []
     others: list[str] = ["model_index.json"]
     reads = stages[component]
     for sub, with_weights in [*((w, True) for w in reads.weights), *((c, False) for c in reads.configs)]:
@@ -173,8 +178,8 @@ def _diffusers(path: Path, component: str):
             raise CheckpointError(f"{folder}: no weights (diffusion_pytorch_model.safetensors or model.safetensors)")
         ckpt = ShardedCheckpoint(folder, stem)
         weights += [(f"{folder.name}/{name}", n) for name, n in ckpt.bytes_by_file()]
-        _readable(ckpt)
-    return f"{name}/{component}", tuple(weights), tuple(others)
+        tensors += _readable(ckpt)
+    return f"{name}/{component}", tuple(weights), tuple(others), tuple(tensors)
 
 
 def _sub_folder(path: Path, index: dict, sub: str) -> Path | None:

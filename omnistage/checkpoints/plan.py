@@ -11,24 +11,23 @@ Placement and refusal do not use the plan yet.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import torch
+
 from omnistage.api import Pipeline, Stage, StageDeployment
-from omnistage.checkpoints.check import LoadPlan, check_stage
+from omnistage.checkpoints.check import check_stage
 from omnistage.checkpoints.configs import read_json
-from omnistage.checkpoints.shards import DTYPES, CheckpointError, ShardedCheckpoint, TensorInfo
+from omnistage.checkpoints.shards import DTYPES, CheckpointError, TensorInfo
 from omnistage.contract.devices import AUTO_DTYPE
-from omnistage.families import family_of
 
 # Estimate, not measured: activations and workspace as a share of the weights, until the tiny-model
 # measurement of peak memory per stage replaces it.
 ACTIVATION_FRACTION = 0.1
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Where an AR component's decoder config lives, first found wins: an omni Thinker's and Talker's
 # `<component>_config.text_config` (Qwen2.5-Omni's Talker is flat: `talker_config`), a causal LM's root.
 AR_CONFIG_PATHS = ("{c}_config.text_config", "{c}_config", "text_config", "")
-WEIGHT_DIRS = ("diffusion_pytorch_model", "model")
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,11 @@ class StagePlan:
     kv_bytes: int
     activation_bytes: int      # an estimate until measured: ACTIVATION_FRACTION of the weights
     total_bytes: int
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a stage dtype (float32, bfloat16, float16)."""
+    return getattr(torch, dtype).itemsize
 
 
 def stage_dtype(dep: StageDeployment | None, device: str) -> str:
@@ -69,30 +73,13 @@ def ar_text_config(config: Mapping, component: str) -> Mapping:
                           f"(looked in {', '.join(p.format(c=component) or 'the root' for p in AR_CONFIG_PATHS)})")
 
 
-def weights_in_dtype(tensors: list[TensorInfo], dtype: str) -> int:
+def weights_in_dtype(tensors: Iterable[TensorInfo], dtype: str) -> int:
     """Bytes of `tensors` once loaded in `dtype`: floating tensors converted, others (ids, masks) as stored."""
     out = 0
     for info in tensors:
         stored = DTYPES[info.dtype]
-        out += info.nbytes // stored.itemsize * DTYPE_BYTES[dtype] if stored.is_floating_point else info.nbytes
+        out += info.nbytes // stored.itemsize * dtype_bytes(dtype) if stored.is_floating_point else info.nbytes
     return out
-
-
-def stage_tensors(load: LoadPlan, component: str) -> list[TensorInfo]:
-    """The headers of the tensors `check_stage` counted for the stage (the same prefix or sub-folders)."""
-    if (load.directory / "model_index.json").exists():
-        out: list[TensorInfo] = []
-        for folder in sorted({load.directory / name.split("/")[0] for name, _ in load.weights}):
-            stem = next(s for s in WEIGHT_DIRS if (folder / f"{s}.safetensors").exists()
-                        or (folder / f"{s}.safetensors.index.json").exists())
-            ckpt = ShardedCheckpoint(folder, stem)
-            out += [ckpt.info(k) for k in ckpt.keys()]
-        return out
-    config = read_json(load.directory / "config.json")
-    family = family_of(config["architectures"][0])
-    assert family is not None  # check_stage has refused any other
-    ckpt = ShardedCheckpoint(load.directory)
-    return [ckpt.info(k) for k in ckpt.keys(family.parts[component].prefix)]
 
 
 def plan_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None = None) -> StagePlan:
@@ -100,12 +87,12 @@ def plan_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None 
     load = check_stage(pipeline, stage, root)
     dep = pipeline.deployment.stages.get(stage.name)
     dtype = stage_dtype(dep, load.device)
-    weights = weights_in_dtype(stage_tensors(load, stage.component), dtype)
+    weights = weights_in_dtype(load.tensors, dtype)
     per_token = context = kv = 0
     batch = dep.scheduler.max_batch if dep is not None else 1
     if stage.kind == "ar":
         text = ar_text_config(read_json(load.directory / "config.json"), stage.component)
-        per_token = kv_bytes_per_token(text, DTYPE_BYTES[dtype])
+        per_token = kv_bytes_per_token(text, dtype_bytes(dtype))
         engine_args = dep.engine_args if dep is not None else {}
         context = int(engine_args.get("max_model_len") or text["max_position_embeddings"])
         kv = per_token * context * batch

@@ -29,10 +29,10 @@ def _architecture(path: Path) -> str:
     return _read_class(cfg_file)
 
 
-def _family(stage: Stage, path: Path, arch: str) -> Family:
+def _family(stage: Stage, path: Path, arch: str, reader: Family | None) -> Family:
     """A diffusers stage's family is its pipeline's (model_index.json one folder up); any other stage's is
-    its checkpoint's class. An engine that reads the model itself (vLLM) takes one we do not recognise."""
-    reader = next((f for f in families() if stage.engine in f.reads_any_model_on), None)
+    its checkpoint's class. `reader`, the family whose engine reads the model itself (vLLM), serves a whole
+    model on that engine, and one we do not recognise."""
     if reader is not None and not stage.component:
         return reader
     index = path.parent / "model_index.json"
@@ -45,9 +45,10 @@ def _family(stage: Stage, path: Path, arch: str) -> Family:
 
 def create_engine(pipeline: Pipeline, stage: Stage, model_root: str | os.PathLike | None = None) -> Engine:
     path = model_dir(stage, model_root)
-    reads_itself = not stage.component and any(stage.engine in f.reads_any_model_on for f in families())
+    reader = next((f for f in families() if stage.engine in f.reads_any_model_on), None)
+    reads_itself = reader is not None and not stage.component
     arch = "" if reads_itself and not (path / "config.json").exists() else _architecture(path)
-    family = _family(stage, path, arch)
+    family = _family(stage, path, arch, reader)
     # What validation checked the topology against; a model of another kind would read or emit something
     # other than the edges carry.
     declared = adapters_for(stage.engine, stage.kind, stage.component)

@@ -12,14 +12,13 @@ import pytest
 
 from omnistage.checkpoints.check import check_stage
 from omnistage.checkpoints.hollow import write_hollow
-from omnistage.checkpoints.plan import ACTIVATION_FRACTION, plan_stage, stage_tensors
+from omnistage.checkpoints.plan import plan_stage
 from omnistage.checkpoints.shards import ShardedCheckpoint
 
 from ..conftest import EXAMPLES
 from ..harness import example
 
 PUBLISHED_CONFIG = Path(__file__).parents[2] / "omnistage/checkpoints/published/qwen3_omni/config.json"
-BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 
 
 def _with_dtype(name: str, dtype: str):
@@ -35,13 +34,10 @@ def test_weights_are_the_checked_bytes_in_the_stage_dtype(model_dir, name, dtype
     pipeline = _with_dtype(name, dtype)
     for stage in pipeline.stages:
         load = check_stage(pipeline, stage, model_dir)
-        stored = {info.dtype for info in stage_tensors(load, stage.component)}
+        stored = {info.dtype for info in load.tensors}
         assert stored == {"F32"}, stored  # the tiny models are stored in float32
         plan = plan_stage(pipeline, stage, model_dir)
         assert plan.weights_bytes == load.weight_bytes * {"float32": 4, "bfloat16": 2}[dtype] // 4
-        assert plan.activation_bytes == int(plan.weights_bytes * ACTIVATION_FRACTION)
-        assert plan.kv_bytes == plan.kv_bytes_per_token * plan.context * plan.batch
-        assert plan.total_bytes == plan.weights_bytes + plan.kv_bytes + plan.activation_bytes
         assert (plan.kv_bytes_per_token > 0) == (stage.kind == "ar")
 
 
@@ -63,7 +59,7 @@ def test_the_30b_thinkers_kv_per_token_is_the_published_configs(hollow_qwen3_omn
     assert plan.context == text["max_position_embeddings"]  # the example sets no engineArgs.max_model_len
     assert plan.batch == pipeline.deployment.stages["thinker"].scheduler.max_batch
     load = check_stage(pipeline, thinker, hollow_qwen3_omni)
-    assert {i.dtype for i in stage_tensors(load, "thinker")} == {"BF16"}
+    assert {i.dtype for i in load.tensors} == {"BF16"}
     assert plan.weights_bytes == load.weight_bytes  # published in bf16: nothing to convert
 
 

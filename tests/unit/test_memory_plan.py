@@ -54,4 +54,7 @@ def test_no_decoder_config_is_named():
 ])
 def test_stage_dtype_resolves_auto_per_device(dtype, gpus, device, expected):
     assert stage_dtype(StageDeployment(dtype=dtype, gpus=gpus), device) == expected
+
+
+def test_a_stage_without_a_deployment_entry_runs_in_the_auto_dtype():
     assert stage_dtype(None, "cpu") == "float32"
