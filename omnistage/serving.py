@@ -197,9 +197,21 @@ def on_signals(callback: Callable[[], None], signals=(signal.SIGTERM, signal.SIG
         loop.add_signal_handler(sig, callback)
 
 
+# Libraries that warn at import about things no omnistage path uses: torchao (imported by transformers and
+# diffusers whenever it is installed) that its CUDA-only kernel libraries do not load on a CPU host, and torch
+# that torchao registers enums the old way. Their errors still show.
+QUIET_AT_IMPORT = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_warnings() -> None:
+    for name in QUIET_AT_IMPORT:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_import_warnings()
 
 
 def run_server(serve: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], args: argparse.Namespace,

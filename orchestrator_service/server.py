@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from omnistage import serving, tls, tls_grpc
 from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, load_pipeline
+from omnistage.checkpoints.defaults import with_model_limits
 from omnistage.contract import launch
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -184,7 +185,9 @@ class OrchestratorServer:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    pipeline = load_pipeline(args.pipeline)
+    pipeline, notes = with_model_limits(load_pipeline(args.pipeline), launch.model_root())
+    for note in notes:  # the limits the file leaves to the model, as read from its checkpoints
+        log.info("orchestrator: %s", note)
     otel.configure_from_env()
     namespace = None
     if args.discovery == "kubernetes":

@@ -8,7 +8,10 @@
 #   2. builds the tiny models (models/);
 #   3. serves every example whose engines are installed there, on the CPU and with every stage on the GPU,
 #      and checks one request each (scripts/gpu_compare.py: same tokens, audio and images within tolerance);
-#   4. bench/stage_batching.py --quick, bench/transport.py --quick (CUDA memory over UCX, beside
+#   4. the real-size check: the hollow Qwen3-Omni-30B-A3B layout (published configs and headers, no data)
+#      mapped tensor for tensor onto each stage's modules on the meta device, and the memory plan of
+#      examples/qwen3-omni-30b-a3b.yaml against this GPU's memory (`models check --plan --gpu-memory`);
+#   5. bench/stage_batching.py --quick, bench/transport.py --quick (CUDA memory over UCX, beside
 #      ucx_perftest -m cuda) and bench/e2e_vs_monolith.py --quick, each with --device cuda.
 # Writes bench/results/gpu/*.json (each names the machine) and prints a summary table. Each part runs
 # under its own time bound; a part that fails is reported and the others still run. Exit status: 0 when
@@ -71,9 +74,30 @@ build_models() {  # every tiny model at once, one process each (the machine has 
   return $rc
 }
 
-# Bounds: 470 s in all, so the whole check stays under 8 minutes with the set-up above.
+real_size() {  # the 30B's layout mapped on the meta device, and its plan against this GPU's memory
+  local root=/tmp/gpu-check-hollow mib
+  rm -rf "$root"
+  $PY -m omnistage.local.cli models hollow qwen3_omni "$root/Qwen3-Omni-30B-A3B-Instruct" || return 1
+  $PY - "$root/Qwen3-Omni-30B-A3B-Instruct" <<'PY' || return 1
+import sys
+from stage_service.engines.mapping import map_stage
+bad = 0
+for component in ("thinker", "talker", "code2wav"):
+    for m in map_stage("qwen3_omni", component, sys.argv[1]):
+        print(f"  {component:<9s} {m.prefix:<28s} {m.tensors:>6d} tensors, {len(m.unmapped)} unmapped, "
+              f"{len(m.missing)} missing, {len(m.mismatched)} mismatched")
+        bad += not m.ok
+sys.exit(bad)
+PY
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | sort -n | head -1)
+  $PY -m omnistage.local.cli models check --plan examples/qwen3-omni-30b-a3b.yaml --models "$root" \
+    ${mib:+--gpu-memory "${mib}Mi"}
+}
+
+# Bounds: 530 s in all, so the whole check stays under 8 minutes with the set-up above.
 step models 70 build_models
 step examples 150 $PY scripts/gpu_compare.py
+step real_size 60 real_size
 step stage_batching 110 $PY bench/stage_batching.py --quick --device cuda
 if $PY -c 'import ucxx' 2>/dev/null; then
   step transport 50 $PY bench/transport.py --quick --device cuda

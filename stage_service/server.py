@@ -23,6 +23,7 @@ import grpc
 from omnistage import serving, tls, tls_grpc
 from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, load_pipeline
 from omnistage.checkpoints.check import StageCheckError, check_stage
+from omnistage.checkpoints.defaults import with_model_limits
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.contract import launch
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -167,7 +168,8 @@ class StageServer:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    pipeline = load_pipeline(args.pipeline)
+    # The limits the file leaves to the model, read as the orchestrator reads them: one default either side.
+    pipeline, _ = with_model_limits(load_pipeline(args.pipeline), args.model_dir)
     if args.stage not in {s.name for s in pipeline.stages}:
         print(f'{args.pipeline}: no stage named "{args.stage}" (stages: '
               f'{", ".join(s.name for s in pipeline.stages)})', file=sys.stderr)

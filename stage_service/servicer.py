@@ -202,6 +202,7 @@ def request_from_proto(h: stage_pb2.StageRequestHeader, limits) -> StageRequest:
     (a stage does not trust its caller) but adds no second set of defaults to a request from the orchestrator:
     it sends the values it resolved (`fill_resolved`), and resolve() of resolved values is those values again.
     Only a caller that leaves a field out (a test, a benchmark, a client of the stage itself) gets the default,
-    the same one the orchestrator would have applied."""
+    the same one the orchestrator would have applied: a stage process fills the limits the file leaves to the
+    model from the same checkpoints at start, as the orchestrator does (`omnistage.checkpoints.defaults`)."""
     return StageRequest(request_id=h.request_id, params=resolve(h.params, limits),
                         deadline=h.deadline_unix_ms / 1e3 if h.deadline_unix_ms else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 from pathlib import Path
@@ -20,7 +21,7 @@ from orchestrator_service.server import OrchestratorServer
 from stage_service.server import StageServer
 
 from .conftest import EXAMPLES
-from .polling import wait_until_sync
+from .polling import wait_until, wait_until_sync
 
 
 def example(name: str, edit=None) -> Pipeline:
@@ -29,6 +30,36 @@ def example(name: str, edit=None) -> Pipeline:
         doc = copy.deepcopy(doc)
         edit(doc)
     return parse_pipeline(doc)
+
+
+async def all_queued(sched, calls, n: int):
+    """Run `calls` (an awaitable over n requests to a stage) with the stage's first step held until all n are
+    in its scheduler, so that what happens to them together (admission under a budget, preemption) does not
+    depend on how fast they arrive; returns what `calls` returns."""
+    import threading
+
+    go = threading.Event()
+    step = sched.step_fn
+
+    def held(batch):
+        go.wait(timeout=120)  # on the step thread: the loop goes on taking requests meanwhile
+        return step(batch)
+    sched.step_fn = held
+    task = asyncio.ensure_future(calls)
+    try:
+        await wait_until(lambda: sched.unfinished() >= n or task.done(), timeout=120)
+    finally:
+        go.set()
+    return await task
+
+
+def hollow_store(root: Path, models) -> Path:
+    """A model store under `root` holding the hollow layout (`omnistage models hollow`) of each (family, name)."""
+    from omnistage.checkpoints.hollow import write_hollow
+
+    for family, name in models:
+        write_hollow(family, root / name)
+    return root
 
 
 def in_engine_process(name: str, stage: str) -> Pipeline:

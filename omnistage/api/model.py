@@ -27,6 +27,10 @@ EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", 
 MODALITIES = ("text", "audio", "image")
 TRANSPORTS = ("auto", "inline", "shm", "ucx")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The weight quantization methods the transformers engine applies at load to its AR stages (causal LM, Thinker,
+# Talker), by `quantization` name (stage_service/runtime/quantize.py does it): int8, weight-only, one scale
+# per output row (torchao). vLLM stages take vLLM's own names, checked against the installed vLLM at start.
+TRANSFORMERS_QUANTIZATION = ("int8",)
 DEVICES = ("auto", "cpu")
 TOLERATION_OPERATORS = ("Equal", "Exists")
 TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -127,17 +131,23 @@ class Limits:
     is DEADLINE_EXCEEDED."""
 
     max_prompt_chars: int = api_field("Longest prompt, in characters (or token ids).", default=8192, minimum=1)
-    max_tokens: int = api_field("Most text tokens a request may ask for.", default=512, minimum=1)
-    default_max_tokens: int = api_field("Text tokens when a request does not say.", default=32, minimum=1)
+    max_tokens: int = api_field("Most text tokens a request may ask for. 0: the model's context (the text stage's "
+                                "engineArgs.max_model_len, else its checkpoint's max_position_embeddings).",
+                                default=0, minimum=0)
+    default_max_tokens: int = api_field("Text tokens when a request does not say. 0: the checkpoint's "
+                                        "generation_config.json max_new_tokens, else 256 (at most the context).",
+                                        default=0, minimum=0)
     max_codec_frames: int = api_field("Most audio codec frames a request may ask for.", default=2048, minimum=1)
     default_codec_frames: int = api_field("Audio codec frames when a request does not say.", default=100,
                                           minimum=1)
     max_image_side: int = api_field("Largest image width or height, in pixels.", default=1024, minimum=1)
-    default_image_side: int = api_field("Image width and height when a request does not say.", default=64,
-                                        minimum=1)
+    default_image_side: int = api_field("Image width and height when a request does not say. 0: the denoiser's "
+                                        "sample_size x the VAE's scale factor, from the checkpoint (1024 for SD3.5, "
+                                        "512 for SD 1.5), else 512; at most maxImageSide.", default=0, minimum=0)
     max_inference_steps: int = api_field("Most denoise steps a request may ask for.", default=200, minimum=1)
-    default_inference_steps: int = api_field("Denoise steps when a request does not say.", default=10,
-                                             minimum=1)
+    default_inference_steps: int = api_field("Denoise steps when a request does not say. 0: the published "
+                                             "pipeline's own default (28 for SD3, 50 for SD), else 28.",
+                                             default=0, minimum=0)
     max_parts: int = api_field("Most content parts (text, image, audio, video) in one request.", default=16,
                                minimum=1, maximum=1024)
     max_part_bytes: int = api_field("Largest content part, in bytes as sent (encoded).", default=16 << 20,
@@ -168,7 +178,12 @@ class Limits:
 # parts at their limits must fit in one (checked by validation).
 MAX_MESSAGE_BYTES = 512 << 20
 
-# Each default must not exceed its maximum (checked by validation).
+# What a limit left at 0 ("from the model") comes to when no checkpoint says (`omnistage.checkpoints.defaults`
+# reads them where the checkpoints are at hand; `resolve` falls back to these): no bound on max_tokens
+# beyond the model's own context, which the engine applies.
+MODEL_LIMIT_FALLBACKS = {"default_max_tokens": 256, "default_image_side": 512, "default_inference_steps": 28}
+
+# Each default must not exceed its maximum (checked by validation, where both are set).
 LIMIT_DEFAULTS = (("default_max_tokens", "max_tokens"), ("default_codec_frames", "max_codec_frames"),
                   ("default_image_side", "max_image_side"), ("default_inference_steps", "max_inference_steps"))
 
@@ -288,9 +303,11 @@ class StageDeployment:
     parallelism: Parallelism = api_field("Engine parallelism within a replica.", default_factory=Parallelism)
     dtype: str = api_field("Weights and activations dtype; auto: bfloat16 on a GPU, float32 on the CPU.",
                            default="auto", enum=DTYPES)
-    quantization: str = api_field("Quantization method of the weights, as vLLM names it (vLLM's quantization, "
-                                  "e.g. fp8, awq, gptq); checked against the installed vLLM when the stage starts. "
-                                  "Unset: the checkpoint's own (or none). vLLM stages only.", default="",
+    quantization: str = api_field("Quantization method of the weights. vLLM stages: as vLLM names it (vLLM's "
+                                  "quantization, e.g. fp8, awq, gptq), checked against the installed vLLM when the "
+                                  "stage starts; unset: the checkpoint's own (or none). transformers AR stages "
+                                  "(causal LM, Thinker, Talker): int8 (weight-only, torchao), applied at load; "
+                                  "unset: the stage's dtype. Not for diffusers stages.", default="",
                                   max_length=64)
     engine_args: Mapping[str, Any] = api_field("Passed to the engine as is (for vLLM, engine arguments by "
                                                "name).", default_factory=dict, free_form=True)

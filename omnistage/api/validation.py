@@ -43,6 +43,7 @@ from omnistage.api.model import (
     MAX_MESSAGE_BYTES,
     MAX_NAME_LEN,
     RESERVED_STAGE_NAMES,
+    TRANSFORMERS_QUANTIZATION,
     VLLM_ARGS_OF_FIELDS,
     Limits,
     Metadata,
@@ -334,7 +335,7 @@ class _Relations:
             dkey, mkey = _key(Limits, dflt), _key(Limits, mx)
             d = limits.get(dkey, getattr(Limits(), dflt))
             m = limits.get(mkey, getattr(Limits(), mx))
-            if type(d) is int and type(m) is int and d > m:
+            if type(d) is int and type(m) is int and d and m and d > m:  # 0: from the model
                 self.w.err(f"spec.topology.limits.{dkey}", f"must be <= {mkey} ({m}), got {d}")
         parts, size = (limits.get(_key(Limits, k), getattr(Limits(), k)) for k in ("max_parts", "max_part_bytes"))
         if type(parts) is int and type(size) is int and parts * size + (1 << 20) > MAX_MESSAGE_BYTES:
@@ -354,10 +355,13 @@ class _Relations:
             if isinstance(name, str) and name:
                 self.known(f"spec.deployment.rollout.order[{i}]", name)
         engines_of = {s["name"]: s.get("engine") for _, s in self.stages if isinstance(s.get("name"), str)}
+        kinds_of = {s["name"]: s.get("kind") for _, s in self.stages if isinstance(s.get("name"), str)}
         if isinstance(entries, dict):
             for name, sd in entries.items():
                 if isinstance(sd, dict) and name in engines_of:
                     self.placement(f"spec.deployment.stages.{name}", engines_of[name], sd)
+                    self.quantization(f"spec.deployment.stages.{name}", engines_of[name], kinds_of[name], sd)
+                    self.kv_cache_bytes(f"spec.deployment.stages.{name}", engines_of[name], kinds_of[name], sd)
 
     def placement(self, path: str, engine: object, sd: dict) -> None:
         """Devices a replica asks for against what its engine uses, and the pod placement fields."""
@@ -403,17 +407,13 @@ class _Relations:
                 self.w.err(f"{path}.tolerations[{i}].tolerationSeconds", "applies to effect NoExecute only")
 
     def vllm_only(self, path: str, engine: object, sd: dict, par: dict) -> None:
-        """Expert parallelism and quantization, which only vLLM stages honour, and engineArgs that would set
-        what a field of the entry sets."""
-        expert, method = par.get("expert", False), sd.get("quantization", "")
+        """Expert parallelism, which only vLLM stages honour, and engineArgs that would set what a field of
+        the entry sets."""
+        expert = par.get("expert", False)
         if engine != "vllm":
-            if isinstance(engine, str) and engine in ENGINES:
-                if expert is True:
-                    self.w.err(f"{path}.parallelism.expert", f"applies to vLLM stages serving a mixture-of-experts "
-                                                             f"model; the {engine} engine runs one model per replica")
-                if isinstance(method, str) and method:
-                    self.w.err(f"{path}.quantization", f"applies to vLLM stages; the {engine} engine loads the "
-                                                       "weights in the stage's dtype (no quantized path yet)")
+            if isinstance(engine, str) and engine in ENGINES and expert is True:
+                self.w.err(f"{path}.parallelism.expert", f"applies to vLLM stages serving a mixture-of-experts "
+                                                         f"model; the {engine} engine runs one model per replica")
             return
         tensor, data = par.get("tensor", 1), par.get("data", 1)
         if expert is True and type(tensor) is int and type(data) is int and tensor * data == 1:
@@ -424,6 +424,44 @@ class _Relations:
             if field is not None:
                 self.w.err(f"{path}.engineArgs.{key}", f"set {path}.{field} instead (the stage's GPUs and its "
                                                        "checks follow the field)")
+
+    def kv_cache_bytes(self, path: str, engine: object, kind: object, sd: dict) -> None:
+        """engineArgs.kvCacheBytes, the KV budget of a transformers AR stage (stage_service/runtime/kv_budget.py):
+        a positive integer of bytes, on transformers AR stages only (vLLM sizes its own cache; other kinds
+        keep none)."""
+        args = _dict(sd.get("engineArgs"))
+        if "kvCacheBytes" not in args:
+            return
+        value = args["kvCacheBytes"]
+        if type(value) is not int or value < 1:
+            self.w.err(f"{path}.engineArgs.kvCacheBytes", f"expected a positive integer (bytes), got {value!r}")
+        elif isinstance(engine, str) and engine in ENGINES and engine != "transformers":
+            self.w.err(f"{path}.engineArgs.kvCacheBytes", f"bounds the KV cache of transformers AR stages; the "
+                                                          f"{engine} engine takes no KV budget")
+        elif engine == "transformers" and isinstance(kind, str) and kind != "ar":
+            self.w.err(f"{path}.engineArgs.kvCacheBytes", f"bounds the KV cache of transformers AR stages; a "
+                                                          f"{kind} stage keeps none")
+
+    def quantization(self, path: str, engine: object, kind: object, sd: dict) -> None:
+        """Which stages take which weight quantization: a vLLM stage vLLM's methods (checked against the
+        installed vLLM when the stage starts), a transformers AR stage TRANSFORMERS_QUANTIZATION, no other."""
+        method = sd.get("quantization", "")
+        if not isinstance(method, str) or not method or engine == "vllm" or engine not in ENGINES:
+            return
+        accepted = ", ".join(TRANSFORMERS_QUANTIZATION)
+        who = (f"vLLM stages take vLLM's methods (e.g. fp8, awq, gptq), transformers AR stages (causal LM, Thinker, "
+               f"Talker) take {accepted}")
+        if engine == "transformers" and kind == "ar":
+            if method not in TRANSFORMERS_QUANTIZATION:
+                self.w.err(f"{path}.quantization", f'"{method}" is not a method the transformers engine applies; '
+                                                   f"it takes {accepted} (weight-only, at load); vLLM's methods apply "
+                                                   "to vLLM stages")
+        elif engine == "transformers":
+            self.w.err(f"{path}.quantization", f"the transformers engine quantizes AR stages only; this {kind} stage "
+                                               f"loads its weights in the stage's dtype ({who})")
+        else:
+            self.w.err(f"{path}.quantization", f"the {engine} engine loads its weights in the stage's dtype (no "
+                                               f"quantized path); {who}")
 
     def autoscaling(self) -> None:
         """The planner's bounds: per-stage entries name stages and have min <= max, and the budget leaves

@@ -1,11 +1,19 @@
-"""Reading a checkpoint's JSON files with errors that name the file and the key."""
+"""Reading a checkpoint's JSON files with errors that name the file and the key (no torch: the orchestrator
+reads its limits with it)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
-from omnistage.checkpoints.shards import CheckpointError
+# Where an AR component's decoder config lives, first found wins: an omni Thinker's and Talker's
+# `<component>_config.text_config` (Qwen2.5-Omni's Talker is flat: `talker_config`), a causal LM's root.
+AR_CONFIG_PATHS = ("{c}_config.text_config", "{c}_config", "text_config", "")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be served; the message names the file or key."""
 
 
 def read_json(file: Path) -> dict:
@@ -31,3 +39,15 @@ def require_keys(file: Path, data: dict, keys: tuple[str, ...]) -> None:
             if not isinstance(node, dict) or name not in node:
                 raise CheckpointError(f"{file}: missing key {dotted}")
             node = node[name]
+
+
+def ar_text_config(config: Mapping, component: str) -> Mapping:
+    """The decoder config of an AR component (see AR_CONFIG_PATHS)."""
+    for pattern in AR_CONFIG_PATHS:
+        node: object = config
+        for name in filter(None, pattern.format(c=component).split(".")):
+            node = node.get(name) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and "num_hidden_layers" in node:
+            return node
+    raise CheckpointError(f"config.json: no decoder config for component {component or '(model)'!r} "
+                          f"(looked in {', '.join(p.format(c=component) or 'the root' for p in AR_CONFIG_PATHS)})")

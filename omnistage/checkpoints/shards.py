@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from omnistage.checkpoints.configs import CheckpointError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -30,10 +32,6 @@ DTYPES = {
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E8M0": torch.float8_e8m0fnu,
 }
 # Anything else a safetensors header may name (F4, F6_*, C64, ...) is refused by name, before a byte is read.
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be served; the message names the file or key."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from omnistage.api import Limits
+from omnistage.api import MODEL_LIMIT_FALLBACKS, Limits
 from omnistage.v1 import common_pb2
 
 # Below this a temperature samples greedily, as vLLM does: logits divided by 1e-45 overflow to inf and the
@@ -92,8 +92,9 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
     if any(t < 0 for t in p.prompt_token_ids):
         raise InvalidRequest("params.prompt_token_ids", "token ids must be >= 0")
     t = p.text
-    max_tokens = t.max_tokens or limits.default_max_tokens
-    _bound("params.text.max_tokens", max_tokens, 1, limits.max_tokens)
+    max_tokens = (t.max_tokens or limits.default_max_tokens
+                  or min(MODEL_LIMIT_FALLBACKS["default_max_tokens"], limits.max_tokens or 1 << 31))
+    _bound("params.text.max_tokens", max_tokens, 1, limits.max_tokens or None)  # None: the engine's context
     temperature = t.temperature if t.HasField("temperature") else None
     if temperature is not None and not (0.0 <= temperature <= 100.0 and math.isfinite(temperature)):
         raise InvalidRequest("params.text.temperature", f"must be between 0 and 100, got {temperature}")
@@ -106,13 +107,15 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
     frames = p.audio.max_codec_frames or limits.default_codec_frames
     _bound("params.audio.max_codec_frames", frames, 1, limits.max_codec_frames)
     img = p.image
-    width = img.width or limits.default_image_side
-    height = img.height or limits.default_image_side
+    side = limits.default_image_side or min(MODEL_LIMIT_FALLBACKS["default_image_side"], limits.max_image_side)
+    width = img.width or side
+    height = img.height or side
     for name, side in (("width", width), ("height", height)):
         _bound(f"params.image.{name}", side, 8, limits.max_image_side)
         if side % 8:
             raise InvalidRequest(f"params.image.{name}", f"must be a multiple of 8, got {side}")
-    steps = img.num_inference_steps or limits.default_inference_steps
+    steps = (img.num_inference_steps or limits.default_inference_steps
+             or min(MODEL_LIMIT_FALLBACKS["default_inference_steps"], limits.max_inference_steps))
     _bound("params.image.num_inference_steps", steps, 1, limits.max_inference_steps)
     guidance = img.guidance_scale if img.HasField("guidance_scale") else 7.5
     if not (0.0 <= guidance <= 100.0 and math.isfinite(guidance)):
@@ -194,6 +197,9 @@ def _check_request_parts(p: common_pb2.GenerationParams, parts, limits: Limits) 
                                                   "template)")
 
 
-def _bound(field: str, value: int, lo: int, hi: int) -> None:
-    if not lo <= value <= hi:
+def _bound(field: str, value: int, lo: int, hi: int | None) -> None:
+    if hi is None:
+        if value < lo:
+            raise InvalidRequest(field, f"must be at least {lo}, got {value}")
+    elif not lo <= value <= hi:
         raise InvalidRequest(field, f"must be between {lo} and {hi}, got {value}")

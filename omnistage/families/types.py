@@ -73,6 +73,9 @@ class Family:
     pipeline: Mapping[str, PipelinePart] = field(default_factory=dict)  # diffusers: by stage component
     suffix: bool = False          # architectures match as name suffixes (any *ForCausalLM)
     reads_any_model_on: tuple[str, ...] = ()   # engines that read the model themselves: no architecture check
+    # The published pipeline's own default of denoise steps (its `__call__` default; no config file holds
+    # it): a pipeline's limits.defaultInferenceSteps when its file sets none. 0: the family has none.
+    default_inference_steps: int = 0
 
     def matches(self, architecture: str) -> bool:
         if self.suffix:

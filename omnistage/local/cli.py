@@ -327,7 +327,7 @@ def cmd_models_check(args) -> int:
         _print_spec_errors(args.file, e)
         return 2
     if args.plan:
-        return _print_memory_plans(args.file, pipeline, args.models)
+        return _print_memory_plans(args.file, pipeline, args.models, args.gpu_memory)
     plans, errors = check_pipeline(pipeline, args.models)
     if plans:
         print(describe(plans))
@@ -336,21 +336,23 @@ def cmd_models_check(args) -> int:
     return 2 if errors else 0
 
 
-def _print_memory_plans(file: str, pipeline, models: str) -> int:
-    from omnistage.checkpoints.check import StageCheckError
-    from omnistage.checkpoints.plan import describe_plans, plan_stage
-    from omnistage.checkpoints.shards import CheckpointError
+def _print_memory_plans(file: str, pipeline, models: str, gpu_memory: str | None) -> int:
+    from omnistage.checkpoints.fit import misfit, parse_bytes
+    from omnistage.checkpoints.plan import describe_plans, plan_pipeline
 
-    plans, failed = [], False
-    for stage in pipeline.stages:
-        try:
-            plans.append(plan_stage(pipeline, stage, models))
-        except (StageCheckError, CheckpointError) as e:
-            print(f"{file}: {e}", file=sys.stderr)
-            failed = True
+    try:
+        gpu_bytes = None if gpu_memory is None else parse_bytes(gpu_memory)
+    except ValueError as e:
+        print(f"omnistage models check: --gpu-memory {e}", file=sys.stderr)
+        return 2
+    plans, errors = plan_pipeline(pipeline, models)
     if plans:
         print(describe_plans(plans))
-    return 2 if failed else 0
+    deployments = pipeline.deployment.stages
+    errors += filter(None, (misfit(p, pipeline.stage(p.stage), deployments[p.stage], gpu_bytes) for p in plans))
+    for e in errors:
+        print(f"{file}: {e}", file=sys.stderr)
+    return 2 if errors else 0
 
 
 def cmd_models_hollow(args) -> int:
@@ -372,12 +374,16 @@ def _quiet_model_libraries() -> None:
     import logging
     import warnings
 
+    from omnistage.serving import QUIET_AT_IMPORT
+
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    for name in QUIET_AT_IMPORT:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _add_gen_args(p: argparse.ArgumentParser) -> None:
@@ -479,7 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file", help="OmniPipeline YAML file")
     c.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
     c.add_argument("--plan", action="store_true", help="print each stage's memory plan (weights in its dtype, "
-                                                       "KV cache at its context and batch, activations), GiB")
+                                                       "KV cache at its context and batch, activations), GiB; "
+                                                       "refuse a stage that does not fit its GPUs or memory limit")
+    c.add_argument("--gpu-memory", metavar="SIZE", help="with --plan: the memory of one GPU the stages run on "
+                                                        "(80Gi, 80GiB, 141GB); without it GPU stages are not "
+                                                        "checked")
     c.set_defaults(fn=cmd_models_check)
     h = msub.add_parser("hollow", help="write a real model's published layout: configs, real safetensors headers, "
                                        "sparse shards with no data (for checks without the download)")

@@ -35,6 +35,7 @@ from omnistage.contract.devices import uses_gpus
 ENV_VISIBLE = "CUDA_VISIBLE_DEVICES"
 ENV_DEVICE_ORDER = "CUDA_DEVICE_ORDER"
 ENV_GPUS = "OMNISTAGE_GPUS"        # override: the machine has this many GPUs, ids 0..N-1 (tests; odd drivers)
+ENV_GPU_MEMORY = "OMNISTAGE_GPU_MEMORY"  # override: the memory of each GPU (80Gi), for the memory plan's check
 NVIDIA_SMI = "nvidia-smi"
 PCI_ORDER = "PCI_BUS_ID"           # nvidia-smi numbers GPUs in PCI bus order; CUDA's default is fastest first
 UNITS = 1_000_000                  # a whole GPU, in the millionths shares are counted in
@@ -89,6 +90,33 @@ def machine_gpus(environ: Mapping[str, str] | None = None,
     if torch is not None and torch.cuda.is_available():
         return MachineGpus(tuple(str(i) for i in range(torch.cuda.device_count())), "torch.cuda.device_count()")
     return MachineGpus((), f"no {ENV_VISIBLE}, no {NVIDIA_SMI}")
+
+
+def gpu_memory(environ: Mapping[str, str] | None = None,
+               run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> int | None:
+    """Bytes of the smallest GPU of the machine, for the memory plan's check; None when unknown. In order:
+    OMNISTAGE_GPU_MEMORY (a size: 80Gi); `nvidia-smi --query-gpu=memory.total` (MiB); torch's device
+    properties only when torch is already imported; otherwise None (GPU stages are then not checked)."""
+    from omnistage.checkpoints.fit import parse_bytes
+
+    env = os.environ if environ is None else environ
+    if env.get(ENV_GPU_MEMORY):
+        try:
+            return parse_bytes(env[ENV_GPU_MEMORY])
+        except ValueError as e:
+            raise GpuPlacementError(f"{ENV_GPU_MEMORY}: {e}") from None
+    if shutil.which(NVIDIA_SMI, path=env.get("PATH")):
+        try:
+            out = run([NVIDIA_SMI, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                      capture_output=True, text=True, timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        sizes = [int(x) for x in out.stdout.split() if x.strip().isdigit()] if out.returncode == 0 else []
+        return min(sizes) << 20 if sizes else None
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return None
 
 
 def visible_ids(value: str) -> tuple[str, ...]:

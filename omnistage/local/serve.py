@@ -18,6 +18,9 @@ plaintext unless a `client_tls_dir` (tls.crt, tls.key) is given.
 GPUs: before anything starts, each stage replica is given its GPUs (`omnistage.local.gpu_placement`) from the
 machine's; a file that asks for more than the machine has is refused then. Each stage process sees only its
 GPUs in CUDA_VISIBLE_DEVICES; a CPU stage, and the orchestrator, see none ("").
+Then each stage's memory plan (`omnistage.checkpoints.plan`, read from the checkpoints' configs and headers)
+must fit its share of its GPUs (their memory from nvidia-smi, or OMNISTAGE_GPU_MEMORY) or its
+`resources.limits.memory`; a stage that does not is refused with the numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Callable, Sequence
 
 from omnistage import tls as certificates
 from omnistage.api import Pipeline
+from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import (
     API_PATH,
     ENV_API_KEYS,
@@ -144,6 +148,25 @@ class LocalPipeline:
                 self.progress(line)
         return machine
 
+    def check_memory(self, env: dict[str, str]) -> None:
+        """Refuse, before anything loads, a stage whose memory plan does not fit its GPUs' share or its memory
+        limit (`omnistage.checkpoints.fit`). Stages the plan cannot read are left to report it themselves."""
+        from omnistage.checkpoints.fit import misfit, room
+        from omnistage.checkpoints.plan import plan_pipeline
+
+        deployments = self.pipeline.deployment.stages
+        try:
+            gpu_bytes = gpu_placement.gpu_memory(env) if any(uses_gpus(d) for d in deployments.values()) else None
+        except gpu_placement.GpuPlacementError as e:
+            raise LaunchError(str(e)) from None
+        if not any(room(st, deployments[st.name], gpu_bytes) for st in self.pipeline.stages):
+            return  # nothing to check: no GPU memory known, no memory limit set
+        plans, _ = plan_pipeline(self.pipeline, self.model_dir)
+        refused = [m for p in plans if (m := misfit(p, self.pipeline.stage(p.stage), deployments[p.stage], gpu_bytes))]
+        if refused:
+            raise LaunchError("the memory plan does not fit: " + "; ".join(refused) +
+                              " (`omnistage models check --plan` prints the plan)")
+
     # ------------------------------------------------------------ start
     def check_models(self) -> None:
         missing = [f"{s.name}: {model_dir(s, self.model_dir)}" for s in self.pipeline.stages
@@ -177,6 +200,7 @@ class LocalPipeline:
         # refused keys and GPU placements: before anything starts; the orchestrator never uses a GPU
         orchestrator_env = {**env, **self._api_key_env(), **gpu_placement.replica_env()}
         machine = self.place_gpus(env)
+        self.check_memory(env)
         self._tls_dirs = tls_dirs = self._issue_certificates() if self.tls else {}
         self._env = env
         for (stage, i), gpus in self.gpu_assignment.items():   # every stage replica, in stage order

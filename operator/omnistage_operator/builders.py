@@ -254,11 +254,14 @@ def build_orchestrator_deployment(p: Pipeline, cfg: OperatorConfig) -> dict:
                                    namespace=p.namespace, api_port=api,
                                    tls_dir=TLS_MOUNT if cfg.tls_enabled else None,
                                    client_tls_dir=CLIENT_TLS_MOUNT if client_tls else None)
-    container = _container("orchestrator", od.image, command, od.resources.to_dict(), {}, cfg,
-                           models=False, ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
+    # The model volume, read-only (unless OMNISTAGE_ORCHESTRATOR_MODELS=false): the orchestrator reads the limits
+    # a pipeline leaves to the model from the checkpoints' configs (omnistage.checkpoints.defaults), no weights.
+    models = cfg.orchestrator_models
+    container = _container("orchestrator", od.image, command, od.resources.to_dict(), {}, cfg, models=models,
+                           ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
                            secret_mounts=secrets)
     pod = _pod_spec(p, container, cfg, od.drain_seconds, service_account=orchestrator_object_name(p.name),
-                    models=False, secrets=secrets)
+                    models=models, secrets=secrets)
     labels = selector(p.name, COMPONENT_ORCHESTRATOR)
     return _deployment(p, orchestrator_object_name(p.name), labels, od.replicas, pod, config_hash(p))
 

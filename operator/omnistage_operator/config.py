@@ -6,6 +6,10 @@ OMNISTAGE_MODEL_VOLUME       where stage pods find the model store, mounted read
                                `hostPath:DIR` a folder on every node (single-node and test clusters)
                                `none`        no volume (models baked into the image at the mount path)
                              default `pvc:omnistage-models`
+OMNISTAGE_ORCHESTRATOR_MODELS  `true` (default): the orchestrator mounts the model volume too, read-only, to
+                             read the limits a pipeline leaves to the model from its checkpoints' configs;
+                             `false` where the volume cannot reach the orchestrator's node (a ReadWriteOnce
+                             claim, a hostPath on the GPU nodes only): the fallback limits apply
 OMNISTAGE_IMAGE_PULL_POLICY  imagePullPolicy of stage and orchestrator containers (IfNotPresent)
 OMNISTAGE_RUN_AS_USER        uid (and gid) of stage and orchestrator processes (1000)
 OMNISTAGE_METRICS_NAMESPACE_LABEL  `key=value` of namespaces allowed to scrape stage metrics
@@ -79,6 +83,7 @@ class IssuerRef:
 @dataclass(frozen=True)
 class OperatorConfig:
     model_volume: ModelVolume = ModelVolume("pvc", "omnistage-models")
+    orchestrator_models: bool = True
     image_pull_policy: str = "IfNotPresent"
     run_as_user: int = 1000
     metrics_namespace_label: tuple[str, str] | None = None
@@ -178,9 +183,13 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
             raise ConfigError(f"OMNISTAGE_TLS_ISSUER_REF={raw!r}: expected KIND/NAME, e.g. ClusterIssuer/NAME "
                               f"(optionally /GROUP; needed with OMNISTAGE_TLS_ISSUER={TLS_CERT_MANAGER})")
         issuer_ref = IssuerRef(*parts)
+    models = env.get("OMNISTAGE_ORCHESTRATOR_MODELS", "true").strip().lower()
+    if models not in ("true", "false"):
+        raise ConfigError(f"OMNISTAGE_ORCHESTRATOR_MODELS={models!r}: expected true or false")
     return OperatorConfig(
         model_volume=parse_model_volume(env.get("OMNISTAGE_MODEL_VOLUME", "pvc:omnistage-models"),
                                         env.get("OMNISTAGE_MODEL_MOUNT", "/models")),
+        orchestrator_models=models == "true",
         image_pull_policy=env.get("OMNISTAGE_IMAGE_PULL_POLICY", d.image_pull_policy),
         run_as_user=num("OMNISTAGE_RUN_AS_USER", d.run_as_user),
         metrics_namespace_label=metrics,

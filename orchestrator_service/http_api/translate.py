@@ -267,8 +267,10 @@ def speech(body: SpeechRequest, pipeline: Pipeline) -> Translated:
 def _check_speech_budget(chars: int, limits: Limits) -> None:
     """Speech budgets one text token and one codec frame per input character: an input whose budget is over
     the pipeline's limits is refused rather than spoken cut short."""
-    most, limit = min((limits.max_tokens - SPEECH_EXTRA_TOKENS, "maxTokens"),
-                      (limits.max_codec_frames // CODEC_FRAMES_PER_CHAR, "maxCodecFrames"))
+    budgets = [(limits.max_codec_frames // CODEC_FRAMES_PER_CHAR, "maxCodecFrames")]
+    if limits.max_tokens:  # 0: bounded by the model's context, which the Thinker checks
+        budgets.append((limits.max_tokens - SPEECH_EXTRA_TOKENS, "maxTokens"))
+    most, limit = min(budgets)
     if chars > most:
         raise InvalidRequest("input", f"has {chars} characters; this pipeline speaks at most {most} in one request "
                                       f"(its {limit} limit): split the text into several requests")

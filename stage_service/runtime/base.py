@@ -19,8 +19,8 @@ import torch
 from omnistage.api import Pipeline, Stage, StageDeployment
 from omnistage.contract.chunks import EdgeReorderBuffer
 from omnistage.contract.devices import DevicePlan
-from omnistage.contract.params import RequestParams
-from stage_service.runtime import device, invariance
+from omnistage.contract.params import InvalidRequest, RequestParams
+from stage_service.runtime import device, invariance, kv_budget
 from stage_service.runtime.engine_process import EngineProcess
 from stage_service.runtime.errors import (  # noqa: F401
     EngineConfigError,
@@ -30,6 +30,7 @@ from stage_service.runtime.errors import (  # noqa: F401
     InputError,
     StageDraining,  # re-exported for the adapters
 )
+from stage_service.runtime.kv_budget import KvPages
 from stage_service.runtime.scheduler import StepScheduler, StepState
 from stage_service.runtime.work_tally import WorkTally
 
@@ -248,12 +249,16 @@ class EngineOptions:
     max_model_len: int | None = None  # AR engines: bound on prompt + generated tokens (as vLLM's)
     max_batched_frames: int | None = None  # Code2Wav: codec frames (with context) in one forward
     engine_process: bool = False   # the model in a process of its own (engine_process.py; engines that can)
+    kv_cache_bytes: int | None = None  # AR engines that can: the KV budget in bytes (kvCacheBytes; kv_budget.py)
+    max_num_batched_tokens: int | None = None  # AR engines that can: the most tokens one step feeds (as vLLM's)
+
+    KEYS = {"kvCacheBytes": "kv_cache_bytes"}  # keys spelled as the spec spells them, by field
 
     @classmethod
     def parse(cls, stage: str, args: dict[str, Any]) -> "EngineOptions":
         path = f"spec.deployment.stages.{stage}.engineArgs"
         known = {"batch_invariant": bool, "max_failed_steps": int, "max_model_len": int, "max_batched_frames": int,
-                 "engine_process": bool}
+                 "engine_process": bool, "kvCacheBytes": int, "max_num_batched_tokens": int}
         args = {k.replace("-", "_"): v for k, v in args.items()}
         unknown = sorted(set(args) - set(known))
         if unknown:
@@ -263,7 +268,7 @@ class EngineOptions:
             if type(v) is not known[k] or (known[k] is int and v < 1):
                 raise EngineConfigError(f"{path}.{k}: expected "
                                         f"{'a positive integer' if known[k] is int else 'true or false'}, got {v!r}")
-        return cls(**args)
+        return cls(**{cls.KEYS.get(k, k): v for k, v in args.items()})
 
 
 class SteppedEngine(Engine):
@@ -276,6 +281,10 @@ class SteppedEngine(Engine):
 
     unit = "steps"  # what one state's step produces, for metrics
     ENGINE_PROCESS = False  # whether it can run its model in a process of its own (engineArgs.engine_process)
+    KV_BUDGET = False  # whether it bounds its KV caches by a budget (engineArgs.kvCacheBytes, kv_budget.py)
+    # Whether its states' `cost` is the tokens their next step feeds, so that engineArgs.max_num_batched_tokens
+    # bounds a step's tokens (prompts join a step while they fit it; a longer one steps alone).
+    TOKEN_BUDGET = False
     core: EngineProcess | None = None  # engine_process: the model's process
 
     def __init__(self, *args, **kwargs):
@@ -285,6 +294,14 @@ class SteppedEngine(Engine):
             raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.engine_process: this "
                                     f"engine ({type(self).__name__}) runs its model in the stage process only; "
                                     "the causal LM, Talker and VAE engines support it")
+        if self.options.max_num_batched_tokens is not None and not self.TOKEN_BUDGET:
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.max_num_batched_tokens: "
+                                    f"this engine ({type(self).__name__}) does not count its steps in tokens; the "
+                                    "transformers causal LM, Thinker and omni Talkers do")
+        if self.options.kv_cache_bytes is not None and not self.KV_BUDGET:
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.kvCacheBytes: this engine "
+                                    f"({type(self).__name__}) does not bound its KV cache by a budget yet; the "
+                                    "transformers causal LM and the omni Thinkers and Talkers do")
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
                                        tally=self.tally,
                                        max_failed_steps=self.options.max_failed_steps,
@@ -307,7 +324,47 @@ class SteppedEngine(Engine):
 
     def max_step_cost(self) -> int | None:
         """The most work one step may take, summed over its states' `cost` (None: only maxBatch bounds it)."""
-        return None
+        return self.options.max_num_batched_tokens if self.TOKEN_BUDGET else None
+
+    kv_pages: KvPages | None = None  # under a KV budget: how a sequence's cache is sized (kv_budget.py)
+
+    @property
+    def kv_paged(self) -> bool:
+        """Whether the stage has a KV budget (kv_budget.py: kvCacheBytes, or a GPU share), so caches grow by pages."""
+        plan, given = self.placement, self.options.kv_cache_bytes is not None
+        return self.KV_BUDGET and (given or bool(plan.on_cuda and plan.memory_fraction))
+
+    def bound_kv(self, per_token: int, weights_bytes: int, gpu_bytes: int | None) -> None:
+        """Once loaded: give the scheduler the stage's KV budget, if it has one, and size caches by `per_token`
+        KV bytes (`gpu_bytes`: the GPU's total memory, None off a GPU)."""
+        if not self.kv_paged:
+            return
+        try:
+            budget = kv_budget.resolve_budget(self.stage.name, self.options.kv_cache_bytes,
+                                              self.placement.memory_fraction, gpu_bytes, weights_bytes,
+                                              self.step_activation_bytes() if gpu_bytes is not None else 0)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
+        self.kv_pages, self.scheduler.kv_budget = KvPages(per_token), budget
+
+    def step_activation_bytes(self) -> int:
+        """What the stage's largest step holds beside its weights and KV cache, by the memory plan's rule
+        (`omnistage.checkpoints.plan.ar_plan`, from the checkpoint's config)."""
+        from omnistage.checkpoints.configs import read_json
+        from omnistage.checkpoints.plan import ar_plan
+
+        dtype = str(self.dtype).removeprefix("torch.")
+        dep = self.pipeline.deployment.stages.get(self.stage.name)
+        return ar_plan(read_json(self.model_dir / "config.json"), self.stage, dep, dtype)[2]
+
+    def kv_refusal(self, field: str, what: str, tokens: int) -> InvalidRequest | None:
+        """The error for a request whose KV reaches `tokens` tokens, more than the whole budget holds (`what`
+        says what it is made of); None when it fits or there is no budget."""
+        budget = self.scheduler.kv_budget
+        if budget is None or self.kv_pages is None:
+            return None
+        why = kv_budget.never_fits(self.stage.name, tokens, self.kv_pages, budget)
+        return None if why is None else InvalidRequest(field, f"{what} {why}")
 
     @abstractmethod
     def load(self) -> None:

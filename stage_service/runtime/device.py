@@ -29,3 +29,23 @@ def apply(plan: DevicePlan) -> None:
     if plan.on_cuda and plan.memory_fraction:
         for i in range(plan.gpus):
             torch.cuda.set_per_process_memory_fraction(plan.memory_fraction, i)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a loaded model's parameters and buffers (what its KV budget is left after, kv_budget.py)."""
+    return sum(stored_bytes(t) for t in [*model.parameters(), *model.buffers()])
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor really holds: a tensor subclass that wraps others (torchao's int8 weight: its int8 data
+    and scales) reports its logical dtype's size as `nbytes`, so its inner tensors are counted instead."""
+    inner = getattr(t, "__tensor_flatten__", None)
+    if inner is None or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return t.nbytes
+    names, _ = inner()
+    return sum(stored_bytes(getattr(t, name)) for name in names)
+
+
+def gpu_bytes(where: torch.device) -> int | None:
+    """Total memory of the GPU at `where`; None off a GPU."""
+    return torch.cuda.get_device_properties(where).total_memory if where.type == "cuda" else None

@@ -14,10 +14,11 @@ yield the lock while the core sits idle (measured on the tiny LM at 16 concurren
 gives about 10% more tokens/s; with the model in-process the shorter interval costs as much).
 
 The core object (`factory`, "module:Class", built in the child from picklable arguments) implements
-`info() -> dict`, `add(sid, spec)`, `release(sid)`, `step(sids, feeds) -> list` (feeds: what streamed in
-for each sequence since its last step, or None) and `stats() -> (states, bytes)`. Sequences are named
-by integer ids the stage process allocates; a new sequence's spec travels with the first step that
-uses it; releases travel before the next message. The child exits when the pipe closes (the stage
+`info() -> dict`, `add(sid, spec)`, `release(sid)`, `preempt(sid)`, `step(sids, feeds) -> list` (feeds:
+what streamed in for each sequence since its last step, or None) and `stats() -> (states, bytes)`.
+Sequences are named by integer ids the stage process allocates; a new sequence's spec travels with the
+first step that uses it; releases and preemptions (drop a sequence's KV cache under the stage's KV
+budget, `kv_budget.py`) travel before the next message. The child exits when the pipe closes (the stage
 process ended or was killed), so no core outlives its stage.
 """
 
@@ -59,12 +60,14 @@ def serve(conn, factory: Callable[..., Any], args: tuple) -> None:
             return  # the stage process is gone
         if op == "close":
             return
-        released, *body = rest
+        released, preempted, *body = rest
         for sid in released:
             try:
                 core.release(sid)
             except Exception:
                 log.exception("engine process: releasing sequence %d failed", sid)
+        for sid in preempted:  # before the step that readmits them: the room they left is free by then
+            core.preempt(sid)  # unguarded: a cache left behind would corrupt the sequence's next step
         if op == "release":
             continue  # never answered: the stage process does not wait for it
         try:
@@ -95,6 +98,11 @@ class CoreStates:
     def stats(self) -> tuple[int, int]:
         return len(self.states), sum(st.held_bytes() for st in self.states.values())
 
+    def preempt(self, sid: int) -> None:
+        st = self.states.get(sid)
+        if st is not None:
+            st.preempt()
+
 
 class RemoteSequence:
     """The stage process's handle on one sequence of the core: its id and, until sent, its spec."""
@@ -114,6 +122,7 @@ class EngineProcess:
         self._factory, self._args = factory, args
         self._ids = itertools.count(1)
         self._released: deque[int] = deque()
+        self._preempted: deque[int] = deque()
         self._lock = threading.Lock()  # one message in flight: flush and step may come from two threads
         self._conn = None
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -156,10 +165,15 @@ class EngineProcess:
         self._released.append(seq.sid)
         self.on_release()
 
+    def preempt(self, seq: RemoteSequence) -> None:
+        """Drop the sequence's KV cache in the core (it keeps its tokens and generator), before the next step."""
+        self._preempted.append(seq.sid)
+        self.on_release()
+
     def flush(self) -> None:
-        """Send queued releases now (the core frees their memory before any later step)."""
+        """Send queued releases and preemptions now (the core frees their memory before any later step)."""
         with self._lock:
-            if self._released and self._alive():
+            if (self._released or self._preempted) and self._alive():
                 self._send("release")
 
     def close(self, timeout: float = 10.0) -> None:
@@ -199,12 +213,13 @@ class EngineProcess:
         raise EngineError(message)
 
     def _send(self, op: str, *body) -> None:
-        """One message, with the releases queued so far (put back if it could not go)."""
-        released = self._drain()
+        """One message, with the releases and preemptions queued so far (put back if it could not go)."""
+        released, preempted = self._drain(self._released), self._drain(self._preempted)
         try:
-            self._conn.send((op, released, *body))
+            self._conn.send((op, released, preempted, *body))
         except BaseException as e:
             self._released.extendleft(reversed(released))
+            self._preempted.extendleft(reversed(preempted))
             if isinstance(e, OSError):
                 raise self._gone() from None
             raise
@@ -215,10 +230,11 @@ class EngineProcess:
         except (EOFError, OSError):
             raise self._gone(doing) from None
 
-    def _drain(self) -> list[int]:
+    @staticmethod
+    def _drain(ids: deque[int]) -> list[int]:
         out = []
-        while self._released:
-            out.append(self._released.popleft())
+        while ids:
+            out.append(ids.popleft())
         return out
 
     def _alive(self) -> bool:

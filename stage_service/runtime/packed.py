@@ -16,7 +16,12 @@ Batch invariance (see `invariance.py`): a step is padded to at least
 take the same kernel whatever the batch; the padding rows have no cache and are
 attended to by nothing. Stacking keeps it: SDPA computes each batch entry on
 its own, and over a view of a bigger buffer exactly as over a copy (both
-checked bit for bit in tests/unit/test_batching.py).
+checked bit for bit in tests/unit/test_batching.py; the CUDA twin of the stacked-vs-lone check there is
+skipped without a GPU and has to run on one to say anything about CUDA).
+
+Under a KV budget (`kv_budget.py`) a cache grows by whole pages instead of doubling and keeps a block of
+its own, so the bytes it holds are its own and known in advance; its attention is then one call per
+sequence.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class SequenceKV:
     for it, once, and the following steps of that group cost one copy of new rows and no concatenation.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, page: int | None = None, limit: int | None = None) -> None:
+        self.page = page  # None: capacity doubles and blocks are shared; rows: grows by pages, a block of its own
+        self.limit = limit  # the most rows it will ever hold (prompt + max_tokens): doubling stops there
         self._block: _KvBlock | None = None
         self._slot = 0
 
@@ -62,7 +69,8 @@ class SequenceKV:
         """Its share of the bytes its block holds (spare room included) among the block's members still
         holding it: a sequence whose block-mates left counts the whole block until its next step moves its
         rows into one of its own."""
-        return 0 if self._block is None else self._block.nbytes // max(self._block.live, 1)
+        block = self._block  # read once: the loop may clear it while the step thread asks (kv_held)
+        return 0 if block is None else block.nbytes // max(block.live, 1)
 
     def clear(self) -> None:
         """Leave the block (its memory goes with the last sequence that holds it)."""
@@ -78,16 +86,20 @@ class _KvBlock:
     """The caches of sequences that step together, one slot each: per layer, keys and values
     [slots, kv_heads, capacity, head_dim], every slot holding the same number of rows.
 
-    Capacity doubles when full, so a step writes its new rows in place instead of copying the cache
-    into a new tensor. Only the first `length` rows are read: the spare room never changes a number,
-    and attention over a view of the buffers is bit for bit attention over a contiguous copy (checked
-    in tests/unit/test_batching.py)."""
+    Capacity doubles when full, up to the most rows a member will ever hold (its `limit`; under a KV budget
+    it grows by its members' `page` rows instead), so a step writes
+    its new rows in place instead of copying the cache into a new tensor. Only the first `length` rows are
+    read: the spare room never changes a number, and attention over a view of the buffers is bit for bit
+    attention over a contiguous copy (checked in tests/unit/test_batching.py)."""
 
     MIN_ROWS = 32  # the smallest capacity: a short prompt and its first tokens without regrowing
 
     def __init__(self, members: list[SequenceKV]) -> None:
         self.members = members  # by slot
         self.slots = len(members)
+        self.page = members[0].page
+        limits = [m.limit for m in members]
+        self.limit = None if None in limits else max(limits)  # the most rows a slot will ever need
         self.live = len(members)  # members that still hold it (not cleared, not moved to another block)
         self._k: dict[int, torch.Tensor] = {}
         self._v: dict[int, torch.Tensor] = {}
@@ -104,8 +116,8 @@ class _KvBlock:
         block = cls(members)
         # Every member has as many rows in the same layers (the group's key): those of the first.
         for layer, past in ({} if members[0]._block is None else members[0]._block._len).items():
-            block._k[layer] = _stacked([m._block._k[layer][m._slot, :, :past] for m in members], past)
-            block._v[layer] = _stacked([m._block._v[layer][m._slot, :, :past] for m in members], past)
+            block._k[layer] = _stacked([m._block._k[layer][m._slot, :, :past] for m in members], past, block)
+            block._v[layer] = _stacked([m._block._v[layer][m._slot, :, :past] for m in members], past, block)
             block._len[layer] = past
         for i, m in enumerate(members):
             m._leave()
@@ -122,8 +134,8 @@ class _KvBlock:
         end = past + k.shape[2]
         buf_k = self._k.get(layer)
         if buf_k is None or end > buf_k.shape[2]:
-            self._k[layer] = buf_k = _grown(buf_k, k, past, end)
-            self._v[layer] = _grown(self._v.get(layer), v, past, end)
+            self._k[layer] = buf_k = _grown(buf_k, k, past, end, self)
+            self._v[layer] = _grown(self._v.get(layer), v, past, end, self)
         buf_v = self._v[layer]
         buf_k.narrow(2, past, end - past).copy_(k)
         buf_v.narrow(2, past, end - past).copy_(v)
@@ -135,21 +147,26 @@ class _KvBlock:
         return sum(t.nbytes for d in (self._k, self._v) for t in d.values())
 
 
-def _capacity(rows: int) -> int:
-    return max(2 * rows, _KvBlock.MIN_ROWS)
+def _capacity(rows: int, block: "_KvBlock") -> int:
+    """Rows to allocate for `rows`: as many again (at least MIN_ROWS) but no more than its members will ever
+    hold, or under a budget whole pages."""
+    if block.page is not None:
+        return -(-rows // block.page) * block.page
+    grown = max(2 * rows, _KvBlock.MIN_ROWS)
+    return grown if block.limit is None else max(rows, min(grown, block.limit))
 
 
-def _stacked(rows: list[torch.Tensor], past: int) -> torch.Tensor:
+def _stacked(rows: list[torch.Tensor], past: int, block: _KvBlock) -> torch.Tensor:
     """A buffer [len(rows), kv_heads, capacity, head_dim] holding each of `rows` [kv_heads, past, head_dim]."""
-    out = rows[0].new_empty(len(rows), rows[0].shape[0], _capacity(past), rows[0].shape[2])
+    out = rows[0].new_empty(len(rows), rows[0].shape[0], _capacity(past, block), rows[0].shape[2])
     for i, r in enumerate(rows):
         out[i, :, :past] = r
     return out
 
 
-def _grown(buf: torch.Tensor | None, new: torch.Tensor, past: int, end: int) -> torch.Tensor:
-    """A buffer shaped like `new` with room for `end` rows and as many again, holding the `past` rows of `buf`."""
-    grown = new.new_empty(*new.shape[:2], _capacity(end), *new.shape[3:])
+def _grown(buf: torch.Tensor | None, new: torch.Tensor, past: int, end: int, block: _KvBlock) -> torch.Tensor:
+    """A buffer shaped like `new` with room for `end` rows (`_capacity`), holding the `past` rows of `buf`."""
+    grown = new.new_empty(*new.shape[:2], _capacity(end, block), *new.shape[3:])
     if buf is not None:
         grown.narrow(2, 0, past).copy_(buf.narrow(2, 0, past))
     return grown
@@ -171,8 +188,9 @@ class _Group:
     """Sequences of a step with as many new rows and as many cached rows: one attention call for all.
 
     Their queries, keys and values have equal shapes, so they stack along the batch dimension, and SDPA
-    computes each batch entry on its own (checked bit for bit in tests/unit/test_batching.py), so a
-    sequence gets the same numbers in a group of any size, alone included."""
+    computes each batch entry on its own (checked bit for bit in tests/unit/test_batching.py, on the CPU
+    and, by a test that has to run on a GPU, on CUDA), so a sequence gets the same numbers in a group of
+    any size, alone included."""
 
     block: _KvBlock  # the group's caches, one slot per sequence in step order
     rows: torch.Tensor  # the step rows of its sequences, sequence by sequence
@@ -180,14 +198,13 @@ class _Group:
 
 
 def _groups(segments: list[_Segment], device: torch.device) -> list[_Group]:
-    """The step's sequences grouped by (new rows, cached rows); padding rows are in none. On the CPU only,
-    where stacked calls are checked bit for bit against lone ones: on CUDA the attention kernels choose
-    how to split the work by batch size, and no GPU has run that check yet, so each sequence is a group
-    of its own there."""
+    """The step's sequences grouped by (new rows, cached rows), on every device (stacked calls against lone
+    ones: checked bit for bit in tests/unit/test_batching.py, its CUDA twin on a GPU only); padding rows are
+    in none. A paged cache (under a KV budget) keeps a block of its own, so it is a group of its own."""
     by_shape: dict[tuple[int, ...], list[_Segment]] = {}
     for seg in segments:
         if seg.kv is not None:
-            key = (seg.length, seg.past()) if device.type == "cpu" else (seg.length, seg.past(), id(seg))
+            key = (seg.length, seg.past()) if seg.kv.page is None else (seg.length, seg.past(), id(seg))
             by_shape.setdefault(key, []).append(seg)
     groups = []
     for (n, past, *_), segs in by_shape.items():

@@ -23,6 +23,13 @@ wait for the loop between steps (with the model in a process of its own,
 next step boundary, where the loop picks again. A state the loop gives up
 (cancelled) during a run is released only when the run ends.
 
+KV memory (`kv_budget.py`): with a `kv_budget` (bytes), a queued state joins only while the running
+states' KV after their next step plus its own fit, and before each step (stepping ahead included: the run
+ends at the boundary where the next step would not fit) the most recently admitted states that can be
+recomputed are preempted: their KV is dropped and they wait at the front of the queue, keeping what they
+generated. Decisions are taken on the loop between steps, so no state in a step is ever preempted. After
+every step the worker measures the bytes the states' caches hold (`kv_peak`).
+
 Work units: a step is one unit of the engine's `unit` per request in it, counted in the stage's
 metrics and, per request, in the engine's tally (work_tally.py) for the request's trace.
 
@@ -54,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable
 
 from omnistage.api import SchedulerSettings
+from stage_service.runtime import kv_budget
 from stage_service.runtime.errors import EngineDead, EngineError, EngineOverloaded
 from stage_service.runtime.work_tally import WorkTally
 
@@ -84,6 +92,22 @@ class StepState:
 
     def release(self) -> None:
         """Drop every tensor held; called once, when the state leaves the scheduler."""
+
+    # KV memory, asked only under a budget (kv_budget.py).
+    preemptible: bool = False  # whether `preempt` may drop its KV (it recomputes it when readmitted)
+
+    def kv_bytes(self) -> int:
+        """Bytes its KV cache really holds now."""
+        return 0
+
+    def kv_bytes_next(self) -> int:
+        """Bytes its KV cache will hold after its next step (a state that cannot be preempted: at most ever)."""
+        return 0
+
+    def preempt(self) -> None:
+        """Drop its KV cache, keeping what it generated: its next step recomputes the cache first. Called on the
+        loop between steps, never while it is in one."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be preempted")
 
 
 StepFn = Callable[[list[StepState]], list[Any]]
@@ -163,6 +187,9 @@ class StepScheduler:
         self.on_dead = on_dead
         self.failed: BaseException | None = None
         self.steps = 0
+        self.kv_budget: int | None = None  # bytes of KV the running states may hold (None: maxBatch alone)
+        self.preemptions = 0
+        self.kv_peak = 0  # the most KV bytes the states held after a step
         self._queue: deque[_Job] = deque()
         self._running: list[_Job] = []
         self._in_step: tuple[_Job, ...] = ()
@@ -223,7 +250,10 @@ class StepScheduler:
             raise EngineDead(f"{type(self.failed).__name__}: {self.failed}")
         if self._closed:
             raise EngineDead("the stage shut down")
-        waiting = len(self._running) + len(self._queue) + 1 - self.max_batch
+        # Waiting: those queued, less the batch slots free for them; under a KV budget a free slot is no
+        # room (the budget admits), so every queued state waits.
+        free = 0 if self.kv_budget is not None else max(0, self.max_batch - len(self._running))
+        waiting = len(self._queue) + 1 - free
         if not admitted and waiting > self.max_queued:
             raise EngineOverloaded(f"stage {self.stage}: {len(self._queue)} requests queued "
                                    f"(maxQueued {self.max_queued}, maxBatch {self.max_batch})")
@@ -332,12 +362,41 @@ class StepScheduler:
                 await asyncio.wait_for(self._wake.wait(), left)
 
     def _admit(self) -> None:
-        moved = False
+        """Move queued states into the running set while there is room: under maxBatch and, with a KV budget,
+        in the budget after preempting the running states that outgrew it."""
+        moved = self._preempt() if self.kv_budget is not None else False
         while self._queue and len(self._running) < self.max_batch:
+            if self.kv_budget is not None and not kv_budget.admits(
+                    [j.state.kv_bytes_next() for j in self._running], self._queue[0].state.kv_bytes_next(),
+                    self.kv_budget):
+                break  # in order: the head of the queue waits for room, nobody overtakes it
             self._running.append(self._queue.popleft())
             moved = True
         if moved:
             self._changed()
+
+    def _preempt(self) -> bool:
+        """Preempt the running states the budget has no room for after the next step (see kv_budget.py);
+        they go back to the front of the queue, the oldest of them first."""
+        victims = kv_budget.to_preempt([j.state.kv_bytes_next() for j in self._running],
+                                       [j.state.preemptible for j in self._running],  # between steps only
+                                       self.kv_budget)
+        for i in victims:  # newest first: each goes in front of the one preempted before it
+            job = self._running.pop(i)
+            job.state.preempt()
+            self._queue.appendleft(job)
+        self.preemptions += len(victims)
+        if victims and self.metrics is not None:
+            self.metrics.preemptions.labels(self.stage).inc(len(victims))
+        return bool(victims)
+
+    def kv_held(self) -> int:
+        """Bytes the states' KV caches hold now (those running and those waiting preempted, which hold none)."""
+        return sum(j.state.kv_bytes() for j in [*list(self._running), *list(self._queue)])
+
+    def _kv_fits_next(self) -> bool:
+        """Whether the running states' KV after their next step fits the budget (read on the worker)."""
+        return self.kv_budget is None or sum(j.state.kv_bytes_next() for j in list(self._running)) <= self.kv_budget
 
     def _pick(self) -> tuple[list[_Job], bool]:
         """The ready running states that share a key with the one that waited longest for a step,
@@ -397,6 +456,8 @@ class StepScheduler:
             if len(results) != len(batch):
                 raise RuntimeError(f"step returned {len(results)} results for {len(batch)} requests")
             self._progress_at, self._step_started = self.clock(), None
+            if self.kv_budget is not None:
+                self.kv_peak = max(self.kv_peak, self.kv_held())
             posted += 1
             # Whether each finished with this step, read now: the next step may change the states.
             loop.call_soon_threadsafe(self._deliver, batch, results, [st.finished for st in states], took)
@@ -410,6 +471,7 @@ class StepScheduler:
                 and not any(isinstance(r, BaseException) for r in results)
                 and all(not st.finished and st.ready() for st in states)
                 and [(st.key, st.cost) for st in states] == shape
+                and self._kv_fits_next()
                 and all(j.results.qsize() + behind < self.max_pending_results for j in batch))
 
     def _deliver(self, batch: list[_Job], results: list, finished: list[bool], took: float) -> None:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from omnistage.checkpoints.check import StageCheckError, check_pipeline, check_stage
-from omnistage.checkpoints.hollow import PUBLISHED_MODELS, write_hollow, write_sparse_safetensors
+from omnistage.checkpoints.hollow import PUBLISHED_MODELS, write_sparse_safetensors
 from omnistage.checkpoints.shards import DTYPES, ShardedCheckpoint
 from stage_service.engines.mapping import map_stage
 
-from ..harness import example
+from ..harness import example, hollow_store
 
 GiB = 1 << 30
 # The examples' model names: the hollow layouts stand in for their tiny models.
@@ -38,10 +38,7 @@ STAGES = [(family, component) for family, components in (
 
 @pytest.fixture(scope="module")
 def hollow_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hollow")
-    for family, name in MODEL_NAMES.items():
-        write_hollow(family, root / name)
-    return root
+    return hollow_store(tmp_path_factory.mktemp("hollow"), MODEL_NAMES.items())
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """The memory plan per stage on the tiny models and on the hollow Qwen3-Omni-30B-A3B layout: weights are
-the bytes `models check` counts, in the stage's dtype; the Thinker's KV per token is the published config's."""
+the bytes `models check` counts, in the stage's dtype; the Thinker's KV per token is the published config's;
+a transformers AR stage's activations are its largest step's; and the measured peak of the tiny causal LM
+(bench/real_scale_memory.py) holds at least its weights and the KV its context needs."""
 
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ from pathlib import Path
 import pytest
 
 from omnistage.checkpoints.check import check_stage
+from omnistage.checkpoints.configs import read_json
 from omnistage.checkpoints.hollow import write_hollow
-from omnistage.checkpoints.plan import plan_stage
+from omnistage.checkpoints.plan import ACTIVATION_FRACTION, ar_activation_bytes, ar_text_config, plan_stage
 from omnistage.checkpoints.shards import ShardedCheckpoint
 
 from ..conftest import EXAMPLES
 from ..harness import example
 
-PUBLISHED_CONFIG = Path(__file__).parents[2] / "omnistage/checkpoints/published/qwen3_omni/config.json"
+REPO = Path(__file__).parents[2]
+PUBLISHED_CONFIG = REPO / "omnistage/checkpoints/published/qwen3_omni/config.json"
 
 
 def _with_dtype(name: str, dtype: str):
@@ -71,3 +75,83 @@ def test_models_check_plan_prints_a_table(model_dir):
     assert out.stdout.splitlines()[0].split()[:2] == ["stage", "weights"]
     assert out.stdout.splitlines()[1].split()[0] == "llm"
     assert "estimate" in out.stdout
+
+
+def _ar_edit(engine: str, context: int, batch: int, **engine_args):
+    def edit(doc):
+        doc["spec"]["topology"]["stages"][0]["engine"] = engine
+        sd = doc["spec"]["deployment"]["stages"][doc["spec"]["topology"]["stages"][0]["name"]]
+        sd.setdefault("scheduler", {})["maxBatch"] = batch
+        sd.setdefault("engineArgs", {}).update(max_model_len=context, **engine_args)
+    return edit
+
+
+@pytest.mark.parametrize("name, engine, context, batch, engine_args, keeps_hidden", [
+    ("llm-tiny", "transformers", 256, 32, {}, False),
+    ("llm-tiny", "transformers", 512, 4, {}, False),
+    ("llm-tiny", "transformers", 256, 2, {"batch_invariant": False}, False),
+    ("qwen3-omni-tiny", "transformers", 256, 8, {}, True),
+    ("qwen3-omni-tiny", "transformers", 256, 8, {"batch_invariant": False}, True),
+    ("qwen2.5-omni-tiny", "transformers", 512, 8, {}, True),
+])
+def test_a_transformers_ar_stage_plans_its_largest_step(model_dir, name, engine, context, batch, engine_args,
+                                                         keeps_hidden):
+    pipeline = example(name, _ar_edit(engine, context, batch, **engine_args))
+    stage = pipeline.stages[0]
+    plan = plan_stage(pipeline, stage, model_dir)
+    text = ar_text_config(read_json(model_dir / stage.model / "config.json"), stage.component)
+    invariant = engine_args.get("batch_invariant", True)
+    assert plan.activation_bytes == ar_activation_bytes(text, batch * context, batch, 4, invariant, keeps_hidden)
+    assert plan.total_bytes == plan.weights_bytes + plan.kv_bytes + plan.activation_bytes
+    # the largest step is every prompt at once: more sequences, more tokens in it
+    twice = plan_stage(example(name, _ar_edit(engine, context, 2 * batch, **engine_args)), stage, model_dir)
+    assert twice.activation_bytes > plan.activation_bytes
+
+
+def test_batch_invariant_experts_hold_their_gathered_weights(model_dir):
+    """Qwen3-Omni's batch-invariant experts gather each (token, expert) pair's gate-up and down projections."""
+    plans = [plan_stage(p, p.stages[0], model_dir) for p in
+             (example("qwen3-omni-tiny", _ar_edit("transformers", 256, 8, batch_invariant=b)) for b in (True, False))]
+    text = ar_text_config(read_json(model_dir / "qwen3-omni-tiny/config.json"), "thinker")
+    gathered = 8 * 256 * text["num_experts_per_tok"] * text["hidden_size"] * 3 * text["moe_intermediate_size"] * 4
+    padded_logits = (16 - 8) * text["vocab_size"] * 4  # the head's rows padded to 16 for invariance only
+    assert plans[0].activation_bytes - plans[1].activation_bytes == gathered + padded_logits
+
+
+def test_other_stages_keep_the_estimate(model_dir):
+    vllm = example("llm-tiny")  # vLLM sizes its own activations: not modelled here
+    sd3 = example("sd3-tiny")
+    for pipeline in (vllm, sd3):
+        for stage in pipeline.stages:
+            plan = plan_stage(pipeline, stage, model_dir)
+            assert plan.activation_bytes == int(plan.weights_bytes * ACTIVATION_FRACTION), stage.name
+
+
+def test_the_causal_lms_measured_peak_holds_its_weights_and_kv(model_dir):
+    """The quick measurement of bench/real_scale_memory.py (a process of its own): maxBatch sequences at the
+    plan's context hold at least the weights and the KV their tokens need, at the peak."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from real_scale_memory import CASES, QUICK_CONTEXT, case_pipeline, measure
+
+    case = next(c for c in CASES if c.family == "causal_lm")
+    got = measure(case, QUICK_CONTEXT, model_dir)
+    pipeline = case_pipeline(case, QUICK_CONTEXT)
+    plan = plan_stage(pipeline, pipeline.stage(case.stage), model_dir)
+    assert got["steps"] > 1 and got["batch"] == plan.batch
+    assert got["peak_bytes"] > 0
+    assert got["peak_bytes"] >= plan.weights_bytes
+    # every sequence's cache holds its prompt and all but its last token, in every layer
+    assert got["kv_held_bytes"] >= plan.kv_bytes_per_token * plan.batch * (plan.context - 1)
+    assert got["peak_bytes"] >= plan.weights_bytes + got["kv_held_bytes"]
+
+
+def test_a_kv_budget_bounds_the_planned_kv(model_dir):
+    def budgeted(doc):
+        doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
+        doc["spec"]["deployment"]["stages"]["llm"]["engineArgs"] = {"kvCacheBytes": 1 << 20}
+    pipeline = example("llm-tiny", budgeted)
+    plan = plan_stage(pipeline, pipeline.stage("llm"), model_dir)
+    assert plan.kv_bounded and plan.kv_bytes == 1 << 20 < plan.kv_bytes_per_token * plan.context * plan.batch
+    assert plan.total_bytes == plan.weights_bytes + (1 << 20) + plan.activation_bytes
+    unbudgeted = example("llm-tiny", lambda d: d["spec"]["topology"]["stages"][0].update(engine="transformers"))
+    assert not plan_stage(unbudgeted, unbudgeted.stage("llm"), model_dir).kv_bounded

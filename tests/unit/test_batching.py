@@ -181,19 +181,29 @@ def test_sequences_of_equal_shape_share_an_attention_call_and_get_their_numbers_
     assert len(calls) <= per_sequence // 2  # grouped, not one call per sequence
 
 
-@pytest.mark.parametrize("new_rows, kv_len", [(1, 1), (1, 7), (1, 33), (1, 100), (1, 300), (5, 5), (5, 7), (5, 100)])
-def test_a_stacked_attention_call_computes_each_sequence_as_alone(new_rows, kv_len):
+ATTENTION_SHAPES = [(1, 1), (1, 7), (1, 33), (1, 100), (1, 300), (5, 5), (5, 7), (5, 100)]
+# The CUDA twin: as the stages run there (bfloat16) and in float32; long caches too, where a kernel may split
+# the keys by batch size. It has to run on a GPU: `_groups` stacks equal shapes on CUDA on its word.
+CUDA_CASES = [pytest.param("cuda", dtype, n, kv, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: stacked vs lone attention is checked on a GPU only"))
+    for dtype in (torch.bfloat16, torch.float32) for n, kv in [*ATTENTION_SHAPES, (1, 2000), (1, 8000), (16, 700)]]
+
+
+@pytest.mark.parametrize("device, dtype, new_rows, kv_len",
+                         [*(("cpu", torch.float32, n, kv) for n, kv in ATTENTION_SHAPES), *CUDA_CASES])
+def test_a_stacked_attention_call_computes_each_sequence_as_alone(device, dtype, new_rows, kv_len):
     """The kernel facts `_Group` and `_KvBlock` rest on (tiny-LM shapes: 4 query heads over 2 KV heads,
     head_dim 64): a batch entry's result is the one it gets alone, and over views of the first rows of
     bigger buffers (with other numbers after them) the one over contiguous copies."""
     layer = torch.nn.Module()
     layer.num_key_value_groups, layer.is_causal = 2, True
     g = torch.Generator().manual_seed(kv_len)
-    q, k_buf, v_buf = (torch.randn(6, heads, n, 64, generator=g)
+    q, k_buf, v_buf = (torch.randn(6, heads, n, 64, generator=g).to(device, dtype)
                        for heads, n in ((4, new_rows), (2, 2 * kv_len + 3), (2, 2 * kv_len + 3)))
     k, v = k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
     past = kv_len - new_rows
-    mask = torch.ones(new_rows, kv_len, dtype=torch.bool).tril(past)[None, None] if new_rows > 1 and past > 0 else None
+    mask = (torch.ones(new_rows, kv_len, dtype=torch.bool, device=device).tril(past)[None, None]
+            if new_rows > 1 and past > 0 else None)
     with torch.inference_mode():
         stacked, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.125, is_causal=True)
         copies, _ = sdpa_attention_forward(layer, q, k.contiguous(), v.contiguous(), mask, scaling=0.125,
@@ -213,6 +223,24 @@ def test_a_cache_grows_in_place_and_keeps_its_rows():
         assert torch.equal(k, rows[:, :, :e]) and torch.equal(v, -rows[:, :, :e])
     assert kv.length(1) == 100 and kv.length(0) == 0
     assert 2 * rows.nbytes <= kv.nbytes <= 4 * 2 * rows.nbytes  # spare room at most doubles it (plus MIN_ROWS)
+
+
+def test_a_cache_never_grows_past_the_most_its_sequence_will_hold():
+    """Doubling stops at the sequence's limit (prompt + max_tokens): the memory plan's KV per sequence."""
+    rows = seeded(1, 2, 100, 4)
+    kv = SequenceKV(limit=110)
+    for s, e in [(0, 60), *((i, i + 1) for i in range(60, 100))]:
+        k, _ = kv.append(0, rows[:, :, s:e], rows[:, :, s:e])
+        assert torch.equal(k, rows[:, :, :e])
+    row_bytes = rows.nbytes // 100
+    assert kv.nbytes == 2 * 110 * row_bytes  # keys and values of 110 rows, not of 2 x 60 then 2 x 120
+    a, b = SequenceKV(limit=50), SequenceKV(limit=80)
+    block = _KvBlock.of([a, b])
+    block.append(0, torch.zeros(2, 2, 40, 4), torch.zeros(2, 2, 40, 4))
+    assert block.nbytes == 2 * 2 * 2 * 80 * 4 * 4  # the group's largest limit
+    free = SequenceKV()
+    free.append(0, rows[:, :, :60], rows[:, :, :60])
+    assert free.nbytes == 2 * 120 * row_bytes  # without a limit room doubles
 
 
 def test_a_block_mate_leaving_is_counted_against_the_survivor_until_its_next_step_frees_the_block():

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from omnistage.api import StageDeployment
 from omnistage.local.gpu_placement import (
     ENV_DEVICE_ORDER,
+    ENV_GPU_MEMORY,
     ENV_GPUS,
     ENV_VISIBLE,
     PCI_ORDER,
@@ -24,6 +25,7 @@ from omnistage.local.gpu_placement import (
     MachineGpus,
     assign_gpus,
     assignment_lines,
+    gpu_memory,
     machine_gpus,
     replica_env,
     smi_ids,
@@ -334,3 +336,26 @@ def test_a_file_asking_for_more_gpus_than_the_machine_has_starts_nothing(tmp_pat
                                           r"\(CUDA_VISIBLE_DEVICES=\)"):
         lp.start()
     assert lp.stages == [] and lp.tls_root is None and printed == []
+
+
+# ---------------------------------------------------------------- the memory of its GPUs (for the plan's check)
+
+def test_gpu_memory_from_the_override_then_nvidia_smi_smallest_first(tmp_path):
+    assert gpu_memory({ENV_GPU_MEMORY: "80Gi"}, run=_never_run) == 80 << 30
+    with pytest.raises(GpuPlacementError, match="OMNISTAGE_GPU_MEMORY: 'much' is not a size"):
+        gpu_memory({ENV_GPU_MEMORY: "much"}, run=_never_run)
+
+    def run(argv, **kw):
+        assert argv == ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+        return subprocess.CompletedProcess(argv, 0, "143771\n40960\n", "")
+
+    assert gpu_memory(_fake_smi(tmp_path), run=run) == 40960 << 20
+
+
+def test_gpu_memory_unknown_is_none(tmp_path, monkeypatch):
+    def fails(argv, **kw):
+        return subprocess.CompletedProcess(argv, 9, "", "no driver")
+
+    assert gpu_memory(_fake_smi(tmp_path), run=fails) is None
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert gpu_memory({"PATH": str(tmp_path / "none")}, run=_never_run) is None

@@ -224,7 +224,11 @@ def test_orchestrator_deployment_uses_kubernetes_discovery_and_its_own_account()
     pod = d["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "qwen3-omni-tiny-orchestrator"
     assert pod["automountServiceAccountToken"] is True
-    assert launch.ENV_MODEL_DIR not in env(oc)
+    # The model volume, read-only: it reads the limits the file leaves to the model from the checkpoints.
+    assert env(oc)[launch.ENV_MODEL_DIR] == "/models"
+    mounts = {m["name"]: m for m in oc["volumeMounts"]}
+    assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert {v["name"] for v in pod["volumes"]} >= {"models"}
     assert d["spec"]["replicas"] == 1
     assert c.orchestrator_service["spec"]["type"] == "ClusterIP"
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from ..conftest import REPO
+from ..harness import example
 
 CHART = REPO / "charts" / "omnistage"
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -389,3 +390,27 @@ def test_values_change_what_renders():
 
 def test_chart_crd_is_the_crd():
     assert (CHART / "crds" / "omnipipelines.yaml").read_text() == (REPO / "crds" / "omnipipelines.yaml").read_text()
+
+
+@needs_helm
+@pytest.mark.parametrize("value, mounted", [(None, True), ("false", False)])
+def test_the_orchestrator_mounts_the_model_volume_unless_the_chart_says_not(value, mounted):
+    objs = render(*([f"models.orchestrator={value}"] if value else []))
+    (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    env["POD_ID"] = "omnistage-0"
+    from omnistage_operator.builders import build_orchestrator_deployment
+    from omnistage_operator.config import from_env
+
+    cfg = from_env(env)
+    assert cfg.orchestrator_models is mounted
+    pod = build_orchestrator_deployment(example("qwen3-omni-tiny"), cfg)["spec"]["template"]["spec"]
+    assert ("models" in {v["name"] for v in pod["volumes"]}) is mounted
+    assert ("models" in {m["name"] for m in pod["containers"][0]["volumeMounts"]}) is mounted
+
+
+def test_a_bad_orchestrator_models_setting_is_refused_naming_it():
+    from omnistage_operator.config import ConfigError, from_env
+
+    with pytest.raises(ConfigError, match="OMNISTAGE_ORCHESTRATOR_MODELS='yes': expected true or false"):
+        from_env({"OMNISTAGE_ORCHESTRATOR_MODELS": "yes"})

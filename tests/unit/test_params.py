@@ -10,7 +10,7 @@ from omnistage.contract.modalities import MODALITY_CODES
 from omnistage.contract.params import InvalidRequest, resolve
 from omnistage.v1 import common_pb2, orchestrator_pb2
 
-LIMITS = Limits()
+LIMITS = Limits(max_tokens=512, default_max_tokens=32, default_image_side=64, default_inference_steps=10)
 
 
 def params(**kw):
@@ -22,6 +22,18 @@ def test_defaults():
     assert p.max_tokens == LIMITS.default_max_tokens and p.temperature is None and p.seed == 0
     assert p.width == p.height == LIMITS.default_image_side and p.num_inference_steps == LIMITS.default_inference_steps
     assert p.max_codec_frames == LIMITS.default_codec_frames and p.speaker == "ethan"
+
+
+def test_limits_left_to_the_model_fall_back_where_no_checkpoint_said():
+    """0 is "from the model": the orchestrator reads them from the checkpoints at start
+    (omnistage.checkpoints.defaults); where nothing filled them, the fallbacks apply, within the maxima."""
+    p = resolve(params(), Limits())
+    assert (p.max_tokens, p.width, p.num_inference_steps) == (256, 512, 28)
+    assert resolve(params(max_tokens=100_000), Limits()).max_tokens == 100_000  # the engine's context bounds it
+    small = resolve(params(), Limits(max_tokens=100, max_image_side=256, max_inference_steps=20))
+    assert (small.max_tokens, small.width, small.height, small.num_inference_steps) == (100, 256, 256, 20)
+    with pytest.raises(InvalidRequest, match="params.text.max_tokens: must be between 1 and 100, got 101"):
+        resolve(params(max_tokens=101), Limits(max_tokens=100))
 
 
 def test_values_pass_through():

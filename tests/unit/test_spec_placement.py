@@ -15,7 +15,9 @@ from ..conftest import EXAMPLES
 
 OMNI = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())   # transformers stages
 LLM = yaml.safe_load((EXAMPLES / "llm-tiny.yaml").read_text())           # one vLLM stage, "llm"
+IMAGE = yaml.safe_load((EXAMPLES / "text-to-image-tiny.yaml").read_text())  # diffusers stages
 TALKER, VLLM = "spec.deployment.stages.talker", "spec.deployment.stages.llm"
+CODE2WAV, DENOISE = "spec.deployment.stages.code2wav", "spec.deployment.stages.denoise"
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -33,6 +35,14 @@ def llm(**entry) -> list[str]:
     return errors(LLM, "llm", **entry)
 
 
+def hf_llm(**entry) -> list[str]:
+    """llm-tiny's stage on the transformers engine."""
+    doc = copy.deepcopy(LLM)
+    doc["spec"]["topology"]["stages"][0]["engine"] = "transformers"
+    doc["spec"]["deployment"]["stages"]["llm"]["engineArgs"] = {}
+    return errors(doc, "llm", **entry)
+
+
 # ------------------------------------------------------------------------------ accepted
 
 @pytest.mark.parametrize("check", [
@@ -48,6 +58,9 @@ def llm(**entry) -> list[str]:
     lambda: llm(gpus=2, parallelism={"data": 2, "expert": True}),
     lambda: llm(quantization="fp8"),
     lambda: llm(quantization="compressed-tensors", engineArgs={"max_model_len": 256}),
+    lambda: talker(quantization="int8"),                         # transformers AR stages: weight-only int8
+    lambda: errors(OMNI, "thinker", quantization="int8"),
+    lambda: hf_llm(quantization="int8"),
     lambda: talker(nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "gpu-a"}),
     lambda: talker(tolerations=[GPU_TAINT, {"operator": "Exists"},
                                 {"key": "spot", "value": "yes", "effect": "NoExecute", "tolerationSeconds": 60}]),
@@ -56,8 +69,8 @@ def llm(**entry) -> list[str]:
     lambda: talker(rollingUpdate={"maxSurge": 3, "maxUnavailable": 2}),
 ], ids=["torch-gpu1", "torch-fraction", "torch-device-cpu", "vllm-gpu1", "vllm-tp2", "vllm-tp2-pp2",
         "vllm-tp2-pp2-dp2", "vllm-cpu-tp2", "vllm-expert-tp2-dp2", "vllm-expert-dp2", "vllm-fp8",
-        "vllm-quant-and-engine-args", "node-selector", "tolerations", "affinity-classes", "surge-0",
-        "surge-3"])
+        "vllm-quant-and-engine-args", "torch-int8-talker", "torch-int8-thinker", "torch-int8-lm", "node-selector",
+        "tolerations", "affinity-classes", "surge-0", "surge-3"])
 def test_placements_that_are_accepted(check):
     assert check() == []
 
@@ -103,9 +116,19 @@ def test_defaults_change_nothing_on_a_pod():
     (lambda: talker(parallelism={"expert": True}),
      [f"{TALKER}.parallelism.expert: applies to vLLM stages serving a mixture-of-experts model; the transformers "
       "engine runs one model per replica"]),
-    (lambda: talker(quantization="int8"),
-     [f"{TALKER}.quantization: applies to vLLM stages; the transformers engine loads the weights in the stage's "
-      "dtype (no quantized path yet)"]),
+    (lambda: talker(quantization="fp8"),
+     [f'{TALKER}.quantization: "fp8" is not a method the transformers engine applies; it takes int8 (weight-only, '
+      "at load); vLLM's methods apply to vLLM stages"]),
+    (lambda: hf_llm(quantization="awq"), ['spec.deployment.stages.llm.quantization: "awq" is not a method the '
+                                          "transformers engine applies; it takes int8"]),
+    (lambda: errors(OMNI, "code2wav", quantization="int8"),
+     [f"{CODE2WAV}.quantization: the transformers engine quantizes AR stages only; this generation stage loads its "
+      "weights in the stage's dtype (vLLM stages take vLLM's methods (e.g. fp8, awq, gptq), transformers AR "
+      "stages (causal LM, Thinker, Talker) take int8)"]),
+    (lambda: errors(IMAGE, "denoise", quantization="int8"),
+     [f"{DENOISE}.quantization: the diffusers engine loads its weights in the stage's dtype (no quantized path); "
+      "vLLM stages take vLLM's methods (e.g. fp8, awq, gptq), transformers AR stages (causal LM, Thinker, Talker) "
+      "take int8"]),
     (lambda: llm(parallelism={"expert": True}),
      [f"{VLLM}.parallelism.expert: spreads the experts over tensor x data parallel GPUs; with tensor x data = 1 "
       "there is one (raise tensor or data)"]),
@@ -149,7 +172,8 @@ def test_defaults_change_nothing_on_a_pod():
     (lambda: talker(priorityClassName="GPU_Serving"), [f'{TALKER}.priorityClassName: "GPU_Serving" must be']),
     (lambda: talker(runtimeClassName="nvidia runtime"), [f'{TALKER}.runtimeClassName: "nvidia runtime" must be']),
 ], ids=["torch-gpus-2", "torch-tensor-2", "torch-data-2", "vllm-short", "vllm-over", "vllm-tp-pp",
-        "torch-expert", "torch-quantization", "vllm-expert-one-gpu", "expert-not-bool", "quantization-empty",
+        "torch-expert", "torch-quantization", "torch-lm-quantization", "torch-generation-quantization",
+        "diffusers-quantization", "vllm-expert-one-gpu", "expert-not-bool", "quantization-empty",
         "quantization-int", "quantization-long", "args-data", "args-tensor-dashed", "args-expert",
         "args-quantization", "fraction-no-gpu", "fraction-device-cpu", "fraction-over-1", "device-unknown",
         "selector-space", "selector-upper-prefix", "selector-name-64", "selector-value-int", "surge-both-0",

@@ -17,4 +17,5 @@ def engines():
 FAMILY = register(Family("sd", ("StableDiffusionPipeline",), (TEXT_ENCODER, DENOISER, VAE_DECODER), engines,
                          pipeline={"text_encoder": PipelinePart(("text_encoder",), ("tokenizer",)),
                                    "unet": PipelinePart(("unet",), ("scheduler", "vae")),
-                                   "vae": PipelinePart(("vae",))}))
+                                   "vae": PipelinePart(("vae",))},
+                         default_inference_steps=50))  # the pipeline class's own default

@@ -19,4 +19,5 @@ FAMILY = register(Family("sd3", ("StableDiffusion3Pipeline",), (TEXT_ENCODER, DI
                                                                 ("tokenizer", "tokenizer_2", "tokenizer_3?",
                                                                  "transformer")),
                                    "transformer": PipelinePart(("transformer",), ("scheduler", "vae")),
-                                   "vae": PipelinePart(("vae",))}))
+                                   "vae": PipelinePart(("vae",))},
+                         default_inference_steps=28))  # the pipeline class's own default

@@ -1,5 +1,6 @@
-"""A Talker state's inbox of Thinker rows: when it has ended, and whether the next step's row is in.
-Shared by the in-process Talker (`talker.py`) and its engine core in a child process (`talker_core.py`)."""
+"""A Talker state's inbox of Thinker rows: when it has ended, whether the next step's row is in, and how many rows
+its next step feeds. Shared by the in-process Talker (`talker.py`) and its engine core in a child process
+(`talker_core.py`)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ def speaks_next(steps: int, taken: int, inbox: deque, text_done: bool) -> bool:
         return True
     arrived = sum(len(x) for x in list(inbox) if x is not END_OF_TEXT)
     return steps - 1 < taken + arrived
+
+
+def step_rows(steps: int, prompt_rows: int, recompute: bool) -> int:
+    """Rows a Talker's next step feeds: its prompt rows (at most `prompt_rows`) first, every row fed so far and
+    the next after a preemption (`recompute`), else one."""
+    return prompt_rows if steps == 0 else prompt_rows + steps if recompute else 1

@@ -7,6 +7,10 @@ are in, a feeder task appends each later Thinker chunk to the state's inbox, and
 step only when the row that step speaks has arrived (`FedTalkerState.ready`). The families differ in
 what a row is (Qwen3-Omni: the projected embedding; Qwen2.5-Omni: hidden state plus embedding) and in
 how a step turns it into codec codes; both plug into `FedTalkerEngine`, their states into `FedTalkerState`.
+
+Under a KV budget (`kv_budget.py`) a state keeps every row it fed (its prompt rows, then one row per step:
+much smaller than the keys and values they make), so a preempted state's next step feeds them again
+before its new row and goes on as it would have (its codec tokens, last hidden row and generator kept).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next
-from stage_service.engines.omni.talker_core import RemoteTalker, TalkerCore
+from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next, step_rows
+from stage_service.engines.omni.talker_core import RemoteTalker, TalkerCore, talker_kv_per_token
 from stage_service.engines.transformers.causal_lm import text_sampling
+from stage_service.runtime import device
 from stage_service.runtime.base import (
     Chunking,
     InputChunk,
@@ -33,7 +38,9 @@ from stage_service.runtime.base import (
     SteppedEngine,
     tensor,
 )
+from stage_service.runtime.kv_budget import KvPages
 from stage_service.runtime.packed import SequenceKV
+from stage_service.runtime.quantize import quantize_weights
 from stage_service.runtime.sampling import SamplingSettings
 from stage_service.runtime.scheduler import StepState
 
@@ -59,6 +66,42 @@ class FedTalkerState(StepState):
     tokens: list[int] = field(default_factory=list)  # codec tokens chosen so far
     finish_reason: str | None = None
     finished: bool = False
+    # Under a KV budget: how its cache is sized, at most how many rows its first step feeds, and every row
+    # fed so far (to recompute the cache after a preemption).
+    kv_pages: KvPages | None = None
+    kv_rows: int = 0
+    fed: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def cost(self) -> int:
+        """Rows its next step feeds (against engineArgs.max_num_batched_tokens)."""
+        return step_rows(self.steps, self.kv_rows, self.kv_pages is not None and self.kv.length() == 0)
+
+    def bound_kv(self, pages: KvPages, prompt_rows: int) -> None:
+        """Size its cache by `pages` and keep what it feeds, so that it can be preempted."""
+        self.kv_pages, self.kv_rows, self.kv = pages, prompt_rows, SequenceKV(pages.page)
+
+    @property
+    def preemptible(self) -> bool:
+        return self.kv_pages is not None
+
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes
+
+    def kv_bytes_next(self) -> int:
+        # after step s + 1 its cache holds the prompt rows and one row per step after the first
+        return 0 if self.kv_pages is None else self.kv_pages.bytes_for(self.kv_rows + self.steps)
+
+    def preempt(self) -> None:
+        self.kv.clear()
+
+    def unfed(self, rows: torch.Tensor) -> torch.Tensor:
+        """What this step feeds the model: `rows`, after every row fed before if its cache was dropped."""
+        if self.kv_pages is None:
+            return rows
+        out = torch.cat([*self.fed, rows]) if self.fed and self.kv.length() == 0 else rows
+        self.fed.append(rows)
+        return out
 
     def ready(self) -> bool:
         """The next step can run: it is the first, or the text row it speaks (or the end of text) is in."""
@@ -91,13 +134,14 @@ class FedTalkerState(StepState):
         return pad
 
     def held_bytes(self) -> int:
-        rows = [*self.trailing, *(x for x in list(self.inbox) if x is not END_OF_TEXT)]
+        rows = [*self.trailing, *(x for x in list(self.inbox) if x is not END_OF_TEXT), *self.fed]
         return self.kv.nbytes + sum(t.nbytes for t in rows)
 
     def release(self) -> None:
         self.kv.clear()
         self.trailing.clear()
         self.inbox.clear()
+        self.fed.clear()
         self.prompt = None
 
 
@@ -153,7 +197,8 @@ class FedTalkerEngine(SteppedEngine):
     """A Talker stage on the step scheduler that consumes the Thinker's rows as they arrive and emits
     `codes` [groups, frames] every `chunkSize` frames (the first chunk at `initialChunkSize` when set).
 
-    A family's `load` sets `self.talker`, with `groups` (codes per frame), `check_speaker(speaker)`,
+    A family's `load` sets `self.talker`, with `model` (the module `quantization` quantizes), `groups` (codes
+    per frame), `check_speaker(speaker)`,
     `new_state(prompt_ids, embeds, hidden, sampling, max_frames, speaker)` (the state whose first step
     prefills the prompt: `embeds`/`hidden` hold the rows of every prompt position, then, when the Thinker
     generated more than one token, the first generated token's row) and `step_batch(states)` (each result
@@ -163,15 +208,22 @@ class FedTalkerEngine(SteppedEngine):
     unit = "frames"
     REPETITION_PENALTY: float
     ENGINE_PROCESS = True
+    KV_BUDGET = True
+    TOKEN_BUDGET = True  # engineArgs.max_num_batched_tokens
 
     def load(self) -> None:
         if self.options.engine_process:  # the family's Talker in a process of its own (talker_core.py)
 
-            info = self.start_core(TalkerCore, (type(self), str(self.model_dir), self.placement, self.batch_invariant))
+            info = self.start_core(TalkerCore, (type(self), str(self.model_dir), self.placement, self.batch_invariant,
+                                                self.settings.quantization, self.stage.name, self.kv_paged))
             self.talker = RemoteTalker(self.core, info)
+            self.bound_kv(info["kv_per_token"], info["weights_bytes"], info["gpu_bytes"])
             return
         self.talker = self.build_talker(self.model_dir, self.dtype, self.batch_invariant, self.device)
+        quantize_weights(self.talker.model, self.settings.quantization, self.stage.name)
         self.checkpoint = self.talker.checkpoint
+        self.bound_kv(talker_kv_per_token(self.talker, self.dtype), device.weights_bytes(self.talker.model),
+                      device.gpu_bytes(self.device))
 
     @staticmethod
     @abstractmethod
@@ -191,8 +243,16 @@ class FedTalkerEngine(SteppedEngine):
         feed = ThinkerFeed(self.on_device)
         prompt_ids, embeds, hidden = await feed.read_prompt(inputs)
         n = len(prompt_ids)
+        prompt_rows = n + self.talker.prompt_rows_beyond_ids  # at most what its first step feeds
+        refused = self.kv_refusal("params.audio.max_codec_frames", f"a prompt of {n} Thinker rows plus "
+                                  f"max_codec_frames ({p.max_codec_frames})", prompt_rows + p.max_codec_frames)
+        if refused is not None:
+            raise refused
         st = self.talker.new_state(prompt_ids, embeds[:n + 1], hidden[:n + 1],
                                    text_sampling(p, self.REPETITION_PENALTY), p.max_codec_frames, p.speaker)
+        st.kv_rows = prompt_rows  # what its first step feeds, at most (a step's cost)
+        if self.kv_pages is not None:
+            st.bound_kv(self.kv_pages, prompt_rows)
         st.inbox.append(self.spoken_rows(embeds[n + 1:], hidden[n + 1:]))
         if feed.ended:
             st.inbox.append(END_OF_TEXT)

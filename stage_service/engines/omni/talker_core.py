@@ -7,7 +7,8 @@ In the stage process, `RemoteTalker` stands where the family's Talker does for `
 `RemoteTalkerState` keeps what the scheduler reads: the Thinker rows that arrived and are not yet sent
 (its inbox, fed as today), how many were sent, steps taken, the finish reason. Each step message carries
 every state's newly arrived rows; the child appends them to its state's inbox before the step, where
-the family's step takes them as it always does.
+the family's step takes them as it always does. Under a KV budget the child sizes its states' caches
+by pages and reports each one's KV bytes with its frame; a preemption reaches it before the next step.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from pathlib import Path
 
 import torch
 
+from omnistage.checkpoints.plan import kv_bytes_per_token
 from omnistage.contract.devices import DevicePlan
 from omnistage.contract.params import InvalidRequest
-from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next
+from stage_service.engines.omni.inbox import END_OF_TEXT, inbox_ended, speaks_next, step_rows
 from stage_service.runtime import device
 from stage_service.runtime.engine_process import CoreStates, EngineProcess, RemoteState, remote_step
 from stage_service.runtime.errors import RequestFailed
+from stage_service.runtime.kv_budget import KvPages
+from stage_service.runtime.quantize import quantize_weights
 from stage_service.runtime.sampling import SamplingSettings
 
 
@@ -50,6 +54,11 @@ def unwire(x, device):
     return x if x is END_OF_TEXT else x.tensor().to(device)
 
 
+def talker_kv_per_token(talker, dtype: torch.dtype) -> int:
+    """KV bytes per token of a family's Talker decoder in `dtype` (kv_budget.py)."""
+    return kv_bytes_per_token(talker.model.model.config.to_dict(), dtype.itemsize)
+
+
 def speaker_names(talker) -> tuple[list[str], str]:
     """The speakers a Talker accepts (lower-case) and how its refusal lists them."""
     shown = [v["name"] if isinstance(v, dict) else k for k, v in talker.speakers.items()]
@@ -59,23 +68,31 @@ def speaker_names(talker) -> tuple[list[str], str]:
 class TalkerCore(CoreStates):
     """In the engine process: the family's Talker and every live state, by id."""
 
-    def __init__(self, engine: type, model_dir: str, placement: DevicePlan, batch_invariant: bool):
+    def __init__(self, engine: type, model_dir: str, placement: DevicePlan, batch_invariant: bool,
+                 quantization: str = "", stage: str = "", paged: bool = False):
         super().__init__()
         build = engine.build_talker
         device.apply(placement)
         self.device = torch.device(placement.device)
         self.talker = build(Path(model_dir), device.DTYPES[placement.dtype], batch_invariant, self.device)
+        quantize_weights(self.talker.model, quantization, stage)
         self.refused: dict[int, RequestFailed] = {}  # states whose prompt the family refused
+        self.kv_per_token = talker_kv_per_token(self.talker, device.DTYPES[placement.dtype])
+        self.kv_pages = KvPages(self.kv_per_token) if paged else None  # under a KV budget (kv_budget.py)
 
     def info(self) -> dict:
         accepted, known = speaker_names(self.talker)
-        return {"groups": self.talker.groups, "speakers": accepted, "known": known}
+        return {"groups": self.talker.groups, "speakers": accepted, "known": known,
+                "prompt_rows_beyond_ids": self.talker.prompt_rows_beyond_ids, "kv_per_token": self.kv_per_token,
+                "weights_bytes": device.weights_bytes(self.talker.model), "gpu_bytes": device.gpu_bytes(self.device)}
 
     def add(self, sid: int, spec: tuple) -> None:
         prompt_ids, embeds, hidden, *rest = spec
         try:
-            self.states[sid] = self.talker.new_state(prompt_ids, unwire(embeds, self.device),
-                                                     unwire(hidden, self.device), *rest)
+            self.states[sid] = st = self.talker.new_state(prompt_ids, unwire(embeds, self.device),
+                                                          unwire(hidden, self.device), *rest)
+            if self.kv_pages is not None:
+                st.bound_kv(self.kv_pages, len(prompt_ids) + self.talker.prompt_rows_beyond_ids)
         except Exception as e:  # noqa: BLE001 - a request's own prompt fails it alone, at its first step
             self.refused[sid] = RequestFailed(f"{type(e).__name__}: {e}")
 
@@ -84,14 +101,14 @@ class TalkerCore(CoreStates):
         super().release(sid)
 
     def step(self, sids: list[int], feeds: list[list]) -> list:
-        """The step's frames as (frame, finish reason, bytes held), or a request's own failure."""
+        """The step's ((frame, KV bytes), finish reason, bytes held), or a request's own failure."""
         live = [(i, self.states[s]) for i, s in enumerate(sids) if s not in self.refused]
         out: list = [self.refused.get(s) for s in sids]
         for i, st in live:
             st.inbox.extend(unwire(x, self.device) for x in feeds[i])
         stepped = self.talker.step_batch([st for _, st in live]) if live else []
         for (i, st), r in zip(live, stepped):
-            out[i] = r if isinstance(r, RequestFailed) else (r.frame, r.finish_reason, st.held_bytes())
+            out[i] = r if isinstance(r, RequestFailed) else ((r.frame, st.kv.nbytes), r.finish_reason, st.held_bytes())
         return out
 
 
@@ -110,6 +127,36 @@ class RemoteTalkerState(RemoteState):
     sent_rows: int = 0
     text_done: bool = False
     steps: int = 0
+    # Under a KV budget, as FedTalkerState: how its cache is sized, at most its prompt rows; and the KV bytes
+    # the child last said it holds.
+    kv_pages: KvPages | None = None
+    kv_rows: int = 0
+    kv_held: int = 0
+
+    recompute: bool = False  # preempted: its next step feeds every row again
+
+    def bound_kv(self, pages: KvPages, prompt_rows: int) -> None:
+        self.kv_pages, self.kv_rows = pages, prompt_rows
+
+    @property
+    def cost(self) -> int:
+        """Rows its next step feeds, as the core's FedTalkerState counts them."""
+        return step_rows(self.steps, self.kv_rows, self.recompute)
+
+    @property
+    def preemptible(self) -> bool:
+        return self.kv_pages is not None
+
+    def kv_bytes(self) -> int:
+        return self.kv_held
+
+    def kv_bytes_next(self) -> int:
+        return 0 if self.kv_pages is None else self.kv_pages.bytes_for(self.kv_rows + self.steps)
+
+    def preempt(self) -> None:
+        self.kv_held = 0  # as the child will hold: it drops the cache before the next step
+        self.recompute = True
+        self.core.preempt(self.seq)
 
     def ready(self) -> bool:
         return speaks_next(self.steps, self.sent_rows, self.inbox, self.text_done)
@@ -129,8 +176,10 @@ class RemoteTalkerState(RemoteState):
             out.append(x)
         return out
 
-    def took(self, frame: list[int] | None) -> RemoteTalkerStep:
+    def took(self, value: tuple[list[int] | None, int]) -> RemoteTalkerStep:
+        frame, self.kv_held = value
         self.steps += 1
+        self.recompute = False
         return RemoteTalkerStep(frame, self.finish_reason)
 
     def held_bytes(self) -> int:
@@ -147,6 +196,7 @@ class RemoteTalker:
     def __init__(self, core: EngineProcess, info: dict):
         self.core = core
         self.groups = info["groups"]
+        self.prompt_rows_beyond_ids = info["prompt_rows_beyond_ids"]
         self._speakers, self._known = frozenset(info["speakers"]), info["known"]
 
     def check_speaker(self, speaker: str) -> None:

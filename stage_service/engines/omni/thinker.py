@@ -33,7 +33,9 @@ from stage_service.engines.omni.media import (
 )
 from stage_service.engines.omni.media_work import MediaStage
 from stage_service.engines.transformers.causal_lm import CausalLmEngine, text_sampling
+from stage_service.runtime import device
 from stage_service.runtime.base import InputError, StageInputs, StageRequest
+from stage_service.runtime.quantize import quantize_weights
 
 
 class OmniThinkerEngine(MediaStage, CausalLmEngine):
@@ -44,9 +46,15 @@ class OmniThinkerEngine(MediaStage, CausalLmEngine):
 
     MEDIA_FAMILY: Family = QWEN3_OMNI
     ENGINE_PROCESS = False  # its media prompts and hidden-state rows stay in the stage process for now
+    # Under a KV budget its sequences are admitted by their whole reservation (prompt + max_tokens) and never
+    # preempted: recomputing one would need its media rows again and must not send the Talker rows twice.
+    KV_BUDGET = True
 
     def use_thinker(self, thinker) -> None:
+        # Only the language model is quantized: the encoders run in the dtype, inline as in an encoder stage.
+        quantize_weights(thinker.model, self.settings.quantization, self.stage.name, (thinker.decoder, thinker.head))
         self.thinker = thinker
+        self.bound_kv(thinker.kv_per_token, device.weights_bytes(thinker.model), device.gpu_bytes(self.device))
         self.tokenizer, self.chat_template = thinker.tokenizer, thinker.chat_template
         self.vocab, self.stop_ids = thinker.vocab, thinker.stop_ids
         # Fed by an encoder stage, or without the processor's settings (text only), it needs no processor.

@@ -37,7 +37,7 @@ class ThinkerEngine(_Checkpoint, OmniThinkerEngine):
     def load(self) -> None:
         config = self.open_checkpoint()
         self.use_thinker(Thinker(self.checkpoint, config, self.dtype, batch_invariant=self.batch_invariant,
-                                 encoders=not self.stage.inputs, device=self.device))
+                                 encoders=not self.stage.inputs, device=self.device, paged=self.kv_paged))
         text = config.thinker_config.text_config
         self.max_len = min(x for x in (text.max_position_embeddings, self.options.max_model_len) if x)
 

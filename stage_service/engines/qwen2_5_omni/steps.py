@@ -35,7 +35,7 @@ from stage_service.runtime.chat import load_chat_template
 from stage_service.runtime.components import Piece
 from stage_service.runtime.errors import RequestFailed
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
-from stage_service.runtime.packed import packed_forward, use_packed_attention
+from stage_service.runtime.packed import SequenceKV, packed_forward, use_packed_attention
 from stage_service.runtime.per_request import alone, unless_failed
 from stage_service.runtime.sampling import SamplingSettings, apply_repetition_penalty, new_generator
 
@@ -110,14 +110,15 @@ class Thinker(DecoderLm):
     """The Thinker's text model stepped in packed batches, with the checkpoint's chat template."""
 
     def __init__(self, ckpt: ShardedCheckpoint, config, dtype: torch.dtype = torch.float32,
-                 batch_invariant: bool = True, encoders: bool = True, device: torch.device | str = "cpu"):
+                 batch_invariant: bool = True, encoders: bool = True, device: torch.device | str = "cpu",
+                 paged: bool = False):
         """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
-        them)."""
+        them); `paged`: under a KV budget (kv_budget.py)."""
         from transformers import AutoTokenizer
 
         (thinker,) = pieces(config, "thinker", encoders)
         model = thinker.load(ckpt, dtype, device)
-        super().__init__(model, rope_axes=ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
+        super().__init__(model, rope_axes=ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant, paged=paged)
         root = ckpt.root
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.chat_template = load_chat_template(root, self.tokenizer)
@@ -164,6 +165,7 @@ class Talker:
     """Codec-token generation conditioned on the Thinker's rows, as generate() does it, over a batch."""
 
     groups = 1  # one codec token per frame
+    prompt_rows_beyond_ids = 2  # the speech start and the first token's row (`new_state`)
 
     def __init__(self, ckpt: ShardedCheckpoint, config, dtype: torch.dtype = torch.float32,
                  batch_invariant: bool = True, device: torch.device | str = "cpu"):
@@ -214,7 +216,7 @@ class Talker:
         return TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(), prompt=prompt,
                            penalised=([self.codec_mask] if n else []) + [self.codec_pad, self.codec_bos],
                            generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
-                           end_spoken=one_token)
+                           end_spoken=one_token, kv=SequenceKV(limit=n + self.prompt_rows_beyond_ids + max_frames))
 
     @torch.inference_mode()
     def step_batch(self, states: list[TalkerState]) -> list[TalkerStep | RequestFailed]:
@@ -224,11 +226,11 @@ class Talker:
         for st in states:
             st.take_inbox()
             if st.prompt is not None:
-                inputs.append(st.prompt)
+                inputs.append(st.unfed(st.prompt))
                 st.prompt = None
             else:
                 codec = self.codec_embedding([st.tokens[-1]])[0]
-                inputs.append((codec + st.text_row(self.text_eos, self.text_pad))[None])
+                inputs.append(st.unfed((codec + st.text_row(self.text_eos, self.text_pad))[None]))
         rows = self.model.thinker_to_talker_proj(torch.cat(inputs)).split([len(x) for x in inputs])
         last, _ = packed_forward(self.model.model, rows, [st.kv for st in states], rope_axes=ROPE_AXES,
                                  min_rows=self.min_rows)

@@ -24,7 +24,7 @@ class ThinkerEngine(OmniThinkerEngine):
     def load(self) -> None:
         # Fed by an encoder stage, the Thinker neither reads nor keeps the encoders.
         self.use_thinker(Thinker(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
-                                 encoders=not self.stage.inputs, device=self.device))
+                                 encoders=not self.stage.inputs, device=self.device, paged=self.kv_paged))
         self.checkpoint = self.thinker.checkpoint
         self.max_len = self.options.max_model_len
 

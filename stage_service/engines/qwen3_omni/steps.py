@@ -35,7 +35,7 @@ from stage_service.runtime.chat import load_chat_template
 from stage_service.runtime.components import Piece, read_config
 from stage_service.runtime.errors import InputError, RequestFailed
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, MOE_EXPERTS, make_batch_invariant
-from stage_service.runtime.packed import packed_forward, use_packed_attention
+from stage_service.runtime.packed import SequenceKV, packed_forward, use_packed_attention
 from stage_service.runtime.per_request import alone, unless_failed
 from stage_service.runtime.sampling import SamplingSettings, apply_repetition_penalty, choose, new_generator
 from stage_service.runtime.scheduler import StepState
@@ -107,9 +107,9 @@ class Thinker(DecoderLm):
     ROPE_AXES = 3  # multimodal RoPE: text positions are equal on every axis
 
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
-                 encoders: bool = True, device: torch.device | str = "cpu"):
+                 encoders: bool = True, device: torch.device | str = "cpu", paged: bool = False):
         """`encoders=False`: the vision and audio towers are neither read nor kept (an encoder stage runs
-        them)."""
+        them); `paged`: under a KV budget (kv_budget.py)."""
         from transformers import AutoTokenizer
 
         cfg = _config(root, "thinker")
@@ -122,7 +122,8 @@ class Thinker(DecoderLm):
         self.checkpoint = ShardedCheckpoint(root)
         (thinker,) = pieces(cfg, "thinker", encoders, batch_invariant)
         model = thinker.load(self.checkpoint, dtype, device)
-        super().__init__(model, rope_axes=self.ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant)
+        super().__init__(model, rope_axes=self.ROPE_AXES, keep_rows=True, batch_invariant=batch_invariant,
+                         paged=paged)
         self.tokenizer = AutoTokenizer.from_pretrained(root)
         self.chat_template = load_chat_template(root, self.tokenizer)
         self.im_end = cfg.im_end_token_id
@@ -167,6 +168,9 @@ class Talker:
     """Codec-token generation conditioned on the Thinker's rows (first code group by the talker,
     the residual groups by its code predictor), as transformers' generate does it, over a batch."""
 
+    # Prompt rows beyond the prompt's ids, at most (`_prefill`: the user turns' rows, then 9 of its own).
+    prompt_rows_beyond_ids = 9
+
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
         combined = _config(root, "talker")
@@ -210,7 +214,8 @@ class Talker:
         first = embeds[n] if len(embeds) > n else torch.zeros_like(embeds[0])  # one token: nothing fed back
         return TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(),
                            generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
-                           prompt=(list(prompt_ids), embeds[:n], hidden[:n], first))
+                           prompt=(list(prompt_ids), embeds[:n], hidden[:n], first),
+                           kv=SequenceKV(limit=n + self.prompt_rows_beyond_ids + max_frames))
 
     def assistant_start(self, prompt_ids: list[int]) -> int:
         """Where the prompt's last assistant turn starts: the Talker speaks from there, as generate() does."""
@@ -264,13 +269,13 @@ class Talker:
         inputs, frames = [], []
         for st in states:
             if st.prompt is not None:
-                inputs.append(self._prefill(*st.prompt, st.speaker))
+                inputs.append(st.unfed(self._prefill(*st.prompt, st.speaker)))
                 st.prompt = None
                 frames.append(None)
                 continue
             frame, row = frame_rows[id(st)]
             frames.append(frame)
-            inputs.append(row[None])
+            inputs.append(st.unfed(row[None]))
         last_hidden, _ = packed_forward(self.model.model, inputs, [st.kv for st in states], rope_axes=3,
                                         min_rows=self.min_rows)
         logits_all = self.model.codec_head(last_hidden)

@@ -10,9 +10,11 @@ import torch
 from omnistage.contract.params import InvalidRequest, RequestParams
 from stage_service.engines.transformers.lm_core import LmCore, RemoteTokenState
 from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState
+from stage_service.runtime import device
 from stage_service.runtime.base import Chunking, OutputChunk, StageInputs, StageRequest, SteppedEngine
 from stage_service.runtime.chat import load_chat_template, prompt_ids
 from stage_service.runtime.engine_process import remote_step
+from stage_service.runtime.quantize import quantize_weights
 from stage_service.runtime.sampling import SamplingSettings
 
 
@@ -43,6 +45,8 @@ class CausalLmEngine(SteppedEngine):
 
     DEFAULT_SYSTEM_PROMPT = ""  # the system turn the model needs when a request has none ("": none)
     ENGINE_PROCESS = True
+    KV_BUDGET = True
+    TOKEN_BUDGET = True  # engineArgs.max_num_batched_tokens
     unit = "tokens"
 
     def load(self) -> None:
@@ -50,17 +54,20 @@ class CausalLmEngine(SteppedEngine):
 
         if self.options.engine_process:
             try:
-                self.start_core(LmCore,
-                                (str(self.model_dir), self.placement, self.batch_invariant))
+                info = self.start_core(LmCore, (str(self.model_dir), self.placement, self.batch_invariant,
+                                                self.settings.quantization, self.stage.name, self.kv_paged))
                 self._load_text(AutoConfig.from_pretrained(self.model_dir))
+                self.bound_kv(info["kv_per_token"], info["weights_bytes"], info["gpu_bytes"])
             except BaseException:
                 if self.core is not None:
                     self.core.close()  # the stage does not start: no engine process left behind
                 raise
             return
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
-        self.lm = DecoderLm(model, batch_invariant=self.batch_invariant)
+        quantize_weights(model, self.settings.quantization, self.stage.name)
+        self.lm = DecoderLm(model, batch_invariant=self.batch_invariant, paged=self.kv_paged)
         self._load_text(model.config)
+        self.bound_kv(self.lm.kv_per_token, device.weights_bytes(model), device.gpu_bytes(self.device))
 
     def _load_text(self, config) -> None:
         """What the stage process needs beside the model: tokenizer, chat template, vocabulary and bounds."""
@@ -84,9 +91,11 @@ class CausalLmEngine(SteppedEngine):
         return prompt_ids(p, self.tokenizer, self.chat_template, self.DEFAULT_SYSTEM_PROMPT)
 
     def new_state(self, ids: list[int], p: RequestParams) -> TokenState | RemoteTokenState:
-        spec = (ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids)
+        # recompute: a text prompt's KV can be dropped and recomputed from its tokens (preemption, kv_budget.py)
+        spec = (ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids, True)
         if self.core is not None:
-            return RemoteTokenState(seq=self.core.sequence(spec), core=self.core)
+            return RemoteTokenState(seq=self.core.sequence(spec), core=self.core, prompt_len=len(ids),
+                                    max_tokens=p.max_tokens, kv_pages=self.kv_pages, preemptible=True)
         return self.lm.new_state(*spec)
 
     def decode(self, tokens: list[int]) -> str:
@@ -111,6 +120,11 @@ class CausalLmEngine(SteppedEngine):
         if self.max_len and len(ids) + p.max_tokens > self.max_len:
             raise InvalidRequest("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
                                  f"({p.max_tokens}) exceeds the model's length {self.max_len}")
+        # Its last token is never fed, so its cache holds at most prompt + max_tokens - 1 tokens.
+        refused = self.kv_refusal("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
+                                  f"({p.max_tokens})", len(ids) + p.max_tokens - 1)
+        if refused is not None:
+            raise refused
         st = self.new_state(ids, p)
         st.prompt_rows, rows = rows, None  # the state drops them once fed
         deltas = TextDeltas(self.decode)

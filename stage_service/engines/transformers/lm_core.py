@@ -12,26 +12,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omnistage.contract.devices import DevicePlan
-from stage_service.engines.transformers.lm_steps import DecoderLm, TokenStep
+from stage_service.engines.transformers.lm_steps import DecoderLm, TokenStep, kv_reserve
 from stage_service.runtime import device
 from stage_service.runtime.engine_process import CoreStates, RemoteState
 from stage_service.runtime.errors import RequestFailed
+from stage_service.runtime.quantize import quantize_weights
 
 
 class LmCore(CoreStates):
     """In the engine process: the model and every live sequence, by id."""
 
-    def __init__(self, model_dir: str, placement: DevicePlan, batch_invariant: bool):
+    def __init__(self, model_dir: str, placement: DevicePlan, batch_invariant: bool, quantization: str = "",
+                 stage: str = "", paged: bool = False):
         import torch
         from transformers import AutoModelForCausalLM
 
         super().__init__()
         device.apply(placement)
         model = AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=device.DTYPES[placement.dtype])
-        self.lm = DecoderLm(model.to(torch.device(placement.device)), batch_invariant=batch_invariant)
+        model = quantize_weights(model.to(torch.device(placement.device)), quantization, stage)
+        self.lm = DecoderLm(model, batch_invariant=batch_invariant, paged=paged)
 
     def info(self) -> dict:
-        return {}
+        """What the stage process sizes the KV budget from (kv_budget.py): the weights' bytes and the GPU's."""
+        return {"weights_bytes": device.weights_bytes(self.lm.model), "gpu_bytes": device.gpu_bytes(self.lm.device),
+                "kv_per_token": self.lm.kv_per_token}
 
     def add(self, sid: int, spec: tuple) -> None:
         self.states[sid] = self.lm.new_state(*spec)
@@ -49,7 +54,31 @@ class RemoteTokenState(RemoteState):
 
     generated: list[int] = field(default_factory=list)
     prompt_rows: object | None = None  # always None: media prompts stay in-process (the Thinker)
+    # What the KV budget reads (the core's TokenState sizes its cache alike: lm_steps.kv_reserve).
+    prompt_len: int = 0
+    max_tokens: int = 0
+    kv_pages: object | None = None  # KvPages under a budget
+    preemptible: bool = False
+
+    prefill: bool = True  # its next step feeds the prompt and every token so far (it joins, or was preempted)
+
+    @property
+    def cost(self) -> int:
+        """Tokens its next step feeds, as the core's TokenState counts them."""
+        return self.prompt_len + len(self.generated) if self.prefill else 1
 
     def took(self, token: int) -> TokenStep:
         self.generated.append(token)
+        self.prefill = False
         return TokenStep(token, self.finish_reason, None)
+
+    def kv_bytes(self) -> int:
+        return self.child_bytes
+
+    def kv_bytes_next(self) -> int:
+        return kv_reserve(self.kv_pages, self.prompt_len, len(self.generated), self.max_tokens, self.preemptible)
+
+    def preempt(self) -> None:
+        self.child_bytes = 0  # as the core will hold: it drops the cache before the next step
+        self.prefill = True
+        self.core.preempt(self.seq)

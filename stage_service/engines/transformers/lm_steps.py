@@ -5,6 +5,10 @@ its last token each step; it leaves when it stops or reaches its length. Every
 sequence keeps its own KV cache and sampling generator, so its tokens do not
 depend on what else shares the step. Blocking torch code, run on the engine's
 worker thread.
+
+Under a KV budget (`kv_budget.py`) a text-only state can be preempted: it drops its cache and keeps its
+tokens and generator; its next step feeds every token its cache lacks (prompt and generated) and samples
+on from the last, as it would have.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omnistage.checkpoints.plan import kv_bytes_per_token
 from stage_service.runtime.errors import RequestFailed
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
+from stage_service.runtime.kv_budget import KvPages
 from stage_service.runtime.packed import SequenceKV, packed_forward, positions, use_packed_attention
 from stage_service.runtime.per_request import alone
 from stage_service.runtime.sampling import SamplingSettings, choose, new_generator
@@ -36,6 +42,8 @@ class TokenState(StepState):
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     finished: bool = False
+    kv_pages: KvPages | None = None  # under a KV budget: how its cache is sized
+    recompute: bool = False  # it may be preempted (text only: rows fed from elsewhere cannot be fed again)
 
     def held_bytes(self) -> int:
         rows = self.prompt_rows
@@ -44,6 +52,39 @@ class TokenState(StepState):
     def release(self) -> None:
         self.kv.clear()
         self.prompt_rows = None
+
+    @property
+    def preemptible(self) -> bool:
+        return self.recompute and self.prompt_rows is None and not self.rope_delta
+
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes
+
+    def kv_bytes_next(self) -> int:
+        return kv_reserve(self.kv_pages, len(self.prompt_ids), len(self.generated), self.max_tokens,
+                          self.preemptible)
+
+    def preempt(self) -> None:
+        self.kv.clear()
+
+    @property
+    def cost(self) -> int:
+        """Tokens its next step feeds (against engineArgs.max_num_batched_tokens): its prompt's rows or tokens
+        when it joins, every token after a preemption, else one."""
+        rows = self.prompt_rows
+        return rows.embeds.shape[0] if rows is not None else len(self.unfed())
+
+    def unfed(self) -> list[int]:
+        """The tokens its cache lacks: the prompt when it joins, then its last token (after a preemption: all)."""
+        return [*self.prompt_ids, *self.generated] if self.kv.length() == 0 else self.generated[-1:]
+
+
+def kv_reserve(pages: KvPages | None, prompt: int, generated: int, max_tokens: int, preemptible: bool) -> int:
+    """KV bytes a sequence holds after its next step (which feeds it up to `prompt + generated` tokens); one that
+    cannot be preempted reserves the most it will ever hold (its last token is never fed). 0 without pages."""
+    if pages is None:
+        return 0
+    return pages.bytes_for(prompt + (generated if preemptible else max_tokens - 1))
 
 
 @dataclass
@@ -57,7 +98,7 @@ class DecoderLm:
     """A causal LM in the transformers layout (a decoder plus an output head), stepped in packed batches."""
 
     def __init__(self, model: torch.nn.Module, rope_axes: int = 0, keep_rows: bool = False,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, paged: bool = False):
         self.model = model.eval()
         self.device = model.device  # where the model was loaded: every per-request tensor is made there
         self.decoder = model.get_decoder()
@@ -66,14 +107,22 @@ class DecoderLm:
         self.rope_axes = rope_axes
         self.keep_rows = keep_rows
         self.min_rows = MIN_MATMUL_ROWS if batch_invariant else 1
+        # paged: under a KV budget, caches grow by pages whose bytes are known in advance (kv_budget.py)
+        self.kv_per_token = kv_bytes_per_token(self.decoder.config.to_dict(), model.dtype.itemsize)
+        self.kv_pages = KvPages(self.kv_per_token) if paged else None
         use_packed_attention(self.decoder)
         if batch_invariant:
             make_batch_invariant(model)
 
     def new_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
-                  stop_ids: frozenset[int] = frozenset()) -> TokenState:
+                  stop_ids: frozenset[int] = frozenset(), recompute: bool = False) -> TokenState:
+        """A sequence's state; `recompute`: it may be preempted under a KV budget (text-only engines)."""
+        pages = self.kv_pages
         return TokenState(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens, stop_ids=stop_ids,
-                          generator=None if sampling.greedy else new_generator(sampling.seed, self.device))
+                          generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
+                          kv=SequenceKV(None if pages is None else pages.page, len(prompt_ids) + max_tokens),
+                          kv_pages=pages,
+                          recompute=recompute)
 
     @torch.inference_mode()
     def step_batch(self, states: list[TokenState]) -> list[TokenStep | RequestFailed]:
@@ -83,7 +132,7 @@ class DecoderLm:
         for st in states:
             mm, st.prompt_rows = st.prompt_rows, None
             if mm is None:
-                fed.append((len(inputs), st.generated[-1:] if st.generated else st.prompt_ids))
+                fed.append((len(inputs), st.unfed()))
                 inputs.append(None)
                 pos.append(positions(st.kv.length() + st.rope_delta, 1, self.rope_axes, self.device)
                            if st.rope_delta else None)

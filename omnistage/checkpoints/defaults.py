@@ -1,0 +1,104 @@
+"""The request limits a pipeline file leaves to the model (0), read from its checkpoints.
+
+The orchestrator fills them at start from the model store (`omnistage serve`'s `--models`; on Kubernetes
+the model volume, mounted read-only), reading configs only:
+
+- `maxTokens`: the text stage's context: its `engineArgs.max_model_len`, else its decoder config's
+  `max_position_embeddings` (the text stage: the one the `text` output comes from, else the first AR stage);
+- `defaultMaxTokens`: that checkpoint's `generation_config.json` `max_new_tokens`, else
+  MODEL_LIMIT_FALLBACKS (256), at most `maxTokens`;
+- `defaultImageSide`: the denoise stage's component `sample_size` (latent pixels) x the VAE's scale factor
+  (2 ** (number of `block_out_channels` - 1)): 128 x 8 = 1024 for SD3.5, 64 x 8 = 512 for SD 1.5; at most
+  `maxImageSide`;
+- `defaultInferenceSteps`: the published pipeline's own default (the family's `default_inference_steps`:
+  28 for SD3, 50 for SD), at most `maxInferenceSteps`.
+
+A value the file sets is kept as written. A checkpoint that cannot be read leaves the limit to the
+fallbacks `resolve` applies (`omnistage.api.MODEL_LIMIT_FALLBACKS`), with a note saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from omnistage.api import MODEL_LIMIT_FALLBACKS, Pipeline, Stage
+from omnistage.checkpoints.configs import CheckpointError, ar_text_config, read_json
+from omnistage.contract.launch import checkpoint_dir
+from omnistage.families import family_of
+
+_UNREADABLE = (CheckpointError, OSError, KeyError, TypeError, ValueError)
+
+
+def text_stage(pipeline: Pipeline) -> Stage | None:
+    """The stage whose tokens the text limits bound: the `text` output's, else the first AR stage."""
+    for out in pipeline.outputs:
+        if out.modality == "text" and pipeline.stage(out.stage).kind == "ar":
+            return pipeline.stage(out.stage)
+    return next((s for s in pipeline.topo_order() if s.kind == "ar"), None)
+
+
+def image_stage(pipeline: Pipeline) -> Stage | None:
+    return next((s for s in pipeline.topo_order() if s.kind == "diffusion"), None)
+
+
+def text_limits(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None) -> dict[str, tuple[int, str]]:
+    """`max_tokens` and `default_max_tokens` from the text stage's checkpoint, each with where it came from."""
+    directory = checkpoint_dir(stage, root)
+    text = ar_text_config(read_json(directory / "config.json"), stage.component)
+    dep = pipeline.deployment.stages.get(stage.name)
+    set_len = dep.engine_args.get("max_model_len") if dep is not None else None
+    context = int(set_len or text["max_position_embeddings"])
+    source = (f"{stage.name}'s engineArgs.max_model_len" if set_len
+              else f"{stage.name}'s max_position_embeddings ({directory / 'config.json'})")
+    out = {"max_tokens": (context, source)}
+    generation = directory / "generation_config.json"
+    new = read_json(generation).get("max_new_tokens") if generation.is_file() else None
+    most = pipeline.limits.max_tokens or context
+    if isinstance(new, int) and new > 0:
+        out["default_max_tokens"] = (min(new, most), f"max_new_tokens of {generation}")
+    else:
+        out["default_max_tokens"] = (min(MODEL_LIMIT_FALLBACKS["default_max_tokens"], most),
+                                     f"no max_new_tokens in {generation.name}: the fallback")
+    return out
+
+
+def image_limits(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None) -> dict[str, tuple[int, str]]:
+    """`default_image_side` and `default_inference_steps` from the denoise stage's pipeline checkpoint."""
+    directory = checkpoint_dir(stage, root)
+    index = read_json(directory / "model_index.json")
+    sample = read_json(directory / stage.component / "config.json")["sample_size"]
+    blocks = read_json(directory / "vae" / "config.json")["block_out_channels"]
+    side = int(sample[0] if isinstance(sample, list) else sample) * 2 ** (len(blocks) - 1)
+    limits = pipeline.limits
+    out = {"default_image_side": (min(side, limits.max_image_side),
+                                  f"{stage.component}.sample_size {sample} x the VAE's scale {2 ** (len(blocks) - 1)}")}
+    family = family_of(index.get("_class_name", ""))
+    if family is not None and family.default_inference_steps:
+        out["default_inference_steps"] = (min(family.default_inference_steps, limits.max_inference_steps),
+                                          f"the {index['_class_name']} default")
+    return out
+
+
+def with_model_limits(pipeline: Pipeline, root: str | os.PathLike | None = None) -> tuple[Pipeline, list[str]]:
+    """`pipeline` with each limit it leaves at 0 read from its checkpoints, and one note per limit: its value
+    and where it came from, or why it stays with the fallback."""
+    limits = pipeline.limits
+    wanted = {name for name in ("max_tokens", "default_max_tokens", "default_image_side", "default_inference_steps")
+              if not getattr(limits, name)}
+    found: dict[str, tuple[int, str]] = {}
+    notes: list[str] = []
+    readers = ((text_limits, text_stage(pipeline), {"max_tokens", "default_max_tokens"}),
+               (image_limits, image_stage(pipeline), {"default_image_side", "default_inference_steps"}))
+    for read, stage, names in readers:
+        if stage is None or not wanted & names:
+            continue
+        try:
+            found.update(read(pipeline, stage, root))
+        except _UNREADABLE as e:
+            notes.append(f"{stage.name}: {Path(checkpoint_dir(stage, root))}: cannot read its limits "
+                         f"({type(e).__name__}: {e}); the fallbacks apply")
+    values = {name: found[name][0] for name in wanted if name in found}
+    notes += [f"limits.{name} = {found[name][0]} ({found[name][1]})" for name in sorted(values)]
+    return dataclasses.replace(pipeline, limits=dataclasses.replace(limits, **values)), notes
