@@ -30,6 +30,7 @@ from omnistage.api.fields import (
     api_fields,
 )
 from omnistage.api.graph import ancestors, find_cycle
+from omnistage.api.memory_plan import ANNOTATION_MEMORY_PLAN, gib, parse_bytes, planned_bytes
 from omnistage.api.model import (
     API_GROUP,
     API_VERSION,
@@ -198,6 +199,7 @@ class _Relations:
     def __init__(self, w: _Walker, root: dict):
         self.w = w
         self.pipeline = _get(root, "metadata", "name")
+        self.annotations = _get(root, "metadata", "annotations")
         spec = root["spec"]
         self.topology = _dict(spec.get("topology"))
         self.deployment = _dict(spec.get("deployment"))
@@ -362,6 +364,31 @@ class _Relations:
                     self.placement(f"spec.deployment.stages.{name}", engines_of[name], sd)
                     self.quantization(f"spec.deployment.stages.{name}", engines_of[name], kinds_of[name], sd)
                     self.kv_cache_bytes(f"spec.deployment.stages.{name}", engines_of[name], kinds_of[name], sd)
+            self.memory_plan(entries)
+
+    def memory_plan(self, entries: dict) -> None:
+        """The plan the manifest carries (api/memory_plan.py): well formed, and no CPU stage's memory limit
+        below its plan (a GPU stage's plan is GPU memory, which its container limit does not bound)."""
+        path = f'metadata.annotations["{ANNOTATION_MEMORY_PLAN}"]'
+        try:
+            plan = planned_bytes(self.annotations, frozenset(self.names))
+        except ValueError as e:
+            self.w.err(path, str(e))
+            return
+        for name, planned in plan.items():
+            sd = _dict(entries.get(name))
+            limit = _get(sd, "resources", "limits", "memory")
+            on_gpu = sd.get("gpus", 0) not in (0, None) and sd.get("device", "auto") != "cpu"
+            if limit is None or on_gpu:
+                continue
+            try:
+                given = parse_bytes(limit)
+            except ValueError:
+                continue  # the quantity's own check names it
+            if given < planned:
+                self.w.err(f"spec.deployment.stages.{name}.resources.limits.memory",
+                           f"{name} needs {gib(planned)} by its memory plan ({path}); the limit {limit} gives "
+                           f"{gib(given)}")
 
     def placement(self, path: str, engine: object, sd: dict) -> None:
         """Devices a replica asks for against what its engine uses, and the pod placement fields."""

@@ -19,18 +19,14 @@ Where a stage runs:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from omnistage.api import Stage, StageDeployment
+from omnistage.api.memory_plan import gib, parse_bytes
 from omnistage.checkpoints.plan import StagePlan
 from omnistage.contract.devices import uses_gpus
 
-GIB = float(1 << 30)
 VLLM_DEFAULT_FRACTION = 0.9  # vLLM's gpu_memory_utilization when the stage sets no gpuMemoryFraction
-_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-          "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?B?\s*$")
 
 
 @dataclass(frozen=True)
@@ -38,20 +34,6 @@ class Room:
     bytes: int         # what one GPU (or the container) gives the stage
     split: int         # GPUs the plan is split over (1 on the CPU)
     why: str           # how that room is found, for the refusal: "gpuMemoryFraction 0.3 of 80 GiB gives 24 GiB"
-
-
-def parse_bytes(text: str | int) -> int:
-    """A size as Kubernetes writes quantities (`80Gi`, `512M`, `1.5Ti`), also with a trailing B (`80GiB`)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a size (write e.g. 80Gi, 80GiB, 512M or a number of bytes)")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
 
 
 def room(stage: Stage, dep: StageDeployment, gpu_bytes: int | None) -> Room | None:

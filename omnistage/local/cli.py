@@ -326,8 +326,11 @@ def cmd_models_check(args) -> int:
     except SpecError as e:
         _print_spec_errors(args.file, e)
         return 2
+    if args.annotate and not args.plan:
+        print("omnistage models check: --annotate goes with --plan", file=sys.stderr)
+        return 2
     if args.plan:
-        return _print_memory_plans(args.file, pipeline, args.models, args.gpu_memory)
+        return _print_memory_plans(args.file, pipeline, args.models, args.gpu_memory, args.annotate)
     plans, errors = check_pipeline(pipeline, args.models)
     if plans:
         print(describe(plans))
@@ -336,8 +339,15 @@ def cmd_models_check(args) -> int:
     return 2 if errors else 0
 
 
-def _print_memory_plans(file: str, pipeline, models: str, gpu_memory: str | None) -> int:
-    from omnistage.checkpoints.fit import misfit, parse_bytes
+def _print_memory_plans(file: str, pipeline, models: str, gpu_memory: str | None, annotate: bool) -> int:
+    """The plan's table (on stderr with --annotate, whose stdout is the annotated pipeline document)."""
+    import copy
+
+    import yaml
+
+    from omnistage.api.memory_plan import annotate as with_plan
+    from omnistage.api.memory_plan import parse_bytes
+    from omnistage.checkpoints.fit import misfit
     from omnistage.checkpoints.plan import describe_plans, plan_pipeline
 
     try:
@@ -347,11 +357,14 @@ def _print_memory_plans(file: str, pipeline, models: str, gpu_memory: str | None
         return 2
     plans, errors = plan_pipeline(pipeline, models)
     if plans:
-        print(describe_plans(plans))
+        print(describe_plans(plans), file=sys.stderr if annotate else sys.stdout)
     deployments = pipeline.deployment.stages
     errors += filter(None, (misfit(p, pipeline.stage(p.stage), deployments[p.stage], gpu_bytes) for p in plans))
     for e in errors:
         print(f"{file}: {e}", file=sys.stderr)
+    if annotate and not errors:
+        doc = with_plan(copy.deepcopy(dict(pipeline.raw)), {p.stage: p.total_bytes for p in plans})
+        print(yaml.safe_dump(doc, sort_keys=False), end="")
     return 2 if errors else 0
 
 
@@ -487,6 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--plan", action="store_true", help="print each stage's memory plan (weights in its dtype, "
                                                        "KV cache at its context and batch, activations), GiB; "
                                                        "refuse a stage that does not fit its GPUs or memory limit")
+    c.add_argument("--annotate", action="store_true", help="with --plan: print the pipeline with its plan in the "
+                                                           "omnistage.io/memory-plan annotation (the operator "
+                                                           "requests memory by it; validation refuses a memory "
+                                                           "limit below it); the table goes to stderr")
     c.add_argument("--gpu-memory", metavar="SIZE", help="with --plan: the memory of one GPU the stages run on "
                                                         "(80Gi, 80GiB, 141GB); without it GPU stages are not "
                                                         "checked")

@@ -97,7 +97,7 @@ def gpu_memory(environ: Mapping[str, str] | None = None,
     """Bytes of the smallest GPU of the machine, for the memory plan's check; None when unknown. In order:
     OMNISTAGE_GPU_MEMORY (a size: 80Gi); `nvidia-smi --query-gpu=memory.total` (MiB); torch's device
     properties only when torch is already imported; otherwise None (GPU stages are then not checked)."""
-    from omnistage.checkpoints.fit import parse_bytes
+    from omnistage.api.memory_plan import parse_bytes
 
     env = os.environ if environ is None else environ
     if env.get(ENV_GPU_MEMORY):

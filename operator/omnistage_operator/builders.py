@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import yaml
 
 from omnistage.api import OrchestratorHttp, Pipeline, StageDeployment
+from omnistage.api.memory_plan import memory_request, planned_bytes
+from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import (
     API_PORT_NAME,
     CLIENT_TLS_MOUNT,
@@ -191,7 +193,7 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
     command = stage_command(PIPELINE_PATH, stage, python=POD_PYTHON, **_POD_SERVING,
                             tls_dir=TLS_MOUNT if secrets else None)
     shm = needs_shm(sd)
-    container = _container("stage", sd.image, command, _stage_resources(sd), sd.env, cfg,
+    container = _container("stage", sd.image, command, _stage_resources(sd, stage_plan(p, stage)), sd.env, cfg,
                            secret_mounts=secrets, shm=shm)
     pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm)
     pod.update(_stage_placement(sd))
@@ -218,10 +220,20 @@ def build_stage_pdb(p: Pipeline, stage: str, api_version: str = "policy/v1") -> 
                      "selector": {"matchLabels": selector(p.name, COMPONENT_STAGE, stage)}}}
 
 
-def _stage_resources(sd: StageDeployment) -> dict:
+def stage_plan(p: Pipeline, stage: str) -> int | None:
+    """The stage's planned bytes from the manifest's memory-plan annotation (validation checked it), if any."""
+    annotations = (p.raw.get("metadata") or {}).get("annotations")
+    return planned_bytes(annotations, frozenset(s.name for s in p.stages)).get(stage)
+
+
+def _stage_resources(sd: StageDeployment, planned: int | None = None) -> dict:
     """The spec's resources and `gpus` GPUs. Also with `device: cpu`: gpus is what the pod reserves, device
-    what the engine runs on; a stage meant for a cluster without GPUs says gpus: 0."""
+    what the engine runs on; a stage meant for a cluster without GPUs says gpus: 0. A CPU stage whose file
+    requests no memory requests its memory plan (`omnistage.io/memory-plan`), so the scheduler places it
+    where it fits; a GPU stage's plan is GPU memory, not the container's."""
     res = {"requests": dict(sd.resources.requests), "limits": dict(sd.resources.limits)}
+    if planned is not None and "memory" not in res["requests"] and not uses_gpus(sd):
+        res["requests"]["memory"] = memory_request(planned)
     if sd.gpus:
         res["limits"][GPU_RESOURCE] = str(sd.gpus)
     return {part: v for part, v in res.items() if v}

@@ -155,3 +155,38 @@ def test_a_kv_budget_bounds_the_planned_kv(model_dir):
     assert plan.total_bytes == plan.weights_bytes + (1 << 20) + plan.activation_bytes
     unbudgeted = example("llm-tiny", lambda d: d["spec"]["topology"]["stages"][0].update(engine="transformers"))
     assert not plan_stage(unbudgeted, unbudgeted.stage("llm"), model_dir).kv_bounded
+
+
+def test_models_check_plan_annotate_writes_a_manifest_the_operator_and_validation_read(model_dir, tmp_path):
+    """`--annotate`: the pipeline with its plan in `omnistage.io/memory-plan` on stdout (the table on stderr);
+    it validates, the operator requests the planned memory, and a memory limit below the plan is refused."""
+    import yaml
+
+    from omnistage.api import parse_pipeline, validate
+    from omnistage.api.memory_plan import ANNOTATION_MEMORY_PLAN
+    from omnistage_operator.builders import build_stage_deployment, stage_plan
+    from omnistage_operator.config import OperatorConfig
+
+    args = ["models", "check", str(EXAMPLES / "qwen3-omni-tiny.yaml"), "--plan", "--annotate", "--models",
+            str(model_dir)]
+    out = subprocess.run([sys.executable, "-m", "omnistage.local.cli", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines()[0].split()[:2] == ["stage", "weights"]
+    doc = yaml.safe_load(out.stdout)
+    plan = json.loads(doc["metadata"]["annotations"][ANNOTATION_MEMORY_PLAN])
+    pipeline = example("qwen3-omni-tiny")
+    assert plan == {s.name: plan_stage(pipeline, s, model_dir).total_bytes for s in pipeline.stages}
+    assert validate(doc) == []
+    annotated = parse_pipeline(doc)
+    assert stage_plan(annotated, "talker") == plan["talker"]
+    del doc["spec"]["deployment"]["stages"]["talker"]["resources"]["requests"]["memory"]
+    talker = build_stage_deployment(parse_pipeline(doc), "talker", OperatorConfig())
+    assert talker["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] == (
+        f"{-(-plan['talker'] // (1 << 20))}Mi")
+    doc["spec"]["deployment"]["stages"]["talker"]["resources"]["limits"] = {"memory": "1Mi"}
+    assert [e.path for e in validate(doc)] == ["spec.deployment.stages.talker.resources.limits.memory"]
+    bad = subprocess.run([sys.executable, "-m", "omnistage.local.cli", "models", "check",
+                          str(EXAMPLES / "qwen3-omni-tiny.yaml"), "--annotate"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--annotate goes with --plan" in bad.stderr

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from omnistage.api import Stage, StageDeployment
+from omnistage.api.memory_plan import parse_bytes
 from omnistage.api.model import Parallelism, Resources
-from omnistage.checkpoints.fit import misfit, parse_bytes, room
+from omnistage.checkpoints.fit import misfit, room
 from omnistage.checkpoints.plan import StagePlan
 
 GiB = 1 << 30
