@@ -8,8 +8,12 @@ prompt ids, all joining in the first step (one packed prefill of every prompt, t
 engine runs), each with prompt + max_tokens = the plan's context (`engineArgs.max_model_len`, set to
 `context` in the pipeline the plan reads too), greedy and ignoring EOS so every sequence reaches it; Qwen3-Omni's Talker
 likewise, its prompt rows and text rows random Thinker rows (`_talker_steps`); for Qwen3-Omni's Code2Wav the
-largest step its scheduler runs (`_audio_chunk_steps`). The plan is `plan_stage` of that same pipeline. Not
-driven yet: Qwen2.5-Omni's Talker and Token2Wav, the diffusers stages.
+largest step its scheduler runs (`_audio_chunk_steps`); Qwen2.5-Omni's Talker as Qwen3-Omni's, its Token2Wav
+at the steady window of as many chunks as a step takes (`_speech_chunk_steps`); the diffusers stages at
+maxBatch requests of the example's default image side and guidance (`_prompt_steps`, `_denoise_steps`,
+`_latents_steps`; SD's UNet and VAE too, without --quick). The plan is `plan_stage` of that same pipeline.
+A diffusers stage's tokenizers, and every component class its pipeline names, are loaded before the
+baseline, as a transformers stage's tokenizer is (`_tokenizers_loaded_before`).
 
 What is measured (CPU only): the bytes in use by the C allocator, glibc `mallinfo2()`'s `uordblks` (in use
 in every arena) + `hblkhd` (in mmapped chunks), minus the same reading taken right before `engine.load()`,
@@ -72,6 +76,7 @@ class Case:
     stage: str
     drive: str = "ar"  # which of DRIVERS runs the stage's work
     edit: Callable[[dict], None] | None = None  # beyond the context: what makes the example drivable here
+    full_only: bool = False  # a second model of a kind already measured: run without --quick only
 
 
 CASES = (
@@ -80,6 +85,13 @@ CASES = (
     Case("qwen2_5_omni", "qwen2.5-omni-tiny", "thinker"),
     Case("qwen3_omni", "qwen3-omni-tiny", "talker", drive="talker"),
     Case("qwen3_omni", "qwen3-omni-tiny", "code2wav", drive="audio_chunks"),
+    Case("qwen2_5_omni", "qwen2.5-omni-tiny", "talker", drive="talker"),
+    Case("qwen2_5_omni", "qwen2.5-omni-tiny", "token2wav", drive="speech_chunks"),
+    Case("sd3", "sd3-tiny", "text-encoder", drive="prompts"),
+    Case("sd3", "sd3-tiny", "denoise", drive="denoise"),
+    Case("sd3", "sd3-tiny", "vae-decode", drive="latents"),
+    Case("sd", "text-to-image-tiny", "denoise", drive="denoise", full_only=True),  # a UNet: the estimate, not modelled
+    Case("sd", "text-to-image-tiny", "vae-decode", drive="latents", full_only=True),  # checks sd3's VAE factor
 )
 
 
@@ -179,17 +191,40 @@ def mapped_weights_bytes(engine) -> int:
 
 
 def _tokenizers_loaded_before(model_dir: Path) -> None:
-    """Load the stage's tokenizer before the baseline reading and hand the engine that instance when it
-    asks for it: its heap is the tokenizer's, not the stage's work, so it stays out of the measurement."""
+    """Load the stage's tokenizers before the baseline reading and hand the engine those instances when it
+    asks for them: their heap is the tokenizer's, not the stage's work, so it stays out of the measurement.
+    A diffusers component folder: its pipeline's `tokenizer*` components (none but the text encoder's
+    stage reads them); else the checkpoint's own tokenizer."""
+    from stage_service.engines.diffusers.layout import MODEL_INDEX, PipelineDir
+
+    if (model_dir.parent / MODEL_INDEX).is_file():
+        pipe = PipelineDir(model_dir)
+        loaded: dict = {}
+        original = PipelineDir.load
+
+        def cached_component(self, component, *args, **kwargs):
+            if not component.startswith("tokenizer"):
+                return original(self, component, *args, **kwargs)
+            if (self.root, component) not in loaded:
+                loaded[self.root, component] = original(self, component, *args, **kwargs)
+            return loaded[self.root, component]
+
+        PipelineDir.load = cached_component
+        for component in pipe.index:
+            if pipe.has(component):  # the classes imported before the baseline too: imports are not the stage's
+                pipe.component_class(component)
+                if component.startswith("tokenizer"):
+                    pipe.load(component)
+        return
     from transformers import AutoTokenizer
 
-    loaded: dict = {}
-    original = AutoTokenizer.from_pretrained.__func__
+    loaded = {}
+    original_tokenizer = AutoTokenizer.from_pretrained.__func__
 
     def cached(cls, path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
         if key not in loaded:
-            loaded[key] = original(cls, path, *args, **kwargs)
+            loaded[key] = original_tokenizer(cls, path, *args, **kwargs)
         return loaded[key]
 
     AutoTokenizer.from_pretrained = classmethod(cached)
@@ -247,10 +282,11 @@ def _audio_chunk_steps(engine, pipeline, batch: int, context: int):
 
 
 def _talker_steps(engine, pipeline, batch: int, context: int):
-    """Qwen3-Omni's Talker: `batch` requests joining in one step, each prefilling a Thinker prompt whose user
-    turn fills the context but for the Talker's own prompt rows and MAX_TOKENS frames (random Thinker rows,
+    """An omni Talker: `batch` requests joining in one step, each prefilling a Thinker prompt whose user turn
+    fills the context but for the Talker's own prompt rows and MAX_TOKENS frames (random Thinker rows,
     MAX_TOKENS more text rows, then the end of the text), stepped until every one finishes; yields after
-    each step the KV bytes the requests hold."""
+    each step the KV bytes the requests hold. Qwen3-Omni's Talker reads the chat turns of its prompt
+    (`im_start`); Qwen2.5-Omni's takes any ids."""
     import torch
 
     from stage_service.engines.omni.inbox import END_OF_TEXT
@@ -258,14 +294,17 @@ def _talker_steps(engine, pipeline, batch: int, context: int):
 
     talker = engine.talker
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    chat = hasattr(talker, "im_start")
     user = context - MAX_TOKENS - talker.prompt_rows_beyond_ids
-    width = talker.model.config.thinker_hidden_size
-    avoid = {talker.im_start, *talker.multimodal_ids.tolist()}
+    config = talker.model.config
+    width = getattr(config, "thinker_hidden_size", None) or config.embedding_size
+    avoid = {*talker.multimodal_ids.tolist(), *((talker.im_start,) if chat else ())}
     speaker = "ethan" if "ethan" in talker.speakers else next(iter(talker.speakers))
     states = []
     for _ in range(batch):
-        turn = [t for t in (rng.randrange(2 * user) for _ in range(2 * user)) if t not in avoid][:user - 2]
-        ids = [talker.im_start, talker.user_id, *turn, talker.im_start, talker.assistant_id, turn[0]]
+        turn = [t for t in (rng.randrange(2 * user) for _ in range(2 * user)) if t not in avoid]
+        ids = ([talker.im_start, talker.user_id, *turn[:user - 2], talker.im_start, talker.assistant_id, turn[0]]
+               if chat else turn[:user + 1])
         rows = [0.02 * torch.randn(len(ids) + 1 + MAX_TOKENS, width, generator=gen, dtype=engine.dtype)
                 for _ in range(2)]  # Thinker embeds and hidden: the prompt's, the first token's, then text rows
         n = len(ids)
@@ -276,7 +315,97 @@ def _talker_steps(engine, pipeline, batch: int, context: int):
     yield from _step_until_done(engine, states)
 
 
-DRIVERS = {"ar": _ar_steps, "audio_chunks": _audio_chunk_steps, "talker": _talker_steps}
+def _speech_chunk_steps(engine, pipeline, batch: int, context: int):
+    """Codec tokens to audio (Qwen2.5-Omni's Token2Wav): requests whose tokens arrive chunkSize (the Talker's)
+    at a time, as many as both maxBatch and the engine's tokens per step allow at the steady window (earlier
+    blocks + the chunk + later blocks), each round's chunks in one step; the third round is the steady
+    window, the largest a stream keeping up makes. Yields after each round (no KV: 0)."""
+    import torch
+
+    t2w = engine.t2w
+    chunk = pipeline.stage(engine.stage.inputs[0].source).chunk_size
+    window = t2w.left + chunk + t2w.right
+    bound = engine.max_step_cost() or window * batch
+    gen = torch.Generator().manual_seed(0)
+    voice = t2w.voice(next(iter(t2w.speakers)))
+    streams = [t2w.stream(voice, seed) for seed in range(max(1, min(batch, bound // window)))]
+    for _ in range(3):
+        for s in streams:
+            s.add(torch.randint(t2w.codebook - 1, (chunk,), generator=gen))
+        work = [s.next_chunk() for s in streams]
+        for s, w, (mel, _) in zip(streams, work, engine.step(work)):
+            s.done(w, mel)
+        yield 0
+
+
+def _default_request(engine, pipeline):
+    """A StageRequest with the pipeline's default parameters (as the orchestrator fills a request that sets
+    none): the default image side, steps and guidance."""
+    from omnistage.contract.params import resolve
+    from omnistage.v1 import common_pb2
+    from stage_service.runtime.base import StageRequest
+
+    return StageRequest("r", resolve(common_pb2.GenerationParams(prompt="a photo of a cat"), pipeline.limits))
+
+
+def _prompt_steps(engine, pipeline, batch: int, context: int):
+    """Diffusers text encoders: maxBatch requests, each [negative, prompt] under the default guidance, in one
+    step; yields once (no KV: 0)."""
+    from stage_service.engines.diffusers.engines import PromptState
+
+    p = _default_request(engine, pipeline).params
+    prompts = [p.text] if p.guidance_scale <= 1.0 else [p.negative_prompt, p.text]
+    engine.step([PromptState(list(prompts)) for _ in range(batch)])
+    yield 0
+
+
+def _denoise_steps(engine, pipeline, batch: int, context: int):
+    """The denoise loop: maxBatch images at the default side (random text rows of the shapes the text stage
+    hands on, two under the default guidance), two steps of the whole batch (every step is the same size);
+    yields after each step the bytes the images hold."""
+    import torch
+
+    from omnistage.checkpoints.plan import CLIP_TOKENS
+    from stage_service.engines.diffusers.text import SD3_T5_TOKENS
+
+    req = _default_request(engine, pipeline)
+    rows = 1 if req.params.guidance_scale <= 1.0 else 2
+    gen = torch.Generator().manual_seed(0)
+    tokens = CLIP_TOKENS + (SD3_T5_TOKENS if len(engine.call.text) > 1 else 0)  # CLIP's, then T5's rows (SD3)
+    states = []
+    for _ in range(batch):
+        text = {ti.kwarg: torch.randn((rows, tokens, engine.config[ti.width]) if ti.per_token
+                                      else (rows, engine.config[ti.width]), generator=gen).to(engine.dtype)
+                for ti in engine.call.text}
+        states.append(engine.new_state(req, text))
+    for _ in range(2):
+        engine.step(states)
+        yield sum(st.held_bytes() for st in states)
+
+
+def _latents_steps(engine, pipeline, batch: int, context: int):
+    """The VAE decode: maxBatch latents of the default image side in one step, their PNGs encoded (the
+    encoder thread finished before the reading); yields once."""
+    import asyncio
+
+    import torch
+
+    from stage_service.engines.diffusers.engines import LatentsState
+
+    p = _default_request(engine, pipeline).params
+    scale = 2 ** (len(engine.vae.config.block_out_channels) - 1)
+    gen = torch.Generator().manual_seed(0)
+    engine.loop = asyncio.new_event_loop()  # never run: the PNG futures are settled on it and dropped
+    states = [LatentsState(torch.randn(1, engine.latent_channels, p.height // scale, p.width // scale,
+                                       generator=gen).to(engine.dtype)) for _ in range(batch)]
+    engine.step(states)
+    engine.encoder.shutdown(wait=True)
+    yield 0
+
+
+DRIVERS = {"ar": _ar_steps, "audio_chunks": _audio_chunk_steps, "talker": _talker_steps,
+           "speech_chunks": _speech_chunk_steps, "prompts": _prompt_steps, "denoise": _denoise_steps,
+           "latents": _latents_steps}
 
 
 def measure_in_this_process(case: Case, context: int, models: Path) -> dict:
@@ -329,7 +458,7 @@ def memory_figures(quick: bool, models: Path | None = None) -> list[dict]:
     models = models or model_root()
     context = QUICK_CONTEXT if quick else FULL_CONTEXT
     figures = []
-    for case in CASES:
+    for case in (c for c in CASES if not (quick and c.full_only)):
         pipeline = case_pipeline(case, context)
         plan = plan_stage(pipeline, pipeline.stage(case.stage), models)
         got = measure(case, context, models)

@@ -1,7 +1,9 @@
 """The memory plan per stage on the tiny models and on the hollow Qwen3-Omni-30B-A3B layout: weights are
 the bytes `models check` counts, in the stage's dtype; the Thinker's KV per token is the published config's;
-a transformers AR stage's activations are its largest step's; and the measured peak of the tiny causal LM
-(bench/real_scale_memory.py) holds at least its weights and the KV its context needs."""
+a transformers AR stage's activations are its largest step's, and a diffusion, decoder or text-encoder
+stage's are its largest step's shape from its config (vLLM stages and a UNet keep the estimate); and the
+measured peaks of the tiny causal LM and the SD3 VAE (bench/real_scale_memory.py) hold at least their
+weights (and the LM's the KV its context needs)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from omnistage.checkpoints import plan as memory_plan
 from omnistage.checkpoints.check import check_stage
 from omnistage.checkpoints.configs import read_json
 from omnistage.checkpoints.hollow import write_hollow
@@ -118,13 +121,99 @@ def test_batch_invariant_experts_hold_their_gathered_weights(model_dir):
     assert plans[0].activation_bytes - plans[1].activation_bytes == gathered + padded_logits
 
 
-def test_other_stages_keep_the_estimate(model_dir):
+def test_vllm_stages_and_a_unet_keep_the_estimate(model_dir):
     vllm = example("llm-tiny")  # vLLM sizes its own activations: not modelled here
-    sd3 = example("sd3-tiny")
-    for pipeline in (vllm, sd3):
-        for stage in pipeline.stages:
-            plan = plan_stage(pipeline, stage, model_dir)
-            assert plan.activation_bytes == int(plan.weights_bytes * ACTIVATION_FRACTION), stage.name
+    sd = example("text-to-image-tiny")
+    for pipeline, stage in ((vllm, vllm.stage("llm")), (sd, sd.stage("denoise"))):
+        plan = plan_stage(pipeline, stage, model_dir)
+        assert plan.activation_bytes == int(plan.weights_bytes * ACTIVATION_FRACTION), stage.name
+
+
+def _deployment_edit(stage: str, side: int | None = None, batch: int | None = None, **engine_args):
+    def edit(doc):
+        if side is not None:
+            doc["spec"]["topology"]["limits"]["defaultImageSide"] = side
+        sd = doc["spec"]["deployment"]["stages"][stage]
+        if batch is not None:
+            sd.setdefault("scheduler", {})["maxBatch"] = batch
+        sd.setdefault("engineArgs", {}).update(engine_args)
+    return edit
+
+
+def _activations(model_dir, name: str, stage: str, **edit) -> int:
+    pipeline = example(name, _deployment_edit(stage, **edit))
+    return plan_stage(pipeline, pipeline.stage(stage), model_dir).activation_bytes
+
+
+@pytest.mark.parametrize("name, stage", [("sd3-tiny", "text-encoder"), ("sd3-tiny", "denoise"),
+                                         ("sd3-tiny", "vae-decode"), ("text-to-image-tiny", "text-encoder"),
+                                         ("text-to-image-tiny", "vae-decode")])
+def test_a_diffusers_stage_plans_its_largest_step_from_its_config(model_dir, name, stage):
+    """maxBatch images (two prompt rows each under the default guidance) at the default image side."""
+    pipeline = example(name)
+    plan = plan_stage(pipeline, pipeline.stage(stage), model_dir)
+    assert plan.activation_bytes != int(plan.weights_bytes * ACTIVATION_FRACTION)
+    assert plan.total_bytes == plan.weights_bytes + plan.activation_bytes
+    root = model_dir / pipeline.stage(stage).model
+    batch = pipeline.deployment.stages[stage].scheduler.max_batch
+    side = pipeline.limits.default_image_side
+    if stage == "vae-decode":
+        channels = read_json(root / "vae/config.json")["block_out_channels"][0]
+        expected = memory_plan.VAE_DECODER_WIDTHS * batch * side * side * channels * 4
+    elif stage == "denoise":
+        dit = read_json(root / "transformer/config.json")
+        expected = memory_plan.dit_bytes_per_row(dit, side, root) * batch * 2 * 4
+    else:
+        expected = memory_plan.text_encoder_bytes_per_prompt(root) * batch * 2 * 4
+    assert plan.activation_bytes == int(expected) + memory_plan.STEP_WORKSPACE_BYTES
+    twice = _activations(model_dir, name, stage, batch=2 * batch)
+    assert twice - memory_plan.STEP_WORKSPACE_BYTES == pytest.approx(
+        2 * (plan.activation_bytes - memory_plan.STEP_WORKSPACE_BYTES), abs=2)
+    if stage != "text-encoder":  # four times the pixels: four times the feature maps, or the DiT's image tokens
+        larger = _activations(model_dir, name, stage, side=2 * side) - memory_plan.STEP_WORKSPACE_BYTES
+        assert larger > (3 if stage == "vae-decode" else 2) * (plan.activation_bytes - memory_plan.STEP_WORKSPACE_BYTES)
+
+
+@pytest.mark.parametrize("name, stage", [("qwen3-omni-tiny", "code2wav"), ("qwen2.5-omni-tiny", "token2wav")])
+def test_an_audio_decoder_plans_the_chunks_of_its_largest_step(model_dir, name, stage):
+    """On the CPU its default frames per step bound the chunks; engineArgs.max_batched_frames sets them. A
+    convolution's batch is padded to MIN_CONV_BATCH: one chunk costs what two do (Code2Wav's default is two)."""
+    default = _activations(model_dir, name, stage)
+    one_chunk = _activations(model_dir, name, stage, max_batched_frames=1)
+    every_chunk = _activations(model_dir, name, stage, max_batched_frames=1 << 20)
+    assert one_chunk <= default < every_chunk
+    assert _activations(model_dir, name, stage, batch=16, max_batched_frames=1 << 20) > every_chunk
+
+
+def test_the_plans_engine_constants_are_the_engines():
+    from stage_service.engines.diffusers.text import SD3_T5_TOKENS
+    from stage_service.engines.qwen2_5_omni.engines import Token2WavEngine
+    from stage_service.engines.qwen2_5_omni.token2wav import Token2Wav
+    from stage_service.engines.qwen3_omni.engines import Code2WavEngine
+    from stage_service.engines.qwen3_omni.steps import Code2Wav
+    from stage_service.runtime.invariance import MIN_CONV_BATCH
+
+    assert memory_plan.CODE2WAV_LEFT_CONTEXT == Code2Wav.LEFT_CONTEXT
+    assert memory_plan.TOKEN2WAV_WINDOW_BLOCKS == Token2Wav.LEFT_BLOCKS + Token2Wav.RIGHT_BLOCKS
+    assert memory_plan.CPU_MAX_BATCHED_FRAMES == {"code2wav": Code2WavEngine.CPU_MAX_BATCHED_FRAMES,
+                                                  "token2wav": Token2WavEngine.CPU_MAX_BATCHED_FRAMES}
+    assert memory_plan.SD3_T5_TOKENS == SD3_T5_TOKENS
+    assert memory_plan.MIN_CONV_BATCH == MIN_CONV_BATCH
+
+
+def test_the_sd3_vaes_measured_peak_holds_its_weights(model_dir):
+    """The quick measurement of a decoder stage (a process of its own): maxBatch latents decoded at once hold at
+    least the VAE's weights, and more than the weights alone (the step's feature maps)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from real_scale_memory import CASES, QUICK_CONTEXT, case_pipeline, measure
+
+    case = next(c for c in CASES if (c.family, c.stage) == ("sd3", "vae-decode"))
+    got = measure(case, QUICK_CONTEXT, model_dir)
+    pipeline = case_pipeline(case, QUICK_CONTEXT)
+    plan = plan_stage(pipeline, pipeline.stage(case.stage), model_dir)
+    assert got["steps"] == 1 and got["batch"] == plan.batch
+    assert got["peak_bytes"] >= plan.weights_bytes
+    assert got["peak_bytes"] - got["loaded_bytes"] > memory_plan.VAE_DECODER_WIDTHS * plan.batch * 64 * 64 * 16 * 4 / 2
 
 
 def test_the_causal_lms_measured_peak_holds_its_weights_and_kv(model_dir):

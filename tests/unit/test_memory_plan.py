@@ -1,12 +1,12 @@
-"""The memory plan's KV arithmetic on hand-written configs: layers x KV heads x head dim x 2 x dtype bytes,
-read from the component's own decoder config."""
+"""The memory plan's KV arithmetic on hand-written configs (layers x KV heads x head dim x 2 x dtype bytes,
+read from the component's own decoder config), and the chunks of a decoder's largest step."""
 
 from __future__ import annotations
 
 import pytest
 
 from omnistage.api import StageDeployment
-from omnistage.checkpoints.plan import ar_text_config, kv_bytes_per_token, stage_dtype
+from omnistage.checkpoints.plan import ar_text_config, kv_bytes_per_token, stage_dtype, steps_chunks
 from omnistage.checkpoints.shards import CheckpointError
 
 LM = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}
@@ -58,3 +58,14 @@ def test_stage_dtype_resolves_auto_per_device(dtype, gpus, device, expected):
 
 def test_a_stage_without_a_deployment_entry_runs_in_the_auto_dtype():
     assert stage_dtype(None, "cpu") == "float32"
+
+
+@pytest.mark.parametrize("batch,cost,bound,expected", [
+    (8, 50, None, 8),       # no frames-per-step bound (a GPU): maxBatch chunks
+    (8, 50, 100, 2),        # Code2Wav's CPU default: two chunks of 25 + 25 frames
+    (8, 60, 200, 3),        # Token2Wav's CPU default: three chunks of the steady 60-token window
+    (8, 60, 1, 1),          # a chunk larger than the bound still steps, alone
+    (2, 10, 1000, 2),       # maxBatch bounds it first
+])
+def test_a_decoders_largest_step_takes_what_maxbatch_and_its_bound_allow(batch, cost, bound, expected):
+    assert steps_chunks(batch, cost, bound) == expected
