@@ -64,16 +64,26 @@ def text_limits(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None
     return out
 
 
+def vae_scale(directory: Path) -> int:
+    """Pixels per latent of a diffusers pipeline's VAE: 2 ** (number of its `block_out_channels` - 1)."""
+    return 2 ** (len(read_json(directory / "vae" / "config.json")["block_out_channels"]) - 1)
+
+
+def native_side(directory: Path, component: str) -> tuple[int, int]:
+    """The denoiser's native image side (its `sample_size` x the VAE's scale), and that sample size."""
+    sample = read_json(directory / component / "config.json")["sample_size"]
+    sample = int(sample[0] if isinstance(sample, list) else sample)
+    return sample * vae_scale(directory), sample
+
+
 def image_limits(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None) -> dict[str, tuple[int, str]]:
     """`default_image_side` and `default_inference_steps` from the denoise stage's pipeline checkpoint."""
     directory = checkpoint_dir(stage, root)
     index = read_json(directory / "model_index.json")
-    sample = read_json(directory / stage.component / "config.json")["sample_size"]
-    blocks = read_json(directory / "vae" / "config.json")["block_out_channels"]
-    side = int(sample[0] if isinstance(sample, list) else sample) * 2 ** (len(blocks) - 1)
+    side, sample = native_side(directory, stage.component)
     limits = pipeline.limits
     out = {"default_image_side": (min(side, limits.max_image_side),
-                                  f"{stage.component}.sample_size {sample} x the VAE's scale {2 ** (len(blocks) - 1)}")}
+                                  f"{stage.component}.sample_size {sample} x the VAE's scale {side // sample}")}
     family = family_of(index.get("_class_name", ""))
     if family is not None and family.default_inference_steps:
         out["default_inference_steps"] = (min(family.default_inference_steps, limits.max_inference_steps),

@@ -20,16 +20,19 @@ does not.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from omnistage.api import MODEL_LIMIT_FALLBACKS, Pipeline, Stage, StageDeployment
 from omnistage.checkpoints.check import LoadPlan, StageCheckError, check_stage
 from omnistage.checkpoints.configs import ar_text_config, read_json
+from omnistage.checkpoints.defaults import image_stage, native_side, vae_scale
 from omnistage.checkpoints.shards import DTYPES, CheckpointError, TensorInfo
 from omnistage.contract.devices import AUTO_DTYPE, uses_gpus
 
@@ -271,20 +274,18 @@ def image_side(pipeline: Pipeline, stage: Stage, root) -> int:
     limits = pipeline.limits
     if limits.default_image_side:
         return limits.default_image_side
-    denoiser = next((s for s in pipeline.stages if s.kind == "diffusion"), None)
-    try:
-        sample = read_json(root / denoiser.component / "config.json")["sample_size"]
-        blocks = read_json(root / "vae" / "config.json")["block_out_channels"]
-        side = int(sample[0] if isinstance(sample, list) else sample) * 2 ** (len(blocks) - 1)
-    except (AttributeError, KeyError, CheckpointError, OSError):
-        side = MODEL_LIMIT_FALLBACKS["default_image_side"]
+    denoiser = image_stage(pipeline)
+    side = MODEL_LIMIT_FALLBACKS["default_image_side"]
+    if denoiser is not None:
+        with contextlib.suppress(KeyError, CheckpointError, OSError):
+            side = native_side(Path(root), denoiser.component)[0]
     return min(side, limits.max_image_side)
 
 
 def dit_bytes_per_row(cfg: Mapping, side: int, root) -> float:
     """Elements an SD3-style DiT holds per row of a step (one image, or one of its two rows under guidance):
     its image tokens and the prompt's (CLIP's, then T5's) x (hidden + MLP hidden) x DIT_WIDTHS_PER_TOKEN."""
-    scale = 2 ** (len(read_json(root / "vae" / "config.json")["block_out_channels"]) - 1)
+    scale = vae_scale(Path(root))
     tokens = (side // scale // cfg["patch_size"]) ** 2 + CLIP_TOKENS + SD3_T5_TOKENS
     hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     return DIT_WIDTHS_PER_TOKEN * tokens * hidden * (1 + DIT_MLP_RATIO)
