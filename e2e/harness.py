@@ -160,7 +160,7 @@ class Cluster:
         """Bind the operator's identity to the chart's own ClusterRole (so a missing verb fails the
         e2e), plus what only a locally run operator needs: writing its webhook configuration."""
         rendered = self.helm("template", "omnistage", str(REPO / "charts" / "omnistage"),
-                             "--show-only", "templates/rbac.yaml").stdout
+                             "--show-only", "templates/rbac.yaml", "--set", "clusterWide=true").stdout
         docs = [d for d in yaml.safe_load_all(rendered) if d]
         role = next(d for d in docs if d["kind"] == "ClusterRole")
         role["metadata"]["name"] = OPERATOR_USER

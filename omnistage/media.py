@@ -6,9 +6,11 @@ processor. Pure: no gRPC, no model.
 
 Memory is bounded by checks that run before the allocation they guard: an image's size is read from
 its header before its pixels are decoded, a video's frame count and sizes before any frame, an audio
-file's length from its header and again while it is read in blocks. Time is the caller's to bound (the
-orchestrator decodes off its event loop with a timeout). Whatever the bytes, `decode_parts` raises only
-InvalidRequest, naming the part.
+file's length from its header and again while it is read in blocks. Only the containers named below reach
+a parser: each part's format is read from its first bytes before libsndfile or FFmpeg sees it, and FFmpeg
+is held to that one demuxer with bounded probing and no protocol. Time and native crashes are the caller's
+to bound (the orchestrator decodes in worker processes, `orchestrator_service/media_pool.py`). Whatever
+the bytes, `decode_parts` raises only InvalidRequest, naming the part.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ MAX_SAMPLE_RATE = 192_000
 MAX_CHANNELS = 32
 _AUDIO_BLOCK_FRAMES = 1 << 16
 _NO_VIDEO_DECODER = "no video decoder installed on the server; send frames with timestamps"
+# Video containers FFmpeg may open, by the demuxer each is held to, and the codecs it may decode in them: the
+# ones cameras and browsers write. Every other FFmpeg demuxer (concat scripts, playlists, AVI, ...) and
+# decoder stays out of reach of request bytes.
+VIDEO_FORMATS = ("mp4", "matroska")  # matroska covers WebM
+VIDEO_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
+# FFmpeg's probing of an input: 1 MiB and 1 s of stream (defaults 5 MB, 5 s); MP4 and Matroska say their
+# streams in their headers, so probing finds them well within this.
+_PROBE_BYTES = 1 << 20
+_ANALYZE_MICROSECONDS = 1_000_000
+# The span video timestamps may cover, and their mean rate: the model turns seconds into rotary positions,
+# so a span of 1e20 s (finite, increasing) would make positions that overflow. An hour is far beyond what a
+# prompt's frames (maxVideoFrames, 128 by default) sample usefully; 1000 fps is beyond any camera's
+# frame rate a prompt would carry.
+MAX_VIDEO_SECONDS = 3600.0
+MAX_VIDEO_FPS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -80,7 +97,7 @@ def decode_parts(parts: Sequence[common_pb2.ContentPart], limits: Limits, accept
         path = f"params.parts[{i}].{kind}"
         if kind not in accepts:
             raise InvalidRequest(path, f"this pipeline reads no {kind} (it reads {', '.join(sorted(accepts))})")
-        decoded = _DECODERS[kind](getattr(part, kind), path, limits)
+        decoded = _DECODERS[kind](getattr(part, kind), path, limits, keep)
         if keep:
             out.append(decoded)
     return out
@@ -92,9 +109,9 @@ def _guarded(hint: str):
     """Turn anything but InvalidRequest that a decoder raises into InvalidRequest naming the part: the
     decoders (Pillow, libsndfile, FFmpeg) raise many kinds of error on hostile bytes."""
     def wrap(decode):
-        def guarded(msg, path: str, limits: Limits):
+        def guarded(msg, path: str, limits: Limits, keep: bool = True):
             try:
-                return decode(msg, path, limits)
+                return decode(msg, path, limits, keep)
             except InvalidRequest:
                 raise
             except Exception as e:  # noqa: BLE001 - see above; the type says what the decoder found
@@ -103,24 +120,28 @@ def _guarded(hint: str):
     return wrap
 
 
-def _text(text: str, path: str, limits: Limits) -> Text:
+def _text(text: str, path: str, limits: Limits, keep: bool = True) -> Text:
     return Text(text)  # emptiness is checked with the structure (check_parts)
 
 
 @_guarded("not PNG, JPEG or WebP, or corrupt")
-def _image(msg: common_pb2.ImagePart, path: str, limits: Limits) -> Image:
+def _image(msg: common_pb2.ImagePart, path: str, limits: Limits, keep: bool = True) -> Image:
     _, _, load = _open_image(msg, path, limits)
     return Image(load())
 
 
 @_guarded("not WAV, FLAC, MP3 or OGG, or corrupt")
-def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits) -> Audio:
+def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits, keep: bool = True) -> Audio:
+    """`keep=False` checks only: the samples are read and counted, not gathered."""
     if not msg.data:
         raise InvalidRequest(path, "is empty")
     if msg.sample_rate:
         return _raw_pcm(msg, path, limits)
     if msg.channels:
         raise InvalidRequest(path, "channels is for raw PCM: set sample_rate too")
+    if audio_container(msg.data) is None:  # before libsndfile, which would open any format it knows
+        named = _named_container(msg.data)
+        raise InvalidRequest(path, "cannot decode (not WAV, FLAC, MP3 or OGG" + (f": {named})" if named else ")"))
     try:
         f = soundfile.SoundFile(io.BytesIO(msg.data))
     except soundfile.LibsndfileError:
@@ -140,9 +161,12 @@ def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits) -> Audio:
             n += len(block)
             if n > most:
                 raise InvalidRequest(path, _too_long(n / rate, limits, "at least "))
-            blocks.append(block.mean(axis=1, dtype=np.float32))
+            if keep:
+                blocks.append(block.mean(axis=1, dtype=np.float32))
     if not n:
         raise InvalidRequest(path, "has no samples")
+    if not keep:
+        return Audio(np.zeros(0, np.float32), rate)
     samples = np.concatenate(blocks)
     np.nan_to_num(samples, copy=False, nan=0.0, posinf=1.0, neginf=-1.0)  # float WAVs may hold anything
     np.clip(samples, -1.0, 1.0, out=samples)
@@ -176,11 +200,12 @@ def _too_long(seconds: float, limits: Limits, qualifier: str = "") -> str:
 
 
 @_guarded("corrupt")
-def _video(msg: common_pb2.VideoPart, path: str, limits: Limits) -> Video:
+def _video(msg: common_pb2.VideoPart, path: str, limits: Limits, keep: bool = True) -> Video:
+    """`keep=False` checks only: one frame's pixels at a time, none gathered."""
     if msg.data:
         if msg.frames or msg.timestamps:
             raise InvalidRequest(path, "set either frames with timestamps, or data (an encoded file), not both")
-        return _video_file(msg.data, path, limits)
+        return _video_file(msg.data, path, limits, keep)
     n = len(msg.frames)
     if not n:
         raise InvalidRequest(path, "has no frames: send frames with timestamps (or an encoded file in data)")
@@ -198,6 +223,10 @@ def _video(msg: common_pb2.VideoPart, path: str, limits: Limits) -> Video:
             raise InvalidRequest(f"{path}.frames[{j}]", f"is {w}x{h}; frame 0 is {width}x{height} (frames of one "
                                                         "video must have one size)")
     _check_video_pixels(n, width, height, path, limits)
+    if not keep:
+        for _, _, load in opened:
+            load()
+        return Video(np.zeros((0, height, width, 3), np.uint8), timestamps)
     frames = np.empty((n, height, width, 3), dtype=np.uint8)
     for j, (_, _, load) in enumerate(opened):
         frames[j] = load()
@@ -211,6 +240,13 @@ def _check_timestamps(timestamps: Sequence[float], path: str) -> None:
         if j and t <= timestamps[j - 1]:
             raise InvalidRequest(path, f"timestamps must increase: timestamp {j} is {t:g} s, after "
                                        f"{timestamps[j - 1]:g} s")
+    span = timestamps[-1] - timestamps[0] if timestamps else 0.0
+    if span > MAX_VIDEO_SECONDS:
+        raise InvalidRequest(f"{path}.timestamps", f"span {span:g} s (from {timestamps[0]:g} to "
+                                                   f"{timestamps[-1]:g} s); the limit is {MAX_VIDEO_SECONDS:g} s")
+    if len(timestamps) > 1 and len(timestamps) - 1 > MAX_VIDEO_FPS * span:
+        raise InvalidRequest(f"{path}.timestamps", f"say {(len(timestamps) - 1) / span:g} frames per second; the "
+                                                   f"limit is {MAX_VIDEO_FPS:g}")
 
 
 def _check_video_pixels(frames: int, width: int, height: int, path: str, limits: Limits) -> None:
@@ -220,43 +256,90 @@ def _check_video_pixels(frames: int, width: int, height: int, path: str, limits:
                                    f"{limits.max_video_pixels}")
 
 
-def _video_file(data: bytes, path: str, limits: Limits) -> Video:
+def _video_file(data: bytes, path: str, limits: Limits, keep: bool) -> Video:
     """An encoded video, through PyAV where it is installed (an optional dependency: FFmpeg is large)."""
+    fmt = video_container(data)
+    if fmt is None:  # before FFmpeg, whose probing would try every demuxer it has
+        named = _named_container(data)
+        raise InvalidRequest(path, "cannot decode (not MP4, Matroska or WebM" + (f": {named})" if named else ")"))
     try:
         import av
     except ImportError:
         raise InvalidRequest(path, _NO_VIDEO_DECODER) from None
     try:
-        container = av.open(io.BytesIO(data), mode="r")
+        # protocol_whitelist "none" names no protocol: the bytes come through PyAV's own reader, and a
+        # reference inside the file can open nothing.
+        container = av.open(io.BytesIO(data), mode="r", format=fmt,
+                            options={"probesize": str(_PROBE_BYTES), "analyzeduration": str(_ANALYZE_MICROSECONDS),
+                                     "protocol_whitelist": "none"})
     except av.FFmpegError:
-        raise InvalidRequest(path, "cannot decode (not a video file FFmpeg reads)") from None
+        raise InvalidRequest(path, f"cannot decode (not a {fmt} file FFmpeg reads)") from None
     with container:
         if not container.streams.video:
             raise InvalidRequest(path, "has no video stream")
         stream = container.streams.video[0]
+        codec = stream.codec_context.name
+        if codec not in VIDEO_CODECS:
+            raise InvalidRequest(path, f"has {codec} video; the codecs read are {', '.join(sorted(VIDEO_CODECS))}")
         width, height = stream.codec_context.width, stream.codec_context.height
         _check_pixels(width, height, path, limits)
         frames: list[np.ndarray] = []
         timestamps: list[float] = []
         for frame in container.decode(stream):
-            if len(frames) == limits.max_video_frames:
+            if len(timestamps) == limits.max_video_frames:
                 raise InvalidRequest(path, f"has more than {limits.max_video_frames} frames; the limit is "
                                            f"{limits.max_video_frames} (send fewer, as frames with timestamps)")
             if (frame.width, frame.height) != (width, height):
-                raise InvalidRequest(path, f"frame {len(frames)} is {frame.width}x{frame.height}; the stream is "
+                raise InvalidRequest(path, f"frame {len(timestamps)} is {frame.width}x{frame.height}; the stream is "
                                            f"{width}x{height} (frames of one video must have one size)")
-            _check_video_pixels(len(frames) + 1, width, height, path, limits)
+            _check_video_pixels(len(timestamps) + 1, width, height, path, limits)
             if frame.time is None:
-                raise InvalidRequest(path, f"frame {len(frames)} has no timestamp")
-            frames.append(frame.to_ndarray(format="rgb24"))
+                raise InvalidRequest(path, f"frame {len(timestamps)} has no timestamp")
+            pixels = frame.to_ndarray(format="rgb24")
+            if keep:
+                frames.append(pixels)
             timestamps.append(float(frame.time))
-    if not frames:
+    if not timestamps:
         raise InvalidRequest(path, "has no frames")
     _check_timestamps(timestamps, path)
+    if not keep:
+        return Video(np.zeros((0, height, width, 3), np.uint8), tuple(timestamps))
     return Video(np.stack(frames), tuple(timestamps))
 
 
 _DECODERS: dict[str, Callable] = {"text": _text, "image": _image, "audio": _audio, "video": _video}
+
+
+# ----------------------------------------------------------------------- containers
+
+def audio_container(data: bytes) -> str | None:
+    """The audio container `data`'s first bytes say, among those read (AUDIO_FORMATS); None for any other."""
+    if data[:4] in (b"RIFF", b"RF64") and data[8:12] == b"WAVE":
+        return "WAV"
+    if data[:4] in (b"fLaC", b"OggS"):
+        return {b"fLaC": "FLAC", b"OggS": "OGG"}[data[:4]]
+    if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):  # tag or frame sync
+        return "MP3"
+    return None
+
+
+def video_container(data: bytes) -> str | None:
+    """The FFmpeg demuxer (VIDEO_FORMATS) for the container `data`'s first bytes say; None for any other."""
+    if data[4:8] == b"ftyp":
+        return "mp4"
+    if data[:4] == b"\x1a\x45\xdf\xa3":  # EBML: Matroska and WebM
+        return "matroska"
+    return None
+
+
+# A few containers that are refused, named in the refusal so that the sender knows what was seen.
+_NAMED_CONTAINERS = ((0, b"FORM", "AIFF"), (0, b"Creative Voice File", "VOC"), (0, b".snd", "AU"),
+                     (0, b"caff", "CAF"), (8, b"AVI ", "AVI"), (0, b"ffconcat", "an FFmpeg concat script"),
+                     (0, b"#EXTM3U", "an HLS playlist"), (0, b"\x30\x26\xb2\x75", "ASF"), (0, b"FLV", "FLV"))
+
+
+def _named_container(data: bytes) -> str | None:
+    return next((name for at, magic, name in _NAMED_CONTAINERS if data[at:at + len(magic)] == magic), None)
 
 
 # --------------------------------------------------------------------------- images
@@ -297,16 +380,19 @@ def _check_pixels(w: int, h: int, path: str, limits: Limits) -> None:
                                    "other (the limit on the aspect ratio)")
 
 
-def _rgb(im: PILImage.Image, path: str) -> np.ndarray:
-    try:
-        im.load()
-    except (OSError, SyntaxError, ValueError):  # what Pillow's decoders raise on truncated or corrupt data
-        raise InvalidRequest(path, f"cannot decode ({im.format} data is corrupt or truncated)") from None
-    im = ImageOps.exif_transpose(im)  # as a viewer shows it, as transformers' load_image does
-    if im.mode.startswith("I;16"):  # 16-bit grey: Pillow's RGB conversion would clip, not scale
-        grey = (np.asarray(im, dtype=np.uint16) >> 8).astype(np.uint8)
-        return np.repeat(grey[..., None], 3, axis=2)
-    return np.asarray(im.convert("RGB"))
+def _rgb(opened: PILImage.Image, path: str) -> np.ndarray:
+    """The pixels, copied out; the image is closed (its decoded pixels freed: a video's frames are loaded
+    one after another)."""
+    with opened:
+        try:
+            opened.load()
+        except (OSError, SyntaxError, ValueError):  # what Pillow's decoders raise on truncated or corrupt data
+            raise InvalidRequest(path, f"cannot decode ({opened.format} data is corrupt or truncated)") from None
+        im = ImageOps.exif_transpose(opened)  # as a viewer shows it, as transformers' load_image does
+        if im.mode.startswith("I;16"):  # 16-bit grey: Pillow's RGB conversion would clip, not scale
+            grey = (np.asarray(im, dtype=np.uint16) >> 8).astype(np.uint8)
+            return np.repeat(grey[..., None], 3, axis=2)
+        return np.asarray(im.convert("RGB"))
 
 
 # --------------------------------------------------------------------------- audio

@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
+import secrets
 import signal
+import socket
+import stat
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Coroutine, Sequence
@@ -28,7 +31,7 @@ from omnistage.contract.launch import (
     LIVE_PATH,
     METRICS_PATH,
     READY_PATH,
-    SERVICE_ACCOUNT_TOKEN,
+    drain_token_path,
     report_exit,
 )
 
@@ -52,13 +55,18 @@ MAX_CONNECTION_AGE_MS = 30 * 60_000
 MAX_CONNECTION_AGE_GRACE_MARGIN_MS = 60_000
 
 
-def grpc_server_options(max_receive_bytes: int, max_send_bytes: int,
-                        request_timeout_s: float) -> list[tuple[str, int]]:
+def grpc_server_options(max_receive_bytes: int, max_send_bytes: int, request_timeout_s: float,
+                        max_concurrent_streams: int | None = None,
+                        stream_window_bytes: int | None = None) -> list[tuple[str, int]]:
     """Options of every omnistage gRPC server: message sizes, keepalive and connection age.
 
     `request_timeout_s` is the pipeline's requestTimeoutSeconds: no request lives longer, so a connection
     past its age gets that long (and a margin) for its streams to finish before it is closed; a shorter
-    grace would cut requests in flight. 0 (no default deadline): no grace bound, streams are never cut."""
+    grace would cut requests in flight. 0 (no default deadline): no grace bound, streams are never cut.
+    `max_concurrent_streams`: the most calls one connection may have open at once (None: gRPC's default, none).
+    `stream_window_bytes`: a fixed HTTP/2 receive window per call (None: gRPC's default, which grows with the
+    bandwidth-delay product it measures, to several MiB a call: what a caller can make the server buffer before
+    anything reads its message)."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.max_send_message_length", max_send_bytes),
                *KEEPALIVE_CHANNEL_OPTIONS,
@@ -66,6 +74,10 @@ def grpc_server_options(max_receive_bytes: int, max_send_bytes: int,
                # one per 5 minutes without data and closes the connection on the third early one).
                ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
                ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS)]
+    if max_concurrent_streams is not None:
+        options.append(("grpc.max_concurrent_streams", max_concurrent_streams))
+    if stream_window_bytes is not None:
+        options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", stream_window_bytes)]
     if request_timeout_s > 0:
         options.append(("grpc.max_connection_age_grace_ms",
                         int(request_timeout_s * 1e3) + MAX_CONNECTION_AGE_GRACE_MARGIN_MS))
@@ -88,91 +100,183 @@ async def set_serving(health: health_aio.HealthServicer, services: list[str], se
 async def start_grpc_server(service: str, add_servicer: Callable[[grpc.aio.Server], None], max_receive_bytes: int,
                             max_send_bytes: int, request_timeout_s: float,
                             interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+                            max_concurrent_rpcs: int | None = None, max_concurrent_streams: int | None = None,
+                            stream_window_bytes: int | None = None,
                             ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """A server with every omnistage server's options (`grpc_server_options`), the service `add_servicer`
-    puts on it, health (NOT_SERVING for now) and reflection; its ports are the caller's to add."""
-    server = grpc.aio.server(interceptors=interceptors,
-                             options=grpc_server_options(max_receive_bytes, max_send_bytes, request_timeout_s))
+    puts on it, health (NOT_SERVING for now) and reflection; its ports are the caller's to add.
+    `max_concurrent_rpcs`: calls open at once beyond it are answered RESOURCE_EXHAUSTED (None: no bound)."""
+    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
+                             options=grpc_server_options(max_receive_bytes, max_send_bytes, request_timeout_s,
+                                                         max_concurrent_streams, stream_window_bytes))
     add_servicer(server)
     health = add_health_and_reflection(server, [service])
     await set_serving(health, [service], False)
     return server, health
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 from a dual-stack socket
-    return ip.is_loopback
+# The status port (`HttpStatusServer`) against slow and silent clients: a connection gets this long for each
+# read or write (a kubelet probe times out after 2-5 s, a Prometheus scrape after 10 s); at most
+# STATUS_MAX_CONNECTIONS at once (a thread each), and past that the oldest one that has not sent its request
+# yet is shed for the newcomer, so a probe always gets in: it sends its request at once.
+STATUS_CONNECTION_TIMEOUT_S = 10.0
+STATUS_MAX_CONNECTIONS = 64
+# stop() waits this long for a /drain caller to get its answer (the drain itself is over by then).
+DRAIN_ANSWER_WAIT_S = 5.0
 
 
-def drain_permitted(peer: str, local: str, authorization: str | None,
-                    token_file: str | os.PathLike = SERVICE_ACCOUNT_TOKEN) -> bool:
-    """May this caller take the replica down with /drain? Yes from inside the pod: a loopback peer, or
-    one whose address is the connection's own local address (the pod calling its own IP, as the preStop
-    hook does; no other host can open a connection from that address). Otherwise only with
-    `Authorization: Bearer <the pod's service-account token>`, read now so a rotated token counts; no
-    token file (stages mount none): inside the pod only."""
-    if _is_loopback(peer) or (peer and peer == local):
-        return True
+def drain_permitted(authorization: str | None, token: str | None) -> bool:
+    """May this caller take the process down with /drain? Only with `Authorization: Bearer <its drain
+    token>`; no token (none could be written safely): nobody. The caller's address proves nothing: behind a
+    sidecar proxy every client comes from loopback, and on a shared host any user reaches loopback."""
     scheme, _, presented = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
+    if not token or scheme.lower() != "bearer" or not presented.strip():
         return False
+    return hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def write_drain_token(port: int, temp_dir: str | os.PathLike | None = None) -> str | None:
+    """A new drain token for the process serving /drain on `port`, written where the preStop hook reads it
+    (`launch.drain_token_path`): 0600 in a 0700 folder of this user. A folder there that is not that (a link,
+    another user's, readable by others) is not trusted: None, and /drain refuses everyone (SIGTERM drains)."""
+    path = drain_token_path(port, temp_dir)
     try:
-        with open(token_file, "rb") as f:
-            token = f.read().strip()
-    except OSError:
-        return False
-    return bool(token) and hmac.compare_digest(presented.strip().encode(), token)
+        try:
+            path.parent.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(path.parent)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            log.warning("/drain disabled: %s is not a private folder of this user", path.parent)
+            return None
+        token = secrets.token_urlsafe(32)
+        path.unlink(missing_ok=True)   # a dead process's, of the same port
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+    except OSError as e:
+        log.warning("/drain disabled: cannot write its token to %s (%s)", path, e.strerror or e)
+        return None
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most STATUS_MAX_CONNECTIONS; past that the oldest connection still
+    waiting for its request is shed for the new one (a slowloris loses its sockets, a probe gets in)."""
+
+    daemon_threads = True   # exit never waits on a silent client; stop() waits for /drain answers only
+    request_queue_size = 128   # the listen backlog: a burst of connections waits to be accepted (and shed)
+
+    def __init__(self, *args, **kw):
+        self._lock = threading.Lock()
+        self._waiting: dict[Any, None] = {}   # connections not past their request line, oldest first
+        self._busy: set[Any] = set()
+        super().__init__(*args, **kw)
+
+    def process_request(self, request, client_address):
+        with self._lock:
+            if len(self._waiting) + len(self._busy) >= STATUS_MAX_CONNECTIONS:
+                if not self._waiting:   # every slot is answering a request: the newcomer waits its turn
+                    self.shutdown_request(request)
+                    return
+                oldest = next(iter(self._waiting))
+                del self._waiting[oldest]
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)   # its thread's read returns; the thread ends
+                except OSError:
+                    pass
+            self._waiting[request] = None
+        super().process_request(request, client_address)
+
+    def request_started(self, request) -> bool:
+        """The connection's request has been read; False when it was shed meanwhile."""
+        with self._lock:
+            if request not in self._waiting:
+                return False
+            del self._waiting[request]
+            self._busy.add(request)
+            return True
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):   # a client that went away is not an error of ours
+            super().handle_error(request, client_address)
+
+    def shutdown_request(self, request):
+        with self._lock:
+            self._waiting.pop(request, None)
+            self._busy.discard(request)
+        super().shutdown_request(request)
 
 
 class HttpStatusServer:
     """The HTTP paths of the process contract (`omnistage.contract.launch`): metrics, readiness (200 once
     serving, 503 while loading or draining), liveness (503 with the reason once `live` names one: the
-    kubelet restarts the container), and drain (for a preStop hook: stop taking work, finish what was
-    admitted, answer when done; only for callers `drain_permitted` lets in)."""
+    kubelet restarts the container), and drain (`POST`, for a preStop hook: stop taking work, finish what was
+    admitted, answer when done; only with the drain token this server wrote, `write_drain_token`). Slow or
+    silent clients hold at most STATUS_MAX_CONNECTIONS threads, each for STATUS_CONNECTION_TIMEOUT_S per read."""
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool],
                  drain: Callable[[], None] | None = None, live: Callable[[], str | None] | None = None,
-                 token_file: str | os.PathLike = SERVICE_ACCOUNT_TOKEN):
+                 temp_dir: str | os.PathLike | None = None):
         registry_, ready_, drain_, live_ = registry, ready, drain, live
+        answering = threading.Semaphore(0)   # released once per /drain answer sent
+        self._drains = 0
+        server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path.startswith(METRICS_PATH):
-                    body, code, ctype = generate_latest(registry_), 200, CONTENT_TYPE_LATEST
-                elif self.path.startswith(READY_PATH):
-                    ok = ready_()
-                    body, code, ctype = (b"ready\n" if ok else b"not ready\n"), (200 if ok else 503), "text/plain"
-                elif self.path.startswith(DRAIN_PATH) and drain_ is not None:
-                    if drain_permitted(self.client_address[0], self.connection.getsockname()[0],
-                                       self.headers.get("Authorization"), token_file):
-                        drain_()  # blocks until admitted work is finished (bounded by the drain setting)
-                        body, code, ctype = b"drained\n", 200, "text/plain"
-                    else:
-                        body, code, ctype = (b"forbidden: /drain only from inside the pod or with its "
-                                             b"service-account token\n"), 403, "text/plain"
-                elif self.path.startswith(LIVE_PATH):
-                    stalled = live_() if live_ is not None else None
-                    body, code, ctype = ((b"ok\n", 200, "text/plain") if stalled is None else
-                                         (f"not live: {stalled}\n".encode(), 503, "text/plain"))
-                else:
-                    body, code, ctype = b"not found\n", 404, "text/plain"
+            timeout = STATUS_CONNECTION_TIMEOUT_S
+
+            def parse_request(self):
+                ok = super().parse_request()   # the request line and headers, read
+                if not self.server.request_started(self.request):   # type: ignore[attr-defined]
+                    self.close_connection = True   # shed while it was still sending: not answered
+                    return False
+                return ok
+
+            def answer(self, code: int, body: bytes, ctype: str = "text/plain", **headers: str) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.startswith(METRICS_PATH):
+                    self.answer(200, generate_latest(registry_), CONTENT_TYPE_LATEST)
+                elif self.path.startswith(READY_PATH):
+                    ok = ready_()
+                    self.answer(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+                elif self.path.startswith(LIVE_PATH):
+                    stalled = live_() if live_ is not None else None
+                    self.answer(*((200, b"ok\n") if stalled is None else (503, f"not live: {stalled}\n".encode())))
+                elif self.path.startswith(DRAIN_PATH) and drain_ is not None:
+                    self.answer(405, b"method not allowed: POST /drain\n", Allow="POST")
+                else:
+                    self.answer(404, b"not found\n")
+
+            def do_POST(self):
+                if not (self.path.startswith(DRAIN_PATH) and drain_ is not None):
+                    self.answer(404, b"not found\n")
+                elif not drain_permitted(self.headers.get("Authorization"), server._token):
+                    self.answer(403, b"forbidden: /drain takes the process's drain token (see the preStop hook)\n")
+                else:
+                    server._drains += 1
+                    try:
+                        drain_()  # blocks until admitted work is finished (bounded by the drain setting)
+                        self.answer(200, b"drained\n")
+                    finally:
+                        answering.release()
 
             def log_message(self, *args):  # keep probes out of the logs
                 pass
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = False  # stop() waits for handlers: a /drain caller gets its answer
+        self.httpd = _BoundedHTTPServer((host, port), Handler)
         self.port = self.httpd.server_address[1]
+        self._answering = answering
+        self._token = write_drain_token(self.port, temp_dir) if drain is not None else None
+        self._token_path = drain_token_path(self.port, temp_dir) if self._token else None
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="http-status", daemon=True)
 
     def start(self) -> "HttpStatusServer":
@@ -180,7 +284,16 @@ class HttpStatusServer:
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        """Stop serving; a /drain caller being answered gets its answer (bounded), silent clients are not
+        waited for. Removes the drain token."""
+        if self._token_path is not None:
+            self._token_path.unlink(missing_ok=True)
+            self._token_path = None
+        if self._thread.is_alive():
+            self.httpd.shutdown()
+        for _ in range(self._drains):
+            self._answering.acquire(timeout=DRAIN_ANSWER_WAIT_S)
+        self._drains = 0
         self.httpd.server_close()
 
 

@@ -13,6 +13,8 @@ from a throwaway CA made at start), parsing identities, and the file layout. Pur
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import hmac
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -26,6 +28,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # The Kubernetes TLS Secret layout (cert-manager's too): one folder, three files.
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
+# A stage's folder also holds the pipeline's UCX data-plane key (hex), where its issuer holds the CA key
+# (`omnistage serve`, the operator's chart issuer): omnistage/connector/ucx_auth.py.
+DATA_PLANE_KEY_FILE = "ucx.key"
+_DATA_PLANE_LABEL = b"omnistage ucx data plane v1\0"
 
 SCHEME = "omnistage"
 ORCHESTRATOR_ROLE = "orchestrator"
@@ -261,13 +267,25 @@ def write_dir(folder: Path | str, ca_pem: bytes, cert_pem: bytes, key_pem: bytes
     return files
 
 
+def data_plane_key(ca_key_pem: bytes, namespace: str, pipeline: str) -> bytes:
+    """The UCX data-plane key of one pipeline, derived from its CA's private key: the same for every stage of
+    the pipeline, issued by whoever holds the CA key; a stage's key reveals neither the CA key nor the key of
+    another pipeline."""
+    secret = hashlib.sha256(ca_key_pem).digest()
+    return hmac.new(secret, _DATA_PLANE_LABEL + f"{namespace}\0{pipeline}".encode(), hashlib.sha256).digest()
+
+
 def write_pipeline_dirs(root: Path | str, ca_pem: bytes, ca_key_pem: bytes, namespace: str, pipeline: str,
                         stages: Iterable[str]) -> dict[str | None, TlsFiles]:
     """A leaf for a pipeline's orchestrator (key None, folder `orchestrator`) and for each stage (folder
-    `stage-NAME`), each in its own TLS folder under `root`."""
+    `stage-NAME`), each in its own TLS folder under `root`; a stage's also holds the data-plane key."""
     roles = {None: ORCHESTRATOR_ROLE, **{name: stage_role(name) for name in stages}}
     out = {}
     for who, role in roles.items():
         cert, key = issue(ca_pem, ca_key_pem, identity(namespace, pipeline, role))
         out[who] = write_dir(Path(root) / (f"stage-{who}" if who else "orchestrator"), ca_pem, cert, key)
+        if who is not None:
+            fd = os.open(out[who].folder / DATA_PLANE_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(data_plane_key(ca_key_pem, namespace, pipeline).hex())
     return out

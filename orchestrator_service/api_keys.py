@@ -1,7 +1,8 @@
 """The client API's bearer keys, one set for both front doors (gRPC metadata `authorization: Bearer KEY`,
 HTTP header `Authorization: Bearer KEY`), and the priority ceiling they lift.
 
-A key entry is `KEY` or `KEY:N`: N is the highest `priority` a request with that key may ask for. Without
+A key entry is `KEY` or `KEY:N`: N is the highest `priority` a request with that key may ask for. A key never
+holds `:`, so an entry reads one way only (an entry with a `:` that is not `KEY:N` is refused at load). Without
 such a key a request may ask for at most the pipeline's `spec.deployment.orchestrator.maxPriority`, so an
 anonymous or ordinary client cannot jump the queue. The key given is compared with every configured key in
 constant time with no early exit: how long the check takes says nothing about which key (if any) matched.
@@ -25,12 +26,13 @@ class ApiKey:
 
 
 def parse_entry(entry: str, index: int) -> ApiKey:
-    """`KEY` or `KEY:N` (N a non-negative integer)."""
-    key, sep, n = entry.strip().rpartition(":")
-    if not sep or not n.isdigit():  # no priority given: the whole entry is the key
-        key, n = entry.strip(), ""
+    """`KEY` or `KEY:N` (N a non-negative integer; KEY without `:`)."""
+    key, sep, n = entry.strip().partition(":")
     if not key:
         raise ApiKeyError(f"API key {index}: must not be empty")
+    if sep and not (n.isascii() and n.isdigit()):  # a ':' inside a key would read as a priority grant
+        raise ApiKeyError(f"API key {index}: write KEY or KEY:N (N the highest priority it allows, digits only); "
+                          "a key must not contain ':'")
     if any(c.isspace() or not c.isprintable() for c in key):
         raise ApiKeyError(f"API key {index}: must not contain spaces or control characters")
     return ApiKey(key.encode(), int(n) if n else None)

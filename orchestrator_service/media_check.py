@@ -1,11 +1,12 @@
 """Admission's media check: a request's media parts decoded once, before any stage work, so that a part no
 stage could read is INVALID_ARGUMENT naming it rather than a failure deep in a stage.
 
-Decoding runs off the event loop in a few threads the server owns, within the pipeline's
+Decoding runs in a few worker processes the server owns (`media_pool`), within the pipeline's
 media_decode_seconds, and keeps one part's pixels at a time (the check keeps nothing it decoded). A decode
-that outlives its bound keeps its thread until it ends (a thread cannot be stopped), and keeps its slot:
-at most `workers` decodes run at once. A request waits for a free slot at most media_decode_seconds;
-then it is refused as overload (RESOURCE_EXHAUSTED, retry after that long), not queued without bound.
+that outlives its bound ends its worker, so its slot is free again at the bound; a decoder that crashes
+ends only its worker, and the request is INVALID_ARGUMENT. At most `workers` decodes run at once. A
+request waits for a free slot at most media_decode_seconds; then it is refused as overload
+(RESOURCE_EXHAUSTED, retry after that long), not queued without bound.
 """
 
 from __future__ import annotations
@@ -13,23 +14,29 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
-from omnistage.api import Pipeline, accepted_inputs
+from omnistage.api import Limits, Pipeline, accepted_inputs
 from omnistage.contract.params import InvalidRequest
 from omnistage.media import decode_parts
 from omnistage.v1 import common_pb2
 
 from .admission import Overloaded
+from .media_pool import DecoderCrashed, DecodeTimeout, MediaPool
 
 DECODE_WORKERS = 4
 
 
 class MediaCheck:
-    def __init__(self, pipeline: Pipeline, workers: int = DECODE_WORKERS):
+    def __init__(self, pipeline: Pipeline, workers: int = DECODE_WORKERS, decode: Callable | None = None):
+        """`decode`: what a worker runs on a request's parts, `check_in_worker` unless a test puts a failing
+        decoder in its place (a module-level function: it is sent to the worker by name)."""
         self.limits = pipeline.limits
+        self._decode = decode or check_in_worker
         self.accepts = accepted_inputs(pipeline)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="media-decode")
+        self._pool = MediaPool(workers, preload=(self._decode.__module__,))
+        # One thread per worker, to wait on it off the event loop.
+        self._waiters = ThreadPoolExecutor(workers, thread_name_prefix="media-decode")
         self._slots = asyncio.Semaphore(workers)
 
     async def check(self, parts: Sequence[common_pb2.ContentPart]) -> float:
@@ -41,13 +48,20 @@ class MediaCheck:
             await asyncio.wait_for(self._slots.acquire(), bound)
         except TimeoutError:
             raise Overloaded(f"every media decoder was busy for {bound:g} s", retry_after_s=bound) from None
-        decoding = asyncio.get_running_loop().run_in_executor(self._pool, decode_parts, parts, self.limits,
-                                                              self.accepts, False)
+        wire = [p.SerializeToString() for p in parts]
+        decoding = asyncio.get_running_loop().run_in_executor(self._waiters, self._pool.call, bound,
+                                                              self._decode, wire, self.limits, self.accepts)
         decoding.add_done_callback(self._decoded)
         try:
-            await asyncio.wait_for(asyncio.shield(decoding), bound)  # shielded: the slot is freed by the thread's end
-        except TimeoutError:
+            # shielded: a request that goes away leaves its decode to end (within the bound), which frees the slot
+            refusal = await asyncio.shield(decoding)
+        except DecodeTimeout:
             raise InvalidRequest("params.parts", f"decoding took longer than {bound:g} s") from None
+        except DecoderCrashed as e:
+            raise InvalidRequest("params.parts", f"cannot decode (the decoder failed on it: exit code "
+                                                 f"{e.exitcode})") from None
+        if refusal is not None:
+            raise InvalidRequest(*refusal)
         return (time.perf_counter() - t0) * 1e3
 
     def _decoded(self, decoding: asyncio.Future) -> None:
@@ -56,4 +70,16 @@ class MediaCheck:
             decoding.exception()  # retrieved: a decode whose request went away is not reported as unhandled
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
+
+
+def check_in_worker(wire: list[bytes], limits: Limits, accepts: frozenset[str]) -> tuple[str, str] | None:
+    """In a decode worker: the parts (serialized) checked; the refusal as (field, message), or None.
+    (InvalidRequest itself does not cross the pipe: its constructor takes the two apart.)"""
+    parts = [common_pb2.ContentPart.FromString(b) for b in wire]
+    try:
+        decode_parts(parts, limits, accepts, keep=False)
+    except InvalidRequest as e:
+        return e.field, str(e)[len(e.field) + 2:]
+    return None

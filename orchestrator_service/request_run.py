@@ -33,6 +33,7 @@ from .routing import NoReplica, Router
 from .stage_call import StageCall, StageFailed, StageTiming
 
 __all__ = ["RequestRun", "StageFailed", "needed_stages"]
+CUT = "length"  # a stage's finish reason when it stopped at its cap (max tokens, max codec frames)
 
 
 @dataclass
@@ -79,7 +80,7 @@ class RequestRun:
         self._completed = False
         self.started = time.perf_counter()
         self.first_output: float | None = None
-        self.finish_reason = ""
+        self._finish_reasons: dict[str, str] = {}  # stage -> the finish reason its last chunk gave
 
     # ------------------------------------------------------------- public
     async def events(self) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
@@ -127,6 +128,17 @@ class RequestRun:
         await asyncio.gather(*calls, return_exceptions=True)  # a replica that is gone frees by its TTL
 
     @property
+    def finish_reason(self) -> str:
+        """Why the answer ended: "length" when any stage it needed was cut at its cap (audio cut at
+        maxCodecFrames is a cut answer even when the text ended on its own), else the text stage's reason;
+        "" before any stage said."""
+        reasons = self._finish_reasons
+        if CUT in reasons.values():
+            return CUT
+        text = [reasons[s] for s, m in self.outputs.items() if m == "text" and s in reasons]
+        return text[0] if text else next(iter(reasons.values()), "")
+
+    @property
     def held_bytes(self) -> int:
         return sum(sc.held_bytes for sc in self._calls.values())
 
@@ -139,7 +151,10 @@ class RequestRun:
     def _header(self, stage: str) -> stage_pb2.StageRequestHeader:
         return stage_pb2.StageRequestHeader(
             request_id=self.request_id, params=self._params[stage], inline_outputs=stage in self.outputs,
-            consumers=self._consumers[stage], deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0)
+            consumers=self._consumers[stage], deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0,
+            # a stage whose chunks go only to other stages is retried after handing some on: its repeats are
+            # checked against their digests (StageCall._drain)
+            digest_outputs=stage not in self.outputs)
 
     async def _open(self, stage: str) -> None:
         if await self._calls[stage].open():
@@ -151,8 +166,8 @@ class RequestRun:
         modality = self.outputs.get(stage)
         if chunk.chunk_id == 0:
             self.assembler.count_prompt(chunk)
-        if chunk.finish_reason and modality == "text":
-            self.finish_reason = chunk.finish_reason
+        if chunk.finish_reason:
+            self._finish_reasons[stage] = chunk.finish_reason
         if any(t.WhichOneof("payload") == "ref" for t in chunk.tensors):
             self._by_reference.add(stage)
         for consumer in self._consumers[stage]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -23,7 +24,9 @@ from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
 from .api_keys import ApiKeyError, ApiKeys
+from .byte_budget import ByteBudget
 from .discovery import FileDiscovery, KubernetesDiscovery, read_endpoints_file
+from .grpc_door import ClientDoor
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .routing import Router
@@ -35,6 +38,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("omnistage.orchestrator")
 SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 MIN_RECEIVE_BYTES = 64 << 20
+GENERATE = f"/{SERVICE}/Generate"
+# Calls open at once beyond the admitted and waiting requests: health checks, DescribePipeline, reflection and
+# the admission's own refusals being answered (those carry a retry hint, so room for a burst of them). Past
+# maxInflight + maxQueued + this, gRPC itself answers RESOURCE_EXHAUSTED before reading the message.
+RPC_SLACK = 64
+# Calls one client connection may have open at once: HTTP/2's recommended floor (RFC 9113 6.5.2), far above
+# what one well-behaved client multiplexes, and no longer every call the server takes on one connection.
+MAX_STREAMS_PER_CONNECTION = 100
+# The client port's fixed receive window per call: what a caller can make this process buffer before its key
+# is checked and its call refused. gRPC's default window grows with the measured bandwidth-delay product, to
+# about 10 MiB a call (16 keyless 120 MiB calls grew the peak RSS by up to 154 MiB); 1 MiB still uploads at
+# about 20 MB/s over a 50 ms round trip and at the link's speed within a cluster.
+CLIENT_STREAM_WINDOW_BYTES = 1 << 20
+# Requests of the largest size the receive limit lets in that admitted and waiting gRPC requests may hold
+# between them; more bytes than that are refused RESOURCE_EXHAUSTED until some end (many small ones fit).
+FULL_SIZE_REQUESTS_HELD = 4
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the admitted HTTP requests have finished
 
 
@@ -75,8 +94,13 @@ class OrchestratorServer:
             self.router.set_endpoints(stage, addrs)
         self.metrics = OrchestratorMetrics()
         self.media = MediaCheck(pipeline)
-        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media,
-                                             ApiKeys(api_keys, pipeline.deployment.orchestrator.max_priority))
+        keys = ApiKeys(api_keys, pipeline.deployment.orchestrator.max_priority)
+        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media, keys)
+        # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
+        # message gets gRPC's RESOURCE_EXHAUSTED).
+        self.receive_bytes = min(max(MIN_RECEIVE_BYTES, pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
+        self.door = ClientDoor(SERVICE, keys, ByteBudget(FULL_SIZE_REQUESTS_HELD * self.receive_bytes), GENERATE,
+                               on_refused=self._count_refusal)
         self.host, self.port, self.http_port = host, port, http_port
         self.api_port = api_port
         self.api: HttpApi | None = None  # once started
@@ -94,12 +118,13 @@ class OrchestratorServer:
                           if endpoints_file is not None else None)
 
     async def start(self, wait_for_stages: float | None = None) -> int:
-        # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
-        # message gets gRPC's RESOURCE_EXHAUSTED).
-        receive = min(max(MIN_RECEIVE_BYTES, self.pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
+        # Keys are checked and request bytes budgeted by the door before a handler runs.
+        orc = self.pipeline.deployment.orchestrator
         self.server, self.health = await serving.start_grpc_server(
             SERVICE, lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server),
-            receive, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds)
+            self.receive_bytes, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds,
+            interceptors=[self.door], max_concurrent_rpcs=orc.max_inflight + orc.max_queued + RPC_SLACK,
+            max_concurrent_streams=MAX_STREAMS_PER_CONNECTION, stream_window_bytes=CLIENT_STREAM_WINDOW_BYTES)
         self.port = self._add_port()
         await self.server.start()
         self.router.start()
@@ -116,15 +141,20 @@ class OrchestratorServer:
             await self.router.wait_ready(wait_for_stages)
         if self.api_port is not None:  # before ready: /readyz answering 200 means the API answers too
             # Imported here: the HTTP stack (FastAPI, uvicorn) loads only where the API is served.
-            from .http_api import HttpApi
+            from .http_api import HttpApi, allowed_hosts_from
 
-            api = HttpApi(self.servicer, self.pipeline, self.host, self.api_port, tls=self.client_tls)
+            api = HttpApi(self.servicer, self.pipeline, self.host, self.api_port, tls=self.client_tls,
+                          allowed_hosts=allowed_hosts_from(os.environ))
             self.api_port = await api.start()
             self.api = api  # only once bound: a drain after a failed start has no API to stop
         self.ready = True
         await serving.set_serving(self.health, [SERVICE], True)
         log.info("orchestrator for %s serving on %s:%d", self.pipeline.name, self.host, self.port)
         return self.port
+
+    def _count_refusal(self, method: str) -> None:
+        if method == GENERATE:  # as the handler counts its refusals
+            self.metrics.requests.labels("rejected").inc()
 
     def _add_port(self) -> int:
         address = f"{self.host}:{self.port}"

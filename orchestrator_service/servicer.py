@@ -17,7 +17,7 @@ from omnistage.contract.modalities import MODALITY_CODES, MODALITY_NAMES
 from omnistage.contract.params import InvalidRequest, RequestParams, fill_resolved, has_media, resolve
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from . import otel
+from . import client_cap, consumer_pace, otel
 from .admission import Admission, Overloaded
 from .api_keys import ApiKeys
 from .media_check import MediaCheck
@@ -126,29 +126,54 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.runs: dict[str, RequestRun] = {}       # server id -> the request's walk
         self.labels: dict[str, str] = {}            # client label -> server id, while in flight
         self.api_keys = api_keys if api_keys is not None else ApiKeys(max_priority=orc.max_priority)
+        self.client_cap = client_cap.ClientCap(client_cap.default_cap(orc.max_inflight, orc.max_queued))
 
     async def Generate(self, request: orchestrator_pb2.GenerateRequest, context):
         """The gRPC front door: the request path below, a refusal as the call's status."""
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
+        # The server's ClientDoor (grpc_door) refused a missing key before the message was read; the priority the
+        # message asks for is checked against the key here.
         refused = self.api_keys.refusal(dict(context.invocation_metadata()).get("authorization"), request.priority)
         if refused is not None:
             self.metrics.requests.labels("rejected").inc()
             await context.abort(REFUSED_KEY[refused[0]], refused[1])
+        client = client_cap.client_of(
+            client_cap.key_index(self.api_keys, dict(context.invocation_metadata()).get("authorization")),
+            client_cap.peer_host(context.peer()))
+        # Each event is written with a bound on how long it may wait on the client (consumer_pace.py), so a
+        # client that stops reading or reads a trickle gives its request up instead of holding it.
+        pace, too_slow = consumer_pace.ConsumerPace(consumer_pace.GRACE_S, consumer_pace.MIN_READ_BPS), None
         try:
-            async for ev in self.generate(request, deadline):
-                yield ev
+            async with contextlib.aclosing(self.generate(request, deadline, client=client)) as events:
+                async for ev in events:
+                    nbytes, t0 = ev.ByteSize(), time.monotonic()
+                    allowed = pace.allowed_wait(nbytes)
+                    try:
+                        async with asyncio.timeout(allowed):
+                            await context.write(ev)
+                    except TimeoutError:
+                        too_slow = pace.too_slow(nbytes, allowed)
+                        break  # leaving the block cancels the request in every stage and frees its slot
+                    pace.sent(nbytes, time.monotonic() - t0)
         except Refused as e:
             if e.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after", f"{e.retry_after_s}"),))
             await context.abort(e.code, e.message)
+        if too_slow is not None:
+            log.warning("gRPC: %s", too_slow)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_slow)
+        return
+        yield  # Generate stays an async generator (the door's interceptors iterate it); events go by write()
 
     async def generate(self, request: orchestrator_pb2.GenerateRequest, deadline: float | None = None,
-                       request_id: str | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+                       request_id: str | None = None,
+                       client: str | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         """The one request path both front doors (gRPC and HTTP) take: validate -> admit -> walk the
         stage graph -> events -> final. `deadline` is time.time() seconds, the caller's; the pipeline's
         requestTimeoutSeconds bounds it. `request_id` is the server's id for it (a new one when None; the
         HTTP layer makes its own to name the response); `request.request_id` is only the client's label.
+        `client` names who sent it for the per-client cap (client_cap.py; None: not capped).
         Raises Refused; a caller that stops iterating (client gone) cancels the request in every stage."""
         deadline = effective_deadline(deadline, time.time(), self.pipeline.limits.request_timeout_seconds)
         m = self.metrics
@@ -186,7 +211,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         t0 = time.perf_counter()
         outcome = "failed"
         ticket = None
+        capped = contextlib.ExitStack()
         try:
+            capped.enter_context(self.client_cap.holding(client))  # Overloaded: refused before it queues
             m.waiting.set(self.admission.queued + 1)
             try:
                 async with asyncio.timeout(remaining(deadline)):
@@ -237,11 +264,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             outcome = "cancelled" if e.code == grpc.StatusCode.CANCELLED else \
                 "timeout" if e.code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
             m.stage_errors.labels(e.stage, e.code.name).inc()
+            if e.replica:  # which replica is the operator's to know, not the client's (nor its address)
+                log.warning("request %s: stage %s replica %s: %s", rid, e.stage, e.replica, e)
             raise Refused(e.code, str(e), stage=e.stage) from None
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             outcome = "cancelled"
             raise
         finally:
+            capped.close()
             self.runs.pop(rid, None)
             if label:
                 self.labels.pop(label, None)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -28,6 +30,10 @@ from .outliers import nothing_sent
 from .retry_budget import CallBudget
 from .routing import NoReplica, Replica, Router
 
+log = logging.getLogger("omnistage.orchestrator")
+# What a stage's failure details may carry that is the operator's to know, not the client's: replica
+# addresses (IPv4, [IPv6], with a port) and shared-memory segment paths. The log keeps them whole.
+INTERNAL_DETAIL = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9A-Fa-f:.]+\](?::\d+)?|/dev/shm/\S+")
 # Failures another replica may not repeat. Bad input, deadlines and cancels are the request's own.
 RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS}
@@ -52,7 +58,8 @@ def client_status(stage: str, code: grpc.StatusCode, details: str) -> tuple[grpc
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return code, details
-    return grpc.StatusCode.UNAVAILABLE, f"stage {stage} failed: {details or code.name}"
+    shown = INTERNAL_DETAIL.sub("<internal>", details)
+    return grpc.StatusCode.UNAVAILABLE, f"stage {stage} failed: {shown or code.name}"
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -113,6 +120,7 @@ class StageCall:
         self.tried: set[str] = set()   # replicas called, for Release when the request ends
         self.timing = StageTiming()
         self.delivered = 0             # output chunks (ids 0..delivered-1) already handed on
+        self._digests: list[bytes] = []  # the digests of those chunks (empty when the stage gives none)
         self.client_saw = False        # some of this stage's output reached the client
         self.finished = False
         self.unfetched = False         # a chunk forwarded here was never sent: its producer may hold it
@@ -252,8 +260,9 @@ class StageCall:
         timing = self.timing
         async for out in call:
             chunk = out.chunk
-            if chunk.chunk_id < self.delivered:
-                continue  # a retried replica repeating what was already handled
+            if chunk.chunk_id < self.delivered:  # a retried replica repeating what was already handed on
+                self._check_repeat(chunk)
+                continue
             if chunk.chunk_id != self.delivered:
                 raise StageFailed(self.stage, grpc.StatusCode.UNAVAILABLE,
                                   f"stage {self.stage} sent chunk {chunk.chunk_id}, expected {self.delivered}")
@@ -271,9 +280,20 @@ class StageCall:
             if await self._deliver(chunk):
                 self.client_saw = True
             self.delivered += 1
+            self._digests.append(chunk.digest)
             if chunk.end_of_stream:
                 return
         raise _Incomplete()
+
+    def _check_repeat(self, chunk: stage_pb2.Chunk) -> None:
+        """A chunk repeated after a retry must be the one handed on: a replica that generates something else
+        (an engine that is not reproducible across replicas, batches or builds) fails the request rather
+        than splice its continuation onto another generation."""
+        before = self._digests[chunk.chunk_id]
+        if before and chunk.digest != before:
+            raise StageFailed(self.stage, grpc.StatusCode.UNAVAILABLE,
+                              f"stage {self.stage}: the retry did not reproduce chunk {chunk.chunk_id} already handed "
+                              f"on (its content differs), so its output cannot be continued on another replica")
 
     # ------------------------------------------------------------- attempts
     async def _acquire(self) -> Replica:
@@ -310,8 +330,7 @@ class StageCall:
             replica = await self._acquire()
         except NoReplica:
             c, message = client_status(self.stage, code, details)
-            raise StageFailed(self.stage, c, f"{message} (replica {failed.address}; no other ready replica)",
-                              failed.address) from None
+            raise StageFailed(self.stage, c, f"{message} (no other ready replica)", failed.address) from None
         try:
             self._may_retry(failed, code, details)  # an input forwarded while we waited may not be held
         except StageFailed:
@@ -335,6 +354,8 @@ class StageCall:
         """The call's failure as the client gets it, saying why it was not retried (`why`: "" when its
         status is the request's own)."""
         c, message = client_status(self.stage, code, details)
+        if c == grpc.StatusCode.UNAVAILABLE:
+            log.warning("stage %s replica %s failed (%s): %s", self.stage, failed.address, code.name, details)
         if c == grpc.StatusCode.UNAVAILABLE and why and code in RETRIABLE:
-            message += f" (replica {failed.address}; not retried: {why})"
+            message += f" (not retried: {why})"
         return StageFailed(self.stage, c, message, failed.address)

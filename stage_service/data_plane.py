@@ -10,6 +10,10 @@ consumer shares this host, else UCX). Where no consumer is named, everything is 
 The connector runs on the engine's device (`engine.placement.device`): received tensors land where
 the engine runs, and a CUDA stage's tensors leave from device memory over UCX where UCX carries it.
 Between two GPU stages of one host, `auto` takes UCX (CUDA IPC) rather than shared memory.
+
+UCX authenticates with the pipeline's data-plane key, read from the stage's TLS folder (`ucx.key`,
+omnistage/connector/ucx_auth.py). Without one UCX may listen on loopback only: beyond it, a stage
+whose edges ask for UCX by name refuses to start, and `auto` edges leave UCX out (docs/security.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from prometheus_client import CollectorRegistry
 from omnistage.api import Pipeline, Stage
 from omnistage.connector import ChunkReceiver, ChunkSender, Connector, TransferMetrics, make_connector
 from omnistage.connector.connector import default_host_id
+from omnistage.connector.ucx import is_loopback
+from omnistage.connector.ucx_auth import read_key
 from omnistage.contract import tensors as tensor_codec
 from omnistage.contract.devices import CPU, CUDA, uses_gpus
 from omnistage.contract.launch import ENV_HOST_ID, ENV_POD_IP, ENV_SAME_HOST, ENV_TRANSPORTS
@@ -77,6 +83,17 @@ def wanted_transports(pipeline: Pipeline, stage: Stage, same_host: bool, env: Ma
     return tuple(stores)
 
 
+def unkeyed_transports(pipeline: Pipeline, stage: Stage, transports: tuple[str, ...], keyed: bool, ucx_host: str,
+                       env: Mapping[str, str]) -> tuple[str, ...]:
+    """The stores a stage runs without a data-plane key: UCX only on loopback, or where an edge (or the
+    environment) names it, so that its store refuses to start and says why. Pure."""
+    if keyed or "ucx" not in transports or is_loopback(ucx_host):
+        return transports
+    named = bool(env.get(ENV_TRANSPORTS)) or any(
+        e.transport == "ucx" for s in pipeline.stages for e in s.inputs if stage.name in (s.name, e.source))
+    return transports if named else tuple(t for t in transports if t != "ucx")
+
+
 def out_transport(pipeline: Pipeline, stage: str, consumers: list[str]) -> str:
     """The transport for a chunk read by `consumers`: their edges' setting when they agree, else auto."""
     chosen = {e.transport for s in pipeline.stages if s.name in consumers for e in s.inputs if e.source == stage}
@@ -91,14 +108,20 @@ def consumers_device(pipeline: Pipeline, consumers: list[str]) -> str | None:
 
 class DataPlane:
     def __init__(self, pipeline: Pipeline, stage: Stage, registry: CollectorRegistry | None = None,
-                 host: str = "127.0.0.1", env: Mapping[str, str] | None = None, device: str = CPU):
+                 host: str = "127.0.0.1", env: Mapping[str, str] | None = None, device: str = CPU,
+                 tls_dir: str | None = None):
         env = os.environ if env is None else env
         self.pipeline = pipeline
         self.stage = stage
         self.same_host = env.get(ENV_SAME_HOST) == "1"
         self.host_id = env.get(ENV_HOST_ID) or default_host_id()
-        self.transports = wanted_transports(pipeline, stage, self.same_host, env)
         self.ucx_host = _reachable(host, env)
+        self.ucx_key = read_key(tls_dir)  # the pipeline's UCX data-plane key, beside the stage's certificate
+        wanted = wanted_transports(pipeline, stage, self.same_host, env)
+        self.transports = unkeyed_transports(pipeline, stage, wanted, self.ucx_key is not None, self.ucx_host, env)
+        if self.transports != wanted:
+            log.warning("stage %s: no UCX data-plane key in its TLS folder and UCX would listen beyond loopback "
+                        "(%s): UCX is off, auto edges go inline or by shared memory", stage.name, self.ucx_host)
         self.settings = pipeline.deployment.stages[stage.name].transfer
         self.device = device  # the engine's (engine.placement.device): where received tensors land
         self.metrics = TransferMetrics(registry)
@@ -110,7 +133,8 @@ class DataPlane:
 
     async def start(self) -> None:
         self.connector = await make_connector(self.stage.name, self.transports, host_id=self.host_id,
-                                              ucx_host=self.ucx_host, retain_fetched=True, device=self.device)
+                                              ucx_host=self.ucx_host, retain_fetched=True, device=self.device,
+                                              ucx_key=self.ucx_key)
         self.sender = ChunkSender(self.connector, budget_bytes=self.settings.max_buffered_bytes,
                                   ttl_s=self.settings.ttl_seconds, metrics=self.metrics)
         self.sender.start()

@@ -56,7 +56,8 @@ class StageServer:
         self.metrics = StageMetrics(self.stage.name)
         self.engine.bind_metrics(self.metrics)
         self.data_plane = DataPlane(pipeline, self.stage, self.metrics.registry, host,
-                                    device=self.engine.placement.device)  # received tensors land where it runs
+                                    device=self.engine.placement.device,  # received tensors land where it runs
+                                    tls_dir=tls_dir)  # the UCX data-plane key sits beside the certificate
         self.servicer = StageServicer(pipeline, self.stage, self.engine, self.metrics, self.data_plane)
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.stages[self.stage.name].drain_seconds)

@@ -19,6 +19,7 @@ from omnistage.contract.params import InvalidRequest, resolve
 from omnistage.contract.tensors import TensorFormatError, descriptor_bytes
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from stage_service.call_scope import RequestReleased, StageCalls
+from stage_service.chunk_digest import chunk_digest
 from stage_service.convert import output_to_proto
 from stage_service.data_plane import DataPlane
 from stage_service.metrics import StageMetrics
@@ -104,6 +105,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 units, unit = self._work(header.request_id)
                 msg = stage_pb2.StageOutput(chunk=output_to_proto(OutputChunk(), self.stage.name, chunk_id, True,
                                                                   units=units, unit=unit))
+                if header.digest_outputs:
+                    msg.chunk.digest = chunk_digest({}, "")
                 with call.sending():
                     yield msg
         if call.status is not None:
@@ -124,6 +127,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         units, unit = self._work(header.request_id) if out.last else (0, "")
         msg = output_to_proto(out, self.stage.name, chunk_id, out.last, descriptors, units=units, unit=unit)
         msg.timing.transfer_path = self.data_plane.input_paths(header.request_id, done=out.last)
+        if header.digest_outputs:
+            msg.digest = chunk_digest(out.tensors, out.text)
         self.metrics.chunks.labels(self.stage.name).inc()
         self.metrics.output_bytes.labels(self.stage.name).inc(sum(t.numel() * t.element_size()
                                                                   for t in out.tensors.values()))

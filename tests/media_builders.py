@@ -22,3 +22,25 @@ def wav(samples: np.ndarray, rate: int = 16000, subtype: str | None = None) -> b
     buf = io.BytesIO()
     soundfile.write(buf, samples, rate, format="WAV", subtype=subtype)
     return buf.getvalue()
+
+
+def audio_file(fmt: str, seconds: float = 0.1, rate: int = 8000, **kw) -> bytes:
+    """`seconds` of silence at `rate` Hz in the container `fmt` (any libsndfile writes: "AIFF", "VOC", ...)."""
+    buf = io.BytesIO()
+    soundfile.write(buf, np.zeros(int(rate * seconds), np.float32), rate, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def video_file(fmt: str, codec: str = "mpeg4", frames: int = 3) -> bytes:
+    """`frames` 32x16 frames at 4 fps, encoded with `codec` in the container `fmt` (any FFmpeg muxes: "mp4",
+    "webm", "avi", ...). Needs PyAV (a dev dependency, the `video` extra)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=4)
+        stream.width, stream.height, stream.pix_fmt = 32, 16, "yuv420p"
+        for j in range(frames):
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((16, 32, 3), 30 * j, np.uint8), "rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()

@@ -91,6 +91,9 @@ class Stage:
     component: str = api_field("Part of a combined checkpoint this stage runs (thinker, talker, code2wav, "
                                "token2wav; a diffusers sub-folder: text_encoder, unet, transformer, vae); "
                                "selects the engine adapter.", default="", catalog=component_catalog)
+    trust_remote_code: bool = api_field("Import any component class a diffusers checkpoint's model_index.json "
+                                        "names (code the checkpoint chooses); false: only the diffusers and "
+                                        "transformers classes of the served families.", default=False)
     inputs: tuple[Edge, ...] = api_field("Edges from producing stages.", default=(), list_map_key="stage",
                                          item="input")
     chunk_size: int = api_field("Units (tokens, frames, steps) per chunk on every edge leaving this stage; "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnistage.api import Pipeline, Stage
+from omnistage.checkpoints.components import refusal
 from omnistage.checkpoints.configs import read_json, require_keys
 from omnistage.checkpoints.names import TOKENIZER_FILES
 from omnistage.checkpoints.shards import DTYPES, CheckpointError, ShardedCheckpoint, TensorInfo
@@ -66,7 +67,7 @@ def check_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None
         if not path.is_dir():
             raise CheckpointError(f"{path}: no such model directory")
         if (path / "model_index.json").exists():
-            family, weights, others, tensors = _diffusers(path, stage.component)
+            family, weights, others, tensors = _diffusers(path, stage.component, stage.trust_remote_code)
         else:
             family, weights, others, tensors = _transformers(path, stage.component)
     except CheckpointError as e:
@@ -143,7 +144,7 @@ def _files(path: Path, part: Part) -> list[str]:
 
 # ------------------------------------------------------------------ diffusers pipelines
 
-def _diffusers(path: Path, component: str):
+def _diffusers(path: Path, component: str, trust_remote_code: bool = False):
     index = read_json(path / "model_index.json")
     cls = index.get("_class_name", "")
     family = family_of(cls)
@@ -158,6 +159,13 @@ def _diffusers(path: Path, component: str):
     tensors: list[TensorInfo] = []
     others: list[str] = ["model_index.json"]
     reads = stages[component]
+    for sub in (s.rstrip("?") for s in (*reads.weights, *reads.configs)):   # the classes the stage imports
+        entry = index.get(sub)
+        if entry is None or entry == [None, None]:   # absent, or a component the pipeline goes without
+            continue
+        why = refusal(sub, entry, trust_remote_code)
+        if why:
+            raise CheckpointError(f"{path / 'model_index.json'}: {why}")
     for sub, with_weights in [*((w, True) for w in reads.weights), *((c, False) for c in reads.configs)]:
         folder = _sub_folder(path, index, sub)
         if folder is None:

@@ -78,11 +78,19 @@ class ShardedCheckpoint:
                 weight_map = index["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{self.index_file}: not a safetensors index ({e})") from None
-            self.weight_map = {k: self.root / v for k, v in weight_map.items()}
+            self.weight_map = {k: self._shard(k, v) for k, v in weight_map.items()}
         elif single.exists():
             self.weight_map = {k: single for k in self._header(single)}
         else:
             raise CheckpointError(f"{self.root}: no {single.name} or {self.index_file.name} (not a checkpoint)")
+
+    def _shard(self, key: str, name: object) -> Path:
+        """The shard an index entry names: a file in the checkpoint's own folder (an absolute path, a folder
+        or `..` would read weights from anywhere)."""
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise CheckpointError(f"{self.index_file}: {key} is placed in {name!r}, not a file name in the "
+                                  f"checkpoint's folder")
+        return self.root / name
 
     # ------------------------------------------------------------------ names and sizes
     def keys(self, prefix: str = "") -> list[str]:

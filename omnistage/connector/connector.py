@@ -11,7 +11,6 @@ memory, else it is staged to host; which memory path each tensor took is `path_o
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -26,7 +25,7 @@ from omnistage.connector.keys import TensorKey
 from omnistage.connector.paths import CPU, CUDA, HOST, choose_path, device_kind, sends_device_memory, widen_tls_for_cuda
 from omnistage.connector.shm import ShmStore
 from omnistage.connector.store import TensorStore
-from omnistage.connector.ucx import UcxStore
+from omnistage.connector.ucx import UcxStore, is_loopback
 from omnistage.contract import tensors
 from omnistage.v1 import tensor_pb2
 
@@ -221,13 +220,6 @@ class Connector:
             await s.close()
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _own(t: torch.Tensor, keep_device: bool = False) -> torch.Tensor:
     """A contiguous tensor that does not pin a much larger buffer it is a view of: on the CPU, or on
     its CUDA device when the store sends device memory (`keep_device`)."""
@@ -247,14 +239,16 @@ async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = S
                          fragment_bytes: int = 0, get_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
                          clock: Callable[[], float] = time.monotonic,
                          ucx_options: dict[str, str] | None = None, retain_fetched: bool = False,
-                         device: str = CPU, ucx_device_memory: bool = True) -> Connector:
+                         device: str = CPU, ucx_device_memory: bool = True,
+                         ucx_key: bytes | None = None) -> Connector:
     """A started connector for `stage` with the given stores ("shm", "ucx"; inline is always on).
 
     `ucx_host` is the address consumers reach this stage's UCX listener at (a pod IP on a cluster);
     `ucx_options` are UCX settings without the UCX_ prefix (the environment wins over them);
     `retain_fetched`: keep tensors after their last reader, for a retried consumer (store.py);
     `device`: where `get` puts tensors ("cpu", "cuda", "cuda:<n>"); `ucx_device_memory=False` keeps
-    CUDA tensors off UCX's CUDA transports (staged through host memory).
+    CUDA tensors off UCX's CUDA transports (staged through host memory); `ucx_key`: the pipeline's
+    data-plane key (omnistage.connector.ucx_auth), needed unless `ucx_host` is loopback.
     """
     unknown = [t for t in transports if t not in STORES]
     if unknown:
@@ -263,7 +257,7 @@ async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = S
     device = _checked_device(device)
     host_id = host_id or default_host_id()
     ucx_options = dict(ucx_options or {})
-    if _is_loopback(ucx_host):
+    if is_loopback(ucx_host):
         ucx_options.setdefault("NET_DEVICES", "lo")  # consumers come over loopback: keep UCX's lanes there too
     if device != CPU and ucx_device_memory and "ucx" in transports:
         _allow_cuda_transports(ucx_options)
@@ -273,7 +267,7 @@ async def make_connector(stage: str, transports: tuple[str, ...] | list[str] = S
     if "ucx" in transports:
         ucx = UcxStore(host_id, clock, host=ucx_host, port=ucx_port, max_endpoints=max_endpoints,
                        fragment_bytes=fragment_bytes, get_timeout_s=get_timeout_s, options=ucx_options,
-                       device=device, device_memory=ucx_device_memory)
+                       device=device, device_memory=ucx_device_memory, key=ucx_key)
         await ucx.start()
         stores["ucx"] = ucx
     for store in stores.values():

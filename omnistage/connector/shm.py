@@ -20,11 +20,13 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import itertools
+import logging
 import mmap
 import os
 import queue
 import re
 import secrets
+import stat
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, cast
@@ -55,6 +57,8 @@ _IO_MAX = 1 << 30  # bytes per read/write call (Linux caps one call near 2 GiB)
 # Segments at least this big are mapped, smaller ones copied out: mapping costs a fixed mmap/munmap and page
 # faults, a copy grows with the size; chosen by measurement (bench/transport.py `shm.map_over_copy.<size>`).
 MAPPED_FROM = 256 << 10
+
+log = logging.getLogger("omnistage.connector")
 
 
 class ShmStore(TensorStore):
@@ -146,13 +150,33 @@ _PID_NS = _pid_namespace()
 
 
 def reap_orphans(shm_dir: Path) -> int:
-    """Remove segments left by dead producers of this pid namespace; returns how many."""
+    """Remove segments left by dead producers of this pid namespace; returns how many. Only regular files
+    of this process's user are ours to remove: the directory is world-writable, so an entry of a matching
+    name may be anyone's (a directory, a link, another user's file). Such an entry, or one that cannot be
+    removed, is skipped with one warning; it never stops a store from starting."""
     reaped = 0
+    uid = os.geteuid()
     for path in shm_dir.glob(f"{SEGMENT_PREFIX}{_PID_NS}-*"):
         pid = path.name.removeprefix(f"{SEGMENT_PREFIX}{_PID_NS}-").split("-", 1)[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
-            path.unlink(missing_ok=True)
-            reaped += 1
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):
+            continue
+        try:
+            st = os.lstat(path)   # the entry itself: a link is not followed
+            if not stat.S_ISREG(st.st_mode):
+                log.warning("shared memory: %s is not a regular file; not a segment of ours, left alone", path)
+                continue
+            if st.st_uid != uid:
+                log.warning("shared memory: %s is owned by uid %d, not %d; not a segment of ours, left alone",
+                            path, st.st_uid, uid)
+                continue
+            os.unlink(path)
+        except FileNotFoundError:
+            continue   # removed meanwhile (its last reader, or another store starting)
+        except OSError as e:
+            log.warning("shared memory: cannot remove the orphaned segment %s (%s); left alone", path,
+                        e.strerror or e)
+            continue
+        reaped += 1
     return reaped
 
 

@@ -38,6 +38,9 @@ ORCHESTRATOR_MODULE = "orchestrator_service"
 # Environment variables the services read.
 ENV_MODEL_DIR = "OMNISTAGE_MODEL_DIR"        # root of the model store
 ENV_HOST = "OMNISTAGE_HOST"                  # the address to bind when --host is not given
+# Domain names the OpenAI API answers in a request's Host when bound to loopback, besides localhost (a local
+# proxy's), comma separated: `omnistage serve --allowed-host` sets it for the orchestrator.
+ENV_ALLOWED_HOSTS = "OMNISTAGE_ALLOWED_HOSTS"
 ENV_SAME_HOST = "OMNISTAGE_PEERS_SAME_HOST"  # "1": every stage of the pipeline runs on this host (local mode)
 ENV_HOST_ID = "OMNISTAGE_HOST_ID"            # the shared-memory domain's name (default: the host name)
 ENV_TRANSPORTS = "OMNISTAGE_TRANSPORTS"      # override the stores a stage enables, e.g. "shm" or "shm,ucx"
@@ -62,12 +65,14 @@ DEFAULT_NAMESPACE = "default"
 METRICS_PATH = "/metrics"   # Prometheus
 READY_PATH = "/readyz"      # 200 once serving, 503 while loading or draining
 LIVE_PATH = "/livez"
-DRAIN_PATH = "/drain"       # a preStop hook: answers once admitted work is finished
+DRAIN_PATH = "/drain"       # POST with the drain token (a preStop hook): answers once admitted work is finished
 API_PATH = "/v1"            # the base of the OpenAI-compatible API, on its own port
-# The pod's own service-account token: besides a caller inside the pod, only a bearer of it may ask for /drain.
-SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-# The preStop hook runs this in the container (an exec hook: an httpGet hook comes from the node, which
-# /drain refuses): Python, so any image that runs omnistage runs it.
+# Where a process that serves /drain writes its drain token (0600, in a 0700 folder of its user under the
+# temporary directory, per HTTP port): only its own user (the preStop hook, in the same container) can read it.
+DRAIN_TOKEN_DIR = "omnistage-drain-{uid}"
+DRAIN_TOKEN_FILE = "{port}.token"
+# The preStop hook runs this in the container (an exec hook: it reads the drain token, which a kubelet's
+# httpGet hook could not send): Python, so any image that runs omnistage runs it.
 DRAIN_HOOK_CODE = "from omnistage.contract.launch import drain_self; drain_self()"
 # Where a process that refuses to start writes its one-line reason (Kubernetes' default terminationMessagePath;
 # the kubelet shows it as the container's last termination message).
@@ -190,14 +195,26 @@ def http_url(host: str, port: int, path: str = "") -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
 
 
-def drain_self(env: Mapping[str, str] | None = None, port: int = HTTP_PORT) -> None:
+def drain_token_path(port: int, temp_dir: str | os.PathLike | None = None) -> Path:
+    """The drain token file of the process whose HTTP status port is `port` (see DRAIN_TOKEN_DIR)."""
+    import tempfile  # here: only the token's writer and the hook need it
+
+    root = Path(temp_dir if temp_dir is not None else tempfile.gettempdir())
+    return root / DRAIN_TOKEN_DIR.format(uid=os.geteuid()) / DRAIN_TOKEN_FILE.format(port=port)
+
+
+def drain_self(env: Mapping[str, str] | None = None, port: int = HTTP_PORT,
+               temp_dir: str | os.PathLike | None = None) -> None:
     """Ask this pod's own service for /drain and wait for the answer (the preStop hook; the kubelet bounds
-    it by the grace period). The service binds the pod IP, so the call goes there: from inside the pod,
-    as /drain requires."""
+    it by the grace period): a POST bearing the token the service wrote (`drain_token_path`). The service
+    binds the pod IP, so the call goes there."""
     import urllib.request  # here: only the hook needs it
 
     env = os.environ if env is None else env
-    with urllib.request.urlopen(http_url(env.get(ENV_POD_IP) or DEFAULT_HOST, port, DRAIN_PATH)) as answer:
+    token = drain_token_path(port, temp_dir).read_text().strip()
+    request = urllib.request.Request(http_url(env.get(ENV_POD_IP) or DEFAULT_HOST, port, DRAIN_PATH), data=b"",
+                                     method="POST", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request) as answer:
         answer.read()
 
 

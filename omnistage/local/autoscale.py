@@ -88,7 +88,8 @@ class LocalAutoscaler:
         for stage, counters in by_stage.items():
             self.planner.observe(stage, counters, units.get(stage, ""))
         orch = self.local.orchestrator
-        if orch is not None:   # the latency targets' measures and the request classes at the front door
+        # the latency targets' measures and the request classes at the front door (not while it restarts)
+        if orch is not None and orch.ports is not None:
             try:
                 text = self._read(http_url(self.local.host, orch.ports.http, METRICS_PATH))
                 buckets, classes = orchestrator_buckets(text), orchestrator_classes(text)

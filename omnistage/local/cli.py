@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from omnistage.api import MODALITIES, SpecError, load_pipeline
-from omnistage.contract.launch import ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root
+from omnistage.contract.launch import ENV_ALLOWED_HOSTS, ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root
 from omnistage.local import gpu_placement
 
 DEFAULT_MODEL_DIR = str(model_root())
@@ -110,6 +110,8 @@ def _hops_line(local) -> str:
 def cmd_serve(args) -> int:
     from omnistage.local.serve import LaunchError
 
+    if args.allowed_host:  # the orchestrator reads it where it builds the API; the processes inherit it
+        os.environ[ENV_ALLOWED_HOSTS] = ",".join(args.allowed_host)
     try:
         local = _launcher(args, api_port=args.api_port, api_keys=args.api_key, tls=not args.no_tls,
                           client_tls_dir=Path(args.client_tls_dir).resolve() if args.client_tls_dir else None)
@@ -136,26 +138,19 @@ def cmd_serve(args) -> int:
     print(f"  {_hops_line(local)}")
     _print_endpoints(local)
     autoscaler = _autoscaler(local) if args.autoscale or local.pipeline.deployment.autoscaling.enabled else None
-    code = 0
     try:
         while stop["sig"] is None:
             if autoscaler is not None:
                 autoscaler.tick()
-            dead = local.dead()
-            if dead:
-                for p in dead:
-                    print(f"omnistage serve: {p.name} (pid {p.popen.pid}) exited with code {p.popen.returncode}; "
-                          f"last log lines ({p.log_path}):\n{p.tail()}", file=sys.stderr, flush=True)
-                time.sleep(2.0)  # let in-flight requests receive their UNAVAILABLE before the rest stops
-                code = 1
-                break
+            for event in local.supervise():   # a process that died is restarted, with backoff; one line each
+                print(f"omnistage serve: {event}", file=sys.stderr, flush=True)
             time.sleep(0.2)
     finally:
         print("stopping ...", flush=True)
         if autoscaler is not None:
             autoscaler.close()
         local.stop()
-    return code
+    return 0
 
 
 def _autoscaler(local):
@@ -427,6 +422,15 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
                    help="your label for the request (the server assigns its own id; the label is echoed and traced)")
 
 
+def _api_key_file(path: str) -> list[str]:
+    """--api-key-file: the entries of FILE, one a line; blank lines and # comments skipped."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="OmniPipeline YAML file")
     p.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
@@ -457,11 +461,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "refused before anything starts.")
     _add_launch_args(p)
     p.add_argument("--api-port", type=int, default=0, help="port of the OpenAI-compatible API (0: any free port)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a domain name the OpenAI API accepts in a request's Host besides localhost when bound to "
+                        f"loopback, e.g. a local reverse proxy's (repeatable; sets ${ENV_ALLOWED_HOSTS})")
     p.add_argument("--no-api", action="store_true",
                    help="serve the gRPC API only (as spec.deployment.orchestrator.http.enabled: false does)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY[:N]",
                    help=f"a bearer key both client APIs (gRPC and OpenAI) require; KEY:N also allows priority up to N "
-                        f"(repeat; default: ${ENV_API_KEYS}, comma-separated; none: no key needed)")
+                        f"(a key holds no ':'; repeat; default: ${ENV_API_KEYS}, comma-separated; none: no key "
+                        "needed). The process list shows it: prefer --api-key-file or the environment")
+    p.add_argument("--api-key-file", dest="api_key", action="extend", type=_api_key_file, metavar="FILE",
+                   help="API keys as --api-key takes them, one a line (blank lines and lines starting with # "
+                        "skipped); unlike --api-key, never shown in the process list")
     p.add_argument("--no-tls", action="store_true",
                    help="plaintext, unauthenticated calls between the orchestrator and the stages (default: "
                         "mutual TLS with a throwaway CA made at start); for benchmarks that compare")

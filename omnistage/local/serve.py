@@ -3,7 +3,12 @@
 Stages start in parallel (each in its own process group, so engine helper
 processes go with it), the orchestrator once every stage is SERVING. On
 Ctrl-C or SIGTERM every process gets SIGTERM, then SIGKILL after a bound: no
-process is left behind. A process that dies is reported by name.
+process is left behind. A process that dies while serving is restarted, as a
+Deployment restarts a container (`supervise`, `omnistage.local.restarts`: crash-loop
+backoff): a stage replica leaves the orchestrator's endpoints at once and joins
+them again once its replacement is ready, the other replicas serve meanwhile; the
+orchestrator comes back on the ports it had. Each process's log file is bounded
+(`restarts.rotate_log`).
 
 Every process serves its HTTP status port (metrics, readiness, liveness) on a
 free port, and the orchestrator the OpenAI-compatible API when asked; each
@@ -53,6 +58,7 @@ from omnistage.contract.launch import (
     stage_command,
 )
 from omnistage.local import gpu_placement
+from omnistage.local.restarts import failures_after_death, log_tail, restart_delay, rotate_log
 
 TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
 ENDPOINTS_FILE = "endpoints.json"           # in the log folder: the orchestrator's stage replicas (--discovery file)
@@ -82,6 +88,9 @@ class Proc:
     ready_after: float | None = None
     stop_at: float | None = None     # a replica being drained: when it gets SIGTERM
     kill_at: float | None = None     # ... and SIGKILL, when its drain bound has passed and it is still there
+    env: dict[str, str] = field(default_factory=dict)   # what it was started with (a restart gets the same)
+    failures: int = 0                # deaths in a row (crash-loop backoff; reset by a long enough run)
+    restart_at: float | None = None  # dead: when it is started again
 
     @property
     def port(self) -> int | None:
@@ -89,10 +98,7 @@ class Proc:
         return self.ports.grpc if self.ports else None
 
     def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)
 
 
 @dataclass
@@ -187,7 +193,9 @@ class LocalPipeline:
 
     def _spawn(self, proc: Proc, env: dict[str, str]) -> None:
         proc.ready_file.unlink(missing_ok=True)
-        log = open(proc.log_path, "wb")
+        proc.env, proc.ports = env, None
+        # Appended to (a restart keeps the last one's lines), in append mode: `rotate_log` empties it in place.
+        log = open(proc.log_path, "ab")
         proc.popen = subprocess.Popen(proc.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
         log.close()
@@ -201,7 +209,7 @@ class LocalPipeline:
         orchestrator_env = {**env, **self._api_key_env(), **gpu_placement.replica_env()}
         machine = self.place_gpus(env)
         self.check_memory(env)
-        self._tls_dirs = tls_dirs = self._issue_certificates() if self.tls else {}
+        self._tls_dirs = self._issue_certificates() if self.tls else {}
         self._env = env
         for (stage, i), gpus in self.gpu_assignment.items():   # every stage replica, in stage order
             proc = self._stage_proc(stage, f"{stage}-{i}", f"stage {stage}[{i}]", gpus)
@@ -211,22 +219,26 @@ class LocalPipeline:
                       f"(logs in {self.log_dir})")
         self._wait_ready(self.stages, timeout)
         self.write_endpoints()
-        ready_file = self.log_dir / "orchestrator.ready"
-        argv = orchestrator_command(self.pipeline_file, host=self.host, port=self.port, http_port=0,
-                                    api_port=self.api_port, discovery="file", endpoints_file=self.endpoints_file,
-                                    wait_for_stages=30, ready_file=ready_file, tls_dir=tls_dirs.get(None),
-                                    client_tls_dir=self.client_tls_dir)
-        self.orchestrator = Proc("orchestrator", argv, self.log_dir / "orchestrator.log", ready_file)
+        self.orchestrator = self._orchestrator_proc(self.port, 0, self.api_port)
         self._spawn(self.orchestrator, orchestrator_env)
         self._wait_ready([self.orchestrator], 60)
         self.endpoint = f"{self.host}:{self.orchestrator.port}"
         self.write_targets()
         return self.endpoint
 
+    def _orchestrator_proc(self, port: int, http_port: int, api_port: int | None) -> Proc:
+        ready_file = self.log_dir / "orchestrator.ready"
+        argv = orchestrator_command(self.pipeline_file, host=self.host, port=port, http_port=http_port,
+                                    api_port=api_port, discovery="file", endpoints_file=self.endpoints_file,
+                                    wait_for_stages=30, ready_file=ready_file, tls_dir=self._tls_dirs.get(None),
+                                    client_tls_dir=self.client_tls_dir)
+        return Proc("orchestrator", argv, self.log_dir / "orchestrator.log", ready_file)
+
     def _stage_proc(self, stage: str, tag: str, name: str, gpus: tuple[str, ...] = ()) -> Proc:
         ready_file = self.log_dir / f"{tag}.ready"
         argv = stage_command(self.pipeline_file, stage, host=self.host, port=0, http_port=0,
                              model_dir=self.model_dir, ready_file=ready_file, tls_dir=self._tls_dirs.get(stage))
+        argv.insert(1, "-P")  # the user's cwd (./models and all) off sys.path: a checkpoint cannot plant a module
         return Proc(name, argv, self.log_dir / f"{tag}.log", ready_file, stage=stage, gpus=gpus)
 
     def write_endpoints(self) -> None:
@@ -263,6 +275,8 @@ class LocalPipeline:
             return None
         proc = max(mine, key=lambda p: p.started)
         self.starting.remove(proc)
+        if proc.restart_at is not None:   # dead, waiting for its restart: nothing to stop
+            return proc
         _signal_group(proc.popen, signal.SIGTERM)
         proc.stop_at, proc.kill_at = None, time.monotonic() + DRAIN_KILL_MARGIN_S
         self.draining.append(proc)   # reaped (or killed) there
@@ -285,6 +299,12 @@ class LocalPipeline:
         """Advance the replicas being added and drained; returns what happened, one line each."""
         events = []
         for p in list(self.starting):
+            if p.restart_at is not None:   # dead, its restart due later
+                if time.monotonic() >= p.restart_at:
+                    p.restart_at = None
+                    self._spawn(p, p.env)
+                    events.append(f"{p.name}: restarted (pid {p.popen.pid})")
+                continue
             p.ports = read_ready(p.ready_file)
             if p.ports is not None:
                 p.ready_after = time.monotonic() - p.started
@@ -293,9 +313,7 @@ class LocalPipeline:
                 self.write_endpoints()
                 events.append(f"{p.name}: ready on {self.host}:{p.port} after {p.ready_after:.1f}s, in service")
             elif p.popen.poll() is not None:
-                self.starting.remove(p)
-                events.append(f"{p.name} exited with code {p.popen.returncode} while starting; last log lines "
-                              f"({p.log_path}):\n{p.tail()}")
+                events.append(self._restart_later(p, "while starting"))
         for p in list(self.draining):
             now = time.monotonic()
             if p.stop_at is not None and now >= p.stop_at:
@@ -378,8 +396,59 @@ class LocalPipeline:
     def all_procs(self) -> list[Proc]:
         return self.stages + ([self.orchestrator] if self.orchestrator else [])
 
-    def dead(self) -> list[Proc]:
-        return [p for p in self.all_procs() if p.popen is not None and p.popen.poll() is not None]
+    def supervise(self) -> list[str]:
+        """Restart what died, as a Deployment does; returns one line per event. A dead stage replica leaves
+        the orchestrator's endpoints at once (the others serve its stage) and waits its backoff among the
+        replicas starting, where `poll_scaling` starts it again and puts it back once ready. A dead
+        orchestrator is started again on the ports it had, so the address clients were given stays good.
+        Also bounds every process's log file (`rotate_log`)."""
+        events = []
+        for p in list(self.stages):
+            if p.popen is not None and p.popen.poll() is not None:
+                self.stages.remove(p)
+                self.write_endpoints()
+                self.starting.append(p)   # counted as a replica on its way (the autoscaler's count)
+                events.append(self._restart_later(p, "while serving"))
+        events += self.poll_scaling()
+        orch = self.orchestrator
+        if orch is not None and orch.popen is not None:
+            now = time.monotonic()
+            if orch.restart_at is None and orch.ports is None and orch.popen.poll() is None:
+                orch.ports = read_ready(orch.ready_file)   # a restarted orchestrator, not ready yet
+                if orch.ports is not None:
+                    events.append(f"{orch.name}: ready again on {self.endpoint} after "
+                                  f"{now - orch.started:.1f}s (pid {orch.popen.pid})")
+            elif orch.restart_at is None and orch.popen.poll() is not None:
+                events.append(self._restart_later(orch, "while serving" if orch.ports else "while starting"))
+                if orch.ports is not None:   # the same ports again: clients were given this address
+                    self.orchestrator = orch = self._restarted_orchestrator(orch)
+            elif orch.restart_at is not None and now >= orch.restart_at:
+                orch.restart_at = None
+                self._spawn(orch, orch.env)
+                events.append(f"{orch.name}: restarted (pid {orch.popen.pid})")
+        for p in [*self.all_procs(), *self.starting, *self.draining]:
+            rotate_log(p.log_path)
+        return events
+
+    def _restart_later(self, p: Proc, when: str) -> str:
+        """Schedule the restart of a process that died; the line that says so."""
+        _signal_group(p.popen, signal.SIGKILL)   # helper processes of its group go with it
+        now = time.monotonic()
+        p.failures = failures_after_death(p.failures, now - p.started)
+        delay = restart_delay(p.failures)
+        p.restart_at = now + delay
+        where = "out of service, " if p.stage is not None and when == "while serving" else ""
+        return (f"{p.name} (pid {p.popen.pid}) exited with code {p.popen.returncode} {when}; {where}"
+                f"restart {p.failures} in {delay:g}s (log: {p.log_path})")
+
+    def _restarted_orchestrator(self, dead: Proc) -> Proc:
+        """The orchestrator's next process: the ports the dead one bound, its restart already scheduled."""
+        assert dead.ports is not None
+        proc = self._orchestrator_proc(dead.ports.grpc, dead.ports.http or 0,
+                                       dead.ports.api if self.api_port is not None else None)
+        proc.popen, proc.env, proc.started = dead.popen, dead.env, dead.started
+        proc.failures, proc.restart_at = dead.failures, dead.restart_at
+        return proc
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every process group, wait up to `grace`, then SIGKILL what is left."""

@@ -20,12 +20,13 @@ measuring afresh (each stage held where it is until measured over a window).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Hashable, Iterator, Mapping
@@ -34,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from omnistage.api import Pipeline, SpecError
-from omnistage.contract.launch import METRICS_PATH, http_url
+from omnistage.contract.launch import METRICS_PATH
 from omnistage.planner.classes import ClassCounts
 from omnistage.planner.controller import Planner
 from omnistage.planner.graph import upstream_of
@@ -44,7 +45,7 @@ from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes,
 
 from .kube import Kube
 from .pipeline_object import parse
-from .planning import Plans, ScrapeTarget, autoscaled, change_message, planned_view, scrape_targets
+from .planning import Plans, ScrapeTarget, autoscaled, change_message, owned_pods, planned_view, scrape_targets
 from .vocabulary import (
     COMPONENT_STAGE,
     LABEL_COMPONENT,
@@ -58,14 +59,67 @@ from .workqueue import WorkQueue
 
 log = logging.getLogger("omnistage.operator.autoscaler")
 TICK_S = 0.25
-SCRAPE_TIMEOUT_S = 1.0
+# A scrape of a tenant's pod ends within this, whole (connect, headers and body; a body drip-fed a byte at a
+# time included): a stage answers /metrics in milliseconds, and the 16 threads are shared by every pipeline.
+SCRAPE_DEADLINE_S = 2.0
+# The most a pod's /metrics may send: a stage's or orchestrator's exposition is tens of KiB (a few hundred
+# series); a larger one is not ours, and the operator (512 Mi) must not hold it.
+SCRAPE_MAX_BYTES = 4 * 1024 * 1024
 SCRAPE_THREADS = 16
 RETRY_S = 5.0   # after a failed step (the API server unreachable, say), the pipeline's next look
+_READ_PIECE = 65536
+
+
+class ScrapeRefused(ValueError):
+    """A pod's /metrics answer that is not read: past the deadline, over the size cap, or not a 200."""
 
 
 def fetch_metrics(target: ScrapeTarget) -> str:
-    with urllib.request.urlopen(http_url(target.host, target.port, METRICS_PATH), timeout=SCRAPE_TIMEOUT_S) as r:
-        return r.read().decode()
+    """One pod's /metrics, bounded in time (SCRAPE_DEADLINE_S over the whole exchange) and in size
+    (SCRAPE_MAX_BYTES): past either, ScrapeRefused and nothing kept."""
+    deadline_s, max_bytes = SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES
+    conn = http.client.HTTPConnection(target.host, target.port, timeout=deadline_s)
+    expired = threading.Event()
+    opened: list[socket.socket] = []   # the socket itself: the connection drops it once the response has it
+
+    def cut() -> None:   # ends a read blocked on a peer that sends slowly: per-read timeouts never would
+        expired.set()
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(deadline_s, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.connect()
+        opened.append(conn.sock)
+        if expired.is_set():
+            raise ScrapeRefused(f"no whole answer within {deadline_s} s")
+        conn.request("GET", METRICS_PATH)
+        r = conn.getresponse()
+        if r.status != 200:
+            raise ScrapeRefused(f"HTTP {r.status}")
+        body = bytearray()
+        while len(body) <= max_bytes and not expired.is_set():
+            piece = r.read1(_READ_PIECE)
+            if not piece:
+                break
+            body += piece
+        if expired.is_set():
+            raise ScrapeRefused(f"no whole answer within {deadline_s} s")
+        if len(body) > max_bytes:
+            raise ScrapeRefused(f"more than {max_bytes} bytes")
+        return body.decode()
+    except (OSError, http.client.HTTPException):
+        if expired.is_set():
+            raise ScrapeRefused(f"no whole answer within {deadline_s} s") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+        for sock in opened:
+            sock.close()
 
 
 def signature(p: Pipeline) -> str:
@@ -136,7 +190,8 @@ class Autoscaler:
         if p is None or not autoscaled(p):
             with self._lock:
                 return self._forget(key)
-        live = self._stage_replicas(namespace, name)
+        deployments = self.kube.list_kind("Deployment", namespace, name)
+        live = _stage_replicas(deployments)
         if any(s.name not in live for s in p.stages):
             return False   # not created yet: the reconcile makes them
         sig = signature(p)
@@ -146,7 +201,9 @@ class Autoscaler:
                 Planner(p.deployment.autoscaling, {s.name: live[s.name] for s in p.stages}, gpus,
                         upstream=upstream_of(p)), sig)
         state.next_at = now + p.deployment.autoscaling.interval_seconds
-        self._observe(state.planner, self.kube.list_pods(namespace, name))
+        pods = owned_pods(self.kube.list_pods(namespace, name), self.kube.list_replica_sets(namespace, name),
+                          deployments, body["metadata"].get("uid", ""))
+        self._observe(state.planner, pods)
         decision = state.planner.decide(self.clock())
         desired = state.planner.desired()
         scales = p.deployment.autoscaling.scales   # mode Recommend: an autoscaler of the user's own acts
@@ -165,14 +222,6 @@ class Autoscaler:
                 self.metrics[key] = PlannerMetrics(f"{namespace}/{name}")
             self.metrics[key].record(state.planner, decision)
             return self.plans.put(key, planned_view(decision, desired), now)
-
-    def _stage_replicas(self, namespace: str, name: str) -> dict[str, int]:
-        out = {}
-        for d in self.kube.list_kind("Deployment", namespace, name):
-            labels = d["metadata"].get("labels") or {}
-            if labels.get(LABEL_COMPONENT) == COMPONENT_STAGE and labels.get(LABEL_STAGE):
-                out[labels[LABEL_STAGE]] = int((d.get("spec") or {}).get("replicas", 1))
-        return out
 
     def _observe(self, planner: Planner, pods: list[dict]) -> None:
         targets = scrape_targets(pods)
@@ -228,6 +277,15 @@ class Autoscaler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stage_replicas(deployments: list[dict]) -> dict[str, int]:
+    out = {}
+    for d in deployments:
+        labels = d["metadata"].get("labels") or {}
+        if labels.get(LABEL_COMPONENT) == COMPONENT_STAGE and labels.get(LABEL_STAGE):
+            out[labels[LABEL_STAGE]] = int((d.get("spec") or {}).get("replicas", 1))
+    return out
 
 
 class _Merged:

@@ -340,8 +340,8 @@ def build_orchestrator_network_policy(p: Pipeline, cfg: OperatorConfig) -> dict:
     """Orchestrator pods accept clients on the gRPC and OpenAI-compatible API ports (from anywhere, or only
     from the peers the chart's networkPolicy.orchestratorClientsFrom names), and metrics scrapes on `http`
     from the metrics namespaces, and under autoscaling the operator's pods on `http` (its planner reads the
-    latency histograms and request-class counters there). Its status port's /drain answers only the pod
-    itself anyway."""
+    latency histograms and request-class counters there). Its status port's /drain answers only a bearer of
+    the process's drain token (the preStop hook) anyway."""
     client_ports = [_tcp(GRPC_PORT_NAME)]
     if p.deployment.orchestrator.http.enabled:
         client_ports.append(_tcp(API_PORT_NAME))
@@ -440,7 +440,7 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
          "livenessProbe": {"httpGet": {"path": LIVE_PATH, "port": HTTP_PORT_NAME}, "periodSeconds": 10,
                            "timeoutSeconds": 5, "failureThreshold": 6},
          # /drain returns once admitted work is finished (bounded by drainSeconds); SIGTERM follows. An exec
-         # hook, not httpGet: the kubelet's GET comes from the node, and /drain answers only the pod itself.
+         # hook, not httpGet: /drain is a POST bearing the token the process wrote in the container's /tmp.
          "lifecycle": {"preStop": {"exec": {"command": drain_hook_command(POD_PYTHON)}}},
          # A process that refuses to start (a broken checkpoint) writes one line there; else its last log lines.
          "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",

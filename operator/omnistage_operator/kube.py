@@ -64,6 +64,7 @@ class Kube:
         self._pipelines = self.dyn.resources.get(api_version=API_VERSION, kind="OmniPipeline")
         self._events = self.dyn.resources.get(api_version="v1", kind="Event")
         self._pods = self.dyn.resources.get(api_version="v1", kind="Pod")
+        self._replica_sets = self.dyn.resources.get(api_version="apps/v1", kind="ReplicaSet")
         # Secrets are read one by one by name, never listed or watched: the operator's RBAC holds no list or
         # watch of Secrets, so it cannot enumerate them (in its own namespace it may get only the CA's).
         self._unlisted = {"Secret": self.dyn.resources.get(api_version="v1", kind="Secret")}
@@ -110,6 +111,12 @@ class Kube:
         """The pods of every stage and of the orchestrator (read, never written: they are the
         Deployments' own)."""
         return self._pods.get(namespace=namespace, label_selector=f"{LABEL_PIPELINE}={pipeline}", **RAW)["items"]
+
+    def list_replica_sets(self, namespace: str, pipeline: str) -> list[dict]:
+        """The ReplicaSets of the pipeline's Deployments (they carry its pod labels), read by the stage planner
+        to tell the pods those made from any pod wearing the labels."""
+        return self._replica_sets.get(namespace=namespace, label_selector=f"{LABEL_PIPELINE}={pipeline}",
+                                      **RAW)["items"]
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
         try:

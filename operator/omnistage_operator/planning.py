@@ -60,10 +60,31 @@ def scrape_targets(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[ScrapeTa
         if not unit or meta.get("deletionTimestamp"):
             continue
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
-        if not ready or not status.get("podIP"):
-            continue
+        if not ready or not status.get("podIP") or (pod.get("spec") or {}).get("hostNetwork"):
+            continue   # a host-network pod's IP is its node's: the port it declares could be anything there
         out.setdefault(unit, []).append(ScrapeTarget(meta.get("name", ""), status["podIP"], _http_port(pod)))
     return out
+
+
+def owned_pods(pods: Iterable[dict], replica_sets: Iterable[Mapping[str, Any]],
+               deployments: Iterable[Mapping[str, Any]], pipeline_uid: str) -> list[dict]:
+    """The pods the pipeline's own Deployments made: controlled by a ReplicaSet that one of its Deployments
+    controls. Labels are what any tenant may put on a pod; this chain is what the operator made, so a pod
+    that only wears the pipeline's labels (on a port, or a host network, of its choosing) is never scraped."""
+    if not pipeline_uid:
+        return []
+    ours = {_uid(d) for d in deployments if _controller(d) == pipeline_uid}
+    sets = {_uid(rs) for rs in replica_sets if _controller(rs) in ours}
+    return [pod for pod in pods if _controller(pod) in sets]
+
+
+def _uid(obj: Mapping[str, Any]) -> str | None:
+    return (obj.get("metadata") or {}).get("uid")
+
+
+def _controller(obj: Mapping[str, Any]) -> str | None:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or ()
+    return next((r.get("uid") for r in refs if r.get("controller")), None)
 
 
 def _http_port(pod: Mapping[str, Any]) -> int:

@@ -21,15 +21,33 @@ from .config import TLS_CHART, OperatorConfig
 from .kube import Kube, controller_uid, owned_by
 from .pipeline_object import parse, plain
 from .planning import Plans, autoscaled, planned_replicas, ready_floor
-from .rollout import UnitState, deployment_rolled_out, plan_rollout, rollout_order
-from .status import build_status, invalid_status, new_failures, pods_by_unit, status_patch, unit_counts
-from .vocabulary import LABEL_STAGE, ORCHESTRATOR, R_INVALID_SPEC, R_STAGE_FAILING, orchestrator_endpoint
+from .rollout import RolloutPlan, UnitState, deployment_rolled_out, plan_rollout, rollout_order
+from .status import build_status, conflict_status, invalid_status, new_failures, pods_by_unit, status_patch, unit_counts
+from .vocabulary import (
+    LABEL_MANAGED_BY,
+    LABEL_STAGE,
+    MANAGED_BY,
+    ORCHESTRATOR,
+    R_CHILD_CONFLICT,
+    R_INVALID_SPEC,
+    R_STAGE_FAILING,
+    orchestrator_endpoint,
+)
 
 log = logging.getLogger("omnistage.operator")
 # While something rolls, look again this often even if no watch event arrives.
 PROGRESS_REQUEUE_SECONDS = 10.0
 # The chart's CA Secret missing or unusable: look again this often (it is made at install).
 CA_MISSING_RETRY_SECONDS = 30.0
+
+
+# A child's name taken by an object this pipeline may not adopt: look again this often (the user renames or
+# deletes one; nothing the operator does frees it).
+CONFLICT_RETRY_SECONDS = 30.0
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object the operator did not make, or another object controls."""
 
 
 @dataclass
@@ -59,29 +77,11 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str, plans:
     kopf.adopt(children.all(), owner=body)
     live = kube.list_children(namespace, name)
     uid = body["metadata"]["uid"]
-    if cfg.tls_issuer == TLS_CHART:   # before the Deployments: their pods mount these
-        try:
-            _ensure_leaf_secrets(kube, cfg, pipeline, body, out)
-        except TlsError as e:          # an unusable CA (e.g. its key and certificate do not match)
-            raise kopf.TemporaryError(f"pipeline certificates: {e}", delay=CA_MISSING_RETRY_SECONDS) from None
-
-    for obj in children.all():   # everything but Deployments goes in place at once
-        if obj["kind"] != "Deployment":
-            _ensure(kube, obj, live, uid, out)
-
-    deployments = _unit_deployments(pipeline, children)
-    observed = {unit: live.get(("Deployment", d["metadata"]["name"])) for unit, d in deployments.items()}
-    if autoscaled(pipeline):   # the planner owns the count (autoscaler.py): set at creation, never written after
-        for s in pipeline.stages:
-            if observed[s.name] is not None:
-                del deployments[s.name]["spec"]["replicas"]
-    units = [UnitState(unit, exists=observed[unit] is not None,
-                       in_sync=observed[unit] is not None and matches(d, observed[unit]),
-                       rolled_out=deployment_rolled_out(observed[unit])[0])
-             for unit, d in deployments.items()]
-    plan = plan_rollout(units, pipeline.deployment.rollout.strategy, rollout_order(pipeline))
-    for unit in plan.apply:
-        observed[unit] = _ensure(kube, deployments[unit], live, uid, out)
+    try:
+        plan, observed = _apply(kube, cfg, pipeline, body, children, live, out)
+    except ChildConflict as e:   # never adopted, never overwritten: the user frees the name
+        _refuse_conflict(kube, body, str(e))
+        raise kopf.TemporaryError(str(e), delay=CONFLICT_RETRY_SECONDS) from None
 
     wanted = {(o["kind"], o["metadata"]["name"]) for o in children.all()}
     for (kind, child), obj in sorted(live.items()):
@@ -113,6 +113,36 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str, plans:
     return out
 
 
+def _apply(kube: Kube, cfg: OperatorConfig, pipeline: Pipeline, body: dict, children: Children, live: dict,
+           out: Outcome) -> tuple[RolloutPlan, dict[str, dict | None]]:
+    """Every child in place (Deployments as the rollout plan allows); the plan and the live Deployments by unit."""
+    uid = body["metadata"]["uid"]
+    if cfg.tls_issuer == TLS_CHART:   # before the Deployments: their pods mount these
+        try:
+            _ensure_leaf_secrets(kube, cfg, pipeline, body, out)
+        except TlsError as e:          # an unusable CA (e.g. its key and certificate do not match)
+            raise kopf.TemporaryError(f"pipeline certificates: {e}", delay=CA_MISSING_RETRY_SECONDS) from None
+
+    for obj in children.all():   # everything but Deployments goes in place at once
+        if obj["kind"] != "Deployment":
+            _ensure(kube, obj, live, uid, out)
+
+    deployments = _unit_deployments(pipeline, children)
+    observed = {unit: live.get(("Deployment", d["metadata"]["name"])) for unit, d in deployments.items()}
+    if autoscaled(pipeline):   # the planner owns the count (autoscaler.py): set at creation, never written after
+        for s in pipeline.stages:
+            if observed[s.name] is not None:
+                del deployments[s.name]["spec"]["replicas"]
+    units = [UnitState(unit, exists=observed[unit] is not None,
+                       in_sync=observed[unit] is not None and matches(d, observed[unit]),
+                       rolled_out=deployment_rolled_out(observed[unit])[0])
+             for unit, d in deployments.items()]
+    plan = plan_rollout(units, pipeline.deployment.rollout.strategy, rollout_order(pipeline))
+    for unit in plan.apply:
+        observed[unit] = _ensure(kube, deployments[unit], live, uid, out)
+    return plan, observed
+
+
 def _ensure(kube: Kube, desired: dict, live: dict, owner_uid: str, out: Outcome) -> dict:
     """Create the child, or patch it back to what we want; leave it alone when it already is."""
     key = (desired["kind"], desired["metadata"]["name"])
@@ -127,12 +157,25 @@ def _ensure(kube: Kube, desired: dict, live: dict, owner_uid: str, out: Outcome)
         if current is None:
             raise kopf.TemporaryError(f"{'/'.join(key)} vanished while being created", delay=1)
     other = controller_uid(current)
-    if other is not None and other != owner_uid:
-        raise kopf.TemporaryError(f"{'/'.join(key)} exists and is controlled by another object", delay=30)
+    if other != owner_uid:
+        why = _foreign(current, other)
+        if why is not None:
+            raise ChildConflict(f"{'/'.join(key)} {why}: rename the pipeline or stage, or delete that object")
     if matches(desired, current):
         return current
     out.updated.append("/".join(key))
     return kube.patch(desired)
+
+
+def _foreign(current: dict, controller: str | None) -> str | None:
+    """Why an existing object of a child's name is not this pipeline's to patch (None: it is). Only what the
+    operator made (its managed-by label) and nothing else controls is adopted: a Deployment or Service that
+    Helm or a person made keeps its shape, and is never collected with the pipeline."""
+    if controller is not None:
+        return "exists and is controlled by another object"
+    if (current["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGED_BY:
+        return f"exists and was not made by the operator (no label {LABEL_MANAGED_BY}={MANAGED_BY})"
+    return None
 
 
 def _ensure_leaf_secrets(kube: Kube, cfg: OperatorConfig, p: Pipeline, body: dict, out: Outcome) -> None:
@@ -146,8 +189,8 @@ def _ensure_leaf_secrets(kube: Kube, cfg: OperatorConfig, p: Pipeline, body: dic
             # Only a Secret this pipeline owns is issued again: another one of that name (someone's ingress
             # certificate, another controller's) is never overwritten or adopted (and so never collected).
             if controller_uid(live) != uid:
-                raise kopf.TemporaryError(f"Secret/{leaf.secret} exists and is not this pipeline's: rename or "
-                                          "delete it", delay=30)
+                raise ChildConflict(f"Secret/{leaf.secret} exists and is not this pipeline's: rename the "
+                                    "pipeline or stage, or delete that object")
             if not needs_reissue(live, leaf, ca):
                 continue
         secret = build_tls_secret(build_tls_secret_meta(p, leaf), leaf, ca)
@@ -195,6 +238,15 @@ def _refuse(kube: Kube, body: dict, errors: list[str]) -> None:
         kube.post_event(body, "Warning", R_INVALID_SPEC, "; ".join(errors))
     log.warning("%s/%s: invalid spec: %s", body["metadata"]["namespace"], body["metadata"]["name"],
                 "; ".join(errors))
+
+
+def _refuse_conflict(kube: Kube, body: dict, message: str) -> None:
+    """Ready=False/ChildConflict naming the object, and a Warning Event, once per distinct conflict."""
+    new = conflict_status(body.get("status"), generation=body["metadata"].get("generation", 0), message=message,
+                          now=now_rfc3339())
+    if _write_status(kube, body, new):
+        kube.post_event(body, "Warning", R_CHILD_CONFLICT, message)
+    log.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], message)
 
 
 def _write_status(kube: Kube, body: dict, new: dict) -> bool:

@@ -39,6 +39,7 @@ from .vocabulary import (
     PROGRESSING,
     R_ALL_READY,
     R_AS_EXPECTED,
+    R_CHILD_CONFLICT,
     R_INVALID_SPEC,
     R_NOT_READY,
     R_PROGRESS_DEADLINE,
@@ -233,6 +234,18 @@ def invalid_status(old: Mapping[str, Any] | None, *, generation: int, errors: li
     set_condition(conditions, condition(READY, False, R_INVALID_SPEC, message, generation), now)
     set_condition(conditions, condition(PROGRESSING, False, R_INVALID_SPEC,
                                         "nothing is rolled out until the spec is fixed", generation), now)
+    new["observedGeneration"] = generation
+    return new
+
+
+def conflict_status(old: Mapping[str, Any] | None, *, generation: int, message: str, now: str) -> dict:
+    """A child cannot be applied: its name is taken by an object the operator does not manage (never
+    adopted or overwritten); say which. What already runs is left alone."""
+    new = copy.deepcopy(dict(old or {}))
+    conditions = new.setdefault("conditions", [])
+    set_condition(conditions, condition(READY, False, R_CHILD_CONFLICT, message[:MAX_MESSAGE], generation), now)
+    set_condition(conditions, condition(PROGRESSING, False, R_CHILD_CONFLICT,
+                                        "nothing more is applied until the name is free", generation), now)
     new["observedGeneration"] = generation
     return new
 

@@ -36,6 +36,7 @@ R_STAGE_UNAVAILABLE = "StageUnavailable"
 R_STAGE_FAILING = "StageFailing"          # a unit short of replicas has a failing container
 R_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 R_REPLICA_FAILURE = "ReplicaFailure"
+R_CHILD_CONFLICT = "ChildConflict"       # a child's name is taken by an object the operator does not manage
 # The stage planner's condition (autoscaling enabled) and its reasons; its events say Scaled.
 PLANNED = "Planned"
 R_SIZED = "Sized"                    # every stage has what it needs at the target utilisation

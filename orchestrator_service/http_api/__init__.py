@@ -2,7 +2,8 @@
 
 It only translates: an HTTP request becomes the same GenerateRequest a gRPC client sends, and goes down
 the one request path (`OrchestratorServicer.generate`: admission, routing, cancellation, trace). Served by
-uvicorn on the orchestrator's own event loop, on its own port.
+uvicorn on the orchestrator's own event loop, on its own port, its connections bounded by the door
+(connections.py) and its requests by the gate (gate.py).
 """
 
 from __future__ import annotations
@@ -11,37 +12,55 @@ import asyncio
 import logging
 import socket
 import ssl
+from typing import Mapping
 
 import uvicorn
 
 from omnistage import tls as tls_files
 from omnistage.api import Pipeline
+from omnistage.contract.launch import ENV_ALLOWED_HOSTS
 
+from .connections import ConnectionLimits, Door, protocol_for
+from .gate import HostCheck, RequestGate
 from .routes import build_app
 
 log = logging.getLogger("omnistage.orchestrator.http_api")
 
-__all__ = ["HttpApi", "connection_limit"]
-
-# Connections beyond admission's running and waiting requests: health probes, model listings, bodies being
-# refused, keep-alive connections between requests.
-CONNECTION_SLACK = 64
+__all__ = ["ENV_ALLOWED_HOSTS", "HttpApi", "allowed_hosts_from", "request_limit"]
 
 
-def connection_limit(pipeline: Pipeline) -> int:
-    """Connections (and requests) served at once; beyond it uvicorn answers 503 at once. Admission holds
-    `maxInflight` running and `maxQueued` waiting: more connections could only hold bodies and sockets for
-    requests that admission would refuse anyway."""
+# Requests in progress beyond admission's running and waiting ones: model listings, bodies being read or
+# refused.
+REQUEST_SLACK = 64
+
+
+def request_limit(pipeline: Pipeline) -> int:
+    """Requests in progress at once (from their headers to their answer's end); beyond it the API answers
+    429 at once (`/health` aside). Admission holds `maxInflight` running and `maxQueued` waiting: more could
+    only hold bodies for requests that admission would refuse anyway. Idle and half-open connections are
+    not requests: the door bounds those (connections.py)."""
     orchestrator = pipeline.deployment.orchestrator
-    return orchestrator.max_inflight + orchestrator.max_queued + CONNECTION_SLACK
+    return orchestrator.max_inflight + orchestrator.max_queued + REQUEST_SLACK
+
+
+def allowed_hosts_from(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The names $OMNISTAGE_ALLOWED_HOSTS lists (comma separated; blanks ignored)."""
+    return tuple(name.strip() for name in env.get(ENV_ALLOWED_HOSTS, "").split(",") if name.strip())
 
 
 class HttpApi:
-    def __init__(self, servicer, pipeline: Pipeline, host: str, port: int, tls: tls_files.TlsFiles | None = None):
-        self.app = build_app(servicer, pipeline)  # its keys: the servicer's, one set for both front doors
+    def __init__(self, servicer, pipeline: Pipeline, host: str, port: int, tls: tls_files.TlsFiles | None = None,
+                 allowed_hosts: tuple[str, ...] = ()):
+        """`allowed_hosts`: domain names a request's Host may carry when bound to loopback, besides
+        `localhost` (a local proxy's); see gate.HostCheck."""
+        self.request_limit = request_limit(pipeline)
+        # Its keys: the servicer's, one set for both front doors; behind the Host check and the request limit.
+        self.gate = RequestGate(build_app(servicer, pipeline), self.request_limit,
+                                HostCheck.for_bind(host, allowed_hosts))
+        self.app = self.gate
+        self.door = Door(ConnectionLimits.for_process(floor=self.request_limit))
         self.tls = tls  # given: HTTPS with its tls.crt and tls.key
         self._tls_stamp = tls.stamp() if tls else None
-        self.limit_concurrency = connection_limit(pipeline)
         self.host, self.port = host, port
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -60,9 +79,11 @@ class HttpApi:
             sock.close()
             raise OSError(e.errno, f"cannot bind the OpenAI API to {self.host}:{self.port}: {e.strerror}") from None
         self.port = sock.getsockname()[1]
-        # log_config=None: the process's logging stays as the orchestrator configured it.
+        # log_config=None: the process's logging stays as the orchestrator configured it. No limit_concurrency:
+        # uvicorn's counts idle and half-open connections too (a slowloris fills it); the door and the gate
+        # bound connections and requests instead.
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", lifespan="off", access_log=False,
-                                ws="none", timeout_graceful_shutdown=5, limit_concurrency=self.limit_concurrency,
+                                ws="none", timeout_graceful_shutdown=5, http=protocol_for(self.door),
                                 **({"ssl_certfile": str(self.tls.cert), "ssl_keyfile": str(self.tls.key)}
                                    if self.tls else {}))
         config.load()

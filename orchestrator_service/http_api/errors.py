@@ -44,6 +44,9 @@ STATUS_HEADERS = {grpc.StatusCode.DEADLINE_EXCEEDED: {"x-should-retry": "false"}
 DEFAULT_RETRY_AFTER_S = 1
 # A stage's INVALID_ARGUMENT reaches the orchestrator as "<field>: <message>" (InvalidRequest's text).
 _FIELD_PREFIX = re.compile(r"^((?:params\.|outputs\[)[\w.\[\]]*|request_id): ")
+# Validation errors a refusal weighs (the deepest named). The schema's fail-fast lists keep a body's errors to
+# a few per field (a few dozen at most); more than this are counted, never built.
+MAX_REPORTED_ERRORS = 64
 # Pydantic's union branch labels in an error's location ("str", "list[ContentPart]"): not fields.
 _UNION_LABEL = re.compile(r"^(str|int|float|bool|list|dict|none)(\[.*\])?$|[\[\]-]")
 
@@ -145,8 +148,11 @@ def openai_param(request_field: str, fields: Mapping[str, str]) -> str:
 
 def from_validation(e: ValidationError) -> ApiError:
     """A body of the wrong shape: the most specific field at fault (the deepest: the union branch the
-    client meant), as an OpenAI field path, with what each branch expected there."""
-    errors = e.errors(include_url=False)
+    client meant), as an OpenAI field path, with what each branch expected there; of the first few errors."""
+    count = e.error_count()
+    if count > MAX_REPORTED_ERRORS:  # errors() builds a dict per error, with its input: never for many
+        return bad_request(None, f"the body does not match the request's schema ({count} errors)")
+    errors = e.errors(include_url=False, include_input=False)
     if errors[0]["type"] == "json_invalid":
         return bad_request(None, f"the body is not valid JSON: {errors[0]['msg']}")
     paths = [field_path(err["loc"]) for err in errors]

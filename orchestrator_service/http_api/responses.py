@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 from typing import AsyncIterator, Mapping
 
 from google.protobuf.json_format import MessageToDict
@@ -17,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from omnistage.api import Pipeline, accepted_inputs
 from omnistage.v1 import orchestrator_pb2
 
+from .. import consumer_pace
 from .call import Call
 
 log = logging.getLogger("omnistage.orchestrator.http_api")
@@ -24,9 +26,10 @@ log = logging.getLogger("omnistage.orchestrator.http_api")
 SSE_MEDIA_TYPE = "text/event-stream"
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy holds events back
-# A client connected but not reading: once the connection's buffers are full a send waits; past this the
-# request is cancelled (its admission slot and stage buffers freed) and the connection closed.
-SEND_STALL_S = 60.0
+# A client connected but not reading: once the connection's buffers are full a send waits; past this (and
+# what the bytes it took earned, consumer_pace.py) the request is cancelled (its admission slot and stage
+# buffers freed) and the connection closed.
+SEND_STALL_S = consumer_pace.GRACE_S
 TRACE_FIELD = "omnistage_trace"  # the answer's extra top-level field with the request's trace
 
 
@@ -56,7 +59,7 @@ def with_trace(obj: dict, final: orchestrator_pb2.Final | None) -> dict:
 
 
 class SendStalled(Exception):
-    """The client took nothing for SEND_STALL_S."""
+    """The client read slower than the door serves (consumer_pace.py); the message says how slowly."""
 
 
 class CallStreamResponse(StreamingResponse):
@@ -64,7 +67,8 @@ class CallStreamResponse(StreamingResponse):
     stop string, an error event, the client gone), the body is closed and then the call, so the
     request is cancelled in every stage before the response is done. The client going away is noticed by
     the call's own watcher (uvicorn would drop what is sent after it without a word); a client that stays
-    but stops reading, by a send that waits longer than SEND_STALL_S."""
+    but stops reading or reads a trickle, by its sends' waiting against the bytes it took (consumer_pace.py,
+    with SEND_STALL_S as the grace)."""
 
     def __init__(self, call: Call, content: AsyncIterator[bytes], media_type: str,
                  headers: Mapping[str, str] | None = None):
@@ -72,19 +76,23 @@ class CallStreamResponse(StreamingResponse):
         self.call = call
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def bounded_send(message) -> None:
+        pace = consumer_pace.ConsumerPace(SEND_STALL_S, consumer_pace.MIN_READ_BPS)
+
+        async def paced_send(message) -> None:
+            nbytes = len(message.get("body", b""))
+            allowed, t0 = pace.allowed_wait(nbytes), time.monotonic()
             try:
-                async with asyncio.timeout(SEND_STALL_S):
+                async with asyncio.timeout(allowed):
                     await send(message)
             except TimeoutError:
-                raise SendStalled from None
+                raise SendStalled(pace.too_slow(nbytes, allowed)) from None
+            pace.sent(nbytes, time.monotonic() - t0)
 
         try:
-            await self.stream_response(bounded_send)
-        except SendStalled:
+            await self.stream_response(paced_send)
+        except SendStalled as e:
             # Returning with the body unfinished makes uvicorn close the connection (it logs that too).
-            log.warning("HTTP API: request %s: the client took nothing for %.0f s; cancelled",
-                        self.call.request_id, SEND_STALL_S)
+            log.warning("HTTP API: request %s: %s", self.call.request_id, e)
         finally:
             try:
                 await self.body_iterator.aclose()

@@ -4,11 +4,11 @@ path -> shape the answer; failures become the OpenAI error shape in one place (`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
+import io
 import time
-from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
@@ -18,67 +18,37 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from omnistage.api import Limits, Pipeline
+from omnistage.api import Pipeline
 from omnistage.contract.params import InvalidRequest
 
+from .. import client_cap
+from ..byte_budget import BudgetFull, ByteBudget
 from ..servicer import MAX_REQUEST_ID
 from . import audio_formats, chat, images, speech, translate
 from .auth import ApiKeyAuth
+from .body_limits import BodyBounds, BodyScan, chat_bounds, text_bounds
+from .body_limits import chat_body_limit as chat_body_limit  # each endpoint's size, as the API's own
+from .body_limits import text_body_limit as text_body_limit
 from .call import Call, ClientGone, deadline_from
-from .errors import ApiError, error_response, from_exception
+from .errors import ApiError, error_response, from_exception, retry_after_header
 from .responses import SSE_HEADERS, SSE_MEDIA_TYPE, CallStreamResponse, model_card
-from .schemas import ChatCompletionRequest, ImageRequest, SpeechRequest
+from .schemas import ChatCompletionRequest, ImageRequest, SpeechRequest, bounded
 
-BASE64_SLACK = 1 << 20  # JSON around a chat body's base64 media
-TEXT_SLACK = 64 << 10  # JSON around a text-only body's text
-JSON_BYTES_PER_CHAR = 6  # a character at its longest in JSON: escaped, \uXXXX
-TEXT_FIELDS = 2  # text fields of a text-only body that may each hold a whole prompt (prompt, negative_prompt)
 BODIES_AT_ONCE = 2  # the body budget: this many chat bodies at their largest, read at once
+CLIENT_BODIES = 1  # of which one client address may hold this many: the rest stays open to the others
 BODY_IDLE_S = 30.0  # a body of which no piece comes for this long is 408
+# A body's whole time: BODY_BASE_S plus its size (declared, or read so far) at BODY_MIN_RATE; slower is 408, so
+# that a body drip-fed a byte at a time (each piece within BODY_IDLE_S) cannot hold its budget for hours.
+# 32 KiB/s is a 256 kbit/s uplink: a 16 MiB part from a 1 Mbit/s one has time to spare. A lower floor holds no
+# more memory: what one slow client holds is bounded by its share of the body budget (CLIENT_BODIES).
+BODY_BASE_S = 30.0
+BODY_MIN_RATE = 32 << 10
 PARSE_IN_THREAD_BYTES = 1 << 20  # bodies larger than this are parsed and translated off the event loop
 TRACE_HEADER = "X-Omnistage-Trace"  # 1: the answer carries the request's trace (as gRPC's return_trace)
 # The client's own label for a request (as OpenAI's API takes it): kept as the request's client_request_id;
 # the server's id comes back as X-Request-Id.
 CLIENT_ID_HEADER = "X-Client-Request-Id"
 Plan = TypeVar("Plan")
-
-
-def chat_body_limit(limits: Limits) -> int:
-    """The largest chat body the pipeline's limits admit: every part at its largest, in base64."""
-    return limits.max_request_bytes * 4 // 3 + BASE64_SLACK
-
-
-def text_body_limit(limits: Limits) -> int:
-    """The largest speech or images body: they carry text only, each text field a whole prompt at most."""
-    return TEXT_FIELDS * limits.max_prompt_chars * JSON_BYTES_PER_CHAR + TEXT_SLACK
-
-
-class BodyBudget:
-    """Bytes of request bodies held at once, across requests: a body takes its bytes as they come, and
-    gives them all back once it is translated (or refused), so bodies arriving together cannot hold more
-    than `capacity` between them."""
-
-    def __init__(self, capacity: int):
-        self.capacity, self.held = capacity, 0
-
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[Callable[[int], None]]:
-        """`with budget.holding() as take: take(n)`; a take past the capacity is 429."""
-        taken = 0
-
-        def take(n: int) -> None:
-            nonlocal taken
-            if self.held + n > self.capacity:
-                raise ApiError(429, f"the server is reading as many request bodies as it holds at once "
-                                    f"({self.capacity} bytes); retry", "rate_limit_error", code="rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
-            self.held += n
-            taken += n
-
-        try:
-            yield take
-        finally:
-            self.held -= taken
 
 
 def _answers_errors(handler: Callable[..., Awaitable[Response]]):
@@ -97,9 +67,10 @@ class Endpoints:
     def __init__(self, servicer, pipeline: Pipeline):
         self.servicer, self.pipeline = servicer, pipeline
         self.card = model_card(pipeline, int(time.time()))
-        self.chat_limit = chat_body_limit(pipeline.limits)
-        self.text_limit = text_body_limit(pipeline.limits)
-        self.budget = BodyBudget(BODIES_AT_ONCE * self.chat_limit)
+        limits = pipeline.limits
+        self.chat_limit, self.text_limit = chat_bounds(limits), text_bounds(limits)
+        self.budget = ByteBudget(BODIES_AT_ONCE * self.chat_limit.size, CLIENT_BODIES * self.chat_limit.size)
+        self.schemas = bounded(limits)  # each request model under this pipeline's limits
 
     @_answers_errors
     async def chat_completions(self, request: Request) -> Response:
@@ -149,33 +120,48 @@ class Endpoints:
 
     # ------------------------------------------------------------------ helpers
     async def _translated(self, request: Request, model: type[BaseModel],
-                          translation: Callable[[BaseModel, Pipeline], Plan], limit: int) -> Plan:
-        """The JSON body, strictly typed as `model`, translated; bounded in size (`limit`), in the bytes
-        of all bodies read at once (the budget) and in the time between its pieces."""
+                          translation: Callable[[BaseModel, Pipeline], Plan], bounds: BodyBounds) -> Plan:
+        """The JSON body, strictly typed as `model`, translated; bounded in size, JSON values and escapes (`bounds`),
+        in the bytes of all bodies read at once and of this client's (the budget), in the time between its
+        pieces and in its whole time (at least BODY_MIN_RATE)."""
         trace = trace_from(request)
+        limit = bounds.size
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        expected = int(declared) if declared.isdigit() else 0
+        if expected > limit:
             raise _too_large(limit)
-        with self.budget.holding() as take:
-            raw = bytearray()
+        started = time.monotonic()
+        with self.budget.holding(request.client.host if request.client else "") as take:
+
+            body = io.BytesIO()  # grown in place, and its value is the bytes themselves (_parse)
+            received = 0
+            scan = BodyScan(bounds)  # refused before the values are built (body_limits)
             more = True
             while more:
+                allowed = BODY_BASE_S + max(expected, received) / BODY_MIN_RATE
+                left = started + allowed - time.monotonic()
                 try:
-                    async with asyncio.timeout(BODY_IDLE_S):
+                    async with asyncio.timeout(max(0.0, min(BODY_IDLE_S, left))):
                         message = await request.receive()
                 except TimeoutError:
-                    raise ApiError(408, f"no part of the body came for {BODY_IDLE_S:.0f} s", code="request_timeout",
-                                   headers={"Connection": "close"}) from None
+                    raise _too_slow(received, time.monotonic() - started, left < BODY_IDLE_S) from None
                 if message["type"] == "http.disconnect":
                     raise ClientGone
                 piece, more = message.get("body", b""), message.get("more_body", False)
-                if len(raw) + len(piece) > limit:
+                if received + len(piece) > limit:
                     raise _too_large(limit)
-                take(len(piece))
-                raw += piece
-            parse = functools.partial(_parse, raw, model, translation, self.pipeline)
-            # Parsing and decoding a large body takes a while (about 0.7 s for 64 MiB): not on the event loop.
-            plan = await asyncio.to_thread(parse) if len(raw) > PARSE_IN_THREAD_BYTES else parse()
+                scan.add(piece)
+                try:
+                    take(len(piece))
+                except BudgetFull as e:
+                    raise ApiError(429, f"{e}; retry", "rate_limit_error", code="rate_limit_exceeded",
+                                   headers={"Retry-After": retry_after_header(1)}) from None
+                body.write(piece)
+                received += len(piece)
+            parse = functools.partial(_parse, body, self.schemas[model], translation, self.pipeline)
+            # Parsing and decoding a large body takes a while (about 1.2 s for 170 MiB of media parts, of which
+            # the parser holds Python's lock about 0.25 s at a time): not on the event loop.
+            plan = await asyncio.to_thread(parse) if received > PARSE_IN_THREAD_BYTES else parse()
         plans = plan if isinstance(plan, list) else [plan]
         label = request.headers.get(CLIENT_ID_HEADER, "")
         if label:  # a refusal of the label names the header it came in
@@ -191,8 +177,10 @@ class Endpoints:
         return plans if isinstance(plan, list) else plans[0]
 
     def _call(self, request: Request, plan: translate.Translated) -> Call:
+        key = client_cap.key_index(self.servicer.api_keys, request.headers.get("authorization"))
+        client = client_cap.client_of(key, request.client.host if request.client else None)
         return Call(self.servicer, plan.request, plan.fields, deadline=deadline_from(request.headers),
-                    receive=request.receive)
+                    receive=request.receive, client=client)
 
 
 async def _events(call: Call, events: AsyncIterator[bytes]) -> Response:
@@ -201,9 +189,16 @@ async def _events(call: Call, events: AsyncIterator[bytes]) -> Response:
     return CallStreamResponse(call, events, SSE_MEDIA_TYPE, SSE_HEADERS)
 
 
-def _parse(raw: bytearray, model: type[BaseModel], translation: Callable[[BaseModel, Pipeline], Plan],
+def _parse(body: io.BytesIO, model: type[BaseModel], translation: Callable[[BaseModel, Pipeline], Plan],
            pipeline: Pipeline) -> Plan:
-    return translation(model.model_validate_json(raw, strict=True), pipeline)
+    """The body (taken: closed) parsed as `model` and translated. Its bytes are the only copy of the body while
+    it is parsed (BytesIO hands over its buffer as they are; the parser would copy a bytearray), and none is
+    held while the translation decodes and copies the parts."""
+    raw = body.getvalue()
+    body.close()
+    request = model.model_validate_json(raw, strict=True)
+    del raw
+    return translation(request, pipeline)
 
 
 def trace_from(request: Request) -> bool:
@@ -212,6 +207,14 @@ def trace_from(request: Request) -> bool:
     if value not in ("0", "1", "true", "false"):
         raise InvalidRequest(TRACE_HEADER, f"must be 1 or 0, got {value!r}")
     return value in ("1", "true")
+
+
+def _too_slow(received: int, elapsed: float, whole: bool) -> ApiError:
+    """408 for a body that stopped coming (`whole`: that came slower than the minimum rate)."""
+    why = (f"the body came slower than {BODY_MIN_RATE} bytes/s: {received} bytes in {elapsed:.1f} s (a body has "
+           f"{BODY_BASE_S:.0f} s plus its size at that rate)") if whole else \
+        f"no part of the body came for {BODY_IDLE_S:.0f} s"
+    return ApiError(408, why, code="request_timeout", headers={"Connection": "close"})
 
 
 def _too_large(limit: int) -> ApiError:

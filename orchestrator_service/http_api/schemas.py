@@ -6,17 +6,43 @@ own validation against the pipeline's limits). Every optional field takes `null`
 reference does; its default is applied in translate.py. Unknown fields are ignored, as the OpenAI reference
 does, except that the reference's fields this API cannot honour are refused by name when a request asks
 for them (translate.py).
+
+Every list and every short string has a static cap, checked as it is parsed: a list past its cap is refused
+without validating its items one by one, and a list of wrong items stops at the first (`fail_fast`), so a
+refusal names a few errors, never one per item. The pipeline's own bounds (parts, prompt characters, part
+bytes) are the caps of each model's subclass for that pipeline (`bounded`); the body's size and count of JSON
+values, which bound what parsing builds, are checked before it is parsed (body_limits.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from omnistage.api import Limits
+
+from .body_limits import base64_bytes
 
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
 MAX_IMAGES = 10  # `n` of one images request (each image is one request down the request path)
+# System and developer messages and the one user message: the translation takes no conversation history.
+MAX_MESSAGES = 64
+MAX_CONTENT_PARTS = 1024  # the largest maxParts a pipeline may set (omnistage.api Limits)
+MAX_MODALITIES = 8  # text and audio, each named once or twice
+# Names, roles, types, formats, voices, sizes, user labels: a pipeline's name (a Kubernetes name, 253
+# characters) is the longest of them.
+MAX_NAME_CHARS = 256
+MAX_STOP_CHARS = 256  # a stop string: held back from the stream while it might still begin one
+DATA_URL_PREFIX_CHARS = 256  # "data:image/png;base64," with parameters, before a data: URL's base64
+
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+# On a union (a string or a list): the JSON value is built once as Python objects, and each branch validates
+# those. Without it each branch that fails keeps its own copy of the input in its error: a text past its
+# bound, or a whole list of parts, once per branch.
+BuiltOnce = BeforeValidator(lambda value: value)
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class Body(BaseModel):
@@ -27,12 +53,12 @@ class Body(BaseModel):
 
 class ImageUrl(Body):
     url: str
-    detail: str | None = None
+    detail: Name | None = None
 
 
 class InputAudio(Body):
     data: str  # base64 of the encoded file
-    format: str | None = None
+    format: Name | None = None
 
 
 class VideoUrl(Body):
@@ -42,7 +68,7 @@ class VideoUrl(Body):
 class ContentPart(Body):
     """One part of a message's content; `type` says which of the others is set."""
 
-    type: str
+    type: Name
     text: str | None = None
     image_url: ImageUrl | None = None
     input_audio: InputAudio | None = None
@@ -50,14 +76,15 @@ class ContentPart(Body):
 
 
 class Message(Body):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Name
+    content: Annotated[str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None,
+                       BuiltOnce] = None
+    name: Name | None = None
 
 
 class AudioOutput(Body):
-    voice: str | None = None
-    format: str | None = None
+    voice: Name | None = None
+    format: Name | None = None
 
 
 class StreamOptions(Body):
@@ -69,9 +96,9 @@ class ChatCompletionRequest(Body):
     # among them, refused by translate.py (REFUSED_CHAT_FIELDS) when a request asks for them.
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1)
-    modalities: list[str] | None = None
+    model: Name | None = None
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
+    modalities: Annotated[list[Name], Field(max_length=MAX_MODALITIES, fail_fast=True)] | None = None
     audio: AudioOutput | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -80,9 +107,10 @@ class ChatCompletionRequest(Body):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = Field(None, ge=0, le=UINT64)
-    stop: str | list[str] | None = None
+    # How many: translate.py (MAX_STOPS), naming the count; the body's JSON value bound keeps the list small.
+    stop: Annotated[StopString | Annotated[list[StopString], Field(fail_fast=True)] | None, BuiltOnce] = None
     n: int | None = Field(None, ge=1)
-    user: str | None = None
+    user: Name | None = None
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1, le=UINT32)  # -1 or 0: off
     ignore_eos: bool | None = None
@@ -93,10 +121,10 @@ class ChatCompletionRequest(Body):
 # ------------------------------------------------------------------------ speech
 
 class SpeechRequest(Body):
-    model: str | None = None
+    model: Name | None = None
     input: str
-    voice: str | None = None
-    response_format: str | None = None  # mp3 (binary) or pcm (SSE) when not given, as the reference
+    voice: Name | None = None
+    response_format: Name | None = None  # mp3 (binary) or pcm (SSE) when not given, as the reference
     speed: float | None = None
     stream_format: Literal["sse", "audio"] | None = None
     instructions: Any = None
@@ -106,17 +134,63 @@ class SpeechRequest(Body):
 # ------------------------------------------------------------------------ images
 
 class ImageRequest(Body):
-    model: str | None = None
+    model: Name | None = None
     prompt: str
     n: int | None = Field(None, ge=1, le=MAX_IMAGES)
-    size: str | None = None
-    response_format: str | None = None
-    output_format: str | None = None
+    size: Name | None = None
+    response_format: Name | None = None
+    output_format: Name | None = None
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1, le=UINT32)
     guidance_scale: float | None = None
     seed: int | None = Field(None, ge=0, le=UINT64)
     stream: bool | None = None
     partial_images: int | None = None
-    user: str | None = None
+    user: Name | None = None
     return_trace: bool | None = None  # omnistage's
+
+
+# ------------------------------------------------------------- a pipeline's bounds
+
+def bounded(limits: Limits) -> dict[type[BaseModel], type[BaseModel]]:
+    """Each request model -> its subclass under a pipeline's limits: content[] at most `maxParts`, every text
+    (a text part, a message's content, speech's input, a prompt) at most `maxPromptChars` characters, base64
+    data at most `maxPartBytes` in base64. A string past its bound is refused as it is parsed, before it is
+    built (and before a text is copied into the request or base64 decoded). The request path checks the same
+    limits again, exactly (the parts' total text, each part's decoded bytes)."""
+    prompt_text = Annotated[str, Field(max_length=limits.max_prompt_chars)]
+    base64_data = Annotated[str, Field(max_length=base64_bytes(limits.max_part_bytes))]
+    data_url = Annotated[str, Field(max_length=base64_bytes(limits.max_part_bytes) + DATA_URL_PREFIX_CHARS)]
+
+    class BoundedImageUrl(ImageUrl):
+        url: data_url
+
+    class BoundedInputAudio(InputAudio):
+        data: base64_data
+
+    class BoundedVideoUrl(VideoUrl):
+        url: data_url
+
+    class BoundedContentPart(ContentPart):
+        text: prompt_text | None = None
+        image_url: BoundedImageUrl | None = None
+        input_audio: BoundedInputAudio | None = None
+        video_url: BoundedVideoUrl | None = None
+
+    class BoundedMessage(Message):
+        content: Annotated[prompt_text | Annotated[list[BoundedContentPart],
+                                                   Field(max_length=limits.max_parts, fail_fast=True)] | None,
+                           BuiltOnce] = None  # type: ignore[assignment]  # a list of narrower parts
+
+    class BoundedChat(ChatCompletionRequest):
+        messages: list[BoundedMessage] = Field(  # type: ignore[assignment]  # a list of narrower messages
+            min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
+
+    class BoundedSpeech(SpeechRequest):
+        input: prompt_text
+
+    class BoundedImages(ImageRequest):
+        prompt: prompt_text
+        negative_prompt: prompt_text | None = None
+
+    return {ChatCompletionRequest: BoundedChat, SpeechRequest: BoundedSpeech, ImageRequest: BoundedImages}

@@ -45,6 +45,19 @@ thread) and names a step running longer than stallSeconds, or requests held
 that long while the loop neither stepped nor waited. Waiting is not stalling:
 a state whose input has not arrived, or whose reader fell behind, is another
 party's delay, bounded by the request's deadline.
+
+Parking: a state whose reader is `max_pending_results` results behind (a client that stopped reading, far
+down the request's path) leaves the running set for the parked set, so its batch slot goes to the next
+queued state instead of being pinned until the request's deadline. Once its reader has taken half of what
+waits, it goes back to the front of the queue (it was admitted before anything queued, as a preempted state
+is) and continues where it stopped: its state is untouched, and the engines are batch-invariant, so it
+makes what it would have made unparked. Parked states count against maxQueued as queued ones do, so a
+replica holds at most maxBatch + maxQueued requests, as before (parking one moves a queued one into the
+batch: the count stays); the front door's consumer pace ends the requests of clients that do not read.
+Under a KV budget a parked state that can be recomputed is preempted (its KV goes to the states that run);
+one that cannot keeps its KV, reserved out of the budget at its most (`kv_bytes_next`), so admission never
+counts on memory a parked state still holds. Without a budget a parked state keeps its memory, as a running
+one does.
 """
 
 from __future__ import annotations
@@ -192,6 +205,7 @@ class StepScheduler:
         self.kv_peak = 0  # the most KV bytes the states held after a step
         self._queue: deque[_Job] = deque()
         self._running: list[_Job] = []
+        self._parked: list[_Job] = []  # out of the batch until their readers catch up (see Parking)
         self._in_step: tuple[_Job, ...] = ()
         # Stepping ahead: set on the loop when something changed (the run ends at the next step boundary);
         # results the worker posted for the run in flight and those the loop delivered (ints: one writer each).
@@ -235,7 +249,7 @@ class StepScheduler:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
-        for job in [*self._queue, *self._running]:
+        for job in [*self._queue, *self._running, *self._parked]:
             job.results.put_nowait(EngineDead("the stage shut down"))
             self._remove(job)
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)  # lets a running step end
@@ -250,12 +264,13 @@ class StepScheduler:
             raise EngineDead(f"{type(self.failed).__name__}: {self.failed}")
         if self._closed:
             raise EngineDead("the stage shut down")
-        # Waiting: those queued, less the batch slots free for them; under a KV budget a free slot is no
+        # Waiting: those queued and parked, less the batch slots free for them; under a KV budget a free slot is no
         # room (the budget admits), so every queued state waits.
         free = 0 if self.kv_budget is not None else max(0, self.max_batch - len(self._running))
-        waiting = len(self._queue) + 1 - free
+        waiting = len(self._queue) + len(self._parked) + 1 - free
         if not admitted and waiting > self.max_queued:
-            raise EngineOverloaded(f"stage {self.stage}: {len(self._queue)} requests queued "
+            parked = f" and {len(self._parked)} parked for slow readers" if self._parked else ""
+            raise EngineOverloaded(f"stage {self.stage}: {len(self._queue)} requests queued{parked} "
                                    f"(maxQueued {self.max_queued}, maxBatch {self.max_batch})")
         self._seq += 1
         job = _Job(request_id, state, self._seq)
@@ -290,15 +305,20 @@ class StepScheduler:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def parked(self) -> int:
+        """States out of the batch until their readers catch up (they hold no batch slot)."""
+        return len(self._parked)
+
     def unfinished(self) -> int:
-        return len(self._running) + len(self._queue)
+        return len(self._running) + len(self._queue) + len(self._parked)
 
     def held_bytes(self, request_id: str | None = None) -> int:
         """Bytes the states hold: every live state's, or those of one request's states still in use
         (not those already leaving at the end of the step in flight)."""
         if request_id is None:
             return sum(s.held_bytes() for s in list(self._live))
-        return sum(j.state.held_bytes() for j in [*self._queue, *self._running]
+        return sum(j.state.held_bytes() for j in [*self._queue, *self._running, *self._parked]
                    if j.request_id == request_id and not j.cancelled)
 
     def live_states(self) -> int:
@@ -363,24 +383,52 @@ class StepScheduler:
 
     def _admit(self) -> None:
         """Move queued states into the running set while there is room: under maxBatch and, with a KV budget,
-        in the budget after preempting the running states that outgrew it."""
-        moved = self._preempt() if self.kv_budget is not None else False
+        in the budget after preempting the running states that outgrew it. First, states whose readers fell
+        behind are parked and those whose readers caught up go back to the front of the queue."""
+        moved = self._park()
+        if self.kv_budget is not None:
+            moved = self._preempt() or moved
         while self._queue and len(self._running) < self.max_batch:
             if self.kv_budget is not None and not kv_budget.admits(
                     [j.state.kv_bytes_next() for j in self._running], self._queue[0].state.kv_bytes_next(),
-                    self.kv_budget):
+                    self._running_budget()):
                 break  # in order: the head of the queue waits for room, nobody overtakes it
             self._running.append(self._queue.popleft())
             moved = True
         if moved:
             self._changed()
 
+    def _park(self) -> bool:
+        """Park the running states whose readers are `max_pending_results` behind (their batch slots go to
+        the queue) and queue again, in front and oldest first, the parked ones whose readers took half of
+        what waited. On the loop between steps, so no parked state is in a step. Whether anything moved."""
+        resume_at = self.max_pending_results // 2
+        back = [j for j in self._parked if j.results.qsize() <= resume_at]
+        for job in sorted(back, key=lambda j: j.seq, reverse=True):  # each in front of the older ones
+            self._parked.remove(job)
+            self._queue.appendleft(job)
+        stalled = [j for j in self._running if j.results.qsize() >= self.max_pending_results]
+        for job in stalled:
+            self._running.remove(job)
+            if self.kv_budget is not None and job.state.preemptible and job.state.kv_bytes():
+                job.state.preempt()  # its KV goes to the states that run; it recomputes it when it resumes
+                self.preemptions += 1
+                if self.metrics is not None:
+                    self.metrics.preemptions.labels(self.stage).inc()
+            self._parked.append(job)
+        return bool(back or stalled)
+
+    def _running_budget(self) -> int:
+        """The KV budget left to the running states: parked states that cannot be recomputed keep theirs."""
+        assert self.kv_budget is not None
+        return self.kv_budget - sum(j.state.kv_bytes_next() for j in list(self._parked) if not j.state.preemptible)
+
     def _preempt(self) -> bool:
         """Preempt the running states the budget has no room for after the next step (see kv_budget.py);
         they go back to the front of the queue, the oldest of them first."""
         victims = kv_budget.to_preempt([j.state.kv_bytes_next() for j in self._running],
                                        [j.state.preemptible for j in self._running],  # between steps only
-                                       self.kv_budget)
+                                       self._running_budget())
         for i in victims:  # newest first: each goes in front of the one preempted before it
             job = self._running.pop(i)
             job.state.preempt()
@@ -391,12 +439,14 @@ class StepScheduler:
         return bool(victims)
 
     def kv_held(self) -> int:
-        """Bytes the states' KV caches hold now (those running and those waiting preempted, which hold none)."""
-        return sum(j.state.kv_bytes() for j in [*list(self._running), *list(self._queue)])
+        """Bytes the states' KV caches hold now (those running, parked, and those waiting preempted, which hold
+        none)."""
+        return sum(j.state.kv_bytes() for j in [*list(self._running), *list(self._queue), *list(self._parked)])
 
     def _kv_fits_next(self) -> bool:
         """Whether the running states' KV after their next step fits the budget (read on the worker)."""
-        return self.kv_budget is None or sum(j.state.kv_bytes_next() for j in list(self._running)) <= self.kv_budget
+        return self.kv_budget is None or \
+            sum(j.state.kv_bytes_next() for j in list(self._running)) <= self._running_budget()
 
     def _pick(self) -> tuple[list[_Job], bool]:
         """The ready running states that share a key with the one that waited longest for a step,
@@ -528,7 +578,7 @@ class StepScheduler:
     def _die(self, error: Exception) -> None:
         self.failed = error
         log.error("stage %s: %d failed steps in a row; the engine cannot recover", self.stage, self._failed_in_a_row)
-        for j in [*self._queue, *self._running]:
+        for j in [*self._queue, *self._running, *self._parked]:
             j.results.put_nowait(EngineDead(f"{type(error).__name__}: {error}"))
             self._remove(j)
         if self.on_dead is not None:
@@ -552,6 +602,8 @@ class StepScheduler:
         job.gone = True
         if job in self._running:
             self._running.remove(job)
+        elif job in self._parked:
+            self._parked.remove(job)
         else:
             with contextlib.suppress(ValueError):
                 self._queue.remove(job)

@@ -4,10 +4,8 @@ INVALID_ARGUMENT, the service stays healthy, and memory stays flat."""
 from __future__ import annotations
 
 import asyncio
-import gc
 
 import grpc
-import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +14,7 @@ from hypothesis import strategies as st
 from omnistage.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 
+from ..fuzz_memory import second_pass_growth
 from ..harness import small_lm, start_stage
 
 MAX_PRIORITY = 1000
@@ -82,13 +81,7 @@ async def test_fuzzed_requests_end_ok_or_invalid_argument(service):
     def run(req):
         asyncio.run_coroutine_threadsafe(call(req), loop).result(120)
 
-    proc = psutil.Process()
-    await asyncio.to_thread(run)  # warm-up pass: caches, lazily built objects
-    gc.collect()
-    rss = proc.memory_info().rss
-    await asyncio.to_thread(run)
-    gc.collect()
-    growth = proc.memory_info().rss - rss
+    growth = await second_pass_growth(run)
     assert outcomes["ok"] > 0 and outcomes["invalid"] > 0
     assert growth < 64 << 20, f"memory grew {growth >> 20} MiB over the second fuzz pass"
     resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())

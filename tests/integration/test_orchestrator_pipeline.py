@@ -116,6 +116,14 @@ async def test_text_only_request_skips_the_speech_stages(pipeline):
     assert rtf_observed(orc) == observed   # no audio: no real-time factor
 
 
+async def test_audio_cut_at_its_codec_frame_cap_is_reported_as_length(pipeline):
+    """Audio-only answers (as /v1/audio/speech asks) carried no text stage's reason and were always "stop",
+    even when the Talker stopped at maxCodecFrames mid-sentence."""
+    client, orc, stages = pipeline
+    r = await client.generate("Hello there", max_tokens=8, max_codec_frames=4, outputs=["audio"], timeout=120)
+    assert r.pcm and r.final.finish_reason == "length"
+
+
 @pytest.mark.parametrize("kw,field", [
     (dict(prompt=""), "params.prompt"),
     (dict(max_tokens=100_000), "params.text.max_tokens"),

@@ -8,8 +8,12 @@ it holds before closing its store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import grpc
+import pytest
+import torch
 
 from omnistage.client import AsyncOmniClient
 from omnistage.connector import ChunkReceiver, make_connector
@@ -21,7 +25,6 @@ from orchestrator_service.stage_call import StageCall
 from ..harness import example, start_stage
 from ..polling import wait_until
 from .test_data_plane_pipeline import by_reference, for_the_talker
-from .test_faults import hang_steps
 from .test_stage_call import SOURCE, STAGE, Replicas, ScriptedStage, chunk
 
 
@@ -82,42 +85,38 @@ def two_talkers(doc):
     doc["spec"]["deployment"]["stages"]["talker"]["replicas"] = 2
 
 
-async def test_a_talker_stopped_mid_request_is_replaced_and_refetches_its_inputs_by_reference(model_dir):
+def hang_after(engine, steps: int) -> threading.Event:
+    """Each step of the engine after its first `steps` waits for the event returned (a hung kernel)."""
+    gate, real, taken = threading.Event(), engine.scheduler.step_fn, 0
+
+    def step(states):
+        nonlocal taken
+        taken += 1
+        if taken > steps:
+            gate.wait(120)
+        return real(states)
+
+    engine.scheduler.step_fn = step
+    return gate
+
+
+@contextlib.asynccontextmanager
+async def two_talkers_held(model_dir, steps: int):
+    """Qwen3-Omni tiny with two Talker replicas (two_talkers) and an orchestrator over them, each Talker's
+    steps after its first `steps` held until released: yields the stage servers by name (the second Talker
+    as "talker-b"), the orchestrator and the Talkers' gates; all released and drained on the way out."""
     pipeline = example("qwen3-omni-tiny", two_talkers)
-    stages = {}
-    gates = []
-    orc = None
+    stages, gates, orc = {}, [], None
     try:
         for name in ("thinker", "talker", "talker-b", "code2wav"):
             stages[name] = await start_stage(pipeline, name.removesuffix("-b"), model_dir)
-        talkers = [stages["talker"], stages["talker-b"]]
         orc = OrchestratorServer(pipeline, {
             "thinker": [f"127.0.0.1:{stages['thinker'].port}"],
-            "talker": [f"127.0.0.1:{t.port}" for t in talkers],
+            "talker": [f"127.0.0.1:{stages[t].port}" for t in ("talker", "talker-b")],
             "code2wav": [f"127.0.0.1:{stages['code2wav'].port}"]})
         await orc.start(wait_for_stages=60)
-        gates = [hang_steps(t.engine) for t in talkers]  # whichever Talker gets the request holds it
-        async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
-            answer = asyncio.ensure_future(client.generate("Hello there", max_tokens=8, max_codec_frames=30,
-                                                           return_trace=True, timeout=120))
-            victim = await wait_until(lambda: next((t for t in talkers if t.servicer.inflight), None), 60,
-                                      what="a Talker holding the request")
-            # Its input came by reference and it fetched all of it: the Thinker keeps it for a retry.
-            thinker = stages["thinker"]
-            await wait_until(lambda: not thinker.servicer.inflight and not thinker.data_plane.unfetched_bytes, 60,
-                             what="the Thinker done and its output fetched")
-            assert thinker.data_plane.held_bytes > 0
-            await victim.server.stop(0)  # gone abruptly: its calls end UNAVAILABLE
-            for gate, t in zip(gates, talkers):
-                if t is not victim:
-                    gate.set()
-            result = await answer
-        assert result.text and result.audio_chunks > 0 and result.final is not None
-        talker = next(s for s in result.final.trace.stages if s.stage == "talker")
-        assert talker.attempts == 2 and talker.replica != f"127.0.0.1:{victim.port}"
-        # Once the request ended the orchestrator released what the producers kept for a retry.
-        for name in ("thinker", "talker-b" if victim is stages["talker"] else "talker"):
-            await wait_until(lambda: stages[name].data_plane.held_bytes == 0, 30, what=f"{name} holding nothing")
+        gates = [hang_after(stages[t].engine, steps) for t in ("talker", "talker-b")]
+        yield stages, orc, gates
     finally:
         for gate in gates:
             gate.set()
@@ -127,6 +126,61 @@ async def test_a_talker_stopped_mid_request_is_replaced_and_refetches_its_inputs
         for srv in stages.values():
             await srv.drain()
             srv.close()
+
+
+async def test_a_talker_stopped_mid_request_is_replaced_and_refetches_its_inputs_by_reference(model_dir):
+    # whichever Talker gets the request holds it
+    async with two_talkers_held(model_dir, 0) as (stages, orc, gates), \
+            AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
+        talkers = [stages["talker"], stages["talker-b"]]
+        answer = asyncio.ensure_future(client.generate("Hello there", max_tokens=8, max_codec_frames=30,
+                                                       return_trace=True, timeout=120))
+        victim = await wait_until(lambda: next((t for t in talkers if t.servicer.inflight), None), 60,
+                                  what="a Talker holding the request")
+        # Its input came by reference and it fetched all of it: the Thinker keeps it for a retry.
+        thinker = stages["thinker"]
+        await wait_until(lambda: not thinker.servicer.inflight and not thinker.data_plane.unfetched_bytes, 60,
+                         what="the Thinker done and its output fetched")
+        assert thinker.data_plane.held_bytes > 0
+        await victim.server.stop(0)  # gone abruptly: its calls end UNAVAILABLE
+        for gate, t in zip(gates, talkers):
+            if t is not victim:
+                gate.set()
+        result = await answer
+        assert result.text and result.audio_chunks > 0 and result.final is not None
+        talker = next(s for s in result.final.trace.stages if s.stage == "talker")
+        assert talker.attempts == 2 and talker.replica != f"127.0.0.1:{victim.port}"
+        # Once the request ended the orchestrator released what the producers kept for a retry.
+        for name in ("thinker", "talker-b" if victim is stages["talker"] else "talker"):
+            await wait_until(lambda: stages[name].data_plane.held_bytes == 0, 30, what=f"{name} holding nothing")
+
+
+async def test_a_retried_talker_that_does_not_repeat_what_was_handed_on_fails_the_request_unspliced(model_dir):
+    """The first Talker hands on its first chunk of codes and is lost; the other replica, whose weights differ
+    (as a replica on another build can), generates other codes for that chunk: the request fails saying so,
+    where the repeat used to be skipped unchecked and its continuation spliced onto the first generation."""
+    # 30 frames: a first chunk of 15, then held
+    async with two_talkers_held(model_dir, 20) as (stages, orc, gates), \
+            AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
+        talkers = [stages["talker"], stages["talker-b"]]
+        answer = asyncio.ensure_future(client.generate("Hello there", max_tokens=8, max_codec_frames=30,
+                                                       outputs=["audio"], timeout=120))
+        victim = await wait_until(lambda: next((t for t in talkers if t.servicer.inflight), None), 60,
+                                  what="a Talker holding the request")
+        chunks = victim.metrics.chunks.labels("talker")
+        await wait_until(lambda: chunks._value.get() >= 1 and not victim.data_plane.unfetched_bytes, 60,
+                         what="the Talker's first chunk handed on and fetched by Code2Wav")
+        other = next(t for t in talkers if t is not victim)
+        with torch.no_grad():
+            head = other.engine.talker.model.codec_head.weight
+            head.copy_(head.flip(0))
+        await victim.server.stop(0)
+        for gate in gates:
+            gate.set()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await answer
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "did not reproduce chunk 0" in e.value.details()
 
 
 async def test_a_draining_producer_keeps_unfetched_outputs_until_its_consumer_fetched_them(model_dir):

@@ -115,8 +115,8 @@ async def test_sigterm_under_load_finishes_admitted_work_refuses_new_and_exits_0
 
 
 async def test_prestop_drain_is_answered_after_admitted_work_then_the_process_exits_0(tmp_path, model_dir):
-    """What a kubelet's preStop hook does: GET /drain blocks until admitted work is done, gets its
-    200 (the HTTP port stays up until then), and the process exits 0 by itself."""
+    """What a kubelet's preStop hook does: POST /drain with the process's drain token blocks until admitted
+    work is done, gets its 200 (the HTTP port stays up until then), and the process exits 0 by itself."""
     import socket
     import urllib.request
 
@@ -130,8 +130,10 @@ async def test_prestop_drain_is_answered_after_admitted_work_then_the_process_ex
         await wait_until(lambda: call.done() or stage_running(port), 30, 0.02, "request running")
 
         def drain():
+            token = launch.drain_token_path(http_port).read_text().strip()
             url = f"http://127.0.0.1:{http_port}{launch.DRAIN_PATH}"
-            with urllib.request.urlopen(url, timeout=DRAIN_SECONDS + 10) as r:
+            request = urllib.request.Request(url, data=b"", method="POST", headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=DRAIN_SECONDS + 10) as r:
                 return r.status, r.read()
 
         status, body = await asyncio.to_thread(drain)

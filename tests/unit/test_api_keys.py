@@ -14,14 +14,16 @@ from orchestrator_service.servicer import checked_label
 
 @pytest.mark.parametrize("entry,key", [
     ("abc", ApiKey(b"abc", None)), ("abc:5", ApiKey(b"abc", 5)), (" abc:0 ", ApiKey(b"abc", 0)),
-    ("a:b", ApiKey(b"a:b", None)), ("a:b:7", ApiKey(b"a:b", 7)), ("abc:", ApiKey(b"abc:", None)),
 ])
 def test_entries(entry, key):
     assert parse_entry(entry, 0) == key
 
 
 @pytest.mark.parametrize("entry,why", [("", "must not be empty"), (":5", "must not be empty"),
-                                       ("a b", "spaces"), ("a\tb:3", "spaces")])
+                                       ("a b", "spaces"), ("a\tb:3", "spaces"),
+                                       # one reading only: a key holds no ':', so KEY:N is never a key
+                                       ("a:b", "must not contain ':'"), ("a:b:7", "must not contain ':'"),
+                                       ("abc:", "must not contain ':'"), ("abc:²", "must not contain ':'")])
 def test_bad_entries_are_refused_naming_the_entry_not_the_key(entry, why):
     with pytest.raises(ApiKeyError) as e:
         ApiKeys(["good", entry])

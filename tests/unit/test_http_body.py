@@ -20,7 +20,7 @@ from ..polling import wait_until
 from .test_http_call import ScriptedPath, text
 
 OMNI = load_pipeline(EXAMPLES / "qwen3-omni-tiny.yaml")
-# Small limits: a chat body of about 2.7 MiB at most, a speech body of about 140 KiB.
+# Small limits: a chat body of about 80 KiB at most, a speech body of about 76 KiB.
 SMALL = dataclasses.replace(OMNI, limits=dataclasses.replace(OMNI.limits, max_prompt_chars=1000, max_parts=1,
                                                              max_part_bytes=1000))
 CHAT = "/v1/chat/completions"
@@ -31,14 +31,14 @@ CHAT_BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode
 class Client:
     """One HTTP request to the app: the test feeds the body's pieces (or a disconnect) as it likes."""
 
-    def __init__(self, app, path: str, headers: dict[str, str] = {}):
+    def __init__(self, app, path: str, headers: dict[str, str] = {}, client: tuple[str, int] = ("127.0.0.1", 1)):
         self.messages: asyncio.Queue = asyncio.Queue()
         self.sent: list[dict] = []
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
                  "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
                  "root_path": "", "headers": [(b"content-type", b"application/json")] +
                  [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+                 "client": client, "server": ("127.0.0.1", 80)}
 
         async def send(message):
             self.sent.append(message)
@@ -125,7 +125,8 @@ async def test_a_large_body_is_parsed_and_translated_off_the_event_loop(monkeypa
         return real(body, pipeline)
 
     monkeypatch.setattr(translate, "chat", chat)
-    a = app()
+    a = app(dataclasses.replace(SMALL, limits=dataclasses.replace(SMALL.limits,
+                                                                  max_part_bytes=routes.PARSE_IN_THREAD_BYTES)))
     assert (await Client(a, CHAT).send(CHAT_BODY))[0] == 200
     assert (await Client(a, CHAT).send(b" " * (routes.PARSE_IN_THREAD_BYTES + 1) + CHAT_BODY))[0] == 200
     assert threads[0] == threading.get_ident() and threads[1] != threading.get_ident()
@@ -138,7 +139,7 @@ class Recorded(ScriptedPath):
         super().__init__(*a, **kw)
         self.requests = []
 
-    def generate(self, request, deadline=None, request_id=None):
+    def generate(self, request, deadline=None, request_id=None, client=None):
         self.requests.append(request)
         return super().generate(request, deadline, request_id)
 

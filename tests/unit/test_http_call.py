@@ -37,7 +37,7 @@ class ScriptedPath:
         self.deadline = None
         self.yielded = 0
 
-    async def generate(self, request, deadline=None, request_id=None):
+    async def generate(self, request, deadline=None, request_id=None, client=None):
         self.deadline = deadline
         self.request_id = request_id
         try:

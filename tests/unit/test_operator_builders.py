@@ -105,7 +105,7 @@ def test_probes_drain_and_grace():
     c = container(d)
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
-    # An exec hook inside the container: /drain refuses a GET from the node, where an httpGet hook comes from.
+    # An exec hook inside the container: /drain takes the token the process wrote there (a POST).
     assert c["lifecycle"]["preStop"] == {"exec": {"command": [
         "python", "-c", "from omnistage.contract.launch import drain_self; drain_self()"]}}
     assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 12.5

@@ -125,7 +125,7 @@ def test_helm_refuses_values_the_schema_refuses():
 
 @needs_helm
 def test_rendered_objects():
-    objs = render()
+    objs = render("clusterWide=true")   # the default, the release namespace only: further down
     assert set(objs) == {("ServiceAccount", "omnistage"), ("ClusterRole", "omnistage"),
                          ("ClusterRoleBinding", "omnistage"), ("Deployment", "omnistage"),
                          ("Secret", "omnistage-webhook-cert"), ("Service", "omnistage-webhook"),
@@ -161,7 +161,7 @@ def test_rendered_objects():
 @needs_helm
 def test_rendered_rbac_covers_every_child_kind_the_operator_writes():
     from omnistage_operator.handlers import CHILD_RESOURCES
-    rules = render()[("ClusterRole", "omnistage")]["rules"]
+    rules = render("clusterWide=true")[("ClusterRole", "omnistage")]["rules"]
     for res in CHILD_RESOURCES:
         rule = next((r for r in rules if res["plural"] in r["resources"] and res["group"] in r["apiGroups"]), None)
         assert rule, f"no rule for {res}"
@@ -177,7 +177,7 @@ def test_rendered_rbac_covers_every_child_kind_the_operator_writes():
 @needs_helm
 def test_rendered_rbac_lets_the_operator_read_pods_and_nothing_more():
     from omnistage_operator.handlers import POD_RESOURCE
-    rules = render()[("ClusterRole", "omnistage")]["rules"]
+    rules = render("clusterWide=true")[("ClusterRole", "omnistage")]["rules"]
     verbs = {v for r in rules if POD_RESOURCE["plural"] in r["resources"] and POD_RESOURCE["group"] in r["apiGroups"]
              for v in r["verbs"]}
     assert verbs == {"get", "list", "watch"}   # status only: the Deployments own the pods
@@ -239,7 +239,7 @@ def test_operator_rbac_covers_what_it_grants_each_orchestrator():
 
 @needs_helm
 def test_cert_manager_issuer_grants_certificates_and_no_secrets():
-    objs = render("tls.issuer=certManager", "tls.certManager.issuerRef.name=pipelines-ca")
+    objs = render("tls.issuer=certManager", "tls.certManager.issuerRef.name=pipelines-ca", "clusterWide=true")
     rules = rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])
     assert "secrets" not in rules
     assert rules["cert-manager.io/certificates"] == {"get", "list", "watch", "create", "patch", "delete"}
@@ -252,7 +252,7 @@ def test_cert_manager_issuer_grants_certificates_and_no_secrets():
 
 @needs_helm
 def test_tls_off_and_a_pre_created_ca():
-    objs = render("tls.enabled=false")
+    objs = render("tls.enabled=false", "clusterWide=true")
     (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
     assert {e["name"]: e.get("value") for e in c["env"]}["OMNISTAGE_TLS_ISSUER"] == "off"
     assert "secrets" not in rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])
@@ -335,7 +335,7 @@ def test_orchestrator_clients_reach_the_operator_as_json():
 
 @needs_helm
 def test_the_operator_names_its_own_pods_for_the_stage_planners_scrapes_and_may_scale_deployments():
-    objs = render()
+    objs = render("clusterWide=true")
     dep = objs[("Deployment", "omnistage")]
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -414,3 +414,43 @@ def test_a_bad_orchestrator_models_setting_is_refused_naming_it():
 
     with pytest.raises(ConfigError, match="OMNISTAGE_ORCHESTRATOR_MODELS='yes': expected true or false"):
         from_env({"OMNISTAGE_ORCHESTRATOR_MODELS": "yes"})
+
+
+@needs_helm
+def test_by_default_the_operator_serves_the_release_namespace_with_a_role_there_and_nothing_cluster_wide():
+    docs = render_all()
+    kinds = {(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")) for d in docs}
+    assert not [k for k in kinds if k[0] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")]
+    assert ("Role", "omnistage", "omnistage-system") in kinds
+    assert ("KopfPeering", "omnistage", "omnistage-system") in kinds
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "omnistage")
+    rules = rules_by_resource(role["rules"])
+    assert rules["secrets"] == {"get", "create", "patch", "delete"}   # in this namespace only; never listed
+    (c,) = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "--namespace=omnistage-system" in c["command"] and "--all-namespaces" not in c["command"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["OMNISTAGE_WATCH_NAMESPACES"] == "omnistage-system"
+
+
+@needs_helm
+def test_cluster_wide_is_an_explicit_value_and_excludes_watch_namespaces():
+    objs = render("clusterWide=true")
+    assert ("ClusterRole", "omnistage") in objs and ("ClusterKopfPeering", "omnistage") in objs
+    r = helm("template", "x", str(CHART), "--set", "clusterWide=true", "--set", "watchNamespaces={a}")
+    assert r.returncode != 0 and "clusterWide" in r.stderr
+
+
+@needs_helm
+def test_the_stage_planner_may_read_replica_sets_to_scrape_only_its_own_pods():
+    rules = rules_by_resource(next(d for d in render_all() if d["kind"] == "Role"
+                                   and d["metadata"]["name"] == "omnistage")["rules"])
+    assert rules["apps/replicasets"] == {"get", "list"}
+
+
+@needs_helm
+def test_an_image_digest_pins_the_operator_image():
+    (c,) = render("image.digest=sha256:" + "a" * 64)[("Deployment", "omnistage")]["spec"]["template"]["spec"][
+        "containers"]
+    assert c["image"] == "ghcr.io/omnistage/omnistage@sha256:" + "a" * 64
+    (c,) = render()[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
+    assert c["image"].startswith("ghcr.io/omnistage/omnistage:") and "@" not in c["image"]

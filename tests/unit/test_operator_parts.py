@@ -116,6 +116,9 @@ def doc_with(edit):
      'spec.topology.stages[2].name: "orchestrator" is reserved'),
     (lambda d: d["metadata"].update(name="p" * 40) or _rename_stage(d, 0, "t" * 30),
      "spec.topology.stages[0].name: \"" + "p" * 40 + "-" + "t" * 30 + "\" (pipeline name"),
+    # valid for `omnistage serve`, never on a cluster: every request would fail to fetch its inputs
+    (lambda d: d["spec"]["topology"]["stages"][1]["inputs"][0].update(transport="shm"),
+     "spec.topology.stages[1].inputs[0].transport: shm cannot cross pods"),
 ])
 def test_webhook_refuses_with_field_paths(edit, message):
     with pytest.raises(kopf.AdmissionError) as err:

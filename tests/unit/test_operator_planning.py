@@ -357,6 +357,9 @@ class StillKube:
     def list_pods(self, namespace, name):
         return []
 
+    def list_replica_sets(self, namespace, name):
+        return []
+
     def scale(self, *args):
         self.scaled.append(args)
 

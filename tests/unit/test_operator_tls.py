@@ -158,7 +158,7 @@ def test_issued_secret_holds_a_leaf_for_the_identity_signed_by_the_ca(ca):
     assert s["metadata"]["namespace"] == "team-a"
     assert s["metadata"]["labels"]["omnistage.io/pipeline"] == "qwen3-omni-tiny"
     files = decode(s)
-    assert set(files) == {tls.CA_FILE, tls.CERT_FILE, tls.KEY_FILE}
+    assert set(files) == {tls.CA_FILE, tls.CERT_FILE, tls.KEY_FILE, tls.DATA_PLANE_KEY_FILE}  # a stage: UCX key too
     assert files[tls.CA_FILE] == ca.cert_pem
     assert tls.uri_of(files[tls.CERT_FILE]) == "omnistage://team-a/qwen3-omni-tiny/stage/talker"
     x509.load_pem_x509_certificate(files[tls.CERT_FILE]).verify_directly_issued_by(

@@ -72,3 +72,11 @@ def test_broken_checkpoints_are_named(sharded):
     (root / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(CheckpointError, match="not a safetensors index"):
         ShardedCheckpoint(root)
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../outside.safetensors", "sub/model.safetensors", "..", ""])
+def test_an_index_may_place_tensors_only_in_files_of_its_own_folder(tmp_path, name):
+    """An index naming an absolute path or one outside the checkpoint would read weights from anywhere."""
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(CheckpointError, match=r"w is placed in .*not a file name in the checkpoint's folder"):
+        ShardedCheckpoint(tmp_path)

@@ -47,6 +47,29 @@ none
 {{- default (include "omnistage.fullname" .) .Values.operator.leaderElection.peeringName -}}
 {{- end -}}
 
+{{- /* The namespaces the operator serves, comma-separated: watchNamespaces, else the release namespace;
+empty with clusterWide (every namespace, which excludes a list). */}}
+{{- define "omnistage.watchedNamespaces" -}}
+{{- if .Values.clusterWide -}}
+{{- if .Values.watchNamespaces -}}
+{{- fail "clusterWide: true serves every namespace: leave watchNamespaces empty with it" -}}
+{{- end -}}
+{{- else if .Values.watchNamespaces -}}
+{{- join "," .Values.watchNamespaces -}}
+{{- else -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The operator image: repository@digest when a digest pins it, else repository:tag (appVersion by default). */}}
+{{- define "omnistage.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* The Secret holding the CA the operator signs the pipelines' certificates with (tls.issuer chart). */}}
 {{- define "omnistage.pipelineCaSecret" -}}
 {{- default (printf "%s-pipeline-ca" (include "omnistage.fullname" .)) .Values.tls.caSecretName -}}
@@ -80,6 +103,10 @@ list or watch (tls.issuer chart only); cert-manager Certificates instead with tl
 - apiGroups: [apps]
   resources: [deployments/scale]
   verbs: [get, patch, update]
+# It scrapes only the pods its Deployments' ReplicaSets made (ownerReferences), not any pod with the labels.
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [get, list]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]

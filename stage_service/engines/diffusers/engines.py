@@ -56,8 +56,8 @@ class TextEncoderEngine(SteppedEngine):
     unit = "prompts"
 
     def load(self) -> None:
-        self.encoder = prompt_encoder(PipelineDir(self.model_dir), self.dtype, self.batch_invariant,
-                                      self.device)
+        self.encoder = prompt_encoder(PipelineDir(self.model_dir, self.stage.trust_remote_code), self.dtype,
+                                      self.batch_invariant, self.device)
 
     def step(self, states: list[PromptState]) -> list[dict[str, torch.Tensor]]:
         prompts = [q for st in states for q in st.prompts]  # every prompt is padded to the model length
@@ -120,7 +120,7 @@ class DenoiseEngine(SteppedEngine):
     unit = "steps"
 
     def load(self) -> None:
-        pipe = PipelineDir(self.model_dir)
+        pipe = PipelineDir(self.model_dir, self.stage.trust_remote_code)
         cfg = pipe.config(pipe.component)
         self.arch = cfg.get("_class_name", "")
         if self.arch not in DENOISERS:

@@ -4,7 +4,8 @@
 component the pipeline goes without, such as SD3's T5 encoder). Each stage serves one component
 folder; this module is how it finds the rest it needs (the tokenizer next to a text encoder, the
 scheduler and the VAE's config next to a denoiser) and loads a component by the class the index names,
-as `DiffusionPipeline.from_pretrained` does. Every refusal names the file or the entry.
+as `DiffusionPipeline.from_pretrained` does, but only a class on the allowlist unless the stage trusts remote
+code (`omnistage/checkpoints/components.py`). Every refusal names the file or the entry.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from omnistage.checkpoints.components import refusal
 from stage_service.runtime.errors import EngineConfigError
 
 MODEL_INDEX = "model_index.json"
@@ -25,8 +27,9 @@ SCHEDULER_CONFIG = "scheduler_config.json"
 class PipelineDir:
     """The pipeline directory around one component folder (a stage's `model/component`)."""
 
-    def __init__(self, component_dir: Path):
+    def __init__(self, component_dir: Path, trust_remote_code: bool = False):
         self.component = component_dir.name
+        self.trust_remote_code = trust_remote_code
         self.root = component_dir.parent
         self.index_file = self.root / MODEL_INDEX
         self.index = _read_json(self.index_file, f"{self.root} is not a diffusers pipeline directory")
@@ -47,6 +50,9 @@ class PipelineDir:
         """The class `model_index.json` names for a component, imported from its library."""
         if not self.has(component):
             raise EngineConfigError(f'{self.index_file}: the {self.pipeline_class} has no component "{component}"')
+        why = refusal(component, self.index[component], self.trust_remote_code)
+        if why:
+            raise EngineConfigError(f"{self.index_file}: {why}")
         library, name = self.index[component]
         try:
             return getattr(importlib.import_module(library), name)

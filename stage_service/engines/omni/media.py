@@ -25,6 +25,7 @@ instead of torchvision's, so pixels may differ in the last bits from a torchvisi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,6 +44,9 @@ TOWERS = tuple(prefix.split(".")[1] for prefix in THINKER_TOWERS)
 # What processing raises on input it cannot take (StopIteration must not cross a thread into asyncio:
 # it would never be delivered).
 PROCESSING_ERRORS = (ValueError, StopIteration, IndexError, RuntimeError, TypeError)
+# Rotary positions a prompt may reach: the int32 range, beyond any Thinker's rotary table or context (the
+# vLLM Thinker checks its own table's size too).
+MAX_POSITION = 2**31 - 1
 IMAGE_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean",
               "image_std")
 
@@ -384,5 +388,11 @@ def prompt_rows(model, enc: EncodedPrompt) -> PromptRows:
             enc.audio_seqlens, enc.video_second_per_grid)
     except PROCESSING_ERRORS as e:  # grids that do not fit the prompt's placeholders
         raise InputError(f"the encoder rows do not fit the prompt: {e or type(e).__name__}") from None
+    low, high = float(positions.min()), float(positions.max())
+    # Extreme seconds per grid overflow the model's time positions: to INT64_MIN where it casts them
+    # (Qwen2.5-Omni), to 1e20 or inf where it keeps float32 (Qwen3-Omni).
+    if not (math.isfinite(low) and math.isfinite(high) and 0 <= low and high < MAX_POSITION):
+        raise InputError(f"the prompt's multimodal positions run from {low:g} to {high:g} (the limits are 0 and "
+                         f"{MAX_POSITION}): the video's timestamps or grids are out of range")
     return PromptRows(embeds=embeds, positions=positions[:, 0], rope_delta=int(delta.reshape(-1)[0]),
                       visual_mask=visual_mask, deepstack=deepstack)

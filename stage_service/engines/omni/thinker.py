@@ -3,8 +3,9 @@ Talker is conditioned on (`embeds` and `hidden` of every position fed), and take
 
 A family's `load` hands `use_thinker` a `DecoderLm` with `model` (the family's
 `...ThinkerForConditionalGeneration`, encoders included), `tokenizer`, `chat_template`, `stop_ids`,
-`vocab`, `new_thinker_state(ids, sampling, max_tokens, ignore_eos)` and `step_thinker(states)` (each
-result with `token`, `finish_reason`, `embeds`, `hidden`), and sets `max_len`.
+`vocab`, `new_thinker_state(ids, sampling, max_tokens, ignore_eos, prefill_chunk)` and
+`step_thinker(states)` (each result with `token`, `finish_reason`, `embeds`, `hidden`), and sets
+`max_len` (the checkpoint's positions, or engineArgs.max_model_len when smaller).
 
 Media (`params.parts`) go through the checkpoint's processor and the Thinker's own encoders
 (`omni_media`), on the stage's media threads beside the step loop (`media_work`), so a request with an
@@ -92,7 +93,7 @@ class OmniThinkerEngine(MediaStage, CausalLmEngine):
         return self.thinker.step_thinker(states)
 
     def new_state(self, ids, p: RequestParams):
-        return self.thinker.new_thinker_state(ids, text_sampling(p), p.max_tokens, p.ignore_eos)
+        return self.thinker.new_thinker_state(ids, text_sampling(p), p.max_tokens, p.ignore_eos, self.prefill_chunk)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])

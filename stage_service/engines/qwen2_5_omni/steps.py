@@ -126,8 +126,9 @@ class Thinker(DecoderLm):
         self.vocab = config.thinker_config.text_config.vocab_size
 
     def new_thinker_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
-                          ignore_eos: bool = False) -> TokenState:
-        return self.new_state(prompt_ids, sampling, max_tokens, frozenset() if ignore_eos else self.stop_ids)
+                          ignore_eos: bool = False, prefill_chunk: int = 0) -> TokenState:
+        return self.new_state(prompt_ids, sampling, max_tokens, frozenset() if ignore_eos else self.stop_ids,
+                              prefill_chunk=prefill_chunk)
 
     def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep | RequestFailed]:
         return unless_failed(self.step_batch(states),

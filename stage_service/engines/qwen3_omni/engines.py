@@ -26,7 +26,7 @@ class ThinkerEngine(OmniThinkerEngine):
         self.use_thinker(Thinker(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
                                  encoders=not self.stage.inputs, device=self.device, paged=self.kv_paged))
         self.checkpoint = self.thinker.checkpoint
-        self.max_len = self.options.max_model_len
+        self.max_len = min(x for x in (self.thinker.max_positions, self.options.max_model_len) if x)
 
 
 class TalkerEngine(FedTalkerEngine):

@@ -129,10 +129,12 @@ class Thinker(DecoderLm):
         self.im_end = cfg.im_end_token_id
         self.stop_ids = frozenset({self.im_end, *_generation_eos(root)})
         self.vocab = cfg.thinker_config.text_config.vocab_size
+        self.max_positions = cfg.thinker_config.text_config.max_position_embeddings
 
     def new_thinker_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
-                          ignore_eos: bool = False) -> TokenState:
-        return self.new_state(prompt_ids, sampling, max_tokens, frozenset() if ignore_eos else self.stop_ids)
+                          ignore_eos: bool = False, prefill_chunk: int = 0) -> TokenState:
+        return self.new_state(prompt_ids, sampling, max_tokens, frozenset() if ignore_eos else self.stop_ids,
+                              prefill_chunk=prefill_chunk)
 
     def step_thinker(self, states: list[TokenState]) -> list[ThinkerStep | RequestFailed]:
         return unless_failed(self.step_batch(states),

@@ -38,6 +38,12 @@ class TextDeltas:
         return out
 
 
+# A text prompt longer than this is prefilled in pieces of it, each sharing a step with the others' decoding
+# (as vLLM's chunked prefill): one prompt at a model's whole context would otherwise hold every sequence of the
+# batch for its one long step. 2048 tokens keep a piece's matmuls large enough to run at full rate.
+DEFAULT_PREFILL_CHUNK = 2048
+
+
 class CausalLmEngine(SteppedEngine):
     """Emits per chunk `token_ids` (new tokens), the text delta, and `prompt_token_ids` on the first chunk.
     The prompt becomes token ids by the one prompt policy (`chat.prompt_ids`): `load` sets `tokenizer`
@@ -87,15 +93,23 @@ class CausalLmEngine(SteppedEngine):
         return self.lm.step_batch(states)
 
 
+    @property
+    def prefill_chunk(self) -> int:
+        """The most prompt tokens one step feeds a text prompt: engineArgs.max_num_batched_tokens, or
+        DEFAULT_PREFILL_CHUNK."""
+        return self.options.max_num_batched_tokens or DEFAULT_PREFILL_CHUNK
+
     def prompt_ids(self, p: RequestParams) -> list[int]:
         return prompt_ids(p, self.tokenizer, self.chat_template, self.DEFAULT_SYSTEM_PROMPT)
 
     def new_state(self, ids: list[int], p: RequestParams) -> TokenState | RemoteTokenState:
         # recompute: a text prompt's KV can be dropped and recomputed from its tokens (preemption, kv_budget.py)
-        spec = (ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids, True)
+        spec = (ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids, True,
+                self.prefill_chunk)
         if self.core is not None:
             return RemoteTokenState(seq=self.core.sequence(spec), core=self.core, prompt_len=len(ids),
-                                    max_tokens=p.max_tokens, kv_pages=self.kv_pages, preemptible=True)
+                                    max_tokens=p.max_tokens, kv_pages=self.kv_pages, preemptible=True,
+                                    prefill_chunk=self.prefill_chunk)
         return self.lm.new_state(*spec)
 
     def decode(self, tokens: list[int]) -> str:
@@ -135,10 +149,12 @@ class CausalLmEngine(SteppedEngine):
         compute_before = 0.0
         async with self.scheduler.submit(req.request_id, st) as stream:
             async for step in stream:
-                generated.append(step.token)
-                tokens.append(step.token)
                 for name, t in self.step_tensors(step).items():
                     extra.setdefault(name, []).append(t)
+                if step.token is None:  # a piece of a long prompt prefilled: its rows kept, no token yet
+                    continue
+                generated.append(step.token)
+                tokens.append(step.token)
                 done = step.finish_reason is not None
                 if chunks.due(1, done):
                     out = {"token_ids": torch.tensor(tokens, dtype=torch.int64),

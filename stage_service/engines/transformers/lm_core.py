@@ -61,15 +61,23 @@ class RemoteTokenState(RemoteState):
     preemptible: bool = False
 
     prefill: bool = True  # its next step feeds the prompt and every token so far (it joins, or was preempted)
+    prefill_chunk: int = 0  # the most tokens a step feeds it (0: no bound), as the core's TokenState
+    prefilled: int = 0  # of those, fed by earlier steps (a prompt prefilled in pieces)
 
     @property
     def cost(self) -> int:
         """Tokens its next step feeds, as the core's TokenState counts them."""
-        return self.prompt_len + len(self.generated) if self.prefill else 1
+        if not self.prefill:
+            return 1
+        todo = self.prompt_len + len(self.generated) - self.prefilled
+        return min(todo, self.prefill_chunk) if self.prefill_chunk else todo
 
-    def took(self, token: int) -> TokenStep:
+    def took(self, token: int | None) -> TokenStep:
+        if token is None:  # a piece of its prompt fed, nothing sampled
+            self.prefilled += self.cost
+            return TokenStep(None, None, None)
         self.generated.append(token)
-        self.prefill = False
+        self.prefill, self.prefilled = False, 0
         return TokenStep(token, self.finish_reason, None)
 
     def kv_bytes(self) -> int:
@@ -80,5 +88,5 @@ class RemoteTokenState(RemoteState):
 
     def preempt(self) -> None:
         self.child_bytes = 0  # as the core will hold: it drops the cache before the next step
-        self.prefill = True
+        self.prefill, self.prefilled = True, 0
         self.core.preempt(self.seq)

@@ -9,6 +9,11 @@ worker thread.
 Under a KV budget (`kv_budget.py`) a text-only state can be preempted: it drops its cache and keeps its
 tokens and generator; its next step feeds every token its cache lacks (prompt and generated) and samples
 on from the last, as it would have.
+
+With a bound on a step's tokens (`engineArgs.max_num_batched_tokens`) a text prompt longer than the bound is
+prefilled in pieces of that many tokens, one per step, sharing each step with the others' decoding: one long
+prompt cannot stall a shared step. A piece that leaves tokens unfed samples nothing (its step's token is None).
+A prompt with media rows is fed whole.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class TokenState(StepState):
     finished: bool = False
     kv_pages: KvPages | None = None  # under a KV budget: how its cache is sized
     recompute: bool = False  # it may be preempted (text only: rows fed from elsewhere cannot be fed again)
+    prefill_chunk: int = 0  # the most tokens one step feeds it (0: no bound): a longer prompt takes several
 
     def held_bytes(self) -> int:
         rows = self.prompt_rows
@@ -75,8 +81,17 @@ class TokenState(StepState):
         return rows.embeds.shape[0] if rows is not None else len(self.unfed())
 
     def unfed(self) -> list[int]:
-        """The tokens its cache lacks: the prompt when it joins, then its last token (after a preemption: all)."""
-        return [*self.prompt_ids, *self.generated] if self.kv.length() == 0 else self.generated[-1:]
+        """The tokens its next step feeds: those its cache lacks (the prompt when it joins, then its last
+        token; after a preemption all), at most `prefill_chunk` of them."""
+        fed = self.kv.length()
+        if self.generated and fed == len(self.prompt_ids) + len(self.generated) - 1:
+            return self.generated[-1:]
+        todo = [*self.prompt_ids, *self.generated][fed:]
+        return todo[:self.prefill_chunk] if self.prefill_chunk else todo
+
+    def prefilled_by(self, fed: int) -> bool:
+        """Whether feeding `fed` more tokens leaves none of its tokens unfed (it samples its next one)."""
+        return self.kv.length() + fed >= len(self.prompt_ids) + len(self.generated)
 
 
 def kv_reserve(pages: KvPages | None, prompt: int, generated: int, max_tokens: int, preemptible: bool) -> int:
@@ -89,7 +104,7 @@ def kv_reserve(pages: KvPages | None, prompt: int, generated: int, max_tokens: i
 
 @dataclass
 class TokenStep:
-    token: int
+    token: int | None  # None: the step fed a piece of the prompt and sampled nothing (chunked prefill)
     finish_reason: str | None
     rows: tuple[torch.Tensor, ...] | None  # when kept: each layer's hidden rows [n, H] of the positions fed
 
@@ -115,24 +130,30 @@ class DecoderLm:
             make_batch_invariant(model)
 
     def new_state(self, prompt_ids: list[int], sampling: SamplingSettings, max_tokens: int,
-                  stop_ids: frozenset[int] = frozenset(), recompute: bool = False) -> TokenState:
-        """A sequence's state; `recompute`: it may be preempted under a KV budget (text-only engines)."""
+                  stop_ids: frozenset[int] = frozenset(), recompute: bool = False,
+                  prefill_chunk: int = 0) -> TokenState:
+        """A sequence's state; `recompute`: it may be preempted under a KV budget (text-only engines);
+        `prefill_chunk`: the most tokens a step feeds it (0: no bound)."""
         pages = self.kv_pages
         return TokenState(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens, stop_ids=stop_ids,
                           generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
                           kv=SequenceKV(None if pages is None else pages.page, len(prompt_ids) + max_tokens),
                           kv_pages=pages,
-                          recompute=recompute)
+                          recompute=recompute, prefill_chunk=prefill_chunk)
 
     @torch.inference_mode()
     def step_batch(self, states: list[TokenState]) -> list[TokenStep | RequestFailed]:
         """One step of every state: the prompt of those that just joined, the last token of the others; a
         state whose sampling fails gets its `RequestFailed` (per_request.py)."""
         inputs, pos, deep, fed = [], [], [], []  # fed: (input index, token ids) of the states fed tokens
+        partial = set()  # indices of the states whose step feeds a piece of their prompt and samples nothing
         for st in states:
             mm, st.prompt_rows = st.prompt_rows, None
             if mm is None:
-                fed.append((len(inputs), st.unfed()))
+                todo = st.unfed()
+                if not st.prefilled_by(len(todo)):
+                    partial.add(len(inputs))
+                fed.append((len(inputs), todo))
                 inputs.append(None)
                 pos.append(positions(st.kv.length() + st.rope_delta, 1, self.rope_axes, self.device)
                            if st.rope_delta else None)
@@ -150,7 +171,8 @@ class DecoderLm:
                                     hidden_states=self.keep_rows, min_rows=self.min_rows, position_ids=pos,
                                     deepstack=deep)
         logits = self.head(last)
-        return [alone(st, self._sampled, st, logits[i], rows[i] if rows else None) for i, st in enumerate(states)]
+        return [TokenStep(None, None, rows[i] if rows else None) if i in partial else
+                alone(st, self._sampled, st, logits[i], rows[i] if rows else None) for i, st in enumerate(states)]
 
     @staticmethod
     def _sampled(st: TokenState, logits: torch.Tensor, rows: tuple[torch.Tensor, ...] | None) -> TokenStep:

@@ -231,6 +231,9 @@ class VllmThinkerEngine(VllmEngine):
                 raise InputError(f"the encoder sent deepstack rows for {layers} layers; the Thinker has "
                                  f"{self.layers_total}")
             limit = self.model_positions * POSITIONS_FACTOR if self.model_positions else None
+            low = int(rows.positions.min())
+            if low < 0:  # MRotaryEmbedding would index its cos/sin cache out of range (a device assert on CUDA)
+                raise InputError(f"the prompt's multimodal positions go down to {low}; they must be >= 0")
             top = max(int(rows.positions.max()), self.max_model_len + LENGTH_MARGIN + rows.rope_delta)
             if limit is not None and top >= limit:
                 raise InputError(f"the prompt's multimodal positions reach {top}; the Thinker's rotary table "

@@ -1,0 +1,77 @@
+"""The gRPC front door's checks before a handler runs: the API key, read from the call's metadata before the
+request message is (a caller without a key never gets its message read or parsed), and the byte budget that
+bounds what admitted and waiting requests hold between them.
+
+Only the Orchestrator service and reflection take a key: health answers every caller (probes carry none).
+The priority a request asks for is in its message, so the priority-against-key check stays in the handler."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from .api_keys import ApiKeys
+from .byte_budget import BudgetFull, ByteBudget
+from .servicer import REFUSED_KEY
+
+REFLECTION_PREFIX = "/grpc.reflection."
+# A request refused for want of budget is told to retry after this long: held requests end within seconds.
+BUDGET_RETRY_AFTER_S = 1.0
+
+
+def _refusing(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that answers `code` without reading the request: as a request-streaming handler, gRPC leaves
+    the message unread (a unary-request handler would have it received and parsed first)."""
+    async def refuse(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+    return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+class ClientDoor(grpc.aio.ServerInterceptor):
+    """`service`: the full name of the service keys guard; `budgeted`: the method (full path) whose requests
+    take their size from `budget` while they are held; `on_refused(method)`: counts a refusal."""
+
+    def __init__(self, service: str, keys: ApiKeys, budget: ByteBudget, budgeted: str,
+                 on_refused: Callable[[str], None] = lambda method: None):
+        self.service_prefix = f"/{service}/"
+        self.keys, self.budget, self.budgeted = keys, budget, budgeted
+        self.on_refused = on_refused
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
+                                                             Awaitable[grpc.RpcMethodHandler]],
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method = details.method
+        guarded = method.startswith(self.service_prefix) or method.startswith(REFLECTION_PREFIX)
+        if guarded and self.keys.required:
+            header = dict(details.invocation_metadata or ()).get("authorization")
+            refused = self.keys.refusal(header if isinstance(header, str) else None, 0)  # priority 0: key only
+            if refused is not None:
+                self.on_refused(method)
+                return _refusing(REFUSED_KEY[refused[0]], refused[1])
+        handler = await continuation(details)
+        if method == self.budgeted and handler is not None and handler.unary_stream is not None:
+            return self._budgeted(handler)
+        return handler
+
+    def _budgeted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        inner = handler.unary_stream
+        budget, on_refused, method = self.budget, self.on_refused, self.budgeted
+
+        async def held(request: Any, context: grpc.aio.ServicerContext):
+            with budget.holding() as take:
+                try:
+                    take(request.ByteSize())
+                except BudgetFull as e:
+                    on_refused(method)
+                    context.set_trailing_metadata((("retry-after", f"{BUDGET_RETRY_AFTER_S}"),))
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"{e}; retry after {BUDGET_RETRY_AFTER_S}s")
+                if inspect.isasyncgenfunction(inner):
+                    async for ev in inner(request, context):
+                        yield ev
+                else:  # a handler that sends its events with context.write()
+                    await inner(request, context)
+        return grpc.unary_stream_rpc_method_handler(held, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
