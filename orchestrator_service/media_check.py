@@ -22,7 +22,7 @@ from omnistage.media import decode_parts
 from omnistage.v1 import common_pb2
 
 from .admission import Overloaded
-from .media_pool import DecoderCrashed, DecodeTimeout, MediaPool
+from .media_pool import DecoderCrashed, DecodeTimeout, MediaPool, WorkerStartFailed
 
 DECODE_WORKERS = 4
 
@@ -60,6 +60,8 @@ class MediaCheck:
         except DecoderCrashed as e:
             raise InvalidRequest("params.parts", f"cannot decode (the decoder failed on it: exit code "
                                                  f"{e.exitcode})") from None
+        except WorkerStartFailed as e:  # the server's, not the request's: retry
+            raise Overloaded(f"{e}; retry", retry_after_s=bound) from None
         if refusal is not None:
             raise InvalidRequest(*refusal)
         return (time.perf_counter() - t0) * 1e3

@@ -62,7 +62,11 @@ class _Worker:
                 from None
 
     def call(self, timeout: float, fn: Callable, args: tuple) -> Any:
-        self.conn.send((math.ceil(timeout) + 1, fn, args))
+        try:
+            self.conn.send((math.ceil(timeout) + 1, fn, args))
+        except OSError:  # it died since it was last seen alive (a broken pipe)
+            self.end(dying=True)
+            raise DecoderCrashed(self.process.exitcode) from None
         if not self.conn.poll(timeout):
             self.end()
             raise DecodeTimeout()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from typing import AsyncIterator, Iterable
@@ -126,7 +127,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.runs: dict[str, RequestRun] = {}       # server id -> the request's walk
         self.labels: dict[str, str] = {}            # client label -> server id, while in flight
         self.api_keys = api_keys if api_keys is not None else ApiKeys(max_priority=orc.max_priority)
-        self.client_cap = client_cap.ClientCap(client_cap.default_cap(orc.max_inflight, orc.max_queued))
+        self.client_cap = client_cap.ClientCap(client_cap.default_cap(orc.max_inflight, orc.max_queued),
+                                               trusted=client_cap.trusted_proxies(os.environ))
 
     async def Generate(self, request: orchestrator_pb2.GenerateRequest, context):
         """The gRPC front door: the request path below, a refusal as the call's status."""
@@ -140,7 +142,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(REFUSED_KEY[refused[0]], refused[1])
         client = client_cap.client_of(
             client_cap.key_index(self.api_keys, dict(context.invocation_metadata()).get("authorization")),
-            client_cap.peer_host(context.peer()))
+            client_cap.peer_host(context.peer()), self.client_cap.trusted)
         # Each event is written with a bound on how long it may wait on the client (consumer_pace.py), so a
         # client that stops reading or reads a trickle gives its request up instead of holding it.
         pace, too_slow = consumer_pace.ConsumerPace(consumer_pace.GRACE_S, consumer_pace.MIN_READ_BPS), None
@@ -188,6 +190,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             req_class = request_class(params, outputs.values())
             media_decode_ms = 0.0
             if has_media(params.parts):
+                self.client_cap.check(client)  # a client over its cap gets no media decoded first
                 media_decode_ms = await self.media.check(params.parts)
                 m.media_decode_ms.observe(media_decode_ms)
         except InvalidRequest as e:

@@ -178,7 +178,8 @@ class Endpoints:
 
     def _call(self, request: Request, plan: translate.Translated) -> Call:
         key = client_cap.key_index(self.servicer.api_keys, request.headers.get("authorization"))
-        client = client_cap.client_of(key, request.client.host if request.client else None)
+        client = client_cap.client_of(key, request.client.host if request.client else None,
+                                      self.servicer.client_cap.trusted)
         return Call(self.servicer, plan.request, plan.fields, deadline=deadline_from(request.headers),
                     receive=request.receive, client=client)
 

@@ -64,15 +64,17 @@ def admits(running_next: Sequence[int], candidate_next: int, budget: int) -> boo
     return not running_next or sum(running_next) + candidate_next <= budget
 
 
-def to_preempt(running_next: Sequence[int], preemptible: Sequence[bool], budget: int) -> list[int]:
+def to_preempt(running_next: Sequence[int], preemptible: Sequence[bool], budget: int,
+               keep_oldest: bool = True) -> list[int]:
     """Indices (running states in admission order, oldest first) to preempt so that the rest fit `budget` after
     their next step: the most recently admitted that can be recomputed first. The oldest running state only
     where one that cannot be recomputed runs too: that one reserved the most it will ever hold when it was
     admitted (its `kv_bytes_next`), so once every other is preempted the rest fit, and it always makes
-    progress; else the oldest always stays (it is the one that makes progress). Empty when they fit, or when
-    nothing more can be preempted."""
+    progress; else the oldest always stays (it is the one that makes progress), unless not `keep_oldest` (the
+    budget is what others out of the running set leave: they make progress when they come back). Empty when
+    they fit, or when nothing more can be preempted."""
     total, out = sum(running_next), []
-    last = 0 if not all(preemptible) else 1
+    last = 0 if not all(preemptible) or not keep_oldest else 1
     for i in range(len(running_next) - 1, last - 1, -1):
         if total <= budget:
             break

@@ -46,18 +46,21 @@ that long while the loop neither stepped nor waited. Waiting is not stalling:
 a state whose input has not arrived, or whose reader fell behind, is another
 party's delay, bounded by the request's deadline.
 
-Parking: a state whose reader is `max_pending_results` results behind (a client that stopped reading, far
-down the request's path) leaves the running set for the parked set, so its batch slot goes to the next
-queued state instead of being pinned until the request's deadline. Once its reader has taken half of what
-waits, it goes back to the front of the queue (it was admitted before anything queued, as a preempted state
-is) and continues where it stopped: its state is untouched, and the engines are batch-invariant, so it
-makes what it would have made unparked. Parked states count against maxQueued as queued ones do, so a
-replica holds at most maxBatch + maxQueued requests, as before (parking one moves a queued one into the
-batch: the count stays); the front door's consumer pace ends the requests of clients that do not read.
-Under a KV budget a parked state that can be recomputed is preempted (its KV goes to the states that run);
-one that cannot keeps its KV, reserved out of the budget at its most (`kv_bytes_next`), so admission never
-counts on memory a parked state still holds. Without a budget a parked state keeps its memory, as a running
-one does.
+Parking: a state whose reader is `max_pending_results` results behind (a client that stopped reading, far down
+the request's path) leaves the running set for the parked set when a queued state waits for a slot, so its
+batch slot goes to that state instead of being pinned until the request's deadline (with nobody waiting it
+keeps its slot, skipped by the steps until its reader takes results again). Once its reader has taken half of
+what waits, it goes back to the front of the queue (it was admitted before anything queued, as a preempted
+state is) and continues where it stopped: its state is untouched, and the engines are batch-invariant, so it
+makes what it would have made unparked. Parked states count against maxQueued as queued ones do, so a replica
+holds at most maxBatch + maxQueued requests, as before (parking one moves a queued one into the batch: the
+count stays); the front door's consumer pace ends the requests of clients that do not read. Under a KV budget
+a parked state keeps its KV, reserved out of the budget (at its most, `kv_bytes_next`, for one that cannot be
+recomputed), as does a state queued again that still holds its KV: admission and preemption count only the
+rest, and the "one always runs" rules of kv_budget.py apply only while nothing is reserved, so no state runs
+on memory another still holds. When the queue's head does not fit, the parked states that can be recomputed
+give their KV back first (they recompute it when they resume); slow readers with nobody waiting recompute
+nothing. Without a budget a parked state keeps its memory, as a running one does.
 """
 
 from __future__ import annotations
@@ -389,14 +392,37 @@ class StepScheduler:
         if self.kv_budget is not None:
             moved = self._preempt() or moved
         while self._queue and len(self._running) < self.max_batch:
-            if self.kv_budget is not None and not kv_budget.admits(
-                    [j.state.kv_bytes_next() for j in self._running], self._queue[0].state.kv_bytes_next(),
-                    self._running_budget()):
-                break  # in order: the head of the queue waits for room, nobody overtakes it
+            if self.kv_budget is not None and not self._fits(self._queue[0]):
+                moved = self._free_parked() or moved
+                if not self._fits(self._queue[0]):
+                    break  # in order: the head of the queue waits for room, nobody overtakes it
             self._running.append(self._queue.popleft())
             moved = True
         if moved:
             self._changed()
+
+    def _fits(self, job: _Job) -> bool:
+        """Whether a queued state fits the KV budget beside the running states and what is reserved (with
+        nothing reserved, kv_budget.admits lets it in when nothing runs)."""
+        assert self.kv_budget is not None
+        reserved = self._reserved(job)
+        running = [j.state.kv_bytes_next() for j in self._running]
+        return kv_budget.admits([*running, reserved] if reserved else running, job.state.kv_bytes_next(),
+                                self.kv_budget)
+
+    def _free_parked(self) -> bool:
+        """Preempt the parked states that can be recomputed and hold KV (their memory goes to the queue's head;
+        they recompute it when they resume). Whether any was."""
+        freed = [j for j in self._parked if j.state.preemptible and j.state.kv_bytes()]
+        for job in freed:
+            job.state.preempt()
+        self._count_preemptions(len(freed))
+        return bool(freed)
+
+    def _count_preemptions(self, n: int) -> None:
+        self.preemptions += n
+        if n and self.metrics is not None:
+            self.metrics.preemptions.labels(self.stage).inc(n)
 
     def _park(self) -> bool:
         """Park the running states whose readers are `max_pending_results` behind (their batch slots go to
@@ -407,35 +433,38 @@ class StepScheduler:
         for job in sorted(back, key=lambda j: j.seq, reverse=True):  # each in front of the older ones
             self._parked.remove(job)
             self._queue.appendleft(job)
-        stalled = [j for j in self._running if j.results.qsize() >= self.max_pending_results]
+        # only when someone waits for the slot: a slow reader with nobody waiting keeps it (and its KV)
+        stalled = [j for j in self._running if j.results.qsize() >= self.max_pending_results] if self._queue else []
         for job in stalled:
             self._running.remove(job)
-            if self.kv_budget is not None and job.state.preemptible and job.state.kv_bytes():
-                job.state.preempt()  # its KV goes to the states that run; it recomputes it when it resumes
-                self.preemptions += 1
-                if self.metrics is not None:
-                    self.metrics.preemptions.labels(self.stage).inc()
             self._parked.append(job)
         return bool(back or stalled)
 
+    def _reserved(self, skip: _Job | None = None) -> int:
+        """KV held out of the running set (see Parking): parked states (at their most when they cannot be
+        recomputed) and queued states that still hold theirs; `skip` (the state being admitted) not counted."""
+        held = [j for j in list(self._parked) if j is not skip]
+        return (sum(j.state.kv_bytes() if j.state.preemptible else j.state.kv_bytes_next() for j in held) +
+                sum(j.state.kv_bytes() for j in list(self._queue) if j is not skip))
+
     def _running_budget(self) -> int:
-        """The KV budget left to the running states: parked states that cannot be recomputed keep theirs."""
+        """The KV budget left to the running states: what states out of the running set hold is theirs."""
         assert self.kv_budget is not None
-        return self.kv_budget - sum(j.state.kv_bytes_next() for j in list(self._parked) if not j.state.preemptible)
+        return self.kv_budget - self._reserved()
 
     def _preempt(self) -> bool:
         """Preempt the running states the budget has no room for after the next step (see kv_budget.py);
         they go back to the front of the queue, the oldest of them first."""
+        budget = self._running_budget()
+        # the oldest always stays (kv_budget.to_preempt) only while nothing is reserved: else it too may go
         victims = kv_budget.to_preempt([j.state.kv_bytes_next() for j in self._running],
                                        [j.state.preemptible for j in self._running],  # between steps only
-                                       self._running_budget())
+                                       budget, keep_oldest=budget == self.kv_budget)
         for i in victims:  # newest first: each goes in front of the one preempted before it
             job = self._running.pop(i)
             job.state.preempt()
             self._queue.appendleft(job)
-        self.preemptions += len(victims)
-        if victims and self.metrics is not None:
-            self.metrics.preemptions.labels(self.stage).inc(len(victims))
+        self._count_preemptions(len(victims))
         return bool(victims)
 
     def kv_held(self) -> int:

@@ -76,13 +76,14 @@ def test_the_allowance_stays_between_zero_and_grace_plus_the_sends_bytes(sends):
 
 # ------------------------------------------------------------------------ the per-client cap
 
-@pytest.mark.parametrize("inflight, queued, cap", [(64, 256, 160), (4, 4, 8), (1, 0, 8), (100, 0, 50)])
+@pytest.mark.parametrize("inflight, queued, cap", [(64, 256, 160), (4, 4, 16), (1, 0, 16), (100, 0, 50)])
 def test_the_default_cap_is_a_share_with_a_floor(inflight, queued, cap):
     assert default_cap(inflight, queued) == cap
 
 
 @pytest.mark.parametrize("peer, host", [("ipv4:10.1.2.3:5555", "10.1.2.3"), ("ipv6:[::1]:80", "::1"),
-                                        ("ipv6:[2001:db8::7]:1", "2001:db8::7"), ("unix:/tmp/s", None), ("", None)])
+                                        ("ipv6:[2001:db8::7]:1", "2001:db8::7"), ("unix:/tmp/s", None), ("", None),
+                                        ("ipv6:%5B::1%5D:5", "::1")])  # as gRPC Python reports IPv6 peers
 def test_peer_host(peer, host):
     assert peer_host(peer) == host
 
@@ -93,8 +94,26 @@ def test_who_a_client_is(monkeypatch):
     assert client_of(None, "127.0.0.1") is None and client_of(None, "::1") is None  # a local proxy or the operator
     assert client_of(0, "127.0.0.1") == "API key #0"  # keys are capped wherever they come from
     assert client_of(None, None) is None
+    assert client_of(None, "::ffff:127.0.0.1") is None  # IPv4 loopback through a dual-stack socket
+    assert client_of(None, "::ffff:10.0.0.1") == "address 10.0.0.1"
     monkeypatch.setattr(client_cap, "CAP_LOOPBACK", True)
     assert client_of(None, "127.0.0.1") == "address 127.0.0.1"
+
+
+def test_a_trusted_proxys_address_is_not_capped_its_keys_are():
+    """Behind an ingress every client shares its address: capping the address would cap them all together."""
+    trusted = client_cap.trusted_proxies({"OMNISTAGE_TRUSTED_PROXIES": "10.42.0.0/16, 192.168.1.7"})
+    assert client_of(None, "10.42.3.9", trusted) is None and client_of(None, "192.168.1.7", trusted) is None
+    assert client_of(None, "10.43.0.1", trusted) == "address 10.43.0.1"
+    assert client_of(1, "10.42.3.9", trusted) == "API key #1"
+    with pytest.raises(ValueError, match="OMNISTAGE_TRUSTED_PROXIES: 'ingress' is not an address or network"):
+        client_cap.trusted_proxies({"OMNISTAGE_TRUSTED_PROXIES": "ingress"})
+
+
+def test_an_images_request_of_the_most_images_fits_one_clients_cap():
+    from orchestrator_service.http_api.schemas import MAX_IMAGES
+
+    assert default_cap(1, 1) >= MAX_IMAGES  # n images are n requests of the one client
 
 
 def test_a_client_over_its_cap_is_refused_naming_it_and_others_are_not():

@@ -36,9 +36,23 @@ async def test_states_whose_readers_stopped_free_their_batch_slots():
     await sched.shutdown()
 
 
+async def test_a_slow_reader_with_nobody_waiting_keeps_its_slot():
+    sched, rec = make(max_batch=1, max_pending_results=PENDING)
+    async with sched.submit("slow", slow := Count("slow", 10)) as stream:
+        await wait_until(lambda: slow.done == PENDING, what="slow a reader's bound ahead")
+        await asyncio.sleep(0)
+        assert sched.parked == 0 and sched.running == 1
+        async with sched.submit("waiter", Count("waiter", 1)) as waiting:  # now someone waits: parked
+            assert [r async for r in waiting] == [1]
+        assert sched.parked == 1
+        assert [r async for r in stream] == list(range(1, 11))
+    await sched.shutdown()
+
+
 async def test_a_parked_state_resumes_in_front_of_the_queue_once_its_reader_took_half():
     sched, rec = make(max_batch=1, max_pending_results=4)
-    async with sched.submit("slow", slow := Count("slow", 12)) as stream:
+    async with sched.submit("slow", slow := Count("slow", 12)) as stream, \
+            sched.submit("waiter", Count("waiter", 1)):  # waits for the slot: slow is parked for it
         await wait_until(lambda: sched.parked == 1, what="slow parked")
         assert await stream.next() == 1  # one taken: 3 of 4 wait, above half: still parked
         await asyncio.sleep(0)
@@ -52,7 +66,7 @@ async def test_a_parked_state_resumes_in_front_of_the_queue_once_its_reader_took
 async def test_a_parked_state_cancelled_is_released_once():
     sched, _ = make(max_batch=1, max_pending_results=PENDING)
     gone = Count("gone", 50)
-    async with sched.submit("gone", gone):
+    async with sched.submit("gone", gone), sched.submit("waiter", Count("waiter", 1)):
         await wait_until(lambda: sched.parked == 1, what="parked")
         assert sched.held_bytes("gone") == 100
     assert sched.unfinished() == 0 and gone.releases == 1 and sched.held_bytes() == 0
@@ -66,7 +80,9 @@ async def test_parked_states_count_against_max_queued():
     async with contextlib.AsyncExitStack() as stack:
         for i in range(3):
             await stack.enter_async_context(sched.submit(f"u{i}", Count(f"u{i}", 10)))
-        await wait_until(lambda: sched.parked == 3 and not sched.running and not sched.queued, what="all parked")
+        # each parked for the next one queued; the last, with nobody waiting, keeps its slot
+        await wait_until(lambda: sched.parked == 2 and sched.running == 1 and not sched.queued,
+                         what="two parked, the last running")
         with pytest.raises(EngineOverloaded, match="maxQueued 2"):
             await stack.enter_async_context(sched.submit("one-more", Count("one-more", 1)))
     await sched.shutdown()
@@ -101,14 +117,32 @@ def kv_step(rec):
     return step
 
 
-async def test_under_a_kv_budget_a_parked_state_that_can_be_recomputed_gives_its_kv_back():
+async def test_under_a_kv_budget_parked_states_keep_their_kv_until_the_queues_head_needs_it():
     sched, rec = make(max_batch=2, max_pending_results=PENDING)
     sched.step_fn, sched.kv_budget = kv_step(rec), 1000
-    async with sched.submit("r", r := Kv("r", 10)) as stream, sched.submit("n", n := Kv("n", 10, preemptible=False)):
-        await wait_until(lambda: sched.parked == 2, what="both parked")
+    async with sched.submit("r", r := Kv("r", 10)) as stream, sched.submit("n", n := Kv("n", 10, preemptible=False)), \
+            sched.submit("w", w := Kv("w", 88, preemptible=False)):
+        # r and n park for w, which needs 880 bytes: beside n's 100 reserved and r's 30 held it does not fit,
+        # so r (which can be recomputed) gives its KV back; n keeps its own, reserved at its most
+        await wait_until(lambda: sched.parked == 2 and w.done > 0, what="both parked, w running")
         assert r.preempted == 1 and r.kv == 0 and n.preempted == 0 and n.kv == PENDING * 10
-        assert sched._running_budget() == 1000 - 100  # the one that cannot be recomputed keeps its most
+        assert sched._running_budget() == 1000 - 100
+        assert [x async for x in stream] == list(range(1, 11))  # r resumes beside w and n's reservation
+    await sched.shutdown()
+
+
+async def test_a_parked_state_that_cannot_be_recomputed_keeps_room_even_with_nothing_running():
+    """kv_budget.admits lets the queue's head in when nothing runs; with a parked state's KV reserved, that
+    would run it on memory the parked state still holds."""
+    sched, rec = make(max_batch=1, max_pending_results=PENDING)
+    sched.step_fn, sched.kv_budget = kv_step(rec), 1000
+    async with sched.submit("a", Kv("a", 10, preemptible=False)) as stream, \
+            sched.submit("b", b := Kv("b", 95, preemptible=False)):  # 950: fits only once a has ended
+        await wait_until(lambda: sched.parked == 1, what="a parked")
+        await asyncio.sleep(0.05)
+        assert sched.running == 0 and b.done == 0 and sched._reserved() == 100
         assert [x async for x in stream] == list(range(1, 11))
+        await wait_until(lambda: b.done > 0, what="b running once a ended")
     await sched.shutdown()
 
 
