@@ -14,6 +14,7 @@ from starlette.datastructures import Headers
 from omnistage.contract.params import InvalidRequest
 from omnistage.v1 import orchestrator_pb2
 from orchestrator_service.api_keys import ApiKeys
+from orchestrator_service.client_cap import CLIENT_FLOOR, ClientCap
 from orchestrator_service.http_api import images
 from orchestrator_service.http_api.call import Call, ClientGone, deadline_from, run_all
 from orchestrator_service.http_api.errors import ApiError
@@ -33,6 +34,7 @@ class ScriptedPath:
     def __init__(self, events=(), fail: BaseException | None = None, hang: bool = False):
         self.events, self.fail, self.hang = list(events), fail, hang
         self.api_keys = ApiKeys()  # the servicer's client keys: none, no key needed
+        self.client_cap = ClientCap(CLIENT_FLOOR)  # the servicer's per-client cap (and trusted proxies: none)
         self.unwound = asyncio.Event()
         self.deadline = None
         self.yielded = 0
