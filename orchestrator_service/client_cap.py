@@ -21,6 +21,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
+from omnistage.contract.launch import is_loopback
+
 from .admission import Overloaded
 
 # One client may hold at most this share of the places the orchestrator has (maxInflight + maxQueued):
@@ -74,15 +76,15 @@ def client_of(key_index: int | None, host: str | None, trusted: Networks = ()) -
         return f"API key #{key_index}"
     if not host:
         return None
+    if is_loopback(host) and not CAP_LOOPBACK:
+        return None
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        return None if host == "localhost" and not CAP_LOOPBACK else f"address {host}"
+        return f"address {host}"
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    if any(ip in net for net in trusted) or (ip.is_loopback and not CAP_LOOPBACK):
-        return None
-    return f"address {ip}"
+    return None if any(ip in net for net in trusted) else f"address {ip}"
 
 
 @dataclass

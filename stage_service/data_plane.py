@@ -32,11 +32,10 @@ from prometheus_client import CollectorRegistry
 from omnistage.api import Pipeline, Stage
 from omnistage.connector import ChunkReceiver, ChunkSender, Connector, TransferMetrics, make_connector
 from omnistage.connector.connector import default_host_id
-from omnistage.connector.ucx import is_loopback
 from omnistage.connector.ucx_auth import read_key
 from omnistage.contract import tensors as tensor_codec
 from omnistage.contract.devices import CPU, CUDA, uses_gpus
-from omnistage.contract.launch import ENV_HOST_ID, ENV_POD_IP, ENV_SAME_HOST, ENV_TRANSPORTS
+from omnistage.contract.launch import ENV_HOST_ID, ENV_POD_IP, ENV_SAME_HOST, ENV_TRANSPORTS, is_loopback
 from omnistage.v1 import stage_pb2, tensor_pb2
 from stage_service.convert import input_from_proto
 from stage_service.runtime.base import InputChunk

@@ -25,8 +25,9 @@ from omnistage.connector.keys import TensorKey
 from omnistage.connector.paths import CPU, CUDA, HOST, choose_path, device_kind, sends_device_memory, widen_tls_for_cuda
 from omnistage.connector.shm import ShmStore
 from omnistage.connector.store import TensorStore
-from omnistage.connector.ucx import UcxStore, is_loopback
+from omnistage.connector.ucx import UcxStore
 from omnistage.contract import tensors
+from omnistage.contract.launch import is_loopback
 from omnistage.v1 import tensor_pb2
 
 STORES = (ShmStore.backend, UcxStore.backend)  # the transports that hold tensors (inline holds nothing)

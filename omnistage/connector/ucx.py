@@ -61,6 +61,7 @@ from omnistage.connector.paths import CPU
 from omnistage.connector.store import TensorStore
 from omnistage.connector.ucx_auth import MAC_BYTES, Authenticator
 from omnistage.connector.wire import BAD_REQUEST, HEADER_BYTES, NOT_FOUND, OK, TensorHeader, as_bytes, from_bytes
+from omnistage.contract.launch import is_loopback
 from omnistage.v1 import tensor_pb2
 
 # A request: this header, the tensor key, zeros, and the MAC of everything before it in the last MAC_BYTES.
@@ -352,13 +353,6 @@ def _fragment_size(nbytes: int, wanted: int) -> int:
 
 def _fragment_count(nbytes: int, fragment_bytes: int) -> int:
     return -(-nbytes // fragment_bytes) if fragment_bytes else int(nbytes > 0)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 _WILDCARDS = ("", "0.0.0.0", "::")

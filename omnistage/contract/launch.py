@@ -13,6 +13,7 @@ Pure: no imports from the services, nothing read from the environment at import 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 from dataclasses import dataclass, fields
@@ -188,6 +189,20 @@ def read_ready(path: str | os.PathLike) -> ReadyPorts | None:
         if name in known:
             ports[name] = int(port)
     return ReadyPorts(**ports) if "grpc" in ports else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only: `localhost` (and its subdomains, which resolve to loopback by
+    RFC 6761), 127.0.0.0/8, ::1, and an IPv4 loopback address mapped into IPv6 (a dual-stack socket's)."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def http_url(host: str, port: int, path: str = "") -> str:

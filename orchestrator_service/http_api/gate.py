@@ -10,6 +10,8 @@ from typing import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from omnistage.contract.launch import is_loopback
+
 from .errors import DEFAULT_RETRY_AFTER_S, ApiError, error_response, retry_after_header
 
 HEALTH_PATH = "/health"  # the health route (routes.build_app): answered however many requests are in progress
@@ -24,16 +26,6 @@ def host_name(header: str) -> str:
     elif host.count(":") == 1:
         host = host.rsplit(":", 1)[0]
     return host.rstrip(".")
-
-
-def is_loopback(host: str) -> bool:
-    """`localhost` (and its subdomains, which resolve to loopback by RFC 6761), 127.0.0.0/8, ::1."""
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def could_rebind(host: str) -> bool:
