@@ -56,9 +56,9 @@ class LocalAutoscaler:
         return counts
 
     def tick(self) -> None:
-        """Advance replicas starting and draining; when an interval has passed, observe, decide and act."""
-        for event in self.local.poll_scaling():
-            self.progress(f"  {event}")
+        """When an interval has passed, observe, decide and act. The replicas it starts and drains are
+        advanced by `LocalPipeline.supervise` (one loop owns every process's life, so each event is seen
+        and told once)."""
         now = self.clock()
         if now < self._next:
             return

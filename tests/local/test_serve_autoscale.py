@@ -59,7 +59,7 @@ def test_a_replica_is_added_under_load_serves_and_is_drained_after(model_dir, tm
         for t in threads:
             t.start()
         served.wait_for(r"(planner: llm 1 -> 2 replicas)", 60)
-        added = served.wait_for(r"  (stage llm\[\+1\]): ready on .* in service", 120)
+        added = served.wait_for(r"(stage llm\[\+1\]): ready on .* in service", 120)
         # the new replica takes requests: its engine produces tokens
         ports = read_ready(tmp_path / "logs-llm-auto" / "llm-added1.ready")
         metrics = http_url("127.0.0.1", ports.http, METRICS_PATH)
