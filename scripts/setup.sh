@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
+TORCH_CPU=2.13.0+cpu   # the torch pin of pyproject.toml, CPU build
+CPU_TORCH_INDEX=${CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="gpu,ucx-cu13,k8s,dev"; else EXTRAS="cpu,ucx,k8s,dev"; fi
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS
 stamp=$VENV/.omnistage-setup
@@ -19,7 +21,12 @@ t0=$(date +%s)
 $VENV/bin/python -m pip install -q --upgrade 'pip>=24' >/dev/null
 if [ "$EXTRAS" = "${EXTRAS#gpu}" ]; then
   $VENV/bin/python -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' 2>/dev/null || {
-    step "installing torch 2.13.0 (CPU build)"; $VENV/bin/pip install --progress-bar on torch==2.13.0; }
+    step "installing torch 2.13.0 (CPU build)"
+    # PyPI's torch for Linux is the CUDA build (GBs): the CPU build comes from the machine's own wheels
+    # (pip's find-links) when they hold it, else from PyTorch's CPU index.
+    $VENV/bin/pip install -q "torch==$TORCH_CPU" 2>/dev/null ||
+      $VENV/bin/pip install --progress-bar on "torch==$TORCH_CPU" --index-url "$CPU_TORCH_INDEX" \
+        --extra-index-url https://pypi.org/simple; }
 fi
 step "installing omnistage[$EXTRAS] (first run downloads vLLM and friends: a few minutes)"
 $VENV/bin/pip install --progress-bar on -e ".[$EXTRAS]" 2>&1 | grep -v '^\s*$' | grep -Ev '^(Requirement already satisfied|WARNING: Location)' || true
