@@ -48,6 +48,7 @@ from omnistage.contract.launch import (
     API_PATH,
     ENV_API_KEYS,
     ENV_CLIENT_TLS_DIR,
+    ENV_DATA_PLANE_KEY,
     ENV_TLS_DIR,
     ReadyPorts,
     http_url,
@@ -186,7 +187,8 @@ class LocalPipeline:
         # every stage runs on this host: `auto` edges may use shared memory between them
         env.update(service_env(self.model_dir, same_host=True))
         env.update({"UCX_TLS": env.get("UCX_TLS", "tcp"), "UCX_WARN_UNUSED_ENV_VARS": "n"})
-        for key in (ENV_TLS_DIR, ENV_CLIENT_TLS_DIR):  # serve decides: its own certificates, or none (--no-tls)
+        # serve decides: its own certificates and data-plane key, or none (--no-tls)
+        for key in (ENV_TLS_DIR, ENV_CLIENT_TLS_DIR, ENV_DATA_PLANE_KEY):
             env.pop(key, None)
         env.update(self.extra_env)
         return env
@@ -237,7 +239,8 @@ class LocalPipeline:
     def _stage_proc(self, stage: str, tag: str, name: str, gpus: tuple[str, ...] = ()) -> Proc:
         ready_file = self.log_dir / f"{tag}.ready"
         argv = stage_command(self.pipeline_file, stage, host=self.host, port=0, http_port=0,
-                             model_dir=self.model_dir, ready_file=ready_file, tls_dir=self._tls_dirs.get(stage))
+                             model_dir=self.model_dir, ready_file=ready_file, tls_dir=self._tls_dirs.get(stage),
+                             data_plane_key=self._data_plane_key(stage))
         argv.insert(1, "-P")  # the user's cwd (./models and all) off sys.path: a checkpoint cannot plant a module
         return Proc(name, argv, self.log_dir / f"{tag}.log", ready_file, stage=stage, gpus=gpus)
 
@@ -254,7 +257,11 @@ class LocalPipeline:
             self.write_targets()
 
     def write_targets(self) -> None:
-        self.targets_file.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
+        """Prometheus's `file_sd_configs` file, replaced whole as the endpoints file is (a reader of it never
+        sees half)."""
+        tmp = self.targets_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.scrape_targets(), indent=2) + "\n")
+        os.replace(tmp, self.targets_file)
 
     # ------------------------------------------------------------ scaling while serving
     def add_replica(self, stage: str) -> Proc:
@@ -328,6 +335,11 @@ class LocalPipeline:
                 p.kill_at = None
                 events.append(f"{p.name}: still there past its drain bound; killed")
         return events
+
+    def _data_plane_key(self, stage: str) -> Path | None:
+        """The UCX data-plane key written beside the stage's certificate (none without TLS: loopback only)."""
+        folder = self._tls_dirs.get(stage)
+        return folder / certificates.DATA_PLANE_KEY_FILE if folder else None
 
     def _issue_certificates(self) -> dict[str | None, Path]:
         """A throwaway CA and a leaf for the orchestrator (key None) and each stage, each in its own folder
@@ -416,6 +428,7 @@ class LocalPipeline:
             if orch.restart_at is None and orch.ports is None and orch.popen.poll() is None:
                 orch.ports = read_ready(orch.ready_file)   # a restarted orchestrator, not ready yet
                 if orch.ports is not None:
+                    self.write_targets()   # its status port, as it bound it this time
                     events.append(f"{orch.name}: ready again on {self.endpoint} after "
                                   f"{now - orch.started:.1f}s (pid {orch.popen.pid})")
             elif orch.restart_at is None and orch.popen.poll() is not None:
@@ -451,8 +464,10 @@ class LocalPipeline:
         return proc
 
     def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM every process group, wait up to `grace`, then SIGKILL what is left."""
-        procs = [p for p in [*self.all_procs(), *self.starting, *self.draining] if p.popen is not None]
+        """SIGTERM every process group, wait up to `grace`, then SIGKILL what is left. A process that died and
+        waits for its restart is left out: its group was killed when it died, and its number may be another's."""
+        procs = [p for p in [*self.all_procs(), *self.starting, *self.draining]
+                 if p.popen is not None and p.restart_at is None]
         for p in procs:
             _signal_group(p.popen, signal.SIGTERM)
         end = time.monotonic() + grace
