@@ -23,6 +23,8 @@ class StageMetrics:
         self.queue_depth = Gauge(QUEUE_DEPTH, "Requests admitted, waiting for the engine",
                                  labels, registry=r)
         self.running = Gauge(RUNNING, "Requests the engine is working on", labels, registry=r)
+        self.parked = Gauge("omnistage_stage_parked", "Requests out of the batch until their readers catch up "
+                            "(they count against maxQueued, as queued ones do)", labels, registry=r)
         self.batch_size = Histogram("omnistage_stage_batch_size", "Requests per engine step", labels,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.step_ms = Histogram(STEP_MS, "Engine step time (ms)", labels,
@@ -46,9 +48,10 @@ class StageMetrics:
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.stage, outcome).inc()
 
-    def load(self, running: int, queued: int) -> None:
+    def load(self, running: int, queued: int, parked: int = 0) -> None:
         self.running.labels(self.stage).set(running)
         self.queue_depth.labels(self.stage).set(queued)
+        self.parked.labels(self.stage).set(parked)
 
     def step(self, batch: int, ms: float | None, unit: str, units: int | None = None) -> None:
         """One engine step over `batch` requests that produced `units` (default: one per request)."""

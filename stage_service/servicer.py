@@ -159,7 +159,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def GetLoad(self, request, context) -> stage_pb2.StageLoad:
         e = self.engine
-        return stage_pb2.StageLoad(stage=self.stage.name, running=e.running, queued=e.queued,
+        # parked requests are reported as queued: they hold maxQueued room as queued ones do, and will step again
+        return stage_pb2.StageLoad(stage=self.stage.name, running=e.running, queued=e.queued + e.parked,
                                    max_running=e.max_running, max_queued=e.max_queued, draining=self.draining,
                                    buffered_bytes=self.data_plane.held_bytes)
 

@@ -208,12 +208,13 @@ class Engine(ABC):
     # Load, for GetLoad and routing.
     running: int = 0
     queued: int = 0
+    parked: int = 0   # out of the batch until their readers catch up (scheduler.py, Parking)
     max_running: int = 1
     max_queued: int = 0
 
     def unfinished(self) -> int:
-        """Requests the engine still holds (queued or running)."""
-        return self.running + self.queued
+        """Requests the engine still holds (queued, parked or running)."""
+        return self.running + self.queued + self.parked
 
     def held_bytes(self, request_id: str | None = None) -> int:
         """Bytes of per-request state the engine holds (KV caches, latents): all, or one request's."""
@@ -410,6 +411,10 @@ class SteppedEngine(Engine):
     @property
     def queued(self) -> int:
         return self.scheduler.queued
+
+    @property
+    def parked(self) -> int:
+        return self.scheduler.parked
 
     @property
     def max_running(self) -> int:

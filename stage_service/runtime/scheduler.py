@@ -643,4 +643,4 @@ class StepScheduler:
         self._dirty = True
         self._wake.set()
         if self.metrics is not None:
-            self.metrics.load(len(self._running), len(self._queue))
+            self.metrics.load(len(self._running), len(self._queue), len(self._parked))

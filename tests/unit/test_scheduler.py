@@ -171,7 +171,7 @@ async def test_a_step_failing_in_a_run_keeps_the_results_delivered_before_it():
 
 async def test_results_that_cannot_be_delivered_declare_the_engine_dead():
     class Broken:
-        def load(self, running, queued):
+        def load(self, running, queued, parked):
             pass
 
         def step(self, *args):

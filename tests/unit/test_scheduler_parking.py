@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stage_service.metrics import StageMetrics
 from stage_service.runtime.errors import EngineOverloaded
 
 from ..polling import wait_until
@@ -33,6 +34,22 @@ async def test_states_whose_readers_stopped_free_their_batch_slots():
             assert [r async for r in stream] == list(range(1, 21)) and s.done == 20
         assert sched.parked == 0
     assert sched.unfinished() == 0 and all(s.releases == 1 for s in stalled)
+    await sched.shutdown()
+
+
+async def test_parked_states_are_in_the_stage_metrics_beside_the_queue():
+    metrics = StageMetrics("test")
+    sched, _ = make(max_batch=1, max_pending_results=PENDING, metrics=metrics)
+
+    def gauge(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"stage": "test"})
+
+    async with sched.submit("slow", Count("slow", 10)) as stream, sched.submit("waiter", Count("waiter", 50)):
+        await wait_until(lambda: sched.parked == 1, what="slow parked for the waiter")
+        await wait_until(lambda: gauge("omnistage_stage_parked") == 1, what="the parked gauge")
+        assert gauge("omnistage_stage_running") == 1 and gauge("omnistage_stage_queue_depth") == 0
+        assert [r async for r in stream] == list(range(1, 11))
+    await wait_until(lambda: gauge("omnistage_stage_parked") == 0, what="nothing parked once read")
     await sched.shutdown()
 
 
