@@ -20,12 +20,16 @@ ROOT: tuple[ModelField, ...] = (
 )
 
 
+DESCRIPTION = "A generative pipeline served as a graph of independently deployed stages."
+
+
 class UnknownField(LookupError):
     pass
 
 
-def explain(path: str = "", recursive: bool = False) -> str:
-    """The text `omnistage explain PATH` prints; UnknownField names the first part not found."""
+def resolve(path: str) -> tuple[ModelField | None, tuple[ModelField, ...]]:
+    """The field at `path` (None: the object itself) and the fields below it; UnknownField names the first
+    part not found."""
     parts = [p.replace("[]", "") for p in path.split(".") if p] if path else []
     if parts and parts[0] == KIND.lower():
         parts = parts[1:]
@@ -41,17 +45,40 @@ def explain(path: str = "", recursive: bool = False) -> str:
         here = found
         walked.append(part)
         fields = _children(found.shape)
+    return here, fields
+
+
+def explain(path: str = "", recursive: bool = False) -> str:
+    """The text `omnistage explain PATH` prints; UnknownField names the first part not found."""
+    here, fields = resolve(path)
     lines = [f"KIND:     {KIND}", f"VERSION:  {API_GROUP}/{API_VERSION}", ""]
     if here is not None:
         lines += [f"FIELD:    {here.key} <{type_name(here.shape)}>", "", "DESCRIPTION:"]
         lines += _wrap(_describe(here), 5) + [""]
     else:
-        lines += ["DESCRIPTION:"] + _wrap("A generative pipeline served as a graph of independently deployed "
-                                          "stages.", 5) + [""]
+        lines += ["DESCRIPTION:"] + _wrap(DESCRIPTION, 5) + [""]
     if fields:
         lines.append("FIELDS:")
         lines += _field_lines(fields, 3, recursive)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def explain_doc(path: str = "", recursive: bool = False) -> dict:
+    """What `explain` prints, as data (`omnistage explain -o json`): the field at the path and those below
+    it, each with its name, type, whether it is required and its description (with `recursive`, the fields
+    below each, all the way down)."""
+    here, fields = resolve(path)
+    return {"kind": KIND, "version": f"{API_GROUP}/{API_VERSION}",
+            "field": None if here is None else _field_doc(here, False),
+            "description": DESCRIPTION if here is None else _describe(here),
+            "fields": [_field_doc(f, recursive) for f in fields]}
+
+
+def _field_doc(f: ModelField, recursive: bool) -> dict:
+    doc = {"name": f.key, "type": type_name(f.shape), "required": bool(f.api.required), "description": _describe(f)}
+    if recursive and (below := _children(f.shape)):
+        doc["fields"] = [_field_doc(c, True) for c in below]
+    return doc
 
 
 def _children(shape: Shape) -> tuple[ModelField, ...]:

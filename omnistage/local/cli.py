@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -22,26 +23,43 @@ def _print_spec_errors(path: str, e: SpecError) -> None:
         print(f"  {err}", file=sys.stderr)
 
 
+def _print_json(doc) -> None:
+    print(json.dumps(doc, indent=2))
+
+
 def cmd_validate(args) -> int:
-    bad = 0
+    bad, docs = 0, []
     for path in args.files:
         try:
             p = load_pipeline(path)
         except SpecError as e:
-            _print_spec_errors(path, e)
             bad += 1
+            if args.output == "json":
+                docs.append({"file": path, "valid": False,
+                             "errors": [{"path": err.path, "message": err.message} for err in e.errors]})
+            else:
+                _print_spec_errors(path, e)
             continue
-        stages = " -> ".join(s.name for s in p.topo_order())
-        print(f"{path}: ok (pipeline {p.name}: {stages}; outputs "
+        order = [s.name for s in p.topo_order()]
+        if args.output == "json":
+            docs.append({"file": path, "valid": True, "pipeline": p.name, "stages": order,
+                         "outputs": [{"modality": o.modality, "stage": o.stage} for o in p.outputs], "errors": []})
+            continue
+        print(f"{path}: ok (pipeline {p.name}: {' -> '.join(order)}; outputs "
               f"{', '.join(f'{o.modality} from {o.stage}' for o in p.outputs)})")
+    if args.output == "json":
+        _print_json(docs)
     return 1 if bad else 0
 
 
 def cmd_explain(args) -> int:
-    from omnistage.api.explain import UnknownField, explain
+    from omnistage.api.explain import UnknownField, explain, explain_doc
 
     try:
-        print(explain(args.path, recursive=args.recursive), end="")
+        if args.output == "json":
+            _print_json(explain_doc(args.path, recursive=args.recursive))
+        else:
+            print(explain(args.path, recursive=args.recursive), end="")
     except UnknownField as e:
         print(f"omnistage explain: {e}", file=sys.stderr)
         return 2
@@ -324,9 +342,19 @@ def cmd_models_check(args) -> int:
     if args.annotate and not args.plan:
         print("omnistage models check: --annotate goes with --plan", file=sys.stderr)
         return 2
+    if args.plan and args.output == "json":
+        print("omnistage models check: -o json is not given with --plan (its table is text)", file=sys.stderr)
+        return 2
     if args.plan:
         return _print_memory_plans(args.file, pipeline, args.models, args.gpu_memory, args.annotate)
     plans, errors = check_pipeline(pipeline, args.models)
+    if args.output == "json":
+        _print_json({"file": args.file, "ok": not errors, "stages": [
+            {"stage": p.stage, "family": p.family, "directory": str(p.directory), "device": p.device,
+             "weight_bytes": p.weight_bytes, "weights": [{"file": f, "bytes": n} for f, n in p.weights],
+             "other_files": list(p.other_files)} for p in plans],
+            "errors": [{"field": e.field, "stage": e.stage, "message": e.message} for e in errors]})
+        return 2 if errors else 0
     if plans:
         print(describe(plans))
     for e in errors:
@@ -440,15 +468,32 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", action="append", metavar="STAGE=N", help="override a stage's replica count")
 
 
+def _add_output_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                   help="text (default) or json: one JSON document on stdout, for scripts")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omnistage")
+    except PackageNotFoundError:   # a checkout run without installing it
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"omnistage {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check OmniPipeline files; every error with its field path")
     p.add_argument("files", nargs="+")
+    _add_output_arg(p)
     p.set_defaults(fn=cmd_validate)
     p = sub.add_parser("explain", help="the fields of the OmniPipeline API at a path (like kubectl explain)")
     p.add_argument("path", nargs="?", default="", help="e.g. spec.deployment.stages (default: the whole object)")
     p.add_argument("--recursive", action="store_true", help="every field below the path, names and types only")
+    _add_output_arg(p)
     p.set_defaults(fn=cmd_explain)
     p = sub.add_parser("crd", help="print the OmniPipeline CustomResourceDefinition generated from the API model")
     p.add_argument("-o", "--output", action="append", help="write it to this file instead (repeat for copies)")
@@ -508,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = msub.add_parser("check", help="what each stage of a pipeline will load (files, bytes, device), or why not")
     c.add_argument("file", help="OmniPipeline YAML file")
     c.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
+    _add_output_arg(c)
     c.add_argument("--plan", action="store_true", help="print each stage's memory plan (weights in its dtype, "
                                                        "KV cache at its context and batch, activations), GiB; "
                                                        "refuse a stage that does not fit its GPUs or memory limit")

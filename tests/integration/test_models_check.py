@@ -155,6 +155,21 @@ def test_models_check_prints_the_plan(model_dir):
         assert f"{stage}: qwen3_omni/{stage} from {model_dir / 'qwen3-omni-tiny'} on cpu" in r.stdout
 
 
+def test_models_check_as_json_lists_each_stage_and_each_error(model_dir, lm_copy):
+    r = _omnistage("models", "check", str(EXAMPLES / "qwen3-omni-tiny.yaml"), "--models", str(model_dir), "-o", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["errors"] == []
+    assert [s["stage"] for s in doc["stages"]] == ["thinker", "talker", "code2wav"]
+    for s in doc["stages"]:
+        assert s["weight_bytes"] == sum(w["bytes"] for w in s["weights"]) > 0 and s["device"] == "cpu"
+    (lm_copy / "config.json").unlink()
+    r = _omnistage("models", "check", str(EXAMPLES / "llm-tiny.yaml"), "--models", str(lm_copy.parent), "-o", "json")
+    assert r.returncode == 2
+    assert json.loads(r.stdout)["errors"] == [{"field": "spec.topology.stages[0].model", "stage": "llm",
+                                               "message": f"{lm_copy}: no config.json (not a checkpoint)"}]
+
+
 def test_models_check_and_serve_refuse_with_exit_2_and_one_line(lm_copy):
     (lm_copy / "config.json").unlink()
     file = str(EXAMPLES / "llm-tiny.yaml")
