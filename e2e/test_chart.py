@@ -106,6 +106,14 @@ def test_helm_install_serves_pipelines_and_uninstall_removes_it(chart_only):
         d = c.apps.read_namespaced_deployment(f"helm-good-{unit}", HELM_NS)
         assert any(v.secret and v.secret.secret_name == f"helm-good-tls-{unit}"
                    for v in d.spec.template.spec.volumes)
+    # The pipeline's UCX data-plane key (every TLS mode): one Secret it owns, mounted by stage pods only.
+    key = c.core.read_namespaced_secret("helm-good-data-plane-key", HELM_NS)
+    assert len(tls.parse_data_plane_key(base64.b64decode(key.data[tls.DATA_PLANE_KEY_FILE]).decode(), "e2e")) == 32
+    assert key.metadata.owner_references[0].name == "helm-good"
+    for unit, mounted in (("thinker", True), ("orchestrator", False)):
+        d = c.apps.read_namespaced_deployment(f"helm-good-{unit}", HELM_NS)
+        assert any(v.secret and v.secret.secret_name == "helm-good-data-plane-key"
+                   for v in d.spec.template.spec.volumes) == mounted
 
     c.helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "2m")
     wait_for(lambda: not c.apps.list_namespaced_deployment(SYSTEM_NS).items, 60, "the operator Deployment to go")

@@ -28,9 +28,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # The Kubernetes TLS Secret layout (cert-manager's too): one folder, three files.
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
-# A stage's folder also holds the pipeline's UCX data-plane key (hex), where its issuer holds the CA key
-# (`omnistage serve`, the operator's chart issuer): omnistage/connector/ucx_auth.py.
+# The file of the pipeline's UCX data-plane key (hex), which a stage reads where its --data-plane-key flag
+# says: `omnistage serve` writes it beside each stage's certificate; on a cluster it is the one entry of the
+# pipeline's key Secret (operator/omnistage_operator/data_plane_key.py). omnistage/connector/ucx_auth.py.
 DATA_PLANE_KEY_FILE = "ucx.key"
+# A shorter key is refused: 128 bits is the least HMAC-SHA256 should be keyed with (those made here are 256).
+MIN_DATA_PLANE_KEY_BYTES = 16
 _DATA_PLANE_LABEL = b"omnistage ucx data plane v1\0"
 
 SCHEME = "omnistage"
@@ -268,11 +271,24 @@ def write_dir(folder: Path | str, ca_pem: bytes, cert_pem: bytes, key_pem: bytes
 
 
 def data_plane_key(ca_key_pem: bytes, namespace: str, pipeline: str) -> bytes:
-    """The UCX data-plane key of one pipeline, derived from its CA's private key: the same for every stage of
-    the pipeline, issued by whoever holds the CA key; a stage's key reveals neither the CA key nor the key of
-    another pipeline."""
+    """The UCX data-plane key of one pipeline, derived from its CA's private key (`omnistage serve`, from its
+    throwaway CA; the operator makes a random one instead): the same for every stage of the pipeline; a stage's
+    key reveals neither the CA key nor the key of another pipeline."""
     secret = hashlib.sha256(ca_key_pem).digest()
     return hmac.new(secret, _DATA_PLANE_LABEL + f"{namespace}\0{pipeline}".encode(), hashlib.sha256).digest()
+
+
+def parse_data_plane_key(text: str, where: str) -> bytes:
+    """A data-plane key from its file's text (hex, surrounding space ignored); a TlsError naming `where` when
+    it is not hex or too short. The one reading of a key: the stage's, and the operator's check of its Secret."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        raise TlsError(f"{where}: the UCX data-plane key is not hex") from None
+    if len(key) < MIN_DATA_PLANE_KEY_BYTES:
+        raise TlsError(f"{where}: the UCX data-plane key is {len(key)} bytes; at least {MIN_DATA_PLANE_KEY_BYTES} "
+                       "expected")
+    return key
 
 
 def write_pipeline_dirs(root: Path | str, ca_pem: bytes, ca_key_pem: bytes, namespace: str, pipeline: str,

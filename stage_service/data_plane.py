@@ -11,9 +11,10 @@ The connector runs on the engine's device (`engine.placement.device`): received 
 the engine runs, and a CUDA stage's tensors leave from device memory over UCX where UCX carries it.
 Between two GPU stages of one host, `auto` takes UCX (CUDA IPC) rather than shared memory.
 
-UCX authenticates with the pipeline's data-plane key, read from the stage's TLS folder (`ucx.key`,
-omnistage/connector/ucx_auth.py). Without one UCX may listen on loopback only: beyond it, a stage
-whose edges ask for UCX by name refuses to start, and `auto` edges leave UCX out (docs/security.md).
+UCX authenticates with the pipeline's data-plane key, read from the file the stage's --data-plane-key
+names (omnistage/connector/ucx_auth.py; on a cluster, the pipeline's key Secret, mounted in every stage
+pod). Without one UCX may listen on loopback only: beyond it, a stage whose edges ask for UCX by name
+refuses to start, and `auto` edges leave UCX out (docs/security.md).
 """
 
 from __future__ import annotations
@@ -108,18 +109,18 @@ def consumers_device(pipeline: Pipeline, consumers: list[str]) -> str | None:
 class DataPlane:
     def __init__(self, pipeline: Pipeline, stage: Stage, registry: CollectorRegistry | None = None,
                  host: str = "127.0.0.1", env: Mapping[str, str] | None = None, device: str = CPU,
-                 tls_dir: str | None = None):
+                 key_file: str | None = None):
         env = os.environ if env is None else env
         self.pipeline = pipeline
         self.stage = stage
         self.same_host = env.get(ENV_SAME_HOST) == "1"
         self.host_id = env.get(ENV_HOST_ID) or default_host_id()
         self.ucx_host = _reachable(host, env)
-        self.ucx_key = read_key(tls_dir)  # the pipeline's UCX data-plane key, beside the stage's certificate
+        self.ucx_key = read_key(key_file)  # the pipeline's UCX data-plane key
         wanted = wanted_transports(pipeline, stage, self.same_host, env)
         self.transports = unkeyed_transports(pipeline, stage, wanted, self.ucx_key is not None, self.ucx_host, env)
         if self.transports != wanted:
-            log.warning("stage %s: no UCX data-plane key in its TLS folder and UCX would listen beyond loopback "
+            log.warning("stage %s: no UCX data-plane key (--data-plane-key) and UCX would listen beyond loopback "
                         "(%s): UCX is off, auto edges go inline or by shared memory", stage.name, self.ucx_host)
         self.settings = pipeline.deployment.stages[stage.name].transfer
         self.device = device  # the engine's (engine.placement.device): where received tensors land

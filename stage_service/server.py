@@ -46,7 +46,7 @@ class StageServer:
 
     def __init__(self, pipeline: Pipeline, stage_name: str, host: str = "127.0.0.1", port: int = 0,
                  http_port: int | None = None, model_root: str | None = None, drain_seconds: float | None = None,
-                 tls_dir: str | None = None):
+                 tls_dir: str | None = None, data_plane_key: str | None = None):
         self.pipeline = pipeline
         self.stage = pipeline.stage(stage_name)
         self.host, self.port, self.http_port = host, port, http_port
@@ -57,7 +57,7 @@ class StageServer:
         self.engine.bind_metrics(self.metrics)
         self.data_plane = DataPlane(pipeline, self.stage, self.metrics.registry, host,
                                     device=self.engine.placement.device,  # received tensors land where it runs
-                                    tls_dir=tls_dir)  # the UCX data-plane key sits beside the certificate
+                                    key_file=data_plane_key)  # the pipeline's UCX data-plane key
         self.servicer = StageServicer(pipeline, self.stage, self.engine, self.metrics, self.data_plane)
         self.drain_seconds = (drain_seconds if drain_seconds is not None
                               else pipeline.deployment.stages[self.stage.name].drain_seconds)
@@ -177,7 +177,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     check_stage(pipeline, pipeline.stage(args.stage), args.model_dir)  # before any weights are read
     srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
-                      args.drain_seconds, tls_dir=args.tls_dir)
+                      args.drain_seconds, tls_dir=args.tls_dir, data_plane_key=args.data_plane_key)
     faults.fail_steps_from_env(srv.engine)  # a test's switch: nothing unless the environment asks
     serving.on_signals(lambda: asyncio.ensure_future(srv.drain()))
     await srv.start()

@@ -455,8 +455,8 @@ class UcxStore(TensorStore):
 
     async def start(self) -> None:
         if not self.auth.enabled and not is_loopback(self.host):
-            raise ConnectorError(f"the UCX listener at {self.host} needs the pipeline's data-plane key (ucx.key in the "
-                                 "TLS folder): without one UCX runs unauthenticated, on loopback only")
+            raise ConnectorError(f"the UCX listener at {self.host} needs the pipeline's data-plane key (the stage's "
+                                 "--data-plane-key): without one UCX runs unauthenticated, on loopback only")
         self._bind_ip = _bind_address(self.host)
         context = _Runtime.acquire(self.options)
         try:

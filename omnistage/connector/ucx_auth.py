@@ -6,10 +6,11 @@ header's MAC covers the header and the MAC of the request it answers, so a reply
 request: a forged or replayed header is discarded. The payload itself is not MACed (it may be GBs in
 device memory); it travels on random 64-bit tags that only the authenticated producer was told.
 
-The key comes with the mTLS material: `omnistage serve` and the operator (chart issuer) write it as
-`ucx.key` beside a stage's `tls.key`, derived from the pipeline CA's private key, the namespace and the
-pipeline (omnistage.tls.data_plane_key). Without a key the data plane runs unauthenticated, which the
-UCX store allows only on loopback (ucx.py).
+A stage reads the key from the file its --data-plane-key flag names. `omnistage serve` writes it as
+`ucx.key` beside each stage's `tls.key`, derived from its throwaway CA's private key, the namespace and the
+pipeline (omnistage.tls.data_plane_key); on a cluster the operator keeps a random key in a Secret of each
+pipeline and mounts it into every stage pod, whatever the TLS issuer. Without a key the data plane runs
+unauthenticated, which the UCX store allows only on loopback (ucx.py).
 """
 
 from __future__ import annotations
@@ -18,27 +19,22 @@ import hashlib
 import hmac
 from pathlib import Path
 
-from omnistage.tls import DATA_PLANE_KEY_FILE
+from omnistage.tls import TlsError, parse_data_plane_key
 
 MAC_BYTES = hashlib.sha256().digest_size
-MIN_KEY_BYTES = 16
 _NO_MAC = bytes(MAC_BYTES)
 
 
-def read_key(tls_dir: str | Path | None) -> bytes | None:
-    """The key in a TLS folder, or None when there is no folder or no key in it."""
-    if not tls_dir:
-        return None
-    path = Path(tls_dir) / DATA_PLANE_KEY_FILE
-    if not path.is_file():
+def read_key(path: str | Path | None) -> bytes | None:
+    """The key in the file `path` names, or None when none is named; a TlsError naming the file when it is
+    missing, unreadable, not hex or too short: a stage told to use a key never runs without it."""
+    if not path:
         return None
     try:
-        key = bytes.fromhex(path.read_text().strip())
-    except ValueError:
-        raise ValueError(f"{path}: the UCX data-plane key is not hex") from None
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"{path}: the UCX data-plane key is {len(key)} bytes; at least {MIN_KEY_BYTES} expected")
-    return key
+        text = Path(path).read_text()
+    except OSError as e:
+        raise TlsError(f"{path}: no UCX data-plane key ({e.strerror})") from None
+    return parse_data_plane_key(text, str(path))
 
 
 class Authenticator:

@@ -54,6 +54,11 @@ ENV_TLS_DIR = "OMNISTAGE_TLS_DIR"
 TLS_MOUNT = "/etc/omnistage-tls"             # where the operator mounts a pod's certificate Secret (beside, not inside,
                                              # the pipeline ConfigMap's read-only /etc/omnistage: no mount point
                                              # within it)
+# A stage's UCX data-plane key: the file (hex; omnistage/connector/ucx_auth.py) its --data-plane-key flag
+# names. The operator mounts each pipeline's key Secret at DATA_PLANE_KEY_MOUNT in every stage pod, in every
+# TLS mode; `omnistage serve` names the key it writes beside each stage's certificate.
+ENV_DATA_PLANE_KEY = "OMNISTAGE_DATA_PLANE_KEY"
+DATA_PLANE_KEY_MOUNT = "/etc/omnistage-data-plane"
 # The orchestrator's client-facing certificate (tls.crt, tls.key): its gRPC and HTTP API ports serve TLS.
 ENV_CLIENT_TLS_DIR = "OMNISTAGE_CLIENT_TLS_DIR"
 CLIENT_TLS_MOUNT = "/etc/omnistage-client-tls"
@@ -118,6 +123,8 @@ STAGE_FLAGS = (
     Flag("stage", "name of the stage to serve", required=True),
     *_SERVING,
     Flag("model_dir", f"root of the model store (default ${ENV_MODEL_DIR} or ./{DEFAULT_MODEL_DIR})"),
+    Flag("data_plane_key", f"the pipeline's UCX data-plane key, a file of hex (default ${ENV_DATA_PLANE_KEY}; "
+                           "none: UCX only on loopback, unauthenticated)", env=ENV_DATA_PLANE_KEY, metavar="FILE"),
     *_LIFECYCLE,
 )
 ORCHESTRATOR_FLAGS = (

@@ -18,6 +18,7 @@ from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import (
     API_PORT_NAME,
     CLIENT_TLS_MOUNT,
+    DATA_PLANE_KEY_MOUNT,
     ENV_API_KEYS,
     ENV_POD_IP,
     ENV_POD_NAMESPACE,
@@ -34,9 +35,11 @@ from omnistage.contract.launch import (
     service_env,
     stage_command,
 )
+from omnistage.tls import DATA_PLANE_KEY_FILE
 
 from .certificates import Leaf, build_certificate, leaves
 from .config import TLS_CERT_MANAGER, OperatorConfig
+from .data_plane_key import data_plane_key_secret_name
 from .planning import autoscaled, starting_replicas
 from .vocabulary import (
     ANNOTATION_CONFIG_HASH,
@@ -72,8 +75,8 @@ GRACE_MARGIN_SECONDS = 15
 SECCOMP = {"type": "RuntimeDefault"}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                       "capabilities": {"drop": ["ALL"]}, "seccompProfile": SECCOMP}
-# Volumes holding a pod's own mTLS certificate and the orchestrator's client-facing one.
-TLS_VOLUME, CLIENT_TLS_VOLUME = "tls", "client-tls"
+# Volumes holding a pod's own mTLS certificate and the orchestrator's client-facing one; a stage's UCX data-plane key.
+TLS_VOLUME, CLIENT_TLS_VOLUME, DATA_PLANE_KEY_VOLUME = "tls", "client-tls", "data-plane-key"
 # The orchestrator's rollout (a stage's comes from its rollingUpdate, the same by default): a new pod is ready
 # before an old one goes, so every replica keeps serving.
 ORCHESTRATOR_ROLLING_UPDATE = {"maxSurge": 1, "maxUnavailable": 0}
@@ -134,6 +137,11 @@ def build_tls_secret_meta(p: Pipeline, leaf: Leaf) -> dict:
     return _meta(p, leaf.secret, leaf.component, leaf.stage)
 
 
+def build_data_plane_key_meta(p: Pipeline) -> dict:
+    """Metadata of the pipeline's UCX data-plane key Secret (the reconcile makes it once: data_plane_key.py)."""
+    return _meta(p, data_plane_key_secret_name(p.name), COMPONENT_STAGE)
+
+
 def build_certificates(p: Pipeline, cfg: OperatorConfig) -> tuple[dict, ...]:
     """cert-manager Certificates, one per unit, when cert-manager issues the pipeline's certificates."""
     if cfg.tls_issuer != TLS_CERT_MANAGER or cfg.tls_issuer_ref is None:
@@ -189,9 +197,12 @@ def config_hash(p: Pipeline, stage: str | None = None) -> str:
 
 def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict:
     sd = p.deployment.stages[stage]
-    secrets = _tls_secrets(p, cfg, stage)
+    tls_secrets = _tls_secrets(p, cfg, stage)
+    # Every stage, in every TLS mode: the pipeline's UCX data-plane key.
+    secrets = [*tls_secrets, (DATA_PLANE_KEY_VOLUME, data_plane_key_secret_name(p.name), DATA_PLANE_KEY_MOUNT)]
     command = stage_command(PIPELINE_PATH, stage, python=POD_PYTHON, **_POD_SERVING,
-                            tls_dir=TLS_MOUNT if secrets else None)
+                            tls_dir=TLS_MOUNT if tls_secrets else None,
+                            data_plane_key=f"{DATA_PLANE_KEY_MOUNT}/{DATA_PLANE_KEY_FILE}")
     shm = needs_shm(sd)
     container = _container("stage", sd.image, command, _stage_resources(sd, stage_plan(p, stage)), sd.env, cfg,
                            secret_mounts=secrets, shm=shm)

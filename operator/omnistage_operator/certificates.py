@@ -76,10 +76,6 @@ def build_tls_secret(meta: dict, leaf: Leaf, ca: CertificateAuthority) -> dict:
     (name, namespace, labels) from the builders."""
     cert, key = tls.issue(ca.cert_pem, ca.key_pem, leaf.uri)
     data = {tls.CA_FILE: _b64e(ca.cert_pem), tls.CERT_FILE: _b64e(cert), tls.KEY_FILE: _b64e(key)}
-    ident = tls.parse_identity(leaf.uri)
-    if leaf.stage is not None and ident is not None:  # a stage's: the pipeline's UCX data-plane key too
-        data[tls.DATA_PLANE_KEY_FILE] = _b64e(tls.data_plane_key(ca.key_pem, ident.namespace, ident.pipeline).hex()
-                                              .encode())
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": SECRET_TYPE, "data": data}
 
 
@@ -87,7 +83,7 @@ def needs_reissue(live: dict, leaf: Leaf, ca: CertificateAuthority) -> bool:
     """True when a live leaf Secret must be issued again: a key missing, a certificate near its end or not
     signed by this CA, another identity, or a CA bundle that is not this CA (the CA was replaced)."""
     data = live.get("data") or {}
-    if any(not data.get(k) for k in _FILES) or (leaf.stage is not None and not data.get(tls.DATA_PLANE_KEY_FILE)):
+    if any(not data.get(k) for k in _FILES):
         return True
     cert = _b64d(data[tls.CERT_FILE])
     return (_b64d(data[tls.CA_FILE]) != ca.cert_pem or tls.uri_of(cert) != leaf.uri

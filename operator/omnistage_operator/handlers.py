@@ -20,7 +20,7 @@ import kopf
 import prometheus_client
 
 from .autoscaler import Autoscaler, autoscaling_enabled
-from .config import TLS_CERT_MANAGER, TLS_CHART, ConfigError, from_env
+from .config import TLS_CERT_MANAGER, ConfigError, from_env
 from .kube import Kube
 from .leadership import follow_peering, start_priority
 from .pipeline_object import validation_errors
@@ -53,7 +53,6 @@ CHILD_EVENT_DELAY = 0.5
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
     cfg = from_env()
-    memo.ucx_keyed = cfg.tls_issuer == TLS_CHART  # only the chart issuer writes the UCX data-plane key
     if cfg.peering and settings.peering.clusterwide == bool(cfg.watch_namespaces):
         # leadership.py reads the peering objects kopf writes: one per namespace, or the cluster's.
         raise ConfigError("OMNISTAGE_WATCH_NAMESPACES must name the --namespace flags (and be empty with "
@@ -152,8 +151,8 @@ def pod_failing(body: kopf.Body, **_) -> bool:
 kopf.on.event(**POD_RESOURCE, labels={LABEL_PIPELINE: kopf.PRESENT}, when=pod_failing, id="pod-failing")(child_event)
 
 
-def validate(body: kopf.Body, memo: kopf.Memo | None = None, **_) -> None:
-    errors = validation_errors(body, ucx_keyed=getattr(memo, "ucx_keyed", True))
+def validate(body: kopf.Body, **_) -> None:
+    errors = validation_errors(body)
     if errors:
         raise kopf.AdmissionError("\n".join(str(e) for e in errors), code=422)
 

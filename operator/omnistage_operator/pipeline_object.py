@@ -25,30 +25,23 @@ def clean_document(body: Mapping[str, Any]) -> dict:
             "spec": plain(body.get("spec"))}
 
 
-def validation_errors(body: Mapping[str, Any], ucx_keyed: bool = True) -> list[FieldError]:
-    """Every reason this object cannot be served, as field-path errors (the webhook's answer). `ucx_keyed`:
-    whether the operator gives stage pods the pipeline's UCX data-plane key (the chart issuer)."""
+def validation_errors(body: Mapping[str, Any]) -> list[FieldError]:
+    """Every reason this object cannot be served, as field-path errors (the webhook's answer)."""
     doc = clean_document(body)
-    return omnispec.validate(doc) or cluster_errors(doc, ucx_keyed)
+    return omnispec.validate(doc) or cluster_errors(doc)
 
 
-def cluster_errors(doc: Mapping[str, Any], ucx_keyed: bool = True) -> list[FieldError]:
+def cluster_errors(doc: Mapping[str, Any]) -> list[FieldError]:
     """What a valid pipeline cannot do on a cluster (`omnistage serve` can): an edge that forces shared memory,
     which stays inside one pod, where every stage runs in pods of its own (every request would fail to fetch
-    its inputs); and, without the data-plane key, an edge that forces UCX (its stages would refuse to start:
-    UCX beyond loopback needs the key)."""
+    its inputs). UCX edges are fine in every TLS mode: every stage pod gets the pipeline's data-plane key
+    (data_plane_key.py)."""
     stages = ((doc.get("spec") or {}).get("topology") or {}).get("stages") or []
     edges = [(f"spec.topology.stages[{i}].inputs[{j}].transport", edge.get("transport"))
              for i, stage in enumerate(stages) for j, edge in enumerate(stage.get("inputs") or [])]
-    errors = [FieldError(path, "shm cannot cross pods, and on a cluster every stage runs in pods of its own: use "
-                               "auto (UCX between pods), ucx or inline")
-              for path, transport in edges if transport == "shm"]
-    if not ucx_keyed:
-        errors += [FieldError(path, "ucx needs the pipeline's data-plane key, which only the operator's chart "
-                                    "TLS issuer gives stage pods (tls.issuer certManager or TLS off give none): use "
-                                    "auto (inline or shared memory without the key) or inline, or the chart issuer")
-                   for path, transport in edges if transport == "ucx"]
-    return errors
+    return [FieldError(path, "shm cannot cross pods, and on a cluster every stage runs in pods of its own: use "
+                             "auto (UCX between pods), ucx or inline")
+            for path, transport in edges if transport == "shm"]
 
 
 def parse(body: Mapping[str, Any]) -> Pipeline:

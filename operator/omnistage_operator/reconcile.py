@@ -13,11 +13,12 @@ import kopf
 from omnistage.api import Pipeline, SpecError
 from omnistage.tls import TlsError
 
-from .builders import Children, build_children, build_tls_secret_meta
+from .builders import Children, build_children, build_data_plane_key_meta, build_tls_secret_meta
 from .certificates import CertificateAuthority, build_tls_secret, ca_from_secret, leaves, needs_reissue, tls_secret_name
 from .compare import matches
 from .conditions import now_rfc3339
 from .config import TLS_CHART, OperatorConfig
+from .data_plane_key import build_data_plane_key_secret, data_plane_key_secret_name, holds_usable_key, new_key
 from .kube import Kube, controller_uid, owned_by
 from .pipeline_object import parse, plain
 from .planning import Plans, autoscaled, planned_replicas, ready_floor
@@ -117,6 +118,7 @@ def _apply(kube: Kube, cfg: OperatorConfig, pipeline: Pipeline, body: dict, chil
            out: Outcome) -> tuple[RolloutPlan, dict[str, dict | None]]:
     """Every child in place (Deployments as the rollout plan allows); the plan and the live Deployments by unit."""
     uid = body["metadata"]["uid"]
+    _ensure_data_plane_key(kube, pipeline, body, out)   # before the Deployments: every stage pod mounts it
     if cfg.tls_issuer == TLS_CHART:   # before the Deployments: their pods mount these
         try:
             _ensure_leaf_secrets(kube, cfg, pipeline, body, out)
@@ -186,11 +188,7 @@ def _ensure_leaf_secrets(kube: Kube, cfg: OperatorConfig, p: Pipeline, body: dic
     for leaf in leaves(p).values():
         live = kube.get_secret(p.namespace, leaf.secret)
         if live is not None:
-            # Only a Secret this pipeline owns is issued again: another one of that name (someone's ingress
-            # certificate, another controller's) is never overwritten or adopted (and so never collected).
-            if controller_uid(live) != uid:
-                raise ChildConflict(f"Secret/{leaf.secret} exists and is not this pipeline's: rename the "
-                                    "pipeline or stage, or delete that object")
+            _check_own_secret(live, uid)
             if not needs_reissue(live, leaf, ca):
                 continue
         secret = build_tls_secret(build_tls_secret_meta(p, leaf), leaf, ca)
@@ -200,6 +198,34 @@ def _ensure_leaf_secrets(kube: Kube, cfg: OperatorConfig, p: Pipeline, body: dic
         else:
             kube.patch(secret)
             out.updated.append(f"Secret/{leaf.secret}")
+
+
+def _ensure_data_plane_key(kube: Kube, p: Pipeline, body: dict, out: Outcome) -> None:
+    """The pipeline's UCX data-plane key Secret, in every TLS mode: made with a new random key when missing or
+    when its key is unusable, else left alone (the key the running stages hold stays theirs)."""
+    name = data_plane_key_secret_name(p.name)
+    live = kube.get_secret(p.namespace, name)
+    if live is not None:
+        _check_own_secret(live, body["metadata"]["uid"])
+        if holds_usable_key(live):
+            return
+    secret = build_data_plane_key_secret(build_data_plane_key_meta(p), new_key())
+    kopf.adopt(secret, owner=body)
+    if live is not None:
+        kube.patch(secret)
+        out.updated.append(f"Secret/{name}")
+    elif kube.create(secret) is not None:
+        out.created.append(f"Secret/{name}")
+    else:   # made by someone else since the read: never overwritten; the next pass looks at it
+        raise kopf.TemporaryError(f"Secret/{name} appeared while being created", delay=1)
+
+
+def _check_own_secret(live: dict, uid: str) -> None:
+    """Only a Secret this pipeline owns is written: another one of that name (someone's ingress certificate,
+    another controller's) is never overwritten or adopted (and so never collected)."""
+    if controller_uid(live) != uid:
+        raise ChildConflict(f"Secret/{live['metadata']['name']} exists and is not this pipeline's: rename the "
+                            "pipeline or stage, or delete that object")
 
 
 def _read_ca(kube: Kube, cfg: OperatorConfig) -> CertificateAuthority:

@@ -330,9 +330,9 @@ async def test_stores_sharing_the_key_exchange_tensors_and_one_with_another_key_
         await producer.close()
 
 
-async def test_stages_read_the_key_beside_their_certificate_and_fetch_over_authenticated_ucx(tmp_path):
-    """`omnistage serve`'s layout: each stage's TLS folder holds the pipeline's key; two stages' data planes
-    exchange a tensor over UCX with it, and a store without it is refused."""
+async def test_stages_read_the_key_their_flag_names_and_fetch_over_authenticated_ucx(tmp_path):
+    """`omnistage serve`'s layout: each stage's TLS folder holds the pipeline's key, which its --data-plane-key
+    names; two stages' data planes exchange a tensor over UCX with it, and a store without it is refused."""
     from omnistage import tls
     from stage_service.data_plane import DataPlane
 
@@ -347,7 +347,8 @@ async def test_stages_read_the_key_beside_their_certificate_and_fetch_over_authe
     ca = tls.new_ca()
     dirs = pipeline_tls(tmp_path, p, ca=ca)
     env = {"OMNISTAGE_TRANSPORTS": "ucx"}
-    planes = [DataPlane(p, p.stage(s), env=env, tls_dir=str(dirs[s].folder)) for s in ("thinker", "talker")]
+    planes = [DataPlane(p, p.stage(s), env=env, key_file=str(dirs[s].folder / tls.DATA_PLANE_KEY_FILE))
+              for s in ("thinker", "talker")]
     stranger = await make_connector("talker", ("ucx",), host_id="h", get_timeout_s=10)
     try:
         for plane in planes:
@@ -474,3 +475,17 @@ async def test_a_store_advertised_at_an_ipv6_address_starts():
         assert store.address.startswith("::1:") and store._bind_ip == "::1"
     finally:
         await store.close()
+
+
+async def test_a_stage_whose_named_key_file_is_missing_refuses_to_start_naming_it(tmp_path, model_dir):
+    """A stage process told where its data-plane key is never runs without it (nor with UCX unauthenticated):
+    it exits 2 with one line naming the file, before any weights are read."""
+    from .test_stage_process import StageProcess
+
+    missing = tmp_path / "nowhere" / "ucx.key"
+    stage = StageProcess(tmp_path, model_dir, flags={"data_plane_key": missing})
+    try:
+        assert await stage.exit_code(60) == 2, stage.output()
+        assert f"stage llm: TLS: {missing}: no UCX data-plane key" in stage.output()
+    finally:
+        stage.kill()

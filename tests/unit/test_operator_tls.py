@@ -35,6 +35,8 @@ CHART = OperatorConfig(model_volume=MODELS, tls_issuer="chart", tls_ca_secret=("
 CERT_MANAGER = OperatorConfig(model_volume=MODELS, tls_issuer="certManager",
                               tls_issuer_ref=IssuerRef("ClusterIssuer", "pipelines-ca"))
 OFF = OperatorConfig(model_volume=MODELS)
+# Every stage pod, in every TLS mode, mounts the pipeline's UCX data-plane key (test_operator_data_plane_key.py).
+DATA_PLANE_KEY = {launch.DATA_PLANE_KEY_MOUNT: "qwen3-omni-tiny-data-plane-key"}
 
 
 def pipeline(edit=None):
@@ -64,7 +66,7 @@ def mounts(deployment):
 def test_every_pod_mounts_its_own_certificate_and_is_told_where(cfg):
     c = build_children(pipeline(), cfg)
     for stage, sc in c.stages.items():
-        assert mounts(sc.deployment) == {launch.TLS_MOUNT: f"qwen3-omni-tiny-tls-{stage}"}
+        assert mounts(sc.deployment) == {launch.TLS_MOUNT: f"qwen3-omni-tiny-tls-{stage}", **DATA_PLANE_KEY}
         assert flags(sc.deployment, launch.stage_parser).tls_dir == launch.TLS_MOUNT
     assert mounts(c.orchestrator_deployment) == {launch.TLS_MOUNT: "qwen3-omni-tiny-tls-orchestrator"}
     args = flags(c.orchestrator_deployment, launch.orchestrator_parser)
@@ -74,7 +76,7 @@ def test_every_pod_mounts_its_own_certificate_and_is_told_where(cfg):
 def test_without_tls_no_secret_is_mounted_and_no_flag_given():
     c = build_children(pipeline(), OFF)
     for d in [sc.deployment for sc in c.stages.values()] + [c.orchestrator_deployment]:
-        assert mounts(d) == {}
+        assert mounts(d) == ({} if d is c.orchestrator_deployment else DATA_PLANE_KEY)   # the UCX key: every mode
         (container,) = pod_of(d)["containers"]
         assert "--tls-dir" not in container["command"] and "--client-tls-dir" not in container["command"]
     assert c.certificates == ()
@@ -158,7 +160,7 @@ def test_issued_secret_holds_a_leaf_for_the_identity_signed_by_the_ca(ca):
     assert s["metadata"]["namespace"] == "team-a"
     assert s["metadata"]["labels"]["omnistage.io/pipeline"] == "qwen3-omni-tiny"
     files = decode(s)
-    assert set(files) == {tls.CA_FILE, tls.CERT_FILE, tls.KEY_FILE, tls.DATA_PLANE_KEY_FILE}  # a stage: UCX key too
+    assert set(files) == {tls.CA_FILE, tls.CERT_FILE, tls.KEY_FILE}  # the UCX key: the pipeline's own Secret
     assert files[tls.CA_FILE] == ca.cert_pem
     assert tls.uri_of(files[tls.CERT_FILE]) == "omnistage://team-a/qwen3-omni-tiny/stage/talker"
     x509.load_pem_x509_certificate(files[tls.CERT_FILE]).verify_directly_issued_by(

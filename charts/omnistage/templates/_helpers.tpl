@@ -81,8 +81,9 @@ empty with clusterWide (every namespace, which excludes a list). */}}
 {{- end -}}
 
 {{- /* Rules for the OmniPipelines and their children in a namespace: a Role per watched namespace, or the
-ClusterRole. Secrets: create and, by name, get/patch/delete the pipelines' certificate Secrets, never
-list or watch (tls.issuer chart only); cert-manager Certificates instead with tls.issuer certManager. */}}
+ClusterRole. Secrets, never listed or watched: create and, by name, get/patch each pipeline's UCX data-plane
+key Secret (every TLS mode) and, with tls.issuer chart, get/patch/delete its certificate Secrets;
+cert-manager Certificates instead with tls.issuer certManager. */}}
 {{- define "omnistage.pipelineRules" -}}
 - apiGroups: [omnistage.io]
   resources: [omnipipelines]
@@ -130,16 +131,15 @@ list or watch (tls.issuer chart only); cert-manager Certificates instead with tl
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
-{{- if .Values.tls.enabled }}
-{{- if eq .Values.tls.issuer "chart" }}
+# Each pipeline's UCX data-plane key Secret (every TLS mode), and under the chart issuer each pod's certificate
+# Secret: read by name, never listed or watched. create cannot be limited by name (the names are per pipeline).
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create, patch, delete]
-{{- else }}
+  verbs: [get, create, patch{{ if and .Values.tls.enabled (eq .Values.tls.issuer "chart") }}, delete{{ end }}]
+{{- if and .Values.tls.enabled (ne .Values.tls.issuer "chart") }}
 - apiGroups: [cert-manager.io]
   resources: [certificates]
   verbs: [get, list, watch, create, patch, delete]
-{{- end }}
 {{- end }}
 {{- end -}}
 
