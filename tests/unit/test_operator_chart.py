@@ -131,7 +131,9 @@ def test_rendered_objects():
                          ("Secret", "omnistage-webhook-cert"), ("Service", "omnistage-webhook"),
                          ("ValidatingWebhookConfiguration", "omnistage"), ("Secret", "omnistage-pipeline-ca"),
                          ("Role", "omnistage-pipeline-ca"), ("RoleBinding", "omnistage-pipeline-ca"),
-                         ("NetworkPolicy", "omnistage"), ("ClusterKopfPeering", "omnistage")}
+                         ("NetworkPolicy", "omnistage"), ("ClusterKopfPeering", "omnistage"),
+                         ("PodDisruptionBudget", "omnistage"), ("ClusterRole", "omnistage-omnipipelines-view"),
+                         ("ClusterRole", "omnistage-omnipipelines-edit")}
     dep = objs[("Deployment", "omnistage")]
     # two peered replicas; a new one comes up (as a standby) before an old one goes
     assert dep["spec"]["replicas"] == 2
@@ -197,7 +199,8 @@ def test_watch_namespaces_gives_roles_in_those_namespaces_and_nothing_cluster_wi
     docs = render_all("watchNamespaces={team-a,team-b}")
     objs = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["metadata"].get("namespace") in
             (None, "omnistage-system")}
-    assert not [k for k in objs if k[0] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")]
+    assert not [k for k in objs if k[0] in ("ClusterRoleBinding", "ClusterKopfPeering")]
+    assert not [k for k in objs if k[0] == "ClusterRole" and "omnipipelines-" not in k[1]]   # users' only
     for ns in ("team-a", "team-b"):
         role = next(o for o in docs if o["kind"] == "Role" and o["metadata"].get("namespace") == ns)
         binding = next(o for o in docs if o["kind"] == "RoleBinding" and o["metadata"].get("namespace") == ns)
@@ -238,10 +241,10 @@ def test_operator_rbac_covers_what_it_grants_each_orchestrator():
 
 
 @needs_helm
-def test_cert_manager_issuer_grants_certificates_and_no_secrets():
+def test_cert_manager_issuer_grants_certificates_and_secrets_for_the_data_plane_keys_only():
     objs = render("tls.issuer=certManager", "tls.certManager.issuerRef.name=pipelines-ca", "clusterWide=true")
     rules = rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])
-    assert "secrets" not in rules
+    assert rules["secrets"] == {"get", "create", "patch"}   # each pipeline's UCX key: made once, never deleted
     assert rules["cert-manager.io/certificates"] == {"get", "list", "watch", "create", "patch", "delete"}
     assert ("Secret", "omnistage-pipeline-ca") not in objs and ("Role", "omnistage-pipeline-ca") not in objs
     (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
@@ -255,7 +258,7 @@ def test_tls_off_and_a_pre_created_ca():
     objs = render("tls.enabled=false", "clusterWide=true")
     (c,) = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
     assert {e["name"]: e.get("value") for e in c["env"]}["OMNISTAGE_TLS_ISSUER"] == "off"
-    assert "secrets" not in rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])
+    assert rules_by_resource(objs[("ClusterRole", "omnistage")]["rules"])["secrets"] == {"get", "create", "patch"}
     objs = render("tls.caSecretName=my-ca")
     assert ("Secret", "omnistage-pipeline-ca") not in objs   # the user's, not rendered
     assert objs[("Role", "omnistage-pipeline-ca")]["rules"][0]["resourceNames"] == ["my-ca"]
@@ -420,7 +423,10 @@ def test_a_bad_orchestrator_models_setting_is_refused_naming_it():
 def test_by_default_the_operator_serves_the_release_namespace_with_a_role_there_and_nothing_cluster_wide():
     docs = render_all()
     kinds = {(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")) for d in docs}
-    assert not [k for k in kinds if k[0] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")]
+    # the only ClusterRoles are users' (aggregated into view/edit/admin, bound by nobody here)
+    assert not [k for k in kinds if k[0] in ("ClusterRoleBinding", "ClusterKopfPeering")]
+    assert {k[1] for k in kinds if k[0] == "ClusterRole"} == {"omnistage-omnipipelines-view",
+                                                              "omnistage-omnipipelines-edit"}
     assert ("Role", "omnistage", "omnistage-system") in kinds
     assert ("KopfPeering", "omnistage", "omnistage-system") in kinds
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "omnistage")
@@ -454,3 +460,52 @@ def test_an_image_digest_pins_the_operator_image():
     assert c["image"] == "ghcr.io/omnistage/omnistage@sha256:" + "a" * 64
     (c,) = render()[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"]
     assert c["image"].startswith("ghcr.io/omnistage/omnistage:") and "@" not in c["image"]
+
+
+@needs_helm
+def test_two_operator_replicas_are_drained_one_at_a_time_and_one_has_no_budget():
+    pdb = render()[("PodDisruptionBudget", "omnistage")]
+    dep = render()[("Deployment", "omnistage")]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert pdb["apiVersion"] == "policy/v1"   # policy/v1beta1 on Kubernetes 1.20, which has no policy/v1
+    objs = render("operator.leaderElection.enabled=false", "operator.replicas=1")
+    assert not [k for k in objs if k[0] == "PodDisruptionBudget"]   # one replica: a budget would block drains
+    assert not [k for k in render("operator.podDisruptionBudget.enabled=false") if k[0] == "PodDisruptionBudget"]
+
+
+@needs_helm
+def test_omnipipelines_join_the_default_view_edit_and_admin_roles():
+    objs = render()
+    view = objs[("ClusterRole", "omnistage-omnipipelines-view")]
+    edit = objs[("ClusterRole", "omnistage-omnipipelines-edit")]
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {k: v for k, v in edit["metadata"]["labels"].items() if "aggregate" in k} == {
+        "rbac.authorization.k8s.io/aggregate-to-edit": "true", "rbac.authorization.k8s.io/aggregate-to-admin": "true"}
+    assert rules_by_resource(view["rules"]) == {"omnistage.io/omnipipelines": {"get", "list", "watch"},
+                                                "omnistage.io/omnipipelines/status": {"get", "list", "watch"}}
+    assert rules_by_resource(edit["rules"])["omnistage.io/omnipipelines"] >= {"create", "update", "patch", "delete"}
+    assert rules_by_resource(edit["rules"])["omnistage.io/omnipipelines/status"] == {"get", "list", "watch"}
+    assert not [k for k in render("rbac.aggregateToDefaultRoles=false") if "omnipipelines" in k[1]]
+
+
+def test_the_chart_readme_lists_every_value_as_values_yaml_documents_it():
+    """charts/omnistage/README.md's table is generated from values.yaml (`python scripts/chart_values.py`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chart_values", REPO / "scripts" / "chart_values.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    values_text, readme = (CHART / "values.yaml").read_text(), (CHART / "README.md").read_text()
+    assert gen.readme_with_table(readme, values_text) == readme, "run: python scripts/chart_values.py"
+    keys = [row[0] for row in gen.values_rows(values_text)]
+    assert "operator.podDisruptionBudget.enabled" in keys and "image.digest" in keys
+    # every leaf value of values.yaml has its row
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v and k not in FREE_FORM:
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+    assert [k for k in leaves(VALUES) if k not in keys] == []
