@@ -6,11 +6,12 @@ processor. Pure: no gRPC, no model.
 
 Memory is bounded by checks that run before the allocation they guard: an image's size is read from
 its header before its pixels are decoded, a video's frame count and sizes before any frame, an audio
-file's length from its header and again while it is read in blocks. Only the containers named below reach
-a parser: each part's format is read from its first bytes before libsndfile or FFmpeg sees it, and FFmpeg
-is held to that one demuxer with bounded probing and no protocol. Time and native crashes are the caller's
-to bound (the orchestrator decodes in worker processes, `orchestrator_service/media_pool.py`). Whatever
-the bytes, `decode_parts` raises only InvalidRequest, naming the part.
+file's length from its header and again while it is read in blocks; the same checks keep a request's parts
+together within its totals (`RequestTotals`). Only the containers named below reach a parser: each part's
+format is read from its first bytes before libsndfile or FFmpeg sees it, and FFmpeg is held to that one
+demuxer with bounded probing and no protocol. Time and native crashes are the caller's to bound (the
+orchestrator decodes in worker processes, `orchestrator_service/media_pool.py`). Whatever the bytes,
+`decode_parts` raises only InvalidRequest, naming the part.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from PIL import Image as PILImage
 from PIL import ImageOps
 
 from omnistage.api import Limits
+from omnistage.api.fields import camel
 from omnistage.contract.params import InvalidRequest, check_parts
 from omnistage.v1 import common_pb2
 
@@ -91,16 +93,53 @@ def decode_parts(parts: Sequence[common_pb2.ContentPart], limits: Limits, accept
     `accepts`: the modalities the pipeline reads (`omnistage.api.accepted_inputs`). `keep=False` checks
     only: each part is dropped once decoded (one part's pixels at a time in memory), and none is returned."""
     check_parts(parts, limits)
+    totals = RequestTotals(limits)
     out: list[Part] = []
     for i, part in enumerate(parts):
         kind = part.WhichOneof("part")
         path = f"params.parts[{i}].{kind}"
         if kind not in accepts:
             raise InvalidRequest(path, f"this pipeline reads no {kind} (it reads {', '.join(sorted(accepts))})")
-        decoded = _DECODERS[kind](getattr(part, kind), path, limits, keep)
+        decoded = _DECODERS[kind](getattr(part, kind), path, limits, totals, keep)
         if keep:
             out.append(decoded)
     return out
+
+
+class RequestTotals:
+    """A request's running media totals (limits.maxRequest*), each checked as it grows: from a part's header,
+    before that part's samples or pixels are decoded, and again as decoding counts what a header only claimed.
+    So a request is refused at the first part that passes a total, and the decoding it cost before that is
+    within the totals themselves, whatever the number of parts."""
+
+    # total -> (the Limits property that bounds it, the field that sets it, what the message calls it, unit)
+    BOUNDS = {
+        "audio seconds": ("request_audio_seconds", "max_request_audio_seconds", "audio", " s"),
+        "image pixels": ("request_image_pixels", "max_request_image_pixels", "images", " pixels"),
+        "video frames": ("request_video_frames", "max_request_video_frames", "video", " frames"),
+        "video pixels": ("request_video_pixels", "max_request_video_pixels", "video", " pixels"),
+    }
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.sums: dict[str, float] = dict.fromkeys(self.BOUNDS, 0)
+
+    def check(self, total: str, amount: float, path: str, qualifier: str = "") -> None:
+        """InvalidRequest naming `path` and the total when `amount` more would pass it."""
+        bound, field, noun, unit = self.BOUNDS[total]
+        most, reached = getattr(self.limits, bound), self.sums[total] + amount
+        if reached > most:
+            raise InvalidRequest(path, f"brings the request's {noun} to {qualifier}{_amount(reached)}{unit}; the "
+                                       f"limit per request is {_amount(most)}{unit if unit == ' s' else ''} "
+                                       f"({camel(field)})")
+
+    def add(self, total: str, amount: float, path: str) -> None:
+        self.check(total, amount, path)
+        self.sums[total] += amount
+
+
+def _amount(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{round(x, 3):g}"
 
 
 # ------------------------------------------------------------------------- decoders
@@ -109,9 +148,9 @@ def _guarded(hint: str):
     """Turn anything but InvalidRequest that a decoder raises into InvalidRequest naming the part: the
     decoders (Pillow, libsndfile, FFmpeg) raise many kinds of error on hostile bytes."""
     def wrap(decode):
-        def guarded(msg, path: str, limits: Limits, keep: bool = True):
+        def guarded(msg, path: str, limits: Limits, totals: RequestTotals, keep: bool = True):
             try:
-                return decode(msg, path, limits, keep)
+                return decode(msg, path, limits, totals, keep)
             except InvalidRequest:
                 raise
             except Exception as e:  # noqa: BLE001 - see above; the type says what the decoder found
@@ -120,23 +159,24 @@ def _guarded(hint: str):
     return wrap
 
 
-def _text(text: str, path: str, limits: Limits, keep: bool = True) -> Text:
+def _text(text: str, path: str, limits: Limits, totals: RequestTotals, keep: bool = True) -> Text:
     return Text(text)  # emptiness is checked with the structure (check_parts)
 
 
 @_guarded("not PNG, JPEG or WebP, or corrupt")
-def _image(msg: common_pb2.ImagePart, path: str, limits: Limits, keep: bool = True) -> Image:
-    _, _, load = _open_image(msg, path, limits)
+def _image(msg: common_pb2.ImagePart, path: str, limits: Limits, totals: RequestTotals, keep: bool = True) -> Image:
+    w, h, load = _open_image(msg, path, limits)
+    totals.add("image pixels", w * h, path)  # from the header: before a pixel is decoded
     return Image(load())
 
 
 @_guarded("not WAV, FLAC, MP3 or OGG, or corrupt")
-def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits, keep: bool = True) -> Audio:
+def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits, totals: RequestTotals, keep: bool = True) -> Audio:
     """`keep=False` checks only: the samples are read and counted, not gathered."""
     if not msg.data:
         raise InvalidRequest(path, "is empty")
     if msg.sample_rate:
-        return _raw_pcm(msg, path, limits)
+        return _raw_pcm(msg, path, limits, totals)
     if msg.channels:
         raise InvalidRequest(path, "channels is for raw PCM: set sample_rate too")
     if audio_container(msg.data) is None:  # before libsndfile, which would open any format it knows
@@ -153,6 +193,7 @@ def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits, keep: bool = Tr
         most = int(limits.max_audio_seconds * rate)
         if f.frames > most:
             raise InvalidRequest(path, _too_long(f.frames / rate, limits))
+        totals.check("audio seconds", f.frames / rate, path)  # from the header, before a sample is read
         blocks, n = [], 0
         while True:  # in blocks, mixed down as read: the header's length is not trusted
             block = f.read(_AUDIO_BLOCK_FRAMES, dtype="float32", always_2d=True)
@@ -161,10 +202,12 @@ def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits, keep: bool = Tr
             n += len(block)
             if n > most:
                 raise InvalidRequest(path, _too_long(n / rate, limits, "at least "))
+            totals.check("audio seconds", n / rate, path, "at least ")
             if keep:
                 blocks.append(block.mean(axis=1, dtype=np.float32))
     if not n:
         raise InvalidRequest(path, "has no samples")
+    totals.add("audio seconds", n / rate, path)
     if not keep:
         return Audio(np.zeros(0, np.float32), rate)
     samples = np.concatenate(blocks)
@@ -173,7 +216,7 @@ def _audio(msg: common_pb2.AudioPart, path: str, limits: Limits, keep: bool = Tr
     return Audio(samples, rate)
 
 
-def _raw_pcm(msg: common_pb2.AudioPart, path: str, limits: Limits) -> Audio:
+def _raw_pcm(msg: common_pb2.AudioPart, path: str, limits: Limits, totals: RequestTotals) -> Audio:
     channels = msg.channels or 1
     rate = _check_rate_and_channels(msg.sample_rate, channels, path)
     frame_bytes = 2 * channels
@@ -183,6 +226,7 @@ def _raw_pcm(msg: common_pb2.AudioPart, path: str, limits: Limits) -> Audio:
     frames = len(msg.data) // frame_bytes
     if frames > limits.max_audio_seconds * rate:
         raise InvalidRequest(path, _too_long(frames / rate, limits))
+    totals.add("audio seconds", frames / rate, path)
     pcm = np.frombuffer(msg.data, dtype="<i2").reshape(frames, channels)
     return Audio(pcm.mean(axis=1, dtype=np.float32) / np.float32(32768.0), rate)
 
@@ -200,12 +244,12 @@ def _too_long(seconds: float, limits: Limits, qualifier: str = "") -> str:
 
 
 @_guarded("corrupt")
-def _video(msg: common_pb2.VideoPart, path: str, limits: Limits, keep: bool = True) -> Video:
+def _video(msg: common_pb2.VideoPart, path: str, limits: Limits, totals: RequestTotals, keep: bool = True) -> Video:
     """`keep=False` checks only: one frame's pixels at a time, none gathered."""
     if msg.data:
         if msg.frames or msg.timestamps:
             raise InvalidRequest(path, "set either frames with timestamps, or data (an encoded file), not both")
-        return _video_file(msg.data, path, limits, keep)
+        return _video_file(msg.data, path, limits, totals, keep)
     n = len(msg.frames)
     if not n:
         raise InvalidRequest(path, "has no frames: send frames with timestamps (or an encoded file in data)")
@@ -223,6 +267,8 @@ def _video(msg: common_pb2.VideoPart, path: str, limits: Limits, keep: bool = Tr
             raise InvalidRequest(f"{path}.frames[{j}]", f"is {w}x{h}; frame 0 is {width}x{height} (frames of one "
                                                         "video must have one size)")
     _check_video_pixels(n, width, height, path, limits)
+    totals.add("video frames", n, path)
+    totals.add("video pixels", n * width * height, path)
     if not keep:
         for _, _, load in opened:
             load()
@@ -256,7 +302,7 @@ def _check_video_pixels(frames: int, width: int, height: int, path: str, limits:
                                    f"{limits.max_video_pixels}")
 
 
-def _video_file(data: bytes, path: str, limits: Limits, keep: bool) -> Video:
+def _video_file(data: bytes, path: str, limits: Limits, totals: RequestTotals, keep: bool) -> Video:
     """An encoded video, through PyAV where it is installed (an optional dependency: FFmpeg is large)."""
     fmt = video_container(data)
     if fmt is None:  # before FFmpeg, whose probing would try every demuxer it has
@@ -293,6 +339,8 @@ def _video_file(data: bytes, path: str, limits: Limits, keep: bool) -> Video:
                 raise InvalidRequest(path, f"frame {len(timestamps)} is {frame.width}x{frame.height}; the stream is "
                                            f"{width}x{height} (frames of one video must have one size)")
             _check_video_pixels(len(timestamps) + 1, width, height, path, limits)
+            totals.add("video frames", 1, path)  # counted as decoded: a file's header does not bind its frames
+            totals.add("video pixels", width * height, path)
             if frame.time is None:
                 raise InvalidRequest(path, f"frame {len(timestamps)} has no timestamp")
             pixels = frame.to_ndarray(format="rgb24")

@@ -4,9 +4,11 @@ stage could read is INVALID_ARGUMENT naming it rather than a failure deep in a s
 Decoding runs in a few worker processes the server owns (`media_pool`), within the pipeline's
 media_decode_seconds, and keeps one part's pixels at a time (the check keeps nothing it decoded). A decode
 that outlives its bound ends its worker, so its slot is free again at the bound; a decoder that crashes
-ends only its worker, and the request is INVALID_ARGUMENT. At most `workers` decodes run at once. A
-request waits for a free slot at most media_decode_seconds; then it is refused as overload
-(RESOURCE_EXHAUSTED, retry after that long), not queued without bound.
+ends only its worker, and the request is INVALID_ARGUMENT. A request's parts are decoded in order in one
+call, against its totals (limits.maxRequest*): the first part that passes one ends the call with the refusal,
+no later part is decoded, and the worker and its slot are free for the next request. At most `workers`
+decodes run at once. A request waits for a free slot at most media_decode_seconds; then it is refused as
+overload (RESOURCE_EXHAUSTED, retry after that long), not queued without bound.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ class MediaCheck:
         if refusal is not None:
             raise InvalidRequest(*refusal)
         return (time.perf_counter() - t0) * 1e3
+
+    @property
+    def free_slots(self) -> int:
+        """Decode slots no request holds (all `workers` when the check is idle)."""
+        return self._slots._value
+
+    def live_workers(self) -> int:
+        """Idle worker processes that are alive (for tests and diagnostics)."""
+        return len(self._pool.pids())
 
     def _decoded(self, decoding: asyncio.Future) -> None:
         self._slots.release()

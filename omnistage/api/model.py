@@ -164,12 +164,44 @@ class Limits:
     max_video_frames: int = api_field("Most frames in a video part.", default=128, minimum=1)
     max_video_pixels: int = api_field("Most pixels in all frames of a video part together.", default=90316800,
                                       minimum=1)
+    # A request's totals over its parts of one kind: what a stage that reads media holds decoded at once (and
+    # its processor's work) is the sum, which maxParts alone lets grow to maxParts x the largest part. Each 0
+    # (the default) follows the per-part limits, so any request of one part within them passes.
+    max_request_audio_seconds: float = api_field("Most audio, in seconds, in all audio parts of a request "
+                                                 "together. 0: maxAudioSeconds.", default=0.0, minimum=0)
+    max_request_image_pixels: int = api_field("Most pixels in all images of a request together. 0: as many as one "
+                                              "video part may hold (maxVideoPixels; 7 images at maxImagePixels by "
+                                              "default), at least maxImagePixels.", default=0, minimum=0)
+    max_request_video_frames: int = api_field("Most frames in all video parts of a request together. 0: "
+                                              "maxVideoFrames.", default=0, minimum=0)
+    max_request_video_pixels: int = api_field("Most pixels in all frames of all video parts of a request together. "
+                                              "0: maxVideoPixels.", default=0, minimum=0)
     media_decode_seconds: float = api_field("Bound on decoding a request's media parts at admission; beyond it "
                                             "the request is INVALID_ARGUMENT.", default=10.0, minimum=0.001)
     request_timeout_seconds: float = api_field("Deadline of a request whose caller set none (or a later one), "
                                                "from its arrival; past it the request is DEADLINE_EXCEEDED and "
                                                "every stage call is cancelled. 0: no default deadline.",
                                                default=600.0, minimum=0)
+
+    @property
+    def request_audio_seconds(self) -> float:
+        """maxRequestAudioSeconds as it applies (0: one part's most)."""
+        return self.max_request_audio_seconds or self.max_audio_seconds
+
+    @property
+    def request_image_pixels(self) -> int:
+        """maxRequestImagePixels as it applies (0: one video part's most, and never under one image's)."""
+        return self.max_request_image_pixels or max(self.max_video_pixels, self.max_image_pixels)
+
+    @property
+    def request_video_frames(self) -> int:
+        """maxRequestVideoFrames as it applies (0: one part's most)."""
+        return self.max_request_video_frames or self.max_video_frames
+
+    @property
+    def request_video_pixels(self) -> int:
+        """maxRequestVideoPixels as it applies (0: one part's most)."""
+        return self.max_request_video_pixels or self.max_video_pixels
 
     @property
     def max_request_bytes(self) -> int:
@@ -185,6 +217,13 @@ MAX_MESSAGE_BYTES = 512 << 20
 # reads them where the checkpoints are at hand; `resolve` falls back to these): no bound on max_tokens
 # beyond the model's own context, which the engine applies.
 MODEL_LIMIT_FALLBACKS = {"default_max_tokens": 256, "default_image_side": 512, "default_inference_steps": 28}
+
+# Each request total, when set, must be at least the per-part limit it sums (checked by validation): below it, a
+# request of one part within its limit would be refused.
+REQUEST_TOTALS = (("max_request_audio_seconds", "max_audio_seconds"),
+                  ("max_request_image_pixels", "max_image_pixels"),
+                  ("max_request_video_frames", "max_video_frames"),
+                  ("max_request_video_pixels", "max_video_pixels"))
 
 # Each default must not exceed its maximum (checked by validation, where both are set).
 LIMIT_DEFAULTS = (("default_max_tokens", "max_tokens"), ("default_codec_frames", "max_codec_frames"),

@@ -43,6 +43,7 @@ from omnistage.api.model import (
     LIMIT_DEFAULTS,
     MAX_MESSAGE_BYTES,
     MAX_NAME_LEN,
+    REQUEST_TOTALS,
     RESERVED_STAGE_NAMES,
     TRANSFORMERS_QUANTIZATION,
     VLLM_ARGS_OF_FIELDS,
@@ -339,6 +340,12 @@ class _Relations:
             m = limits.get(mkey, getattr(Limits(), mx))
             if type(d) is int and type(m) is int and d and m and d > m:  # 0: from the model
                 self.w.err(f"spec.topology.limits.{dkey}", f"must be <= {mkey} ({m}), got {d}")
+        for total, part in REQUEST_TOTALS:
+            tkey, pkey = _key(Limits, total), _key(Limits, part)
+            t = limits.get(tkey, getattr(Limits(), total))
+            m = limits.get(pkey, getattr(Limits(), part))
+            if _number(t) and _number(m) and t and t < m:  # 0: follows the per-part limits
+                self.w.err(f"spec.topology.limits.{tkey}", f"must be 0 or at least {pkey} ({m}), got {t}")
         parts, size = (limits.get(_key(Limits, k), getattr(Limits(), k)) for k in ("max_parts", "max_part_bytes"))
         if type(parts) is int and type(size) is int and parts * size + (1 << 20) > MAX_MESSAGE_BYTES:
             self.w.err(f"spec.topology.limits.{_key(Limits, 'max_part_bytes')}",
@@ -551,6 +558,11 @@ class _Relations:
 
 
 # ------------------------------------------------------------------------- helpers
+
+def _number(value: Any) -> bool:
+    """An int or float as YAML gives one (not a bool): a value whose own check passed or will say so."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 def _key(cls: type, attr: str) -> str:
     return next(f.key for f in api_fields(cls) if f.name == attr)
