@@ -540,7 +540,12 @@ class Deployment:
     rollout: Rollout = api_field("How changes roll out.", default_factory=Rollout)
     autoscaling: Autoscaling = api_field("The stage planner: replicas of every stage set from live "
                                          "measurements; off by default.", default_factory=Autoscaling)
-    image: str = api_field("Default image of every stage and the orchestrator.", default=DEFAULT_IMAGE)
+    image: str = api_field("Default image of every stage and the orchestrator. Empty: the operator's own image "
+                           "(the chart's image.*), so one image runs everything.", default="")
+    image_pull_secrets: tuple[str, ...] = api_field(
+        "Secrets in the pipeline's namespace to pull its images with, by name; besides those the operator gives "
+        "every pipeline (the chart's pipelinePods.imagePullSecrets).", default=(), unique=True,
+        pattern=SECRET_NAME, pattern_hint=SECRET_NAME_HINT, max_length=253)
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
                             tls_dir=TLS_MOUNT if tls_secrets else None,
                             data_plane_key=f"{DATA_PLANE_KEY_MOUNT}/{DATA_PLANE_KEY_FILE}")
     shm = needs_shm(sd)
-    container = _container("stage", sd.image, command, _stage_resources(sd, stage_plan(p, stage)), sd.env, cfg,
+    container = _container("stage", sd.image or cfg.image, command, _stage_resources(sd, stage_plan(p, stage)), sd.env, cfg,
                            secret_mounts=secrets, shm=shm)
     pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm)
     pod.update(_stage_placement(sd))
@@ -280,7 +280,7 @@ def build_orchestrator_deployment(p: Pipeline, cfg: OperatorConfig) -> dict:
     # The model volume, read-only (unless OMNISTAGE_ORCHESTRATOR_MODELS=false): the orchestrator reads the limits
     # a pipeline leaves to the model from the checkpoints' configs (omnistage.checkpoints.defaults), no weights.
     models = cfg.orchestrator_models
-    container = _container("orchestrator", od.image, command, od.resources.to_dict(), {}, cfg, models=models,
+    container = _container("orchestrator", od.image or cfg.image, command, od.resources.to_dict(), {}, cfg, models=models,
                            ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
                            secret_mounts=secrets)
     pod = _pod_spec(p, container, cfg, od.drain_seconds, service_account=orchestrator_object_name(p.name),
@@ -481,6 +481,10 @@ def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: 
            "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.run_as_user,
                                "runAsGroup": cfg.run_as_user, "fsGroup": cfg.run_as_user,
                                "seccompProfile": dict(SECCOMP)}}
+    # the operator's (the chart's pipelinePods.imagePullSecrets), then the pipeline's own, each once
+    pull = dict.fromkeys([*cfg.image_pull_secrets, *p.deployment.image_pull_secrets])
+    if pull:
+        pod["imagePullSecrets"] = [{"name": name} for name in pull]
     if service_account:
         pod["serviceAccountName"] = service_account
         pod["automountServiceAccountToken"] = True

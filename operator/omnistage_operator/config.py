@@ -10,7 +10,11 @@ OMNISTAGE_ORCHESTRATOR_MODELS  `true` (default): the orchestrator mounts the mod
                              read the limits a pipeline leaves to the model from its checkpoints' configs;
                              `false` where the volume cannot reach the orchestrator's node (a ReadWriteOnce
                              claim, a hostPath on the GPU nodes only): the fallback limits apply
+OMNISTAGE_IMAGE              the image of stage and orchestrator pods whose pipeline names none
+                             (spec.deployment.image): the chart sets the operator's own (image.*)
 OMNISTAGE_IMAGE_PULL_POLICY  imagePullPolicy of stage and orchestrator containers (IfNotPresent)
+OMNISTAGE_IMAGE_PULL_SECRETS  comma-separated Secret names every pipeline pod pulls its image with (each must
+                             exist in the pipeline's namespace), besides spec.deployment.imagePullSecrets
 OMNISTAGE_RUN_AS_USER        uid (and gid) of stage and orchestrator processes (1000)
 OMNISTAGE_METRICS_NAMESPACE_LABEL  `key=value` of namespaces allowed to scrape stage metrics
                              (port http) past the NetworkPolicy; empty: only the pipeline's own pods
@@ -45,8 +49,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
+
+from omnistage.api import DEFAULT_IMAGE
+from omnistage.api.model import SECRET_NAME, SECRET_NAME_HINT
 
 
 class ConfigError(ValueError):
@@ -84,7 +92,9 @@ class IssuerRef:
 class OperatorConfig:
     model_volume: ModelVolume = ModelVolume("pvc", "omnistage-models")
     orchestrator_models: bool = True
+    image: str = DEFAULT_IMAGE
     image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
     run_as_user: int = 1000
     metrics_namespace_label: tuple[str, str] | None = None
     orchestrator_clients_from: tuple[dict, ...] = ()
@@ -183,6 +193,10 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
             raise ConfigError(f"OMNISTAGE_TLS_ISSUER_REF={raw!r}: expected KIND/NAME, e.g. ClusterIssuer/NAME "
                               f"(optionally /GROUP; needed with OMNISTAGE_TLS_ISSUER={TLS_CERT_MANAGER})")
         issuer_ref = IssuerRef(*parts)
+    pull_secrets = tuple(s.strip() for s in env.get("OMNISTAGE_IMAGE_PULL_SECRETS", "").split(",") if s.strip())
+    for s in pull_secrets:
+        if not re.match(SECRET_NAME, s):
+            raise ConfigError(f"OMNISTAGE_IMAGE_PULL_SECRETS: {s!r} {SECRET_NAME_HINT}")
     models = env.get("OMNISTAGE_ORCHESTRATOR_MODELS", "true").strip().lower()
     if models not in ("true", "false"):
         raise ConfigError(f"OMNISTAGE_ORCHESTRATOR_MODELS={models!r}: expected true or false")
@@ -190,7 +204,9 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
         model_volume=parse_model_volume(env.get("OMNISTAGE_MODEL_VOLUME", "pvc:omnistage-models"),
                                         env.get("OMNISTAGE_MODEL_MOUNT", "/models")),
         orchestrator_models=models == "true",
+        image=env.get("OMNISTAGE_IMAGE") or d.image,
         image_pull_policy=env.get("OMNISTAGE_IMAGE_PULL_POLICY", d.image_pull_policy),
+        image_pull_secrets=pull_secrets,
         run_as_user=num("OMNISTAGE_RUN_AS_USER", d.run_as_user),
         metrics_namespace_label=metrics,
         orchestrator_clients_from=tuple(clients),

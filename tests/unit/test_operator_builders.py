@@ -169,7 +169,36 @@ def test_replicas_and_image_per_stage():
     c = children(edit)
     assert c.stages["talker"].deployment["spec"]["replicas"] == 3
     assert container(c.stages["talker"].deployment)["image"] == "reg/omni:2"
-    assert container(c.stages["thinker"].deployment)["image"] == "ghcr.io/omnistage/omnistage:0.1.0"
+    assert container(c.stages["thinker"].deployment)["image"] == "ghcr.io/omnistage/omnistage:0.1.0"  # the operator's
+
+
+def test_pipelines_naming_no_image_run_the_operators_own_and_one_named_wins():
+    cfg = OperatorConfig(model_volume=CFG.model_volume, image="registry.example/omnistage@sha256:" + "b" * 64)
+    c = children(cfg=cfg)
+    for d in [*(s.deployment for s in c.stages.values()), c.orchestrator_deployment]:
+        assert container(d)["image"] == cfg.image
+    c = children(lambda d: d["spec"]["deployment"].update(image="reg/pipeline:1"), cfg=cfg)
+    assert {container(s.deployment)["image"] for s in c.stages.values()} == {"reg/pipeline:1"}
+    assert container(c.orchestrator_deployment)["image"] == "reg/pipeline:1"
+
+
+def test_image_pull_secrets_of_the_operator_and_of_the_pipeline_each_once():
+    cfg = OperatorConfig(model_volume=CFG.model_volume, image_pull_secrets=("cluster-pull", "shared"))
+    c = children(lambda d: d["spec"]["deployment"].update(imagePullSecrets=["shared", "team-pull"]), cfg=cfg)
+    for d in [*(s.deployment for s in c.stages.values()), c.orchestrator_deployment]:
+        assert d["spec"]["template"]["spec"]["imagePullSecrets"] == [
+            {"name": "cluster-pull"}, {"name": "shared"}, {"name": "team-pull"}]
+    assert "imagePullSecrets" not in children().stages["talker"].deployment["spec"]["template"]["spec"]
+
+
+def test_the_operator_reads_its_image_and_pull_secrets_from_the_chart_env():
+    from omnistage_operator.config import ConfigError, from_env
+
+    cfg = from_env({"OMNISTAGE_IMAGE": "reg/omni@sha256:" + "c" * 64, "OMNISTAGE_IMAGE_PULL_SECRETS": "a, b.c,"})
+    assert cfg.image == "reg/omni@sha256:" + "c" * 64 and cfg.image_pull_secrets == ("a", "b.c")
+    assert from_env({}).image == "ghcr.io/omnistage/omnistage:0.1.0" and from_env({}).image_pull_secrets == ()
+    with pytest.raises(ConfigError, match="OMNISTAGE_IMAGE_PULL_SECRETS: 'Bad_Name' must be lower-case"):
+        from_env({"OMNISTAGE_IMAGE_PULL_SECRETS": "Bad_Name"})
 
 
 def test_changing_one_stage_changes_only_that_stages_deployment():
