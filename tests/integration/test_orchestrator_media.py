@@ -129,7 +129,7 @@ async def test_media_to_a_text_only_pipeline_is_refused_naming_the_part(model_di
         await stage.drain()
 
 
-# The tokens the processor places for media, and the chat markers: text carrying them is refused.
+# The tokens the processor places for media, and the chat markers: text carrying them is plain text.
 SPECIAL_TOKENS = ["<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|audio_start|>",
                   "<|im_start|>"]
 media_bytes = st.one_of(st.binary(max_size=512), st.just(PNG), st.builds(lambda n: PNG[:n], st.integers(0, len(PNG))))

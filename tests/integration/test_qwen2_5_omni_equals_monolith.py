@@ -11,7 +11,6 @@ import torch
 from omnistage.client import AsyncOmniClient
 from stage_service.engines.omni.audio import to_pcm16
 from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT
-from stage_service.runtime.chat import chat_prompt_ids
 
 from ..harness import call_stage, example, header, in_engine_process, served_pipeline, tensor_of
 
@@ -75,7 +74,11 @@ async def test_same_text_tokens_and_codec_codes_and_close_audio(staged, monolith
                                                                frames, stop_at_eos, seed):
     orc, stages = staged
     thinker = Checkpoint(model_dir / MODEL)
-    prompt_ids = chat_prompt_ids(thinker.tokenizer, thinker.chat_template, prompt, SPEECH_SYSTEM_PROMPT)
+    # The monolith's prompt as its processor makes it: the template rendered, then tokenized whole.
+    messages = [{"role": "system", "content": SPEECH_SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+    rendered = thinker.tokenizer.apply_chat_template(messages, chat_template=thinker.chat_template, tokenize=False,
+                                                     add_generation_prompt=True)
+    prompt_ids = thinker.tokenizer(rendered, add_special_tokens=False)["input_ids"]
     handed_to_token2wav = []
     hook = monolith.token2wav.register_forward_pre_hook(
         lambda module, args, kwargs: handed_to_token2wav.append(args[0] if args else kwargs["code"]), with_kwargs=True)

@@ -24,8 +24,9 @@ class Chars:
     """A stand-in tokenizer: one id per character; renders chat templates as transformers does (jinja)."""
 
     chat_template = None
+    added_tokens_decoder: dict = {}  # no special tokens of its own: split or not, text is its characters
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+    def __call__(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> dict:
         return {"input_ids": ([BOS] if add_special_tokens else []) + [ord(c) for c in text]}
 
     def apply_chat_template(self, messages, chat_template, tokenize, add_generation_prompt):

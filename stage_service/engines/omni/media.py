@@ -37,6 +37,7 @@ from omnistage import media
 from omnistage.checkpoints.names import PROCESSOR_CONFIG, THINKER_TOWERS
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.contract.params import InvalidRequest
+from stage_service.runtime.chat_tokens import ClientText, chat_ids
 from stage_service.runtime.errors import InputError
 
 # The encoders: sub-modules of every omni Thinker's model (`thinker.visual.*` -> `visual`).
@@ -189,8 +190,6 @@ class OmniProcessor:
         if cls.__name__ == "Qwen2_5OmniProcessor":  # its tokenizer names its tokens differently
             self._tokens.audio_token, self._tokens.image_token = "<|AUDIO|>", "<|IMAGE|>"
             self._tokens.video_token = "<|VIDEO|>"
-        # Every special token: the media placeholders and brackets, and the chat roles' markers.
-        self.markers = tuple(sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}))
 
     @property
     def sampling_rate(self) -> int:
@@ -202,34 +201,23 @@ class OmniProcessor:
         samples = media.resample(audio.samples, audio.sample_rate, self.sampling_rate)
         return np.pad(samples, (0, max(0, self.audio.n_fft - len(samples))))
 
-    def messages(self, parts: list, system: str) -> list[dict]:
-        content = [{"type": "text", "text": p.text} if isinstance(p, media.Text) else {"type": p.modality}
-                   for p in parts]
-        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-
     def prepare(self, parts: list, system: str = "", prompt_at: int | None = None) -> MediaInputs:
         """Token ids and encoder inputs of a user turn made of `parts` (decoded media, in order; the one at
-        `prompt_at`, if any, is the request's `prompt`). Text may not carry the tokens the processor places
-        for media: they would stand for media that is not there."""
-        for i, part in enumerate(parts):
-            if isinstance(part, media.Text):
-                found = next((t for t in self.markers if t in part.text), None)
-                if found:
-                    field = "params.prompt" if i == prompt_at else f"params.parts[{i}].text"
-                    raise InvalidRequest(field, f'contains "{found}", a token the processor places for media')
+        `prompt_at`, if any, is the request's `prompt`). The client's text is plain text (`chat_tokens`):
+        a placeholder written in it is text, not a stand-in for media that is not there."""
+        content = [ClientText(p.text, "params.prompt" if i == prompt_at else f"params.parts[{i}].text")
+                   if isinstance(p, media.Text) else {"type": p.modality} for i, p in enumerate(parts)]
         try:
-            return self._prepare(parts, system)
+            return self._prepare(parts, content, ClientText(system, "params.system_prompt") if system else None)
         except (InvalidRequest, InputError):
             raise
         except PROCESSING_ERRORS as e:  # what the processor's components raise on media they cannot take
             raise InvalidRequest("params.parts", f"the model's processor refused them: {e or type(e).__name__}") \
                 from None
 
-    def _prepare(self, parts: list, system: str) -> MediaInputs:
+    def _prepare(self, parts: list, content: list, system: ClientText | None) -> MediaInputs:
         if self.chat_template is None:
             raise InputError("this checkpoint has no chat template to place media parts")
-        rendered = self.tokenizer.apply_chat_template(self.messages(parts, system), chat_template=self.chat_template,
-                                                      tokenize=False, add_generation_prompt=True)
         out = MediaInputs(ids=[])
         images = [p.pixels for p in parts if isinstance(p, media.Image)]
         clips = [self.clip(p) for p in parts if isinstance(p, media.Audio)]
@@ -248,11 +236,14 @@ class OmniProcessor:
             out.pixel_values_videos, out.video_grid_thw, per_grid = self.video(videos, self.family.default_fps)
             out.video_second_per_grid = torch.tensor(per_grid)
             video_grids, seconds = list(out.video_grid_thw), per_grid
-        text = self._expand(self._tokens, [rendered], iter(audio_tokens), iter(image_grids), iter(video_grids),
-                            video_second_per_grid=iter(seconds), use_audio_in_video=False,
-                            position_id_per_seconds=self.position_id_per_seconds,
-                            seconds_per_chunk=self.seconds_per_chunk)[0]
-        out.ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        def expand(rendered: str) -> str:
+            return self._expand(self._tokens, [rendered], iter(audio_tokens), iter(image_grids), iter(video_grids),
+                                video_second_per_grid=iter(seconds), use_audio_in_video=False,
+                                position_id_per_seconds=self.position_id_per_seconds,
+                                seconds_per_chunk=self.seconds_per_chunk)[0]
+
+        out.ids = chat_ids(self.tokenizer, self.chat_template, system, content, expand)
         return out
 
 
