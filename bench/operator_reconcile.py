@@ -12,6 +12,9 @@ Figures (bench/results/operator_reconcile.json):
   noop_reconcile_writes  API writes (from the apiserver's audit log) per reconcile that has nothing to
                          change, averaged over several reconciles triggered by touching an annotation
   apply50_to_ready_s     50 pipelines applied at once -> all 50 Ready=True
+  status.pending_reason_s  a stage pod the scheduler cannot place (it asks for more CPU than the node has),
+                         from its PodScheduled=False condition first seen to the reason, with the
+                         scheduler's message, in status.stages[].lastFailure (goal <= 10 s)
 """
 
 from __future__ import annotations
@@ -90,6 +93,37 @@ def _reconciles(log: Path, mark: int) -> int:
         return sum(1 for line in f if f"reconciled {NS}/bench-one in " in line)
 
 
+UNPLACEABLE = "bench-unplaceable"
+
+
+def pending_reason(c: Cluster) -> float:
+    """Seconds from a pod's Unschedulable condition first seen to the reason in the pipeline's status."""
+    doc = yaml.safe_load((REPO / "examples" / "llm-tiny.yaml").read_text())
+    doc["metadata"] = {"name": UNPLACEABLE, "namespace": NS}
+    doc["spec"]["deployment"]["stages"]["llm"] = {"resources": {"requests": {"cpu": "5000"}}}   # the node has 1000
+    c.custom.create_namespaced_custom_object("omnistage.io", "v1alpha1", NS, "omnipipelines", doc)
+    selector = f"omnistage.io/pipeline={UNPLACEABLE},omnistage.io/stage=llm"
+
+    def unplaced() -> bool:
+        return any(cond.type == "PodScheduled" and cond.status == "False"
+                   for p in c.core.list_namespaced_pod(NS, label_selector=selector).items
+                   for cond in (p.status.conditions or ()))
+
+    wait_for(unplaced, 120, "the stage pod to be refused by the scheduler", POLL)
+    t0 = time.monotonic()
+
+    def reported() -> bool:
+        status = c.custom.get_namespaced_custom_object("omnistage.io", "v1alpha1", NS, "omnipipelines",
+                                                       UNPLACEABLE).get("status") or {}
+        failure = ((status.get("stages") or {}).get("llm") or {}).get("lastFailure") or {}
+        return failure.get("reason") == "Unschedulable" and "Insufficient cpu" in failure.get("message", "")
+
+    wait_for(reported, 120, "the Unschedulable reason in the status", POLL)
+    took = time.monotonic() - t0
+    c.custom.delete_namespaced_custom_object("omnistage.io", "v1alpha1", NS, "omnipipelines", UNPLACEABLE)
+    return took
+
+
 def apply_many(c: Cluster, n: int) -> float:
     names = [f"bench-{i:02d}" for i in range(n)]
     docs = yaml.safe_dump_all([pipeline(name) for name in names])
@@ -112,10 +146,11 @@ def main() -> int:
         c.start_operator([NS], OMNISTAGE_WORKERS="4")
         children_s, ready_s = apply_one(c)
         per, writes, reconciles = noop_writes(c, 3 if args.quick else 10)
+        pending_s = pending_reason(c)
         many_s = apply_many(c, 50)
         figures = [figure("apply_to_children_s", children_s, "s"), figure("apply_to_ready_s", ready_s, "s"),
                    figure("noop_reconcile_writes", per, "writes/reconcile"),
-                   figure("apply50_to_ready_s", many_s, "s")]
+                   figure("apply50_to_ready_s", many_s, "s"), figure("status.pending_reason_s", pending_s, "s")]
         notes = {"noop_reconciles": reconciles, "noop_writes_total": writes,
                  "load_average_1m_at_start_and_end": [load_at_start, round(os.getloadavg()[0], 2)],
                  "cluster_up_s": round(c.timings["up_s"], 1),

@@ -93,6 +93,44 @@ def test_a_stage_that_refuses_to_start_says_why_in_the_pipeline_status(broken):
     assert "lastFailure" not in c.pipeline(NS, NAME)["status"]["stages"][STAGE]
 
 
+UNPLACED = "unplaceable"
+PENDING_REASON_S = 10   # a Pending pod's reason reaches the status within seconds (the pod event enqueues)
+
+
+def test_a_stage_the_scheduler_cannot_place_says_why_in_seconds(operator):
+    """A stage asking for more CPU than any node has: the scheduler's reason and message reach the stage's
+    lastFailure, Degraded=True/StageFailing and one Warning Event, within seconds of the pod's refusal."""
+    c = operator
+    doc = yaml.safe_load((REPO / "examples" / "llm-tiny.yaml").read_text())
+    doc["metadata"]["name"] = UNPLACED
+    doc["spec"]["deployment"]["stages"][STAGE] = {"resources": {"requests": {"cpu": "5000"}}}   # the node: 1000
+    doc["spec"]["deployment"]["orchestrator"] = {"replicas": 0}
+    c.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
+    try:
+        selector = f"omnistage.io/pipeline={UNPLACED},omnistage.io/stage={STAGE}"
+        refused = wait_for(lambda: [p for p in c.core.list_namespaced_pod(NS, label_selector=selector).items
+                                    if any(x.type == "PodScheduled" and x.status == "False"
+                                           for x in p.status.conditions or ())], 60, "the scheduler's refusal")
+        t0 = time.monotonic()
+
+        def failure() -> dict:
+            st = c.pipeline(NS, UNPLACED).get("status") or {}
+            return ((st.get("stages") or {}).get(STAGE) or {}).get("lastFailure") or {}
+
+        got = wait_for(lambda: failure().get("reason") == "Unschedulable" and failure(), PENDING_REASON_S,
+                       "the Unschedulable reason in the status")
+        assert time.monotonic() - t0 <= PENDING_REASON_S
+        assert got["pod"] == refused[0].metadata.name and "Insufficient cpu" in got["message"], got
+        degraded = c.wait_condition(NS, UNPLACED, "Degraded", "True", 30, reason="StageFailing")
+        assert degraded["message"].startswith(f"{STAGE}: Unschedulable: ") and "Insufficient cpu" in degraded["message"]
+        events = wait_for(lambda: [e for e in c.core.list_namespaced_event(
+            NS, field_selector=f"involvedObject.name={UNPLACED}").items if e.reason == "StageFailing"], 30,
+            "a StageFailing Event")
+        assert len(events) == 1 and events[0].type == "Warning" and "Unschedulable" in events[0].message
+    finally:
+        c.delete_pipeline(NS, UNPLACED, "the unplaceable pipeline's pods to go")
+
+
 # ------------------------------------------------------------- replicas going away under load
 # examples/qwen3-omni-tiny.yaml with 2 replicas of every stage, under a steady load: a stage replica
 # deleted, SIGKILLed or rolled costs no request (its calls go to the other replica: docs/faults.md), and

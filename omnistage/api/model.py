@@ -569,13 +569,17 @@ class Metadata:
 @dataclass(frozen=True)
 class ContainerFailure:
     pod: str = api_field("The pod whose container failed.", default="")
-    container: str = api_field("The container that failed.", default="")
+    container: str = api_field("The container that failed (absent for a pod the scheduler cannot place).",
+                               default="")
     exit_code: int = api_field("How the container last exited (absent when it never ran).", default=0,
                                int_format="int32")
-    reason: str = api_field("Why it is not running: the kubelet's waiting reason (CrashLoopBackOff, "
-                            "ImagePullBackOff) or how it ended (Error, OOMKilled).", default="")
+    reason: str = api_field("Why it is not running: Unschedulable (the scheduler cannot place the pod), the "
+                            "kubelet's waiting reason (CrashLoopBackOff, ImagePullBackOff) or how it ended (Error, "
+                            "OOMKilled).", default="")
     message: str = api_field("Its termination message (what a stage that refuses to start writes to "
-                             "/dev/termination-log, else its last log lines), or the waiting message.", default="")
+                             "/dev/termination-log, else its last log lines), the waiting message, or the "
+                             "scheduler's (\"0/3 nodes are available: 3 Insufficient nvidia.com/gpu.\").",
+                             default="")
     finished_at: str = api_field("When it last exited (RFC 3339).", default="")
 
 

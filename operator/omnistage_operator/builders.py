@@ -204,8 +204,8 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
                             tls_dir=TLS_MOUNT if tls_secrets else None,
                             data_plane_key=f"{DATA_PLANE_KEY_MOUNT}/{DATA_PLANE_KEY_FILE}")
     shm = needs_shm(sd)
-    container = _container("stage", sd.image or cfg.image, command, _stage_resources(sd, stage_plan(p, stage)), sd.env, cfg,
-                           secret_mounts=secrets, shm=shm)
+    container = _container("stage", sd.image or cfg.image, command, _stage_resources(sd, stage_plan(p, stage)),
+                           sd.env, cfg, secret_mounts=secrets, shm=shm)
     pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm)
     pod.update(_stage_placement(sd))
     labels = selector(p.name, COMPONENT_STAGE, stage)
@@ -280,8 +280,8 @@ def build_orchestrator_deployment(p: Pipeline, cfg: OperatorConfig) -> dict:
     # The model volume, read-only (unless OMNISTAGE_ORCHESTRATOR_MODELS=false): the orchestrator reads the limits
     # a pipeline leaves to the model from the checkpoints' configs (omnistage.checkpoints.defaults), no weights.
     models = cfg.orchestrator_models
-    container = _container("orchestrator", od.image or cfg.image, command, od.resources.to_dict(), {}, cfg, models=models,
-                           ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
+    container = _container("orchestrator", od.image or cfg.image, command, od.resources.to_dict(), {}, cfg,
+                           models=models, ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
                            secret_mounts=secrets)
     pod = _pod_spec(p, container, cfg, od.drain_seconds, service_account=orchestrator_object_name(p.name),
                     models=models, secrets=secrets)

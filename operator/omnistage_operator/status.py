@@ -61,6 +61,7 @@ MAX_TERMINATION_MESSAGE = 4096
 # Waiting reasons of a container on its way up; any other says why it cannot start (ImagePullBackOff,
 # CreateContainerConfigError, CrashLoopBackOff).
 STARTING = frozenset({"ContainerCreating", "PodInitializing"})
+UNSCHEDULABLE = "Unschedulable"   # the scheduler's reason on a pod it cannot place
 
 
 def unit_counts(desired_replicas: int, live: Mapping[str, Any] | None,
@@ -95,21 +96,39 @@ def pods_by_unit(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[st
 
 
 def last_failure(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The newest failure of a container that is not ready, among pods not being deleted: its last
-    non-zero exit (`state` or `lastState`, with the kubelet's termination message), else a waiting
-    reason that is not part of starting up. A ready container's old crash is not why replicas are
-    missing, so it is never reported. Ties go to the pod name, so the same pods give the same answer."""
+    """The newest failure among pods not being deleted: a pod the scheduler cannot place (`Unschedulable`,
+    with the scheduler's message), else a container (init containers included) that is not ready: its last
+    non-zero exit (`state` or `lastState`, with the kubelet's termination message), else a waiting reason
+    that is not part of starting up (an image that cannot be pulled, a config error). A ready container's
+    old crash is not why replicas are missing, so it is never reported. Ties go to the pod name, so the
+    same pods give the same answer."""
     found = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         if meta.get("deletionTimestamp"):
             continue
-        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+        status = pod.get("status") or {}
+        unplaced = _unschedulable(meta.get("name", ""), status)
+        if unplaced is not None:
+            found.append(unplaced)
+            continue
+        for cs in [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]:
             if not cs.get("ready"):
                 failure = _container_failure(meta.get("name", ""), cs)
                 if failure is not None:
                     found.append(failure)
-    return max(found, key=lambda f: (f.get("finishedAt", ""), f["pod"], f["container"]), default=None)
+    return max(found, key=lambda f: (f.get("finishedAt", ""), f["pod"], f.get("container", "")), default=None)
+
+
+def _unschedulable(pod: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A pod the scheduler did not place: its PodScheduled condition's reason and message ("0/3 nodes are
+    available: 3 Insufficient nvidia.com/gpu.")."""
+    for c in status.get("conditions") or ():
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            failure = {"pod": pod, "reason": c.get("reason") or UNSCHEDULABLE,
+                       "message": _tail(c.get("message") or "", MAX_TERMINATION_MESSAGE)}
+            return {k: v for k, v in failure.items() if v}
+    return None
 
 
 def _container_failure(pod: str, cs: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -141,14 +160,16 @@ def failure_summary(unit: str, failure: Mapping[str, Any], limit: int = MAX_MESS
 
 
 def new_failures(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
-    """Summaries of the container terminations in `new` whose exit code and message `old` did not
-    have: one Event each, not one per restart of a crash loop."""
+    """Summaries of the failures in `new` that `old` did not have: one Event each, not one per restart of
+    a crash loop. A termination is new with a new exit code or message; a pod that cannot be placed or a
+    container that cannot start (no exit code) is new with a new reason, so a scheduler message whose
+    node counts change makes no second Event."""
     old_units, new_units = _units(old or {}), _units(new)
     out = []
     for unit, entry in new_units.items():
         failure = entry.get("lastFailure") or {}
         before = (old_units.get(unit) or {}).get("lastFailure") or {}
-        if "exitCode" in failure and _key(failure) != _key(before):
+        if failure and _key(failure) != _key(before):
             out.append(failure_summary(unit, failure))
     return out
 
@@ -278,7 +299,9 @@ def _units(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
 
 
 def _key(failure: Mapping[str, Any]) -> tuple:
-    return failure.get("exitCode"), failure.get("message", "")
+    if "exitCode" in failure:
+        return failure["exitCode"], failure.get("message", "")
+    return None, failure.get("reason", "")
 
 
 def _tail(text: str, limit: int) -> str:

@@ -317,13 +317,51 @@ def test_one_event_per_new_failure_message_not_per_restart():
                            old=restarted)
     assert new_failures(restarted, other) == ["talker: exit code 2, CrashLoopBackOff: something else"]
     waiting = failing_status([pod("p-talker-2", state={"waiting": {"reason": "ImagePullBackOff"}})])
-    assert new_failures(None, waiting) == []   # the kubelet's own Events say that one
+    assert new_failures(None, waiting) == ["talker: ImagePullBackOff"]   # on the pipeline too, once
+    again = failing_status([pod("p-talker-2", state={"waiting": {"reason": "ImagePullBackOff", "message": "x"}})],
+                           old=waiting)
+    assert new_failures(waiting, again) == []   # the same reason: no second Event
+
+
+def unplaced(name, message="0/1 nodes are available: 1 Insufficient cpu.", stage="talker"):
+    p = pod(name, stage=stage)
+    p["status"] = {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]}
+    return p
+
+
+def test_a_pod_the_scheduler_cannot_place_is_the_stages_failure_with_its_message_and_one_event():
+    st = failing_status([unplaced("p-talker-1")])
+    assert st["stages"]["talker"]["lastFailure"] == {
+        "pod": "p-talker-1", "reason": "Unschedulable", "message": "0/1 nodes are available: 1 Insufficient cpu."}
+    d = cond(st, "Degraded")
+    assert (d["status"], d["reason"]) == ("True", vocabulary.R_STAGE_FAILING)
+    assert d["message"] == "talker: Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
+    assert new_failures(None, st) == [d["message"]]
+    # the scheduler's counts change as nodes come and go: still the same failure, no second Event
+    later = failing_status([unplaced("p-talker-1", "0/2 nodes are available: 2 Insufficient cpu.")], old=st)
+    assert new_failures(st, later) == [] and "0/2 nodes" in later["stages"]["talker"]["lastFailure"]["message"]
+
+
+def test_an_init_container_that_fails_is_the_stages_failure():
+    p = pod("p-talker-1")
+    p["status"]["initContainerStatuses"] = [{"name": "fetch-model", "ready": False, "restartCount": 2,
+                                             "state": CRASH_LOOP, "lastState": ended(1, "401 Unauthorized")}]
+    p["status"]["containerStatuses"][0]["state"] = {"waiting": {"reason": "PodInitializing"}}
+    failure = last_failure([p])
+    assert (failure["container"], failure["exitCode"], failure["message"]) == ("fetch-model", 1, "401 Unauthorized")
+    done = pod("p-talker-2")   # an init container that finished is no failure
+    done["status"]["initContainerStatuses"] = [{"name": "fetch-model", "ready": True,
+                                                "state": ended(0, "", reason="Completed")}]
+    assert last_failure([done]) is None
 
 
 def test_a_status_with_a_failure_is_the_modelled_one():
     from .test_crd import SCHEMA, Validator, to_json_schema, undeclared
-    st = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended()),
-                         pod("o", component="orchestrator", state={"waiting": {"reason": "ErrImagePull"}})])
+    st = failing_status([pod("p-talker-1", state=CRASH_LOOP, last=ended()), unplaced("c", stage="code2wav"),
+                         pod("o", component="orchestrator", state={"waiting": {"reason": "ErrImagePull"}})],
+                        counts={"thinker": (1, 1), "talker": (1, 0), "code2wav": (1, 0)})
+    assert st["stages"]["code2wav"]["lastFailure"]["reason"] == "Unschedulable"
     node = SCHEMA["properties"]["status"]
     assert "lastFailure" in st["stages"]["talker"]
     assert list(Validator(to_json_schema(node)).iter_errors(st)) == [] and undeclared(node, st) == []
