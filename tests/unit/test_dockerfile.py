@@ -247,3 +247,15 @@ def test_the_stubs_run_nothing_real(tmp_path):
                           text=True)
     assert done.returncode != 0 and "not found" in done.stderr
     assert os.access(DOCKERFILE, os.R_OK)
+
+
+def test_setup_installs_the_cpu_build_of_the_projects_torch_pin_from_the_cpu_index_when_not_found_locally():
+    """scripts/setup.sh asks for torch by its CPU build's local version (PyPI has none, so an ordinary
+    machine falls through to PyTorch's CPU index, which the Dockerfile's CPU variant uses too)."""
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    torch = pins(PYPROJECT["project"]["dependencies"])["torch"]
+    assert re.search(rf"^TORCH_CPU={re.escape(torch)}\+cpu\b", text, re.M), "setup.sh's TORCH_CPU"
+    index = re.search(r"^CPU_TORCH_INDEX=\$\{CPU_TORCH_INDEX:-(\S+)\}$", text, re.M)
+    docker = re.search(r"^ARG CPU_TORCH_INDEX=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert index and docker and index.group(1) == docker.group(1) == "https://download.pytorch.org/whl/cpu"
+    assert '--index-url "$CPU_TORCH_INDEX"' in text
