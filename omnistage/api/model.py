@@ -62,6 +62,7 @@ SECRET_NAME_HINT = 'must be lower-case letters, digits, "-" and ".", starting an
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 SECRET_KEY_HINT = 'must be letters, digits, "-", "_" and "."'
 DEFAULT_API_KEYS_KEY = "api-keys"
+DEFAULT_HUB_TOKEN_KEY = "token"
 ORCHESTRATOR_SUFFIX = "-orchestrator"
 RESERVED_STAGE_NAMES = ("orchestrator",)
 
@@ -84,7 +85,12 @@ class Stage:
     kind: str = api_field("ar (token loop), diffusion (denoise loop) or generation (one-shot or chunked).",
                           required=True, enum=STAGE_KINDS)
     engine: str = api_field("The engine serving the stage.", required=True, enum=ENGINES)
-    model: str = api_field("Model folder: absolute, or relative to the model store.", required=True)
+    model: str = api_field("Where the weights come from: a folder (absolute, or relative to the model store); "
+                           "pvc://CLAIM/PATH (PATH inside an existing PersistentVolumeClaim of the pipeline's "
+                           "namespace, mounted read-only in the stage's pods); or hf://ORG/NAME@REVISION (a "
+                           "Hugging Face Hub repository at a branch, tag or commit, pulled into "
+                           "spec.deployment.modelCache by the stage pod's init container; locally by "
+                           "`omnistage models pull`).", required=True)
     emits: tuple[str, ...] = api_field("What the stage emits: what its edges carry and what outputs it can "
                                        "serve; each must be something its engine produces.",
                                        required=True, enum=EMITS, non_empty=True)
@@ -532,6 +538,45 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class ModelCache:
+    """Where the stages' hf:// models are pulled to on the cluster: one of a claim or a node folder."""
+
+    persistent_volume_claim: str = api_field(
+        "A PersistentVolumeClaim of the pipeline's namespace (ReadWriteMany where stages run on several nodes): "
+        "pulled once, shared by every replica.", default="", pattern=SECRET_NAME, pattern_hint=SECRET_NAME_HINT,
+        max_length=253)
+    host_path: str = api_field("An absolute folder on each node, writable by the pods' user (the operator's "
+                               "runAsUser; the kubelet creates a missing one owned by root): pulled once per node. "
+                               "A hostPath volume is outside Pod Security's baseline and restricted levels.",
+                               default="")
+
+
+@dataclass(frozen=True)
+class HubTokenSecret:
+    """A Secret in the pipeline's namespace holding the Hub token (private or gated repositories)."""
+
+    name: str = api_field("The Secret's name.", required=True, default="", pattern=SECRET_NAME,
+                          pattern_hint=SECRET_NAME_HINT, max_length=253)
+    key: str = api_field("The key of the Secret whose value is the token.", default=DEFAULT_HUB_TOKEN_KEY,
+                         pattern=SECRET_KEY, pattern_hint=SECRET_KEY_HINT, max_length=253)
+
+
+@dataclass(frozen=True)
+class Hub:
+    """The Hugging Face Hub the stages' hf:// models are pulled from."""
+
+    endpoint: str = api_field("The Hub's URL (a mirror or a private Hub); empty: the public Hub.", default="",
+                              pattern=r"^https?://[^\s]+$", pattern_hint="must be an http:// or https:// URL")
+    token_secret: HubTokenSecret = api_field("The token the pull sends (HF_TOKEN); absent: none.",
+                                             default_factory=HubTokenSecret)
+
+    @property
+    def token(self) -> HubTokenSecret | None:
+        """The Secret the token comes from, None when none is named."""
+        return self.token_secret if self.token_secret.name else None
+
+
+@dataclass(frozen=True)
 class Deployment:
     stages: Mapping[str, StageDeployment] = api_field("One entry per stage of the topology, by stage name.",
                                                       required=True, nullable=True)
@@ -546,6 +591,10 @@ class Deployment:
         "Secrets in the pipeline's namespace to pull its images with, by name; besides those the operator gives "
         "every pipeline (the chart's pipelinePods.imagePullSecrets).", default=(), unique=True,
         pattern=SECRET_NAME, pattern_hint=SECRET_NAME_HINT, max_length=253)
+    model_cache: ModelCache = api_field(
+        "Where hf:// models are pulled to on the cluster: persistentVolumeClaim or hostPath. Absent: a volume of "
+        "each pod's own (emptyDir), so every pod start pulls again.", default_factory=ModelCache)
+    hub: Hub = api_field("The Hugging Face Hub hf:// models come from: endpoint and token.", default_factory=Hub)
 
 
 @dataclass(frozen=True)

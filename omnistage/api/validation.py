@@ -54,6 +54,7 @@ from omnistage.api.model import (
     StageDeployment,
 )
 from omnistage.api.ports import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME
+from omnistage.checkpoints.sources import source_error
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ class _Relations:
         self.stage_deployments()
         self.autoscaling()
         self.api_port()
+        self.model_sources()
 
     def stage_graph(self) -> dict[str, list[str]]:
         graph: dict[str, list[str]] = {n: [] for n in self.names}
@@ -555,6 +557,21 @@ class _Relations:
         if type(port) is int and port in taken:
             self.w.err("spec.deployment.orchestrator.http.port",
                        f"{port} is {taken[port]} of the orchestrator; choose another port")
+
+
+    def model_sources(self) -> None:
+        """Each stage's `model` is a source omnistage reads (omnistage.checkpoints.sources); the hf:// cache
+        is one volume."""
+        for i, s in self.stages:
+            model = s.get("model")
+            if isinstance(model, str) and model and (problem := source_error(model)):
+                self.w.err(f"spec.topology.stages[{i}].model", problem)
+        cache = _dict(self.deployment.get("modelCache"))
+        claim, host = cache.get("persistentVolumeClaim"), cache.get("hostPath")
+        if claim and host:
+            self.w.err("spec.deployment.modelCache", "name one of persistentVolumeClaim or hostPath, not both")
+        if isinstance(host, str) and host and not host.startswith("/"):
+            self.w.err("spec.deployment.modelCache.hostPath", f"{_show(host)} must be an absolute folder")
 
 
 # ------------------------------------------------------------------------- helpers

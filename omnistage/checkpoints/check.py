@@ -18,6 +18,7 @@ from omnistage.checkpoints.components import refusal
 from omnistage.checkpoints.configs import read_json, require_keys
 from omnistage.checkpoints.names import TOKENIZER_FILES
 from omnistage.checkpoints.shards import DTYPES, CheckpointError, ShardedCheckpoint, TensorInfo
+from omnistage.checkpoints.sources import missing_hint
 from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import checkpoint_dir
 from omnistage.families import Part, family_of, served_architectures
@@ -46,10 +47,11 @@ class StageCheckError(Exception):
         self.field, self.stage, self.message = field, stage, message
 
 
-def check_pipeline(pipeline: Pipeline, root: str | os.PathLike | None = None
+def check_pipeline(pipeline: Pipeline, root: str | os.PathLike | None = None, only: str | None = None
                    ) -> tuple[list[LoadPlan], list[StageCheckError]]:
+    """Every stage's plan or refusal (`only`: that stage's alone)."""
     plans, errors = [], []
-    for stage in pipeline.stages:
+    for stage in pipeline.stages if only is None else [pipeline.stage(only)]:
         try:
             plans.append(check_stage(pipeline, stage, root))
         except StageCheckError as e:
@@ -65,7 +67,8 @@ def check_stage(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None
     device = "cuda" if dep is not None and uses_gpus(dep) else "cpu"
     try:
         if not path.is_dir():
-            raise CheckpointError(f"{path}: no such model directory")
+            hint = missing_hint(stage.model)
+            raise CheckpointError(f"{path}: no such model directory" + (f" ({hint})" if hint else ""))
         if (path / "model_index.json").exists():
             family, weights, others, tensors = _diffusers(path, stage.component, stage.trust_remote_code)
         else:

@@ -29,6 +29,7 @@ from omnistage.api.ports import (  # noqa: F401
     HTTP_PORT,
     HTTP_PORT_NAME,
 )
+from omnistage.checkpoints.sources import local_path
 
 if TYPE_CHECKING:
     from omnistage.api import Stage
@@ -303,9 +304,9 @@ def model_root(root: str | os.PathLike | None = None, env: Mapping[str, str] | N
 
 def checkpoint_dir(stage: "Stage", root: str | os.PathLike | None = None,
                    env: Mapping[str, str] | None = None) -> Path:
-    """The directory a stage's `model` names: absolute, or under the model store."""
-    path = Path(stage.model)
-    return path if path.is_absolute() else model_root(root, env) / path
+    """The directory a stage's `model` names: absolute, or under the model store; a pvc:// or hf:// source
+    where the pod mounts it or `omnistage models pull` put it (omnistage.checkpoints.sources)."""
+    return local_path(stage.model, model_root(root, env), env)
 
 
 def model_dir(stage: "Stage", root: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Path:

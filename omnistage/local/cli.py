@@ -1,4 +1,4 @@
-"""The `omnistage` command: validate, explain, crd, serve, generate, run, models build / check / hollow."""
+"""The `omnistage` command: validate, explain, crd, serve, generate, run, models build / check / pull / hollow."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from omnistage.api import MODALITIES, SpecError, load_pipeline
-from omnistage.contract.launch import ENV_ALLOWED_HOSTS, ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root
+from omnistage.contract.launch import ENV_ALLOWED_HOSTS, ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root, report_exit
 from omnistage.local import gpu_placement
 
 DEFAULT_MODEL_DIR = str(model_root())
@@ -347,7 +347,11 @@ def cmd_models_check(args) -> int:
         return 2
     if args.plan:
         return _print_memory_plans(args.file, pipeline, args.models, args.gpu_memory, args.annotate)
-    plans, errors = check_pipeline(pipeline, args.models)
+    if args.stage is not None:
+        if args.stage not in {s.name for s in pipeline.stages}:
+            report_exit(f"omnistage models check: {args.file} has no stage {args.stage!r}")
+            return 2
+    plans, errors = check_pipeline(pipeline, args.models, only=args.stage)
     if args.output == "json":
         _print_json({"file": args.file, "ok": not errors, "stages": [
             {"stage": p.stage, "family": p.family, "directory": str(p.directory), "device": p.device,
@@ -357,9 +361,35 @@ def cmd_models_check(args) -> int:
         return 2 if errors else 0
     if plans:
         print(describe(plans))
-    for e in errors:
-        print(f"{args.file}: {e}", file=sys.stderr)
+    for err in errors:
+        if args.stage:   # one stage checked (the operator's init container): the container's termination message
+            report_exit(f"{args.file}: {err}")
+        else:
+            print(f"{args.file}: {err}", file=sys.stderr)
     return 2 if errors else 0
+
+
+def cmd_models_pull(args) -> int:
+    from omnistage.checkpoints.pull import PullError, hub_stages, pull_pipeline
+
+    try:
+        pipeline = load_pipeline(args.file)
+    except SpecError as e:
+        _print_spec_errors(args.file, e)
+        return 2
+    if args.stage is not None and args.stage not in {s.name for s in pipeline.stages}:
+        report_exit(f"omnistage models pull: {args.file} has no stage {args.stage!r}")
+        return 2
+    if not hub_stages(pipeline, args.stage):
+        print(f"{args.file}: no hf:// model to pull" + (f" for stage {args.stage}" if args.stage else ""))
+        return 0
+    try:
+        for p in pull_pipeline(pipeline, args.models, args.stage, progress=lambda m: print(m, flush=True)):
+            print(f"{p.stage}: {p.source}: {p.files} files, {p.bytes} bytes in {p.directory}", flush=True)
+    except PullError as e:
+        report_exit(f"omnistage models pull: {args.file}: {e}")
+        return 2
+    return 0
 
 
 def _print_memory_plans(file: str, pipeline, models: str, gpu_memory: str | None, annotate: bool) -> int:
@@ -564,7 +594,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-memory", metavar="SIZE", help="with --plan: the memory of one GPU the stages run on "
                                                         "(80Gi, 80GiB, 141GB); without it GPU stages are not "
                                                         "checked")
+    c.add_argument("--stage", help="check this stage only; its refusal is also the termination message")
     c.set_defaults(fn=cmd_models_check)
+    u = msub.add_parser("pull", help="pull a pipeline's hf:// models from the Hub (HF_ENDPOINT, HF_TOKEN) into "
+                                     "the hub cache, where serve, run and the stages read them")
+    u.add_argument("file", help="OmniPipeline YAML file")
+    u.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root; the cache is its hub/ folder "
+                                                               "unless $OMNISTAGE_HUB_CACHE names one "
+                                                               "(default: ./models)")
+    u.add_argument("--stage", help="pull this stage's model only")
+    u.set_defaults(fn=cmd_models_pull)
     h = msub.add_parser("hollow", help="write a real model's published layout: configs, real safetensors headers, "
                                        "sparse shards with no data (for checks without the download)")
     h.add_argument("family", help="qwen3_omni, qwen2_5_omni or sd3")

@@ -40,6 +40,7 @@ from omnistage.tls import DATA_PLANE_KEY_FILE
 from .certificates import Leaf, build_certificate, leaves
 from .config import TLS_CERT_MANAGER, OperatorConfig
 from .data_plane_key import data_plane_key_secret_name
+from .model_sources import InitStep, model_parts
 from .planning import autoscaled, starting_replicas
 from .vocabulary import (
     ANNOTATION_CONFIG_HASH,
@@ -204,9 +205,14 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
                             tls_dir=TLS_MOUNT if tls_secrets else None,
                             data_plane_key=f"{DATA_PLANE_KEY_MOUNT}/{DATA_PLANE_KEY_FILE}")
     shm = needs_shm(sd)
-    container = _container("stage", sd.image or cfg.image, command, _stage_resources(sd, stage_plan(p, stage)),
-                           sd.env, cfg, secret_mounts=secrets, shm=shm)
-    pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm)
+    image = sd.image or cfg.image
+    model = model_parts(p, stage, PIPELINE_PATH, POD_PYTHON)
+    container = _container("stage", image, command, _stage_resources(sd, stage_plan(p, stage)),
+                           {**sd.env, **model.env}, cfg, secret_mounts=secrets, shm=shm, model_mounts=model.mounts)
+    pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm,
+                    model_volumes=model.volumes)
+    if model.init:
+        pod["initContainers"] = [_init_container(step, image, {**sd.env, **model.env}, cfg) for step in model.init]
     pod.update(_stage_placement(sd))
     labels = selector(p.name, COMPONENT_STAGE, stage)
     surge = {"maxSurge": sd.rolling_update.max_surge, "maxUnavailable": sd.rolling_update.max_unavailable}
@@ -423,7 +429,7 @@ def _tls_secrets(p: Pipeline, cfg: OperatorConfig, unit: str) -> list[tuple[str,
 def _container(name: str, image: str, command: list[str], resources: dict, user_env: dict,
                cfg: OperatorConfig, models: bool = True, ports: tuple[tuple[str, int], ...] = (),
                secret_env: Sequence[dict] = (), secret_mounts: Sequence[tuple[str, str, str]] = (),
-               shm: bool = False) -> dict:
+               shm: bool = False, model_mounts: Sequence[dict] = ()) -> dict:
     env: list[dict[str, Any]] = [
         {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -437,6 +443,7 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
               {"name": "tmp", "mountPath": "/tmp"}]
     if models and cfg.model_volume.volume():
         mounts.append({"name": "models", "mountPath": cfg.model_volume.mount_path, "readOnly": True})
+    mounts += [dict(m) for m in model_mounts]
     mounts += [{"name": volume, "mountPath": path, "readOnly": True} for volume, _, path in secret_mounts]
     if shm:
         mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
@@ -463,13 +470,15 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
 
 def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: float,
               service_account: str | None, models: bool = True,
-              secrets: Sequence[tuple[str, str, str]] = (), shm: bool = False) -> dict:
+              secrets: Sequence[tuple[str, str, str]] = (), shm: bool = False,
+              model_volumes: Sequence[dict] = ()) -> dict:
     volumes = [{"name": "pipeline", "configMap": {"name": config_map_name(p.name), "items": [
                    {"key": PIPELINE_FILE, "path": PIPELINE_FILE}]}},
                {"name": "tmp", "emptyDir": {}}]
     mv = cfg.model_volume.volume()
     if models and mv:
         volumes.append(mv)
+    volumes += [copy.deepcopy(v) for v in model_volumes]
     # Mounted whole, never by subPath: the kubelet then swaps a renewed certificate in place, and the
     # processes reload it, so a rotation rolls nothing. Default mode: the pod's one process reads them.
     volumes += [{"name": volume, "secret": {"secretName": secret}} for volume, secret, _ in secrets]
@@ -491,6 +500,21 @@ def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: 
     else:
         pod["automountServiceAccountToken"] = False   # stages never call the Kubernetes API
     return pod
+
+
+def _init_container(step: InitStep, image: str, user_env: dict, cfg: OperatorConfig) -> dict:
+    """A stage pod's init container (its model's pull and check: model_sources.py): the stage's image, user,
+    restricted security context and env; its own env (which wins) and mounts; its refusal as the termination
+    message."""
+    own = {e["name"] for e in step.env}
+    plain = {"HOME": "/tmp", **service_env(cfg.model_volume.mount_path), **user_env}
+    env = [{"name": key, "value": value} for key, value in sorted(plain.items()) if key not in own]
+    mounts = [{"name": "pipeline", "mountPath": PIPELINE_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"},
+              *(dict(m) for m in step.mounts)]
+    return {"name": step.name, "image": image, "imagePullPolicy": cfg.image_pull_policy, "command": step.command,
+            "env": [*env, *(copy.deepcopy(e) for e in step.env)], "volumeMounts": mounts,
+            "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
+            "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
 
 
 def _service_ports(ports: tuple[tuple[str, int], ...] = ()) -> list[dict]:

@@ -77,6 +77,7 @@ def test_values_yaml_satisfies_its_schema_and_schema_covers_every_value():
     ({"pipelinePods": {"runAsUser": 0}}, "runAsUser"),
     ({"watchNamespaces": ["Bad_Name"]}, "watchNamespaces"),
     ({"operator": {"wrokers": 2}}, "wrokers"),
+    ({"models": {"quickstart": {"accessMode": "ReadSometimes"}}}, "accessMode"),
 ])
 def test_schema_refuses_bad_values(override, field):
     values = json.loads(json.dumps(VALUES))
@@ -509,3 +510,44 @@ def test_the_chart_readme_lists_every_value_as_values_yaml_documents_it():
             else:
                 yield f"{prefix}{k}"
     assert [k for k in leaves(VALUES) if k not in keys] == []
+
+
+# ------------------------------------------------------------------ models.quickstart
+
+QUICKSTART = ("models.quickstart.enabled=true", "models.quickstart.size=3Gi", "models.quickstart.storageClass=fast")
+
+
+@needs_helm
+def test_the_model_quickstart_is_off_by_default():
+    assert not [key for key in render() if key[0] in ("PersistentVolumeClaim", "Job")]
+
+
+@needs_helm
+def test_the_model_quickstart_makes_the_claim_and_a_restricted_job_that_fills_it():
+    from .test_pod_security import restricted_violations
+
+    objs = render(*QUICKSTART)
+    claim = objs[("PersistentVolumeClaim", "omnistage-models")]
+    assert claim["metadata"]["namespace"] == "omnistage-system"
+    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "storageClassName": "fast",
+                             "resources": {"requests": {"storage": "3Gi"}}}
+    (job,) = [o for (kind, _), o in objs.items() if kind == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    operator = objs[("Deployment", "omnistage")]["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == operator["image"]   # the operator's own image
+    assert c["command"][-3:] == ["models", "build", VALUES["models"]["mountPath"]]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "omnistage-models"}} in pod["volumes"]
+    assert pod["securityContext"]["runAsUser"] == VALUES["pipelinePods"]["runAsUser"] != 0
+    assert pod["securityContext"]["fsGroup"] == VALUES["pipelinePods"]["runAsUser"]
+    assert restricted_violations(pod) == []
+
+
+@needs_helm
+@pytest.mark.parametrize("extra, says", [
+    ("models.persistentVolumeClaim=", "models.quickstart needs models.persistentVolumeClaim"),
+    ("models.hostPath=/srv/models", "leave models.hostPath empty"),
+])
+def test_the_model_quickstart_refuses_a_store_it_cannot_fill(extra, says):
+    r = helm("template", "x", str(CHART), "--set", "models.quickstart.enabled=true", "--set", extra)
+    assert r.returncode != 0 and says in r.stderr
