@@ -2,13 +2,22 @@
 
 An orchestrator of the Qwen3-Omni tiny example serving its OpenAI API runs in a process of its own (its stages
 are not started: a body that passes the door is answered by the request path, 503 or 400); each body is POSTed
-to /v1/chat/completions at about the chat body limit, and the process's peak RSS (VmHWM, reset before each
-body through /proc/PID/clear_refs) is read after the answer.
+to /v1/chat/completions at about the chat body limit, and the peak RSS (VmHWM, reset before each body through
+/proc/PID/clear_refs) is read after the answer; the process's body parsers (processes of its own that parse large
+bodies) count with it: the largest sum of their RSS, sampled every 2 ms, or any one's own peak plus the others'.
 
 `json_amplification.rss_over_body`: the largest peak RSS growth over the body's size among the hostile shapes
 (the shape is named in the figure's `shape`; goal <= 3). `json_amplification.clean_rss_over_body`: the same for
 a valid body of media parts at their largest (base64 decoded and checked by the request path). Quick: limits of
 2 parts of 4 MiB (a chat body of about 11 MiB); full: the example's own (8 parts of 16 MiB, about 170 MiB).
+
+Each figure's `sum_of_peaks_over_body` adds each process's own peak instead: an upper bound (their peaks may
+come at different times).
+
+`json_parse.loop_stall_ms`: the longest gap between the ticks of a 1 ms ticker on the event loop while a valid
+chat body at the example's limit (170 MiB of media parts) is parsed and translated in a body parser, as the API
+does with large bodies (median of a few bodies); `baseline_ms` the same body parsed on a thread (the path before:
+the parser and base64 decoding hold Python's lock), `idle_ms` the ticker alone (goal: under 50).
 
     .venv/bin/python bench/abuse_json.py [--quick]
 """
@@ -33,6 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "qwen3-omni-tiny.yaml"
 QUICK_LIMITS = {"maxParts": 2, "maxPartBytes": 4 << 20}
 CHAT = "/v1/chat/completions"
+SAMPLE_S = 0.002  # how often the processes' RSS is summed while a body is answered
+TICK_S = 0.001  # the loop-stall probe's tick
+STALL_RUNS, STALL_RUNS_QUICK = 7, 3  # bodies parsed each way (the figure is their median)
 
 
 def _pipeline(limits: dict):
@@ -55,7 +67,10 @@ def _serve(limits: dict) -> None:
         pipeline = _pipeline(limits)
         orc = OrchestratorServer(pipeline, {s.name: ["127.0.0.1:1"] for s in pipeline.stages}, api_port=0)
         await orc.start()
-        print(orc.api_port, flush=True)
+        workers = orc.api.parse_workers
+        while len(workers.pids()) < workers.workers:  # the body parsers, started with the API
+            await asyncio.sleep(0.1)
+        print(json.dumps([orc.api_port, workers.pids()]), flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -66,6 +81,31 @@ def _kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) << 10
     raise KeyError(field)
+
+
+class _SummedPeak:
+    """The largest sum of the processes' RSS, sampled every SAMPLE_S while in the `with` (`most`); and the sum
+    of each one's own peak (`bound`: more than they held at once when their peaks were at different times)."""
+
+    def __init__(self, pids: list[int]):
+        import threading
+
+        self.pids, self.most, self.bound, self._done = pids, 0, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(SAMPLE_S):
+            self.most = max(self.most, sum(_kib(pid, "VmRSS") for pid in self.pids))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        self.bound = sum(_kib(pid, "VmHWM") for pid in self.pids)
+        self.most = max(self.most, *(_kib(pid, "VmHWM") for pid in self.pids))  # a peak between two samples
 
 
 def shapes(limits) -> dict[str, bytes]:
@@ -102,45 +142,129 @@ def shapes(limits) -> dict[str, bytes]:
     }
 
 
-def _peak_growth(limits: dict, body: bytes) -> tuple[int, int, float]:
-    """(peak RSS growth, status, seconds) of one body sent to a fresh orchestrator: memory a previous body
+def _peak_growth(limits: dict, body: bytes) -> tuple[int, int, float, int]:
+    """(peak RSS growth, status, seconds, growth of the sum of each process's own peak) of one body sent to a
+    fresh orchestrator: memory a previous body
     freed is not there to be reused."""
     proc = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(limits)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        port = int(proc.stdout.readline())
+        port, parsers = json.loads(proc.stdout.readline())
+        pids = [proc.pid, *parsers]  # the orchestrator and its body parsers: memory of one pod
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
             client.post(CHAT, json={"messages": [{"role": "user", "content": "warm"}]})  # lazily built objects
-            rss = _kib(proc.pid, "VmRSS")
-            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM from here
+            rss = sum(_kib(pid, "VmRSS") for pid in pids)
+            for pid in pids:
+                Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM from here
             start = time.perf_counter()
-            try:
-                status = client.post(CHAT, content=body, headers={"content-type": "application/json"}).status_code
-            except httpx.TransportError:  # refused before it was read whole: the connection closed under it
-                status = 0
-            return _kib(proc.pid, "VmHWM") - rss, status, time.perf_counter() - start
+            with _SummedPeak(pids) as peak:
+                try:
+                    status = client.post(CHAT, content=body, headers={"content-type": "application/json"}).status_code
+                except httpx.TransportError:  # refused before it was read whole: the connection closed under it
+                    status = 0
+            return peak.most - rss, status, time.perf_counter() - start, peak.bound - rss
     finally:
         proc.terminate()
         proc.wait(30)
 
 
+def _longest_gaps(parse, runs: int) -> list[float]:
+    """The longest gap (ms) between the ticks of a 1 ms ticker on the event loop while `parse()` (a coroutine)
+    runs, for each of `runs` parses."""
+    import asyncio
+
+    async def one() -> float:
+        done, longest = False, 0.0
+
+        async def ticker():
+            nonlocal longest
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(TICK_S)
+                now = time.perf_counter()
+                longest, last = max(longest, now - last), now
+
+        ticks = asyncio.create_task(ticker())
+        await asyncio.sleep(TICK_S * 10)
+        await parse()
+        done = True
+        await ticks
+        return longest * 1e3
+
+    async def all_runs() -> list[float]:
+        return [await one() for _ in range(runs)]
+
+    return asyncio.run(all_runs())
+
+
+def loop_stall(runs: int) -> dict:
+    """Each figure's `sum_of_peaks_over_body` adds each process's own peak instead: an upper bound (their peaks may
+come at different times).
+
+`json_parse.loop_stall_ms`: the event loop's longest stall while a chat body at the example's limit (every
+    media part at its largest) is parsed and translated as the API does (in a parser process), against the same
+    body parsed on a thread (the path before) and against the ticker alone; the median over `runs` of each."""
+    import asyncio
+    import io
+    import statistics
+
+    from orchestrator_service.http_api import parse_workers, routes, translate
+    from orchestrator_service.http_api.schemas import ChatCompletionRequest, bounded
+
+    pipeline = _pipeline({})
+    body = shapes(pipeline.limits)["clean: media parts at their largest"]
+    model = bounded(pipeline.limits)[ChatCompletionRequest]
+    workers = parse_workers.ParseWorkers(pipeline, 1, parse_workers.address_space_for(len(body)))
+    workers.start()
+    try:
+        while not workers.pids():  # started ahead, as the API does
+            time.sleep(0.1)
+
+        async def in_worker():
+            await workers.parse(io.BytesIO(body), ChatCompletionRequest, translate.chat)
+
+        async def on_thread():
+            await asyncio.to_thread(routes._parse, io.BytesIO(body), model, translate.chat, pipeline)
+
+        async def idle():
+            await asyncio.sleep(1.0)
+
+        worker_ms, thread_ms, idle_ms = [], [], []
+        for _ in range(runs):  # interleaved: a busy machine weighs on both alike
+            worker_ms += _longest_gaps(in_worker, 1)
+            thread_ms += _longest_gaps(on_thread, 1)
+            idle_ms += _longest_gaps(idle, 1)
+    finally:
+        workers.close()
+    print(f"loop stall while a {len(body) >> 20} MiB body is parsed: in a parser process {worker_ms} ms, on a thread "
+          f"{thread_ms} ms, ticker alone {idle_ms} ms", file=sys.stderr)
+    return {**figure("json_parse.loop_stall_ms", round(statistics.median(worker_ms), 1), "ms"),
+            "baseline_ms": round(statistics.median(thread_ms), 1), "idle_ms": round(statistics.median(idle_ms), 1),
+            "worst_ms": round(max(worker_ms), 1), "baseline_worst_ms": round(max(thread_ms), 1),
+            "body_bytes": len(body), "runs": runs}
+
+
 def measure(quick: bool) -> list[dict]:
+    stall = loop_stall(STALL_RUNS_QUICK if quick else STALL_RUNS)
     limits = QUICK_LIMITS if quick else {}
     rows = {}
     for name, body in shapes(_pipeline(limits).limits).items():
-        growth, status, seconds = _peak_growth(limits, body)
-        rows[name] = (growth, len(body), status, seconds)
-    for name, (growth, size, status, seconds) in rows.items():
-        print(f"{name:50s} {size >> 20:5d} MiB  -> {status}  peak RSS +{growth >> 20} MiB ({growth / size:.2f}x) "
-              f"{seconds:.1f} s", file=sys.stderr)
+        growth, status, seconds, bound = _peak_growth(limits, body)
+        rows[name] = (growth, len(body), status, seconds, bound)
+    for name, (growth, size, status, seconds, bound) in rows.items():
+        print(f"{name:50s} {size >> 20:5d} MiB  -> {status}  peak RSS +{growth >> 20} MiB ({growth / size:.2f}x; "
+              f"sum of each process's peak {bound / size:.2f}x) {seconds:.1f} s", file=sys.stderr)
     clean_name = next(n for n in rows if n.startswith("clean"))
     hostile = {n: r for n, r in rows.items() if n != clean_name}
     worst = max(hostile, key=lambda n: hostile[n][0] / hostile[n][1])
     return [
+        stall,
         {**figure("json_amplification.rss_over_body", round(hostile[worst][0] / hostile[worst][1], 2), "x"),
-         "shape": worst, "body_bytes": hostile[worst][1], "status": hostile[worst][2]},
+         "shape": worst, "body_bytes": hostile[worst][1], "status": hostile[worst][2],
+         "sum_of_peaks_over_body": round(hostile[worst][4] / hostile[worst][1], 2)},
         {**figure("json_amplification.clean_rss_over_body", round(rows[clean_name][0] / rows[clean_name][1], 2),
-                  "x"), "shape": clean_name, "body_bytes": rows[clean_name][1], "status": rows[clean_name][2]},
+                  "x"), "shape": clean_name, "body_bytes": rows[clean_name][1], "status": rows[clean_name][2],
+         "sum_of_peaks_over_body": round(rows[clean_name][4] / rows[clean_name][1], 2)},
     ]
 
 

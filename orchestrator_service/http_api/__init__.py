@@ -22,7 +22,8 @@ from omnistage.contract.launch import ENV_ALLOWED_HOSTS
 
 from .connections import ConnectionLimits, Door, protocol_for
 from .gate import HostCheck, RequestGate
-from .routes import build_app
+from .parse_workers import ParseWorkers, address_space_for
+from .routes import BODIES_AT_ONCE, build_app, chat_body_limit
 
 log = logging.getLogger("omnistage.orchestrator.http_api")
 
@@ -43,6 +44,13 @@ def request_limit(pipeline: Pipeline) -> int:
     return orchestrator.max_inflight + orchestrator.max_queued + REQUEST_SLACK
 
 
+def _server_context(tls: tls_files.TlsFiles) -> ssl.SSLContext:
+    """The API's TLS context: its certificate and key; clients present none."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(tls.cert), str(tls.key))
+    return context
+
+
 def allowed_hosts_from(env: Mapping[str, str]) -> tuple[str, ...]:
     """The names $OMNISTAGE_ALLOWED_HOSTS lists (comma separated; blanks ignored)."""
     return tuple(name.strip() for name in env.get(ENV_ALLOWED_HOSTS, "").split(",") if name.strip())
@@ -55,12 +63,16 @@ class HttpApi:
         `localhost` (a local proxy's); see gate.HostCheck."""
         self.request_limit = request_limit(pipeline)
         # Its keys: the servicer's, one set for both front doors; behind the Host check and the request limit.
-        self.gate = RequestGate(build_app(servicer, pipeline), self.request_limit,
+        # Large bodies are parsed in processes of their own: one for each body the budget reads at once.
+        self.parse_workers = ParseWorkers(pipeline, BODIES_AT_ONCE, address_space_for(chat_body_limit(pipeline.limits)))
+        self.gate = RequestGate(build_app(servicer, pipeline, self.parse_workers), self.request_limit,
                                 HostCheck.for_bind(host, allowed_hosts))
         self.app = self.gate
-        self.door = Door(ConnectionLimits.for_process(floor=self.request_limit))
         self.tls = tls  # given: HTTPS with its tls.crt and tls.key
         self._tls_stamp = tls.stamp() if tls else None
+        # The door does the TLS handshakes (connections.py: counted and timed from the TCP accept), not uvicorn.
+        self.ssl = _server_context(tls) if tls else None
+        self.door = Door(ConnectionLimits.for_process(floor=self.request_limit), tls=self.ssl)
         self.host, self.port = host, port
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -83,9 +95,7 @@ class HttpApi:
         # uvicorn's counts idle and half-open connections too (a slowloris fills it); the door and the gate
         # bound connections and requests instead.
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", lifespan="off", access_log=False,
-                                ws="none", timeout_graceful_shutdown=5, http=protocol_for(self.door),
-                                **({"ssl_certfile": str(self.tls.cert), "ssl_keyfile": str(self.tls.key)}
-                                   if self.tls else {}))
+                                ws="none", timeout_graceful_shutdown=5, http=protocol_for(self.door))
         config.load()
         self._server = uvicorn.Server(config)
         # What serve() does, less its signal handlers (SIGTERM belongs to the orchestrator's drain):
@@ -93,20 +103,21 @@ class HttpApi:
         self._server.lifespan = config.lifespan_class(config)
         await self._server.startup(sockets=[sock])
         self._task = asyncio.create_task(self._server.main_loop(), name="http-api")
+        self.parse_workers.start()
         log.info("OpenAI-compatible API on %s://%s:%d/v1", "https" if self.tls else "http", self.host, self.port)
         return self.port
 
     def reload_tls(self) -> None:
         """After tls.crt and tls.key were rotated: new connections get the new certificate (an SSLContext
         takes a new chain in place), those open keep theirs."""
-        if self.tls is None or self._server is None or self.tls.stamp() == self._tls_stamp:
+        if self.tls is None or self.ssl is None or self.tls.stamp() == self._tls_stamp:
             return
         stamp = self.tls.stamp()
         try:
             # Tried on a scratch context first: load_cert_chain is not atomic, and a key that does not match
             # (files caught mid-rotation) would leave the live context unable to complete any handshake.
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(self.tls.cert), str(self.tls.key))
-            self._server.config.ssl.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+            self.ssl.load_cert_chain(str(self.tls.cert), str(self.tls.key))
         except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: mid-rotation, next time whole
             log.warning("HTTP API certificate in %s not reloaded: %s", self.tls.folder, e)
             return
@@ -120,5 +131,7 @@ class HttpApi:
         self._server.should_exit = True
         if self._task is not None:
             await self._task
+        self.door.end_handshakes()
         await self._server.shutdown()
+        self.parse_workers.close()
         self._server = self._task = None

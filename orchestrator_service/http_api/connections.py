@@ -9,6 +9,11 @@ half-open, or idle between requests) hold no work, so they are the ones given up
 the oldest of the same address first, so that one address crowding the door evicts its own sockets; one still
 taking an answer from its buffer, or draining the body of a request answered early, only when no other is.
 
+Over HTTPS the door does the TLS handshake itself (asyncio's `start_tls`) rather than leaving it to the server
+below uvicorn, so that a connection is counted (in all and per address) from its TCP accept, and its handshake
+has a deadline of ours: one that has not completed its handshake within HANDSHAKE_TIMEOUT_S is closed, and one
+over the caps is closed at once, before its handshake (there is no TLS session yet to carry an answer).
+
 Each request's headers are counted and timed from the first byte of its request line to their end, whatever
 the previous request on the connection is doing: a request answered before its body was read (401, 413, 421,
 429) has the rest of its body drained, bounded, so that a client still sending it reads the answer.
@@ -21,6 +26,7 @@ import dataclasses
 import json
 import logging
 import resource
+import ssl
 from collections import OrderedDict
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -30,6 +36,10 @@ from .responses import SEND_STALL_S
 
 log = logging.getLogger("omnistage.orchestrator.http_api")
 
+# A TLS handshake must complete within this from the TCP accept: a client's handshake takes a few round trips;
+# a socket that opens and sends nothing (or dribbles its ClientHello) is holding a slot. As the header deadline,
+# counted apart from it (the headers' clock starts once the connection is secured).
+HANDSHAKE_TIMEOUT_S = 10.0
 # A request's headers (from the connection opening, or the previous answer ending) must be complete within
 # this: a client sends them in one piece; a socket still sending them after this long is holding a slot.
 HEADER_TIMEOUT_S = 20.0
@@ -69,6 +79,7 @@ class ConnectionLimits:
     """The door's bounds (the constants above); the door reads them at each use."""
 
     header_timeout_s: float = HEADER_TIMEOUT_S
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     max_header_bytes: int = MAX_HEADER_BYTES
     receive_window_s: float = RECEIVE_WINDOW_S
     min_receive_bytes: int = MIN_RECEIVE_BYTES
@@ -108,11 +119,18 @@ class Door:
     """The API's open connections: counted per client address, capped in all and per address. Those waiting
     for a request are kept oldest first, per address, to be given up when the door is full."""
 
-    def __init__(self, limits: ConnectionLimits):
-        self.limits = limits
+    def __init__(self, limits: ConnectionLimits, tls: ssl.SSLContext | None = None):
+        """`tls`: HTTPS, each connection's handshake done by its DoorProtocol with this context."""
+        self.limits, self.tls = limits, tls
         self.open: dict[str, int] = {}  # client address -> open connections
         self.total = 0
         self.waiting: dict[str, OrderedDict[DoorProtocol, None]] = {}  # client address -> waiting, oldest first
+        self.handshakes: set[asyncio.Task] = set()  # TLS handshakes in progress
+
+    def end_handshakes(self) -> None:
+        """Close the connections still in their TLS handshake (the API stops: none is to start a request)."""
+        for handshake in list(self.handshakes):
+            handshake.cancel()
 
     def open_from(self, address: str) -> int:
         return self.open.get(address, 0)
@@ -187,6 +205,8 @@ class DoorProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.address = ""
         self.counted = False
+        self.secured = False  # HTTPS: the TLS handshake is done (connection_made is the secured transport's)
+        self._early: list[bytes] = []  # HTTPS: bytes decrypted as the handshake completed, before connection_made
         self.refused = False  # answered and closing: nothing it sends starts a request
         self.lingering = False  # draining the body of a request answered before it was read
         self._in_headers = False  # a request's headers have begun and are not complete
@@ -202,14 +222,67 @@ class DoorProtocol(HttpToolsProtocol):
 
     # ------------------------------------------------------------------ the connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self.door.tls is not None and not self.secured:  # the TCP connection of an HTTPS one
+            self._handshake(transport, self.door.tls)
+            return
         super().connection_made(transport)
         self.address = self.client[0] if self.client else ""
+        if not self.counted:  # (a secured connection was counted in at its TCP accept)
+            refusal = self.door.admit(self)
+            if refusal is not None:
+                log.debug("HTTP API: connection from %s refused: %s", self.address, refusal.message)
+                self._refuse(refusal)
+                return
+        self._await_request()
+
+    # ------------------------------------------------------------------ TLS
+    def _handshake(self, tcp: asyncio.Transport, context: ssl.SSLContext) -> None:
+        """Count the TCP connection in, then secure it (within `handshake_timeout_s`); over the caps it is
+        closed at once."""
+        tcp.pause_reading()  # its bytes are the handshake's, not HTTP's
+        # Until secured, the door sees the TCP transport: what it closes to give the connection up.
+        self.transport = tcp
+        peer = tcp.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
         refusal = self.door.admit(self)
         if refusal is not None:
-            log.debug("HTTP API: connection from %s refused: %s", self.address, refusal.message)
-            self._refuse(refusal)
+            log.debug("HTTP API: connection from %s closed before its TLS handshake: %s", self.address,
+                      refusal.message)
+            self.refused = True
+            tcp.abort()
             return
-        self._await_request()
+        self.door.waits(self)  # holds no work yet: among the first given up when the door is full
+        handshake = self.loop.create_task(self._secure(tcp, context))
+        self.door.handshakes.add(handshake)
+        handshake.add_done_callback(self.door.handshakes.discard)
+
+    async def _secure(self, tcp: asyncio.Transport, context: ssl.SSLContext) -> None:
+        try:
+            secured = await self.loop.start_tls(tcp, self, context, server_side=True,
+                                                ssl_handshake_timeout=self.limits.handshake_timeout_s)
+        except BaseException as e:  # broad: any failed handshake (late, refused, reset, the API stopping) ends it
+            self._insecure(tcp)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            log.debug("HTTP API: TLS handshake from %s failed: %r", self.address, e)
+            return
+        if secured is None or self.refused:  # closed meanwhile, or given up by the door as it completed
+            self._insecure(tcp)
+            if secured is not None:
+                secured.abort()
+            return
+        self.secured = True
+        self.connection_made(secured)
+        early, self._early = self._early, []
+        for data in early:
+            self.data_received(data)
+
+    def _insecure(self, tcp: asyncio.Transport) -> None:
+        """The handshake failed: counted out, the TCP connection closed (start_tls closed it; a close still
+        waiting to flush is not waited for)."""
+        self.refused = True
+        self.door.release(self)
+        tcp.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.door.release(self)
@@ -221,6 +294,9 @@ class DoorProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.refused:  # refused or given up: closing (TLS may still hand over what it decrypted)
+            return
+        if self.door.tls is not None and not self.secured:  # secured, and not yet told: held until it is
+            self._early.append(data)
             return
         self._received += len(data)
         within = self._in_headers  # a request's headers in progress, since before this piece

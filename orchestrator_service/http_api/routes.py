@@ -31,6 +31,7 @@ from .body_limits import chat_body_limit as chat_body_limit  # each endpoint's s
 from .body_limits import text_body_limit as text_body_limit
 from .call import Call, ClientGone, deadline_from
 from .errors import ApiError, error_response, from_exception, retry_after_header
+from .parse_workers import ParseWorkers
 from .responses import SSE_HEADERS, SSE_MEDIA_TYPE, CallStreamResponse, model_card
 from .schemas import ChatCompletionRequest, ImageRequest, SpeechRequest, bounded
 
@@ -43,7 +44,10 @@ BODY_IDLE_S = 30.0  # a body of which no piece comes for this long is 408
 # more memory: what one slow client holds is bounded by its share of the body budget (CLIENT_BODIES).
 BODY_BASE_S = 30.0
 BODY_MIN_RATE = 32 << 10
-PARSE_IN_THREAD_BYTES = 1 << 20  # bodies larger than this are parsed and translated off the event loop
+# Bodies larger than this are parsed and translated off the event loop: in a parser process (parse_workers.py)
+# where the API has them, else on a thread. Smaller ones take a few milliseconds: a process's round trip is not
+# worth it.
+PARSE_APART_BYTES = 1 << 20
 TRACE_HEADER = "X-Omnistage-Trace"  # 1: the answer carries the request's trace (as gRPC's return_trace)
 # The client's own label for a request (as OpenAI's API takes it): kept as the request's client_request_id;
 # the server's id comes back as X-Request-Id.
@@ -64,8 +68,8 @@ def _answers_errors(handler: Callable[..., Awaitable[Response]]):
 
 
 class Endpoints:
-    def __init__(self, servicer, pipeline: Pipeline):
-        self.servicer, self.pipeline = servicer, pipeline
+    def __init__(self, servicer, pipeline: Pipeline, parse_workers: ParseWorkers | None = None):
+        self.servicer, self.pipeline, self.parse_workers = servicer, pipeline, parse_workers
         self.card = model_card(pipeline, int(time.time()))
         limits = pipeline.limits
         self.chat_limit, self.text_limit = chat_bounds(limits), text_bounds(limits)
@@ -158,10 +162,13 @@ class Endpoints:
                                    headers={"Retry-After": retry_after_header(1)}) from None
                 body.write(piece)
                 received += len(piece)
-            parse = functools.partial(_parse, body, self.schemas[model], translation, self.pipeline)
             # Parsing and decoding a large body takes a while (about 1.2 s for 170 MiB of media parts, of which
-            # the parser holds Python's lock about 0.25 s at a time): not on the event loop.
-            plan = await asyncio.to_thread(parse) if received > PARSE_IN_THREAD_BYTES else parse()
+            # the parser holds Python's lock about 0.25 s at a time, stalling every stream): not in this process.
+            if received > PARSE_APART_BYTES and self.parse_workers is not None:
+                plan = await self.parse_workers.parse(body, model, translation)
+            else:
+                parse = functools.partial(_parse, body, self.schemas[model], translation, self.pipeline)
+                plan = await asyncio.to_thread(parse) if received > PARSE_APART_BYTES else parse()
         plans = plan if isinstance(plan, list) else [plan]
         label = request.headers.get(CLIENT_ID_HEADER, "")
         if label:  # a refusal of the label names the header it came in
@@ -227,9 +234,10 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
 
-def build_app(servicer, pipeline: Pipeline) -> ASGIApp:
-    """The API as an ASGI app: the routes behind the API-key check (the servicer's keys, shared with gRPC)."""
-    api = Endpoints(servicer, pipeline)
+def build_app(servicer, pipeline: Pipeline, parse_workers: ParseWorkers | None = None) -> ASGIApp:
+    """The API as an ASGI app: the routes behind the API-key check (the servicer's keys, shared with gRPC);
+    large bodies parsed by `parse_workers` (none: on a thread)."""
+    api = Endpoints(servicer, pipeline, parse_workers)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/audio/speech", api.audio_speech, methods=["POST"]),

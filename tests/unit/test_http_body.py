@@ -126,9 +126,9 @@ async def test_a_large_body_is_parsed_and_translated_off_the_event_loop(monkeypa
 
     monkeypatch.setattr(translate, "chat", chat)
     a = app(dataclasses.replace(SMALL, limits=dataclasses.replace(SMALL.limits,
-                                                                  max_part_bytes=routes.PARSE_IN_THREAD_BYTES)))
+                                                                  max_part_bytes=routes.PARSE_APART_BYTES)))
     assert (await Client(a, CHAT).send(CHAT_BODY))[0] == 200
-    assert (await Client(a, CHAT).send(b" " * (routes.PARSE_IN_THREAD_BYTES + 1) + CHAT_BODY))[0] == 200
+    assert (await Client(a, CHAT).send(b" " * (routes.PARSE_APART_BYTES + 1) + CHAT_BODY))[0] == 200
     assert threads[0] == threading.get_ident() and threads[1] != threading.get_ident()
 
 

@@ -27,8 +27,12 @@ def test_uvicorn_has_what_the_door_protocol_relies_on():
     # renames one fails here by name, not as a door that quietly stops bounding.
     protocol = open(httptools_impl.__file__).read()
     for name in ("more_body", "body", "waiting_for_100_continue", "response_started", "response_complete",
-                 "disconnected", "message_event", "keep_alive", "pipeline", "flow", "cycle", "loop", "client"):
+                 "disconnected", "message_event", "keep_alive", "pipeline", "flow", "cycle", "loop", "client",
+                 "transport"):
         assert f"self.{name} =" in protocol or f"self.{name}:" in protocol, name
+    # Over HTTPS the door hands uvicorn the secured transport itself (connections.py): uvicorn must read its
+    # scheme from the transport, not from its own ssl settings (which the door leaves unset).
+    assert 'self.scheme = "https" if is_ssl(transport)' in protocol
     assert "self.read_paused =" in open(flow_control.__file__).read(), "FlowControl.read_paused"
     for method in ("on_message_begin", "on_url", "on_header", "on_headers_complete", "on_message_complete",
                    "on_response_complete", "data_received", "connection_made", "connection_lost"):
