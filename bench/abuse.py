@@ -8,6 +8,8 @@ Written to bench/results/abuse.json (goals from issue 37):
                                              over its p99 with none (goal <= 2)        bench/abuse_slowloris.py
   json_amplification.rss_over_body          the orchestrator's memory growth for the worst JSON body shape
                                              under the limit, over the body's size (goal <= 3)  bench/abuse_json.py
+  json_parse.loop_stall_ms                  the longest event-loop gap while a body at the chat limit is parsed,
+                                             beside the same parse on a thread (goal < 50)    bench/abuse_json.py
   non_reading.probe_latency_over_baseline   a probe request's latency with 4 x maxBatch non-reading streams
                                              on each door, over its latency without them (goal <= 2)
                                                                                        bench/abuse_non_reading.py
