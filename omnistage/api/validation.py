@@ -53,8 +53,8 @@ from omnistage.api.model import (
     StageAutoscaling,
     StageDeployment,
 )
+from omnistage.api.model_sources import source_error
 from omnistage.api.ports import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME
-from omnistage.checkpoints.sources import source_error
 
 
 @dataclass(frozen=True)
@@ -560,7 +560,7 @@ class _Relations:
 
 
     def model_sources(self) -> None:
-        """Each stage's `model` is a source omnistage reads (omnistage.checkpoints.sources); the hf:// cache
+        """Each stage's `model` is a source omnistage reads (omnistage.api.model_sources); the hf:// cache
         is one volume."""
         for i, s in self.stages:
             model = s.get("model")

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnistage.api import Pipeline, Stage
+from omnistage.api.model_sources import missing_hint
 from omnistage.checkpoints.components import refusal
 from omnistage.checkpoints.configs import read_json, require_keys
 from omnistage.checkpoints.names import TOKENIZER_FILES
 from omnistage.checkpoints.shards import DTYPES, CheckpointError, ShardedCheckpoint, TensorInfo
-from omnistage.checkpoints.sources import missing_hint
 from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import checkpoint_dir
 from omnistage.families import Part, family_of, served_architectures

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from omnistage.api import Pipeline
-from omnistage.checkpoints.sources import HubSource, local_path, parse_source
+from omnistage.api.model_sources import HubSource, local_path, parse_source
 
 # The Hub client's own environment variables (huggingface_hub.constants reads the same names).
 ENV_HF_ENDPOINT, ENV_HF_TOKEN, ENV_HF_OFFLINE = "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE"

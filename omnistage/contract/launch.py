@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from omnistage.api.model_sources import local_path
 from omnistage.api.ports import (  # noqa: F401
     API_PORT,
     API_PORT_NAME,
@@ -29,7 +30,6 @@ from omnistage.api.ports import (  # noqa: F401
     HTTP_PORT,
     HTTP_PORT_NAME,
 )
-from omnistage.checkpoints.sources import local_path
 
 if TYPE_CHECKING:
     from omnistage.api import Stage
@@ -305,7 +305,7 @@ def model_root(root: str | os.PathLike | None = None, env: Mapping[str, str] | N
 def checkpoint_dir(stage: "Stage", root: str | os.PathLike | None = None,
                    env: Mapping[str, str] | None = None) -> Path:
     """The directory a stage's `model` names: absolute, or under the model store; a pvc:// or hf:// source
-    where the pod mounts it or `omnistage models pull` put it (omnistage.checkpoints.sources)."""
+    where the pod mounts it or `omnistage models pull` put it (omnistage.api.model_sources)."""
     return local_path(stage.model, model_root(root, env), env)
 
 

@@ -1,4 +1,4 @@
-"""Pure: what a stage pod needs to read its model from the stage's source (omnistage.checkpoints.sources).
+"""Pure: what a stage pod needs to read its model from the stage's source (omnistage.api.model_sources).
 
 - a folder: nothing beyond the model store volume every stage pod mounts (builders);
 - `pvc://CLAIM/PATH`: the claim, mounted read-only at the folder `sources` resolves it to;
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from omnistage.api import Pipeline
 from omnistage.api.model import Deployment
+from omnistage.api.model_sources import ENV_HUB_CACHE, ClaimSource, HubSource, parse_source
 from omnistage.checkpoints.pull import ENV_HF_ENDPOINT, ENV_HF_OFFLINE, ENV_HF_TOKEN
-from omnistage.checkpoints.sources import ENV_HUB_CACHE, ClaimSource, HubSource, parse_source
 
 CLAIM_VOLUME, CACHE_VOLUME = "model-claim", "model-cache"
 # Where the hf:// cache is mounted in a stage pod (read-write in the pull container only).

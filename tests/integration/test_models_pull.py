@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from omnistage.api import load_pipeline
+from omnistage.api.model_sources import local_path
 from omnistage.checkpoints.check import check_pipeline
-from omnistage.checkpoints.sources import local_path
 from omnistage.local import cli
 
 from ..conftest import REPO

@@ -1,4 +1,4 @@
-"""Model sources (omnistage/checkpoints/sources.py): a folder, pvc://CLAIM/PATH or hf://ORG/NAME@REVISION, read
+"""Model sources (omnistage/api/model_sources.py): a folder, pvc://CLAIM/PATH or hf://ORG/NAME@REVISION, read
 in one place; bad forms refused by validation at the stage's `model` with what is wrong; the operator's stage
 pods for each (operator/omnistage_operator/model_sources.py): the claim mounted read-only, the hf:// cache
 filled by an init container with the token from its Secret and read-only for the stage, every pod restricted."""
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omnistage.api.validation import validate
-from omnistage.checkpoints.sources import (
+from omnistage.api.model_sources import (
     CLAIM_MOUNT_ROOT,
     ENV_HUB_CACHE,
     ClaimSource,
@@ -22,6 +21,7 @@ from omnistage.checkpoints.sources import (
     local_path,
     parse_source,
 )
+from omnistage.api.validation import validate
 from omnistage.contract import launch
 from omnistage_operator.builders import build_children
 from omnistage_operator.config import ModelVolume, OperatorConfig
