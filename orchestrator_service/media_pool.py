@@ -14,19 +14,14 @@ import importlib
 import math
 import multiprocessing
 import multiprocessing.connection
-import queue
 import resource
 from typing import Any, Callable
+
+from .worker_slots import SpawnedWorker, WorkerSlots
 
 # What one worker may map: the largest part's decode (a video is checked one frame at a time) with room
 # for the decoders' own buffers and threads, which reserve address space well beyond what they touch.
 WORKER_ADDRESS_SPACE = 4 << 30
-# How long a worker may take to start (import the decoders) before it is taken for broken.
-WORKER_START_SECONDS = 120.0
-# How long a worker whose pipe closed may take to finish dying (a crash) before it is killed: its exit code
-# says what happened.
-WORKER_EXIT_SECONDS = 10.0
-_CONTEXT = multiprocessing.get_context("spawn")
 
 
 class DecodeTimeout(Exception):
@@ -45,21 +40,10 @@ class WorkerStartFailed(RuntimeError):
     """A worker did not start (the server's fault, not the request's)."""
 
 
-class _Worker:
+class _Worker(SpawnedWorker):
     def __init__(self, address_space: int, preload: tuple[str, ...]):
-        self.conn, child = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(target=_serve, args=(child, address_space, preload), daemon=True,
-                                        name="media-decode")
-        self.process.start()
-        child.close()
-        try:
-            if not self.conn.poll(WORKER_START_SECONDS):
-                raise EOFError
-            self.conn.recv()  # ready: imports done, rlimits set
-        except EOFError:
-            self.end(dying=True)
-            raise WorkerStartFailed(f"a media decode worker did not start (exit code {self.process.exitcode})") \
-                from None
+        super().__init__(_serve, (address_space, preload), "media-decode", lambda code: WorkerStartFailed(
+            f"a media decode worker did not start (exit code {code})"))
 
     def call(self, timeout: float, fn: Callable, args: tuple) -> Any:
         try:
@@ -79,13 +63,6 @@ class _Worker:
             raise value
         return value
 
-    def end(self, dying: bool = False) -> None:
-        """Kill the worker; `dying`: its pipe closed, so it is ending on its own: let it, for its exit code."""
-        if dying:
-            self.process.join(WORKER_EXIT_SECONDS)
-        self.process.kill()
-        self.process.join()
-        self.conn.close()
 
 
 class MediaPool:
@@ -96,16 +73,16 @@ class MediaPool:
         """`preload`: modules a worker imports before it says it is ready (those of the functions it will be
         sent), so that no call's bound is spent importing them."""
         self.address_space, self.preload = address_space, preload
-        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
+        self._idle: WorkerSlots[_Worker] = WorkerSlots()
         for _ in range(workers):
-            self._idle.put(None)  # a place for a worker, started on first use
+            self._idle.give(None)  # a place for a worker, started on first use
         self._closed = False
 
     def call(self, timeout: float, fn: Callable, *args) -> Any:
         """`fn(*args)` in a worker, which must end within `timeout` seconds: DecodeTimeout when it does not,
         DecoderCrashed when the worker dies, WorkerStartFailed when none starts; what `fn` raises is raised
         here (it must pickle)."""
-        worker = self._idle.get()
+        worker = self._idle.take()
         try:
             if worker is not None and not worker.process.is_alive():  # died while idle (killed from outside)
                 worker.end(dying=True)
@@ -121,29 +98,15 @@ class MediaPool:
             if self._closed and worker is not None:
                 worker.end()
                 worker = None
-            self._idle.put(worker)
+            self._idle.give(worker)
 
     def pids(self) -> list[int]:
         """The process ids of the idle workers (for tests and diagnostics)."""
-        seen = []
-        while True:
-            try:
-                seen.append(self._idle.get_nowait())
-            except queue.Empty:
-                break
-        for w in seen:
-            self._idle.put(w)
-        return [w.process.pid for w in seen if w is not None and w.process.pid is not None]
+        return self._idle.pids()
 
     def close(self) -> None:
         self._closed = True
-        while True:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                return
-            if worker is not None:
-                worker.end()
+        self._idle.end_idle()
 
 
 def _serve(conn: multiprocessing.connection.Connection, address_space: int, preload: tuple[str, ...]) -> None:

@@ -331,13 +331,25 @@ def cmd_models_build(args) -> int:
     return 0
 
 
-def cmd_models_check(args) -> int:
-    from omnistage.checkpoints.check import check_pipeline, describe
-
+def _pipeline_with_stage(args, command: str):
+    """The pipeline of `omnistage models COMMAND FILE [--stage NAME]`, or None once its errors are said (a
+    stage it does not have is said as a termination message: the operator's init containers name one)."""
     try:
         pipeline = load_pipeline(args.file)
     except SpecError as e:
         _print_spec_errors(args.file, e)
+        return None
+    if args.stage is not None and args.stage not in {s.name for s in pipeline.stages}:
+        report_exit(f"omnistage models {command}: {args.file} has no stage {args.stage!r}")
+        return None
+    return pipeline
+
+
+def cmd_models_check(args) -> int:
+    from omnistage.checkpoints.check import check_pipeline, describe
+
+    pipeline = _pipeline_with_stage(args, "check")
+    if pipeline is None:
         return 2
     if args.annotate and not args.plan:
         print("omnistage models check: --annotate goes with --plan", file=sys.stderr)
@@ -347,10 +359,6 @@ def cmd_models_check(args) -> int:
         return 2
     if args.plan:
         return _print_memory_plans(args.file, pipeline, args.models, args.gpu_memory, args.annotate)
-    if args.stage is not None:
-        if args.stage not in {s.name for s in pipeline.stages}:
-            report_exit(f"omnistage models check: {args.file} has no stage {args.stage!r}")
-            return 2
     plans, errors = check_pipeline(pipeline, args.models, only=args.stage)
     if args.output == "json":
         _print_json({"file": args.file, "ok": not errors, "stages": [
@@ -372,13 +380,8 @@ def cmd_models_check(args) -> int:
 def cmd_models_pull(args) -> int:
     from omnistage.checkpoints.pull import PullError, hub_stages, pull_pipeline
 
-    try:
-        pipeline = load_pipeline(args.file)
-    except SpecError as e:
-        _print_spec_errors(args.file, e)
-        return 2
-    if args.stage is not None and args.stage not in {s.name for s in pipeline.stages}:
-        report_exit(f"omnistage models pull: {args.file} has no stage {args.stage!r}")
+    pipeline = _pipeline_with_stage(args, "pull")
+    if pipeline is None:
         return 2
     if not hub_stages(pipeline, args.stage):
         print(f"{args.file}: no hf:// model to pull" + (f" for stage {args.stage}" if args.stage else ""))

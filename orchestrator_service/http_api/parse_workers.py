@@ -28,7 +28,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import resource
 import threading
 import traceback
@@ -39,6 +38,7 @@ from pydantic import BaseModel
 
 from omnistage.api import Pipeline
 
+from ..worker_slots import SpawnedWorker, WorkerSlots
 from .errors import ApiError
 
 log = logging.getLogger("omnistage.orchestrator.http_api")
@@ -46,40 +46,26 @@ log = logging.getLogger("omnistage.orchestrator.http_api")
 # How long one parse may take in a worker before it is ended: a body at the chat limit (170 MiB of media
 # parts) takes about 1.5 s on a loaded core; this bounds a parser gone wrong, not a slow one.
 PARSE_SECONDS = 60.0
-# How long a worker may take to start (import pydantic, protobuf and the API's models).
-WORKER_START_SECONDS = 120.0
 # What a worker may map: the interpreter and its imports, then a body at the limit held as bytes, as the
 # parsed strings, as the decoded parts and as the request that carries them, with room to spare.
 WORKER_BASE_ADDRESS_SPACE = 2 << 30
 BODY_COPIES = 6
-WORKER_EXIT_SECONDS = 10.0  # a worker whose pipe closed has this long to die before it is killed
 # A parse is background work next to the streams the event loop serves: where the two compete for a core, the
 # loop goes first.
 PARSER_NICENESS = 5
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD_BYTES = 1 << 20  # blocks from this size get a mapping of their own, unmapped when freed
 _MEDIA = ("image", "audio", "video")  # the content parts whose bytes travel apart from the plan
-_CONTEXT = multiprocessing.get_context("spawn")
 
 
 def address_space_for(body_limit: int) -> int:
     return WORKER_BASE_ADDRESS_SPACE + BODY_COPIES * body_limit
 
 
-class _Worker:
+class _Worker(SpawnedWorker):
     def __init__(self, pipeline: Pipeline, address_space: int):
-        self.conn, child = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(target=_serve, args=(child, pipeline, address_space), daemon=True,
-                                        name="body-parse")
-        self.process.start()
-        child.close()
-        try:
-            if not self.conn.poll(WORKER_START_SECONDS):
-                raise EOFError
-            self.conn.recv()  # ready: imports done, rlimits set
-        except (EOFError, OSError):
-            self.end(dying=True)
-            raise _unavailable(f"a body parser did not start (exit code {self.process.exitcode})") from None
+        super().__init__(_serve, (pipeline, address_space), "body-parse",
+                         lambda code: _unavailable(f"a body parser did not start (exit code {code})"))
 
     def parse(self, held: list[bytes], model: type[BaseModel], translation: Callable) -> Any:
         """The plan of the body in `held` (taken: this process holds it only until it is sent; blocking), or the
@@ -113,17 +99,6 @@ class _Worker:
             raise ApiError(413, f"the body could not be parsed within this server's bounds (the parser ended with "
                                 f"exit code {self.process.exitcode})", code="request_too_large") from None
 
-    def end(self, dying: bool = False) -> None:
-        """Kill the worker; `dying`: its pipe closed, so it is ending on its own: let it, for its exit code."""
-        if dying:
-            self.process.join(WORKER_EXIT_SECONDS)
-        self.process.kill()
-        self.process.join()
-        self.conn.close()
-
-    @property
-    def alive(self) -> bool:
-        return not self.conn.closed and self.process.is_alive()
 
 
 class _Gone(Exception):
@@ -145,7 +120,7 @@ class ParseWorkers:
 
     def __init__(self, pipeline: Pipeline, workers: int, address_space: int):
         self.pipeline, self.workers, self.address_space = pipeline, workers, address_space
-        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
+        self._idle: WorkerSlots[_Worker] = WorkerSlots()
         self._waiters = ThreadPoolExecutor(workers, thread_name_prefix="body-parse")
         self._slots = asyncio.Semaphore(workers)
         self._closed = self._starting = False
@@ -160,7 +135,7 @@ class ParseWorkers:
 
     def _start_all(self) -> None:
         for _ in range(self.workers):
-            self._idle.put(self._started())
+            self._idle.give(self._started())
 
     def _started(self) -> _Worker | None:
         """A new worker; None (its place, started on use) when it fails to, or the pool closed meanwhile."""
@@ -195,7 +170,7 @@ class ParseWorkers:
             parsing.exception()  # retrieved: a parse whose request went away is not reported as unhandled
 
     def _call(self, held: list[bytes], model: type[BaseModel], translation: Callable) -> Any:
-        worker = self._idle.get()  # a starting worker is waited for
+        worker = self._idle.take()  # a starting worker is waited for
         try:
             if self._closed:
                 raise _unavailable("the API is stopping")
@@ -214,7 +189,7 @@ class ParseWorkers:
                 if self._closed and worker.alive:
                     worker.end()
                 worker = None
-            self._idle.put(worker)
+            self._idle.give(worker)
 
     def _parse(self, worker: _Worker, held: list[bytes], model: type[BaseModel], translation: Callable) -> Any:
         pid = worker.process.pid
@@ -227,26 +202,12 @@ class ParseWorkers:
 
     def pids(self) -> list[int]:
         """The process ids of the idle workers (for tests and diagnostics)."""
-        seen = []
-        while True:
-            try:
-                seen.append(self._idle.get_nowait())
-            except queue.Empty:
-                break
-        for w in seen:
-            self._idle.put(w)
-        return [w.process.pid for w in seen if w is not None and w.process.pid is not None]
+        return self._idle.pids()
 
     def close(self) -> None:
         self._closed = True
         self._waiters.shutdown(wait=False, cancel_futures=True)
-        while True:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                return
-            if worker is not None:
-                worker.end()
+        self._idle.end_idle()
 
 
 def _serve(conn: multiprocessing.connection.Connection, pipeline: Pipeline, address_space: int) -> None:
