@@ -25,8 +25,13 @@ class SpawnedWorker:
     def __init__(self, target: Callable, args: tuple, name: str, failed: Callable[[int | None], Exception]):
         self.conn, child = _CONTEXT.Pipe()
         self.process = _CONTEXT.Process(target=target, args=(child, *args), daemon=True, name=name)
-        self.process.start()
-        child.close()
+        try:
+            self.process.start()
+        except BaseException:   # no process (EAGAIN, ENOMEM): the pipe goes, both ends
+            self.conn.close()
+            raise
+        finally:
+            child.close()
         try:
             if not self.conn.poll(WORKER_START_SECONDS):
                 raise EOFError

@@ -177,3 +177,20 @@ def missing_hint(text: str) -> str:
         return (f"the claim {source.claim} is mounted at {source.mount_path} in the stage's pod only (the "
                 "operator mounts it); locally, name the folder instead")
     return ""
+
+
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def is_commit(revision: str) -> bool:
+    """Whether a Hub revision names a commit (40 hex digits), which never moves, not a branch or tag."""
+    return bool(COMMIT.match(revision))
+
+
+def hub_revision(text: str) -> str | None:
+    """The revision of an hf:// source; None for any other source (or one that does not parse)."""
+    try:
+        source = parse_source(text)
+    except ValueError:
+        return None
+    return source.revision if isinstance(source, HubSource) else None

@@ -53,7 +53,7 @@ from omnistage.api.model import (
     StageAutoscaling,
     StageDeployment,
 )
-from omnistage.api.model_sources import source_error
+from omnistage.api.model_sources import hub_revision, is_commit, source_error
 from omnistage.api.ports import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME
 
 
@@ -562,16 +562,29 @@ class _Relations:
     def model_sources(self) -> None:
         """Each stage's `model` is a source omnistage reads (omnistage.api.model_sources); the hf:// cache
         is one volume."""
-        for i, s in self.stages:
-            model = s.get("model")
-            if isinstance(model, str) and model and (problem := source_error(model)):
-                self.w.err(f"spec.topology.stages[{i}].model", problem)
         cache = _dict(self.deployment.get("modelCache"))
         claim, host = cache.get("persistentVolumeClaim"), cache.get("hostPath")
+        for i, s in self.stages:
+            model = s.get("model")
+            if not (isinstance(model, str) and model):
+                continue
+            if problem := source_error(model):
+                self.w.err(f"spec.topology.stages[{i}].model", problem)
+            elif (claim or host) and (revision := hub_revision(model)) is not None and not is_commit(revision):
+                # a branch moves: a later pod's pull would rewrite the folder the running replicas loaded
+                self.w.err(f"spec.topology.stages[{i}].model",
+                           f"{_show(revision)} is a branch or tag; with spec.deployment.modelCache, shared by "
+                           "every pod of the pipeline, pin a commit (hf://ORG/NAME@<40 hex digits>) so every "
+                           "replica loads the same files")
         if claim and host:
             self.w.err("spec.deployment.modelCache", "name one of persistentVolumeClaim or hostPath, not both")
         if isinstance(host, str) and host and not host.startswith("/"):
             self.w.err("spec.deployment.modelCache.hostPath", f"{_show(host)} must be an absolute folder")
+        hub = _dict(self.deployment.get("hub"))
+        endpoint = hub.get("endpoint")
+        if isinstance(endpoint, str) and endpoint.startswith("http://") and hub.get("tokenSecret"):
+            self.w.err("spec.deployment.hub.endpoint", f"{_show(endpoint)} is plain HTTP: the token would travel "
+                                                       "in the clear; use https:// with tokenSecret")
 
 
 # ------------------------------------------------------------------------- helpers

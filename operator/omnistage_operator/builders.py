@@ -20,6 +20,7 @@ from omnistage.contract.launch import (
     CLIENT_TLS_MOUNT,
     DATA_PLANE_KEY_MOUNT,
     ENV_API_KEYS,
+    ENV_DATA_PLANE_KEY,
     ENV_POD_IP,
     ENV_POD_NAMESPACE,
     GRPC_PORT,
@@ -202,17 +203,21 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
     # Every stage, in every TLS mode: the pipeline's UCX data-plane key.
     secrets = [*tls_secrets, (DATA_PLANE_KEY_VOLUME, data_plane_key_secret_name(p.name), DATA_PLANE_KEY_MOUNT)]
     command = stage_command(PIPELINE_PATH, stage, python=POD_PYTHON, **_POD_SERVING,
-                            tls_dir=TLS_MOUNT if tls_secrets else None,
-                            data_plane_key=f"{DATA_PLANE_KEY_MOUNT}/{DATA_PLANE_KEY_FILE}")
+                            tls_dir=TLS_MOUNT if tls_secrets else None)
+    # The key's file by environment, not by flag: a stage on an image older than the key ignores it (and keeps
+    # UCX to itself) instead of refusing an argument it does not know.
+    key_env = [{"name": ENV_DATA_PLANE_KEY, "value": f"{DATA_PLANE_KEY_MOUNT}/{DATA_PLANE_KEY_FILE}"}]
     shm = needs_shm(sd)
-    image = sd.image or cfg.image
+    image = pod_image(sd.image, cfg)
     model = model_parts(p, stage, PIPELINE_PATH, POD_PYTHON)
-    container = _container("stage", image, command, _stage_resources(sd, stage_plan(p, stage)),
-                           {**sd.env, **model.env}, cfg, secret_mounts=secrets, shm=shm, model_mounts=model.mounts)
+    resources = _stage_resources(sd, stage_plan(p, stage))
+    container = _container("stage", image, command, resources, {**sd.env, **model.env}, cfg, secret_env=key_env,
+                           secret_mounts=secrets, shm=shm, model_mounts=model.mounts)
     pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm,
                     model_volumes=model.volumes)
     if model.init:
-        pod["initContainers"] = [_init_container(step, image, {**sd.env, **model.env}, cfg) for step in model.init]
+        pod["initContainers"] = [_init_container(step, image, {**sd.env, **model.env}, cfg, _without_gpus(resources))
+                                 for step in model.init]
     pod.update(_stage_placement(sd))
     labels = selector(p.name, COMPONENT_STAGE, stage)
     surge = {"maxSurge": sd.rolling_update.max_surge, "maxUnavailable": sd.rolling_update.max_unavailable}
@@ -241,6 +246,22 @@ def stage_plan(p: Pipeline, stage: str) -> int | None:
     """The stage's planned bytes from the manifest's memory-plan annotation (validation checked it), if any."""
     annotations = (p.raw.get("metadata") or {}).get("annotations")
     return planned_bytes(annotations, frozenset(s.name for s in p.stages)).get(stage)
+
+
+# What the CRD wrote into spec.deployment.image while it defaulted the field (the API up to 0.1.0).
+LEGACY_DEFAULT_IMAGE = "ghcr.io/omnistage/omnistage:0.1.0"
+
+
+def pod_image(named: str, cfg: OperatorConfig) -> str:
+    """A pipeline pod's image: the one its pipeline names, else the operator's own. A pipeline stored while the
+    CRD defaulted the field wrote LEGACY_DEFAULT_IMAGE without naming it: it follows the operator's too."""
+    return named if named and named != LEGACY_DEFAULT_IMAGE else cfg.image
+
+
+def _without_gpus(resources: dict) -> dict:
+    """A stage's cpu and memory (its init containers' share of a quota), without its GPUs."""
+    out = {part: {k: v for k, v in values.items() if k != GPU_RESOURCE} for part, values in resources.items()}
+    return {part: v for part, v in out.items() if v}
 
 
 def _stage_resources(sd: StageDeployment, planned: int | None = None) -> dict:
@@ -286,7 +307,7 @@ def build_orchestrator_deployment(p: Pipeline, cfg: OperatorConfig) -> dict:
     # The model volume, read-only (unless OMNISTAGE_ORCHESTRATOR_MODELS=false): the orchestrator reads the limits
     # a pipeline leaves to the model from the checkpoints' configs (omnistage.checkpoints.defaults), no weights.
     models = cfg.orchestrator_models
-    container = _container("orchestrator", od.image or cfg.image, command, od.resources.to_dict(), {}, cfg,
+    container = _container("orchestrator", pod_image(od.image, cfg), command, od.resources.to_dict(), {}, cfg,
                            models=models, ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
                            secret_mounts=secrets)
     pod = _pod_spec(p, container, cfg, od.drain_seconds, service_account=orchestrator_object_name(p.name),
@@ -502,7 +523,7 @@ def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: 
     return pod
 
 
-def _init_container(step: InitStep, image: str, user_env: dict, cfg: OperatorConfig) -> dict:
+def _init_container(step: InitStep, image: str, user_env: dict, cfg: OperatorConfig, resources: dict) -> dict:
     """A stage pod's init container (its model's pull and check: model_sources.py): the stage's image, user,
     restricted security context and env; its own env (which wins) and mounts; its refusal as the termination
     message."""
@@ -514,7 +535,7 @@ def _init_container(step: InitStep, image: str, user_env: dict, cfg: OperatorCon
     return {"name": step.name, "image": image, "imagePullPolicy": cfg.image_pull_policy, "command": step.command,
             "env": [*env, *(copy.deepcopy(e) for e in step.env)], "volumeMounts": mounts,
             "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
-            "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
+            "securityContext": copy.deepcopy(CONTAINER_SECURITY), **({"resources": resources} if resources else {})}
 
 
 def _service_ports(ports: tuple[tuple[str, int], ...] = ()) -> list[dict]:

@@ -57,7 +57,7 @@ def model_parts(p: Pipeline, stage: str, pipeline_path: str, python: str) -> Mod
     if isinstance(source, HubSource):
         read_only = {"name": CACHE_VOLUME, "mountPath": HUB_CACHE_MOUNT, "readOnly": True}
         return ModelParts(
-            volumes=[cache_volume(p.deployment)],
+            volumes=[cache_volume(p.deployment, p.namespace)],
             mounts=[read_only],
             env={ENV_HUB_CACHE: HUB_CACHE_MOUNT},
             # the token reaches the pull alone; only the pull writes the cache
@@ -72,14 +72,16 @@ def models_command(python: str, action: str, pipeline_path: str, stage: str) -> 
     return [python, "-m", CLI_MODULE, "models", action, pipeline_path, "--stage", stage]
 
 
-def cache_volume(d: Deployment) -> dict:
-    """The hf:// cache: the named claim (read-write: the pull container writes it), a node folder, or the
-    pod's own emptyDir."""
+def cache_volume(d: Deployment, namespace: str) -> dict:
+    """The hf:// cache: the named claim (read-write: the pull container writes it; a claim is its namespace's
+    own), a node folder of the pipeline's namespace (pods of every namespace run as the same uid: one
+    namespace's pull must not fill another's cache), or the pod's own emptyDir."""
     cache = d.model_cache
     if cache.persistent_volume_claim:
         return {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim}}
     if cache.host_path:
-        return {"name": CACHE_VOLUME, "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+        path = f"{cache.host_path.rstrip('/')}/{namespace}"
+        return {"name": CACHE_VOLUME, "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
     return {"name": CACHE_VOLUME, "emptyDir": {}}
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import kopf
 
+from omnistage import tls
 from omnistage.api import Pipeline, SpecError
 from omnistage.tls import TlsError
 
@@ -118,12 +120,17 @@ def _apply(kube: Kube, cfg: OperatorConfig, pipeline: Pipeline, body: dict, chil
            out: Outcome) -> tuple[RolloutPlan, dict[str, dict | None]]:
     """Every child in place (Deployments as the rollout plan allows); the plan and the live Deployments by unit."""
     uid = body["metadata"]["uid"]
-    _ensure_data_plane_key(kube, pipeline, body, out)   # before the Deployments: every stage pod mounts it
-    if cfg.tls_issuer == TLS_CHART:   # before the Deployments: their pods mount these
-        try:
+    # before the Deployments: every stage pod mounts it. Under the chart issuer a new Secret holds the key the
+    # pipeline's CA derives, the one its leaf Secrets carried before this Secret existed: stages started
+    # before and after it share one key (no window in which UCX gets between them fail).
+    seed = (lambda: tls.data_plane_key(_read_ca(kube, cfg).key_pem, pipeline.namespace, pipeline.name).hex()) \
+        if cfg.tls_issuer == TLS_CHART else new_key
+    try:
+        _ensure_data_plane_key(kube, pipeline, body, out, seed)
+        if cfg.tls_issuer == TLS_CHART:   # before the Deployments: their pods mount these
             _ensure_leaf_secrets(kube, cfg, pipeline, body, out)
-        except TlsError as e:          # an unusable CA (e.g. its key and certificate do not match)
-            raise kopf.TemporaryError(f"pipeline certificates: {e}", delay=CA_MISSING_RETRY_SECONDS) from None
+    except TlsError as e:          # an unusable CA (e.g. its key and certificate do not match)
+        raise kopf.TemporaryError(f"pipeline certificates: {e}", delay=CA_MISSING_RETRY_SECONDS) from None
 
     for obj in children.all():   # everything but Deployments goes in place at once
         if obj["kind"] != "Deployment":
@@ -200,16 +207,17 @@ def _ensure_leaf_secrets(kube: Kube, cfg: OperatorConfig, p: Pipeline, body: dic
             out.updated.append(f"Secret/{leaf.secret}")
 
 
-def _ensure_data_plane_key(kube: Kube, p: Pipeline, body: dict, out: Outcome) -> None:
-    """The pipeline's UCX data-plane key Secret, in every TLS mode: made with a new random key when missing or
-    when its key is unusable, else left alone (the key the running stages hold stays theirs)."""
+def _ensure_data_plane_key(kube: Kube, p: Pipeline, body: dict, out: Outcome, seed: Callable[[], str]) -> None:
+    """The pipeline's UCX data-plane key Secret, in every TLS mode: made with `seed()` (a new random key, or the
+    chart CA's derived one) when missing or when its key is unusable, else left alone (the key the running
+    stages hold stays theirs)."""
     name = data_plane_key_secret_name(p.name)
     live = kube.get_secret(p.namespace, name)
     if live is not None:
         _check_own_secret(live, body["metadata"]["uid"])
         if holds_usable_key(live):
             return
-    secret = build_data_plane_key_secret(build_data_plane_key_meta(p), new_key())
+    secret = build_data_plane_key_secret(build_data_plane_key_meta(p), seed())
     kopf.adopt(secret, owner=body)
     if live is not None:
         kube.patch(secret)

@@ -124,8 +124,9 @@ def _unschedulable(pod: str, status: Mapping[str, Any]) -> dict[str, Any] | None
     """A pod the scheduler did not place: its PodScheduled condition's reason and message ("0/3 nodes are
     available: 3 Insufficient nvidia.com/gpu.")."""
     for c in status.get("conditions") or ():
-        if c.get("type") == "PodScheduled" and c.get("status") == "False":
-            failure = {"pod": pod, "reason": c.get("reason") or UNSCHEDULABLE,
+        # only the scheduler's refusal: a pod held by a gate (SchedulingGated: Kueue) waits on purpose
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == UNSCHEDULABLE:
+            failure = {"pod": pod, "reason": UNSCHEDULABLE,
                        "message": _tail(c.get("message") or "", MAX_TERMINATION_MESSAGE)}
             return {k: v for k, v in failure.items() if v}
     return None
@@ -298,10 +299,15 @@ def _units(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {**(status.get("stages") or {}), ORCHESTRATOR: status.get("orchestrator") or {}}
 
 
+# Waiting reasons the kubelet alternates between for one cause: one Event for them all.
+SAME_CAUSE = {"ErrImagePull": "ImagePullBackOff"}
+
+
 def _key(failure: Mapping[str, Any]) -> tuple:
     if "exitCode" in failure:
         return failure["exitCode"], failure.get("message", "")
-    return None, failure.get("reason", "")
+    reason = failure.get("reason", "")
+    return None, SAME_CAUSE.get(reason, reason)
 
 
 def _tail(text: str, limit: int) -> str:

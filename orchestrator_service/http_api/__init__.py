@@ -108,19 +108,18 @@ class HttpApi:
         return self.port
 
     def reload_tls(self) -> None:
-        """After tls.crt and tls.key were rotated: new connections get the new certificate (an SSLContext
-        takes a new chain in place), those open keep theirs."""
+        """After tls.crt and tls.key were rotated: new connections get the new certificate (a new context, read
+        once and swapped in whole: files rewritten while they are read can never leave the live one keyless),
+        those open keep theirs."""
         if self.tls is None or self.ssl is None or self.tls.stamp() == self._tls_stamp:
             return
         stamp = self.tls.stamp()
         try:
-            # Tried on a scratch context first: load_cert_chain is not atomic, and a key that does not match
-            # (files caught mid-rotation) would leave the live context unable to complete any handshake.
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(self.tls.cert), str(self.tls.key))
-            self.ssl.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+            context = _server_context(self.tls)
         except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: mid-rotation, next time whole
             log.warning("HTTP API certificate in %s not reloaded: %s", self.tls.folder, e)
             return
+        self.ssl = self.door.tls = context   # the door secures each new connection with the context of its time
         self._tls_stamp = stamp
         log.info("HTTP API certificate in %s reloaded", self.tls.folder)
 

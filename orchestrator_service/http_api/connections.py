@@ -174,9 +174,11 @@ class Door:
         conn.counted = False
         self.works(conn)
         self.total -= 1
-        self.open[conn.address] -= 1
-        if not self.open[conn.address]:
-            del self.open[conn.address]
+        left = self.open.get(conn.address, 0) - 1
+        if left > 0:
+            self.open[conn.address] = left
+        else:
+            self.open.pop(conn.address, None)
 
     def _evict(self, address: str) -> bool:
         waiting = self.waiting.get(address)
@@ -226,8 +228,9 @@ class DoorProtocol(HttpToolsProtocol):
             self._handshake(transport, self.door.tls)
             return
         super().connection_made(transport)
-        self.address = self.client[0] if self.client else ""
-        if not self.counted:  # (a secured connection was counted in at its TCP accept)
+        if not self.counted:  # counted here; a secured one was counted at its TCP accept, and keeps the address
+            # it was counted under (read again now, a peer that reset after its handshake would have none)
+            self.address = self.client[0] if self.client else ""
             refusal = self.door.admit(self)
             if refusal is not None:
                 log.debug("HTTP API: connection from %s refused: %s", self.address, refusal.message)
@@ -285,12 +288,14 @@ class DoorProtocol(HttpToolsProtocol):
         tcp.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.door.release(self)
-        self.refused = True
-        for timer in (self._header_timer, self._receive_timer, self._send_timer):
-            if timer is not None:
-                timer.cancel()
-        super().connection_lost(exc)
+        try:
+            self.door.release(self)
+            self.refused = True
+            for timer in (self._header_timer, self._receive_timer, self._send_timer):
+                if timer is not None:
+                    timer.cancel()
+        finally:  # uvicorn forgets the connection whatever the door's count said
+            super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self.refused:  # refused or given up: closing (TLS may still hand over what it decrypted)

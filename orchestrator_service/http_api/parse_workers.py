@@ -98,6 +98,11 @@ class _Worker(SpawnedWorker):
             self.end(dying=True)
             raise ApiError(413, f"the body could not be parsed within this server's bounds (the parser ended with "
                                 f"exit code {self.process.exitcode})", code="request_too_large") from None
+        except (ApiError, ParserFault):  # its whole answer was read: the pipe is in step for the next body
+            raise
+        except BaseException:  # anything else mid-exchange (MemoryError here) leaves bytes unread: not reused
+            self.end()
+            raise
 
 
 
@@ -158,7 +163,13 @@ class ParseWorkers:
         body.close()
         self.start()  # (started with the API; here only where an app was built without one)
         await self._slots.acquire()
-        parsing = asyncio.get_running_loop().run_in_executor(self._waiters, self._call, held, model, translation)
+        try:
+            if self._closed:
+                raise _unavailable("the API is stopping")
+            parsing = asyncio.get_running_loop().run_in_executor(self._waiters, self._call, held, model, translation)
+        except BaseException:
+            self._slots.release()
+            raise
         del held
         parsing.add_done_callback(self._parsed)
         # Shielded: a request that goes away leaves its parse to end (within PARSE_SECONDS), which frees the slot.

@@ -58,6 +58,8 @@ class _Specials:
         if backend is not None:
             plain = copy.deepcopy(backend)
             plain.encode_special_tokens = True
+            plain.no_truncation()   # whatever an earlier call left on the shared backend: pieces whole, unpadded
+            plain.no_padding()
             self.plain: Callable[[str], list[int]] = lambda s: plain.encode(s, add_special_tokens=False).ids
         else:  # a tokenizer in Python: the flag is an argument of the call, not shared state
             self.plain = lambda s: tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"]

@@ -28,10 +28,10 @@ PER_ADDRESS = 3  # connections one address may hold, made small for a test
 
 
 @contextlib.asynccontextmanager
-async def https_api(tmp_path, **limits) -> AsyncIterator[tuple[HttpApi, ssl.SSLContext]]:
+async def https_api(tmp_path, ca=None, **limits) -> AsyncIterator[tuple[HttpApi, ssl.SSLContext]]:
     """A real API over HTTPS on 127.0.0.1 (its door's limits replaced by `limits`) and a client context that
     trusts its certificate."""
-    ca = tls.new_ca()
+    ca = ca or tls.new_ca()
     cert, key = tls.issue(*ca, tls.identity("test", OMNI.name, tls.ORCHESTRATOR_ROLE), ip_addresses=["127.0.0.1"])
     files = tls.write_dir(tmp_path / "api", ca[0], cert, key)
     api = HttpApi(ScriptedPath(), OMNI, "127.0.0.1", 0, tls=files)
@@ -106,3 +106,67 @@ async def test_a_plain_http_request_to_the_https_port_fails_its_handshake_and_is
             writer.close()
         await wait_until(lambda: api.door.total == 0, BOUND_S, what="the failed handshake counted out")
         assert await models_over_https(api.port, context) == 200
+
+
+def handshake_then_reset(port: int, context: ssl.SSLContext) -> None:
+    """A TLS client that completes its handshake and resets the connection at once (SO_LINGER 0), as health
+    checkers and scanners do."""
+    import socket
+    import struct
+
+    raw = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+    secured = context.wrap_socket(raw, server_hostname="127.0.0.1")
+    secured.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    secured.close()
+
+
+async def test_connections_reset_right_after_their_handshake_are_counted_out_where_they_were_counted(tmp_path):
+    """The door counts a connection under the address it had at accept: one reset after its handshake has no
+    peer address any more, and reading it again would count it out under another (leaving its own count, and
+    the per-address cap, wrong for good)."""
+    async with https_api(tmp_path, max_per_address=PER_ADDRESS) as (api, context):
+        for _ in range(4 * PER_ADDRESS):
+            await asyncio.to_thread(handshake_then_reset, api.port, context)
+        await wait_until(lambda: api.door.total == 0 and not api.door.open and not api.door.waiting, BOUND_S,
+                         what="every reset connection counted out",
+                         detail=lambda: (api.door.total, dict(api.door.open), dict(api.door.waiting)))
+        # the cap still holds: PER_ADDRESS silent connections fill it, and the next one gives up the oldest
+        silent = [await asyncio.open_connection("127.0.0.1", api.port) for _ in range(PER_ADDRESS + 1)]
+        try:
+            await wait_until(lambda: api.door.open_from("127.0.0.1") == PER_ADDRESS, BOUND_S,
+                             what="the address held at its cap")
+            assert await closed_by_server(silent[0][0])
+        finally:
+            for _, writer in silent:
+                writer.close()
+        assert await models_over_https(api.port, context) == 200
+
+
+async def served_certificate(port: int, context: ssl.SSLContext) -> bytes:
+    """The DER certificate a new HTTPS connection to the API is shown."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+    try:
+        return writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.close()
+
+
+async def test_a_rotated_certificate_is_shown_to_new_connections_and_open_ones_keep_theirs(tmp_path):
+    ca = tls.new_ca()
+    async with https_api(tmp_path, ca=ca) as (api, context):
+        before = await served_certificate(api.port, context)
+        kept, kept_writer = await asyncio.open_connection("127.0.0.1", api.port, ssl=context)
+        try:
+            cert, key = tls.issue(*ca, tls.identity("test", OMNI.name, tls.ORCHESTRATOR_ROLE),
+                                  ip_addresses=["127.0.0.1"])
+            tls.write_dir(tmp_path / "api", ca[0], cert, key)
+            api.reload_tls()
+            after = await served_certificate(api.port, context)
+            assert after != before and after == ssl.PEM_cert_to_DER_cert(cert.decode())
+            # the connection opened before the rotation still works on its own session
+            kept_writer.write(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{api.port}\r\n\r\n".encode())
+            async with asyncio.timeout(BOUND_S):
+                head = await kept.readuntil(b"\r\n\r\n")
+            assert int(head.split()[1]) == 200
+        finally:
+            kept_writer.close()

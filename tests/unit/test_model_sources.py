@@ -40,6 +40,8 @@ from .test_pod_security import restricted_violations
 LLM = yaml.safe_load((EXAMPLES / "llm-tiny.yaml").read_text())   # one stage, "llm"
 CFG = OperatorConfig(model_volume=ModelVolume("pvc", "omnistage-models", "/models"))
 HF = "hf://omnistage-tests/qwen2-tiny@main"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+HF_PINNED = f"hf://omnistage-tests/qwen2-tiny@{COMMIT}"   # a shared cache takes commits only
 
 
 @pytest.mark.parametrize("text, source", [
@@ -107,8 +109,16 @@ def _errors(doc: dict) -> list[str]:
 
 
 def test_a_pipeline_with_hf_and_pvc_models_and_their_settings_is_valid():
-    assert _errors(_with_model(HF, modelCache={"persistentVolumeClaim": "hub-cache"},
+    assert _errors(_with_model(HF_PINNED, modelCache={"persistentVolumeClaim": "hub-cache"},
                                hub={"endpoint": "https://hub.example", "tokenSecret": {"name": "hf"}})) == []
+    assert _errors(_with_model(HF, hub={"endpoint": "http://mirror.local"})) == []   # a branch, in the pod's own cache
+
+
+def test_a_shared_cache_takes_commits_only_and_a_token_never_goes_over_plain_http():
+    (err,) = _errors(_with_model(HF, modelCache={"hostPath": "/var/cache/hub"}))
+    assert err.startswith('spec.topology.stages[0].model: "main" is a branch or tag; with spec.deployment.modelCache')
+    (err,) = _errors(_with_model(HF, hub={"endpoint": "http://mirror.local", "tokenSecret": {"name": "hf"}}))
+    assert err.startswith('spec.deployment.hub.endpoint: "http://mirror.local" is plain HTTP')
     assert _errors(_with_model("pvc://weights/qwen2-tiny", modelCache={"hostPath": "/var/cache/hub"})) == []
 
 
@@ -124,7 +134,7 @@ def test_a_bad_model_source_is_refused_at_the_stages_model(model, says):
 
 
 def test_bad_cache_and_hub_settings_are_refused_by_field():
-    errors = _errors(_with_model(HF, modelCache={"persistentVolumeClaim": "c", "hostPath": "cache"},
+    errors = _errors(_with_model(HF_PINNED, modelCache={"persistentVolumeClaim": "c", "hostPath": "cache"},
                                  hub={"endpoint": "hub.example", "tokenSecret": {"key": "token"}, "tken": 1}))
     assert sorted(errors) == sorted([
         "spec.deployment.modelCache: name one of persistentVolumeClaim or hostPath, not both",
@@ -173,7 +183,7 @@ def test_a_pvc_model_mounts_its_claim_read_only_where_the_stage_reads_it():
 
 
 def test_an_hf_model_is_pulled_then_checked_by_init_containers_into_the_cache():
-    doc = _with_model(HF, modelCache={"persistentVolumeClaim": "hub-cache"},
+    doc = _with_model(HF_PINNED, modelCache={"persistentVolumeClaim": "hub-cache"},
                       hub={"endpoint": "https://hub.example", "tokenSecret": {"name": "hf-token", "key": "t"}})
     doc["spec"]["deployment"]["stages"]["llm"]["env"] = {"HF_HUB_OFFLINE": "1", "EXTRA": "x"}
     pod = _pod(doc)
@@ -202,17 +212,18 @@ def test_an_hf_model_is_pulled_then_checked_by_init_containers_into_the_cache():
 
 @pytest.mark.parametrize("cache, volume", [
     ({}, {"emptyDir": {}}),
-    ({"hostPath": "/var/cache/hub"}, {"hostPath": {"path": "/var/cache/hub", "type": "DirectoryOrCreate"}}),
+    # a node's folder per namespace: pods of every namespace run as one uid
+    ({"hostPath": "/var/cache/hub"}, {"hostPath": {"path": "/var/cache/hub/default", "type": "DirectoryOrCreate"}}),
 ])
 def test_the_cache_is_the_pods_own_without_a_setting_or_the_nodes_folder(cache, volume):
-    pod = _pod(_with_model(HF, modelCache=cache) if cache else _with_model(HF))
+    pod = _pod(_with_model(HF_PINNED, modelCache=cache) if cache else _with_model(HF))
     assert _volume(pod, CACHE_VOLUME) == {"name": CACHE_VOLUME, **volume}
     assert "HF_TOKEN" not in _env(pod["initContainers"][0])   # no Secret named: none sent
     assert "HF_ENDPOINT" not in _env(pod["initContainers"][0])
 
 
 @pytest.mark.parametrize("model, cache", [
-    (HF, {}), (HF, {"persistentVolumeClaim": "hub-cache"}), ("pvc://weights/qwen2-tiny", {})])
+    (HF, {}), (HF_PINNED, {"persistentVolumeClaim": "hub-cache"}), ("pvc://weights/qwen2-tiny", {})])
 def test_stage_pods_with_every_source_stay_restricted(model, cache):
     pod = _pod(_with_model(model, modelCache=cache, hub={"tokenSecret": {"name": "hf"}}))
     assert restricted_violations(pod) == []

@@ -53,8 +53,10 @@ def _key_mounts(deployment: dict) -> list[dict]:
 
 
 def _flags(deployment: dict, parser) -> object:
+    """The stage's settings as it reads them: its flags, and its environment for what has none."""
     (c,) = _pod(deployment)["containers"]
-    return parser(env={}).parse_args(c["command"][3:])
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    return parser(env=env).parse_args(c["command"][3:])
 
 
 @pytest.mark.parametrize("issuer", sorted(CONFIGS))
@@ -64,6 +66,8 @@ def test_every_stage_pod_mounts_the_key_read_only_and_is_told_its_file(issuer):
         assert _key_mounts(sc.deployment) == [{"name": _key_mounts(sc.deployment)[0]["name"],
                                                "mountPath": launch.DATA_PLANE_KEY_MOUNT, "readOnly": True}], name
         assert _flags(sc.deployment, launch.stage_parser).data_plane_key == KEY_FILE
+        # by environment, not by flag: a stage on an image from before the key ignores it rather than refusing
+        assert "--data-plane-key" not in _pod(sc.deployment)["containers"][0]["command"]
     # The orchestrator moves no tensors over UCX: it gets neither the key nor a flag naming it.
     assert _key_mounts(children.orchestrator_deployment) == []
     assert "--data-plane-key" not in " ".join(_pod(children.orchestrator_deployment)["containers"][0]["command"])
@@ -121,10 +125,16 @@ def test_the_reconcile_makes_the_key_once_and_keeps_it(issuer):
     for _ in range(2):   # later passes: the same key, the Secret not written
         reconcile(api, CONFIGS[issuer], NS, PIPE)
     assert _key(api) == key and f"Secret/{SECRET}" not in api.patched
-    # Rotation: the Secret deleted, the next pass makes a new key.
+    if issuer == "chart":   # the key its CA derives: the one stage pods had before the Secret existed
+        ca_key = base64.b64decode(api.objects[("Secret", CA_SECRET[1])]["data"]["tls.key"])
+        assert key == tls.data_plane_key(ca_key, NS, PIPE)
+    # Rotation: a new key put into the Secret is kept; the Secret deleted, the next pass makes one again.
+    api.objects[("Secret", SECRET)]["data"][tls.DATA_PLANE_KEY_FILE] = base64.b64encode(b"ab" * 32).decode()
+    reconcile(api, CONFIGS[issuer], NS, PIPE)
+    assert _key(api) == bytes.fromhex("ab" * 32) and f"Secret/{SECRET}" not in api.patched
     del api.objects[("Secret", SECRET)]
     reconcile(api, CONFIGS[issuer], NS, PIPE)
-    assert _key(api) != key
+    assert len(_key(api)) == 32 and (_key(api) == key) == (issuer == "chart")
 
 
 def test_an_unusable_key_of_its_own_is_made_again():
