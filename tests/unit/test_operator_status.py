@@ -365,3 +365,15 @@ def test_a_status_with_a_failure_is_the_modelled_one():
     node = SCHEMA["properties"]["status"]
     assert "lastFailure" in st["stages"]["talker"]
     assert list(Validator(to_json_schema(node)).iter_errors(st)) == [] and undeclared(node, st) == []
+
+
+def test_a_pull_flapping_between_its_two_reasons_is_one_event_and_a_gated_pod_is_no_failure():
+    pulling = failing_status([pod("p-talker-2", state={"waiting": {"reason": "ErrImagePull", "message": "m"}})])
+    backoff = failing_status([pod("p-talker-2", state={"waiting": {"reason": "ImagePullBackOff", "message": "m"}})],
+                             old=pulling)
+    again = failing_status([pod("p-talker-2", state={"waiting": {"reason": "ErrImagePull", "message": "m"}})],
+                           old=backoff)
+    assert new_failures(None, pulling) != [] and new_failures(pulling, backoff) == [] == new_failures(backoff, again)
+    gated = unplaced("p-talker-1")
+    gated["status"]["conditions"][0].update(reason="SchedulingGated", message="waiting for its gates")
+    assert last_failure([gated]) is None   # held on purpose (Kueue), not refused by the scheduler
