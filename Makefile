@@ -5,6 +5,7 @@
 #               Kubernetes e2e suite (fetches helm and builds the control plane when they are not cached)
 #   make lint   ruff (lint + import order), mypy on the contracts and subsystems, import-linter's contracts
 #   make test-fast  the quick loop (about 3 min): unit and integration tests not marked slow or vllm
+#   make image  the project's image without a Docker daemon (debootstrap + buildah; `docker build .` also works)
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,10 @@ PROTO_SRC := $(wildcard protos/omnistage/v1/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup protos crd models demo demo-image demo-llm lint test test-unit test-fast e2e bench clean
+.PHONY: setup protos crd models demo demo-image demo-llm lint test test-unit test-fast e2e bench clean image
+
+image:
+	@scripts/build_image.sh
 
 setup:
 	@scripts/setup.sh

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# `make image`: the project's image without a Docker daemon. A Debian base made with debootstrap (Python 3.11
+# in /usr/local, the shape of python:3.11-slim), then buildah runs the Dockerfile on it unchanged (`--from` takes
+# the place of its FROM). Out: the image in buildah's store under ~/.cache/omnistage/buildah, tagged
+# localhost/omnistage/omnistage:VERSION, and an OCI archive ~/.cache/omnistage/image/omnistage-VERSION-VARIANT.tar
+# (`ctr images import`, `skopeo copy oci-archive:... docker://REGISTRY/...`, `podman load`).
+#   VARIANT=cpu|cuda      the Dockerfile's variant (cpu)
+#   CPU_TORCH_INDEX=URL   torch's CPU index for the build (the Dockerfile's default: PyTorch's)
+#   DEBIAN_MIRROR=URL     the Debian archive debootstrap reads (deb.debian.org)
+# The host's pip settings go into the build read-only (its config files, the local folders and file:// indexes
+# they name, its CA bundle), so a machine that installs from a mirror builds from the same mirror.
+# Needs root (debootstrap, buildah's overlay storage); buildah and debootstrap come from the distribution.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE=${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}
+VARIANT=${VARIANT:-cpu}
+RELEASE=bookworm
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+B=(buildah --root "$CACHE/buildah/root" --runroot "$CACHE/buildah/run" --storage-driver overlay)
+BASE=localhost/omnistage/base:$RELEASE
+VERSION=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+TAG=localhost/omnistage/omnistage:$VERSION
+OUT=$CACHE/image/omnistage-$VERSION-$VARIANT.tar
+step() { printf '\033[1m[image]\033[0m %s\n' "$*"; }
+t0=$(date +%s)
+
+for tool in buildah debootstrap; do
+  command -v $tool >/dev/null && continue
+  [ "$(id -u)" = 0 ] || { echo "make image: needs $tool (apt-get install $tool)" >&2; exit 2; }
+  step "installing $tool from the distribution"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $tool >/dev/null
+done
+mkdir -p "$CACHE/image"
+
+if ! "${B[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
+  step "base: Debian $RELEASE with Python 3.11 (debootstrap, once)"
+  rootfs=$CACHE/image/base-$RELEASE
+  rm -rf "$rootfs"
+  debootstrap --variant=minbase --include=python3.11,ca-certificates "$RELEASE" "$rootfs" "$MIRROR" \
+    > "$CACHE/image/debootstrap.log"
+  # /usr/local as a venv: python, python3 and pip on PATH as in python:3.11-slim, and pip may install there
+  # (python3.11-venv after the base: in debootstrap's own list it fails to configure)
+  chroot "$rootfs" sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends python3.11-venv &&
+    python3.11 -m venv /usr/local && ln -sf python3.11 /usr/local/bin/python3 &&
+    apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin' >> "$CACHE/image/debootstrap.log"
+  c=$("${B[@]}" from scratch)
+  m=$("${B[@]}" mount "$c")
+  tar -C "$rootfs" --exclude='./proc/*' --exclude='./sys/*' --exclude='./dev/*' -cf - . | tar -C "$m" -xf -
+  "${B[@]}" umount "$c" >/dev/null
+  "${B[@]}" config --env PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin --env LANG=C.UTF-8 \
+    --cmd python3 "$c"
+  "${B[@]}" commit -q "$c" "$BASE" >/dev/null
+  "${B[@]}" rm "$c" >/dev/null
+  rm -rf "$rootfs"
+fi
+
+# The host's pip settings: all of them (its files' and its PIP_* environment's) as the build's /etc/pip.conf,
+# and the files and folders they name read-only at the same paths.
+mounts=()
+add_mount() { [ -e "$1" ] && mounts+=(-v "$1:$1:ro") || true; }
+add_mount /etc/ssl/certs/ca-certificates.crt
+if python3 -m pip --version >/dev/null 2>&1; then
+  { echo "[global]"; python3 -m pip config list 2>/dev/null | sed -n "s/^[^.]*\.\([a-z-]*\)='\(.*\)'$/\1 = \2/p" |
+    awk -F' = ' '!seen[$1]++'; } \
+    > "$CACHE/image/pip.conf"
+  mounts+=(-v "$CACHE/image/pip.conf:/etc/pip.conf:ro")
+  while read -r value; do
+    for v in $value; do
+      case "$v" in file:///*/simple) v=${v#file://}; v=${v%/simple} ;; file://*) v=${v#file://} ;; esac
+      case "$v" in /*) add_mount "$v" ;; esac   # a local index: its folder, whose files its pages name
+    done
+  done < <(python3 -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.\(find-links\|index-url\|extra-index-url\|constraint\|cert\)='\(.*\)'$/\2/p")
+fi
+args=(--build-arg "VARIANT=$VARIANT")
+[ -n "${CPU_TORCH_INDEX:-}" ] && args+=(--build-arg "CPU_TORCH_INDEX=$CPU_TORCH_INDEX")
+
+step "building $TAG ($VARIANT) from the Dockerfile on $BASE"
+"${B[@]}" bud --isolation chroot --layers --from "$BASE" "${args[@]}" "${mounts[@]}" -f Dockerfile -t "$TAG" .
+step "writing $OUT"
+rm -f "$OUT"
+"${B[@]}" push -q "$TAG" "oci-archive:$OUT:$TAG"
+step "done in $(( $(date +%s) - t0 ))s: $TAG, $(du -h "$OUT" | cut -f1) archive"
