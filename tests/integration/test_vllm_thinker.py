@@ -53,14 +53,14 @@ async def thinkers(model_dir, request):
 
 
 def assert_same_rows(ours, ref):
-    """Same tokens and, chunk by chunk, the same rows (as many, equal within float tolerance)."""
+    """Same tokens and the same rows, in order (as many, equal within float tolerance). Where the chunks fall
+    is not compared: vLLM hands over the steps made while its output was not yet read as one output, so under
+    load one chunk may carry what another run sends in two."""
     assert token_ids(ours) == token_ids(ref)
-    assert len(ours) == len(ref)
-    for a, b in zip(ours, ref):
-        for name in ("embeds", "hidden"):
-            x, y = tensor_of(a, name), tensor_of(b, name)
-            assert x.shape == y.shape, name
-            torch.testing.assert_close(x, y, atol=ROW_TOLERANCE, rtol=0, msg=name)
+    for name in ("embeds", "hidden"):
+        x, y = (torch.cat([tensor_of(c, name) for c in chunks]) for chunks in (ours, ref))
+        assert x.shape == y.shape, name
+        torch.testing.assert_close(x, y, atol=ROW_TOLERANCE, rtol=0, msg=name)
     assert torch.equal(tensor_of(ours[0], "prompt_token_ids"), tensor_of(ref[0], "prompt_token_ids"))
 
 
