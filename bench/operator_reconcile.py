@@ -15,6 +15,14 @@ Figures (bench/results/operator_reconcile.json):
   status.pending_reason_s  a stage pod the scheduler cannot place (it asks for more CPU than the node has),
                          from its PodScheduled=False condition first seen to the reason, with the
                          scheduler's message, in status.stages[].lastFailure (goal <= 10 s)
+
+Then, on real containers (a kubelet with containerd and runc running the image of `make image`, in a private
+network namespace: e2e/real/first_answer.py):
+  e2e_real.apply_to_first_answer_s  apply of the example -> its first answer through the orchestrator's Service
+  e2e_real.apply_to_ready_s         same apply -> Ready=True (four containers start, import torch, load models)
+  e2e_real.image_import_s           `ctr images import` of the image's OCI archive into containerd (the image is
+                                    removed from the store first; an unchanged image is never imported twice)
+  e2e_real.image_archive_gb         the OCI archive's size (gzip layers); the image is built before and not timed
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,6 +142,22 @@ def apply_many(c: Cluster, n: int) -> float:
     return time.monotonic() - t0
 
 
+def real_containers() -> tuple[list[dict], dict]:
+    """The e2e_real.* figures: e2e/real/first_answer.py in a private network namespace of its own."""
+    out = REPO / "e2e" / ".run" / "first-answer.json"
+    out.unlink(missing_ok=True)
+    subprocess.run([str(REPO / "e2e" / "cluster" / "in-netns.sh"), sys.executable, "-m", "e2e.real.first_answer",
+                    "--reimport", "--json", str(out)], cwd=REPO, check=True)
+    t = json.loads(out.read_text())
+    figures = [figure("e2e_real.apply_to_first_answer_s", t["apply_to_first_answer_s"], "s"),
+               figure("e2e_real.apply_to_ready_s", t["apply_to_ready_s"], "s"),
+               figure("e2e_real.image_import_s", t["image_import_s"], "s"),
+               figure("e2e_real.image_archive_gb", t["image_bytes"] / 1e9, "GB")]
+    return figures, {"e2e_real": "kubelet v1.20.2 + containerd 1.6.20 + runc 1.1.5 (Debian), image of `make image`, "
+                                 "examples/qwen3-omni-tiny.yaml with its requests lowered to fit 2 cores",
+                     "e2e_real_image_build_cached_s": round(t["image_build_s"], 1)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer no-op rounds (the figures keep their meaning)")
@@ -158,7 +183,10 @@ def main() -> int:
     finally:
         c.stop_operator()
         c.down()
-    print_table("operator reconcile (e2e control plane, simulated pods)", figures)
+    real, real_notes = real_containers()
+    figures += real
+    notes.update(real_notes)
+    print_table("operator reconcile (e2e control plane, simulated pods; e2e_real.*: real containers)", figures)
     print(f"  ({notes['noop_reconciles']} no-op reconciles made {notes['noop_writes_total']} writes; "
           f"control plane up in {notes['cluster_up_s']}s; load average {notes['load_average_1m_at_start_and_end']})")
     path = write_results("operator_reconcile", figures, {"notes": notes})

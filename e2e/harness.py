@@ -1,18 +1,27 @@
-"""The e2e cluster as one object: build or reuse the v1.20.2 binaries, start the control plane and the
-node agent, install the CRD, run the operator (as a local process with its own identity, bound to the
-chart's ClusterRole), and poll for conditions. Used by e2e/conftest.py and bench/operator_reconcile.py.
-Everything it starts is recorded by PID in the run folder and stopped by e2e/cluster/down.sh."""
+"""The e2e cluster as one object: build or reuse the v1.20.2 binaries, start the control plane and a node,
+install the CRD, run the operator (as a local process with its own identity, bound to the chart's
+ClusterRole), and poll for conditions. Used by e2e/conftest.py, e2e/real/conftest.py and
+bench/operator_reconcile.py. Everything it starts is recorded by PID in the run folder and stopped by
+e2e/cluster/down.sh (and node-down.sh).
+
+Two kinds of node:
+  agent  e2e/node/agent.py: pods' commands run as processes from this checkout, on loopback pod IPs (fast,
+         hundreds of pods; what the control-plane scenarios and the reconcile benchmark need);
+  real   a kubelet, containerd and runc running the project image (`make image`), pods on a CNI bridge and
+         Services through kube-proxy, inside a private network namespace (e2e/cluster/in-netns.sh)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import kubernetes
 import yaml
@@ -28,6 +37,7 @@ OPERATOR_USER = "omnistage-operator"
 OPERATOR_METRICS_PORT = 9464   # the local operator's Prometheus metrics (the stage planner's decisions)
 PIPELINE_CA = "omnistage-pipeline-ca"  # the CA Secret of the pipelines' mTLS (the chart's is <release>-pipeline-ca)
 E2E_WEBHOOK_ROLE = "omnistage-e2e-webhook-config"
+REAL_NODE_IP = "10.88.0.1"     # node-up.sh's pod bridge address, inside the run's private network namespace
 
 
 class Timeout(AssertionError):
@@ -52,9 +62,42 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
         time.sleep(interval)
 
 
+@contextlib.contextmanager
+def running(c: "Cluster", namespace: str) -> Iterator["Cluster"]:
+    """A session's cluster: up, the operator's RBAC granted, `namespace` made; always taken down after."""
+    try:
+        c.up()
+        c.grant_operator_rbac()
+        c.namespace(namespace)
+        yield c
+    finally:
+        c.stop_operator()
+        c.down()
+
+
+def project_image(log: Path) -> tuple[str, Path]:
+    """`make image` (scripts/build_image.sh; every layer and the archive reused when nothing changed): the
+    image's reference and its OCI archive."""
+    cmd, fds = [str(REPO / "scripts" / "build_image.sh")], ()
+    outer = os.environ.get("OMNISTAGE_OUTER_NETNS_FD")
+    if outer:   # in e2e/cluster/in-netns.sh's private namespace: the build needs the machine's network (PyPI)
+        cmd, fds = ["nsenter", f"--net=/proc/self/fd/{outer}", *cmd], (int(outer),)
+    with open(log, "ab") as out:
+        r = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, pass_fds=fds)
+    if r.returncode != 0:
+        raise AssertionError(f"make image failed ({r.returncode}); see {log}")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    return f"localhost/omnistage/omnistage:{version}", CACHE / "image" / f"omnistage-{version}-cpu.tar"
+
+
 class Cluster:
-    def __init__(self, run_dir: Path, simulate: bool = False, agent_env: dict[str, str] | None = None):
+    def __init__(self, run_dir: Path, simulate: bool = False, agent_env: dict[str, str] | None = None,
+                 node: str = "agent"):
+        if node not in ("agent", "real"):
+            raise ValueError(f"node must be agent or real, not {node!r}")
         self.run = Path(run_dir)
+        self.node = node
+        self.image = ""               # the project image a real node runs (set by up())
         self.simulate = simulate
         self.agent_env = agent_env or {}
         self.admin_kubeconfig = self.run / "admin.kubeconfig"
@@ -69,14 +112,33 @@ class Cluster:
         subprocess.run([str(CLUSTER / "build.sh"), str(BIN)], check=True)
         self.timings = {"build_s": time.monotonic() - t0}
         self.down()                    # leftovers of an interrupted run in the same folder
-        shutil.rmtree(self.run / "etcd", ignore_errors=True)
-        shutil.rmtree(self.run / "pods", ignore_errors=True)
-        self.run.mkdir(parents=True, exist_ok=True)
+        for leftover in ("etcd", "pods", "kubelet", "containerd", "log/pods"):
+            shutil.rmtree(self.run / leftover, ignore_errors=True)
+        (self.run / "log").mkdir(parents=True, exist_ok=True)
+        archive = None
+        if self.node == "real":
+            t = time.monotonic()
+            self.image, archive = project_image(self.run / "log" / "image.log")
+            self.timings["image_build_s"] = time.monotonic() - t
+            self.timings["image_bytes"] = archive.stat().st_size
         t1 = time.monotonic()
-        subprocess.run([str(CLUSTER / "up.sh"), str(BIN), str(self.run)], check=True)
+        # A real node: pods reach the API (the `kubernetes` Service) at the node's bridge address, and the
+        # apiserver reaches the kubelet (logs, exec) at the node's InternalIP (there is no cluster DNS).
+        env = {**os.environ, "KUBELET_ADDRESS_TYPES": "InternalIP,Hostname", "APISERVER_BIND": "0.0.0.0",
+               "APISERVER_ADVERTISE": REAL_NODE_IP} if self.node == "real" else None
+        subprocess.run([str(CLUSTER / "up.sh"), str(BIN), str(self.run)], check=True, env=env)
         self.api = kubernetes.config.new_client_from_config(str(self.admin_kubeconfig))
-        self._start_node_agent()
-        wait_for(self._node_ready, 60, "the e2e node to be Ready")
+        if self.node == "real":
+            t = time.monotonic()
+            out = subprocess.run([str(CLUSTER / "node-up.sh"), str(BIN), str(self.run), str(archive)],
+                                 check=True, capture_output=True, text=True).stdout
+            print(out, end="")
+            self.timings["node_up_s"] = time.monotonic() - t
+            self.timings["image_import_s"] = sum(float(w[:-1]) for line in out.splitlines()
+                                                 if line.startswith("[node] imported") for w in line.split()[-1:])
+        else:
+            self._start_node_agent()
+        wait_for(self._node_ready, 120, "the e2e node to be Ready")
         wait_for(lambda: self._default_service_account(), 60, "the default ServiceAccount token")
         self.kubectl("apply", "-f", str(REPO / "crds" / "omnipipelines.yaml"))
         self.kubectl("wait", "--for=condition=established", "crd/omnipipelines.omnistage.io", "--timeout=60s")
@@ -85,6 +147,8 @@ class Cluster:
         return self
 
     def down(self) -> None:
+        if self.node == "real":
+            subprocess.run([str(CLUSTER / "node-down.sh"), str(BIN), str(self.run)], check=False)
         subprocess.run([str(CLUSTER / "down.sh"), str(self.run)], check=False)
 
     def _start_node_agent(self) -> None:
@@ -200,6 +264,8 @@ class Cluster:
         self.delete_webhook_configurations()  # a killed operator leaves a failurePolicy=Fail webhook behind
         if tls:
             env = {"OMNISTAGE_TLS_ISSUER": "chart", "OMNISTAGE_TLS_CA_SECRET": self.pipeline_ca(namespaces[0]), **env}
+        if self.node == "real":
+            env = {"OMNISTAGE_IMAGE": self.image, **env}
         settings = {"KUBECONFIG": str(self.operator_kubeconfig), "OMNISTAGE_WEBHOOK": webhook,
                     "OMNISTAGE_MODEL_VOLUME": f"hostPath:{REPO / 'models'}", "OMNISTAGE_RESYNC_SECONDS": "60",
                     "OMNISTAGE_WEBHOOK_CERT": str(self.run / "pki" / "webhook.crt"),
@@ -263,8 +329,13 @@ class Cluster:
             return c if ok else None
         return wait_for(check, timeout, f"{namespace}/{name} {type_}={status}" + (f" ({reason})" if reason else ""))
 
+    def service_endpoint(self, namespace: str, pipeline: str, port: int = GRPC_PORT) -> str:
+        """The orchestrator Service's virtual IP (a real node: kube-proxy routes it to a ready pod)."""
+        svc = self.core.read_namespaced_service(f"{pipeline}-orchestrator", namespace)
+        return f"{svc.spec.cluster_ip}:{port}"
+
     def orchestrator_endpoint(self, namespace: str, pipeline: str) -> str:
-        """The orchestrator pod's own IP (there is no kube-proxy for the Service's virtual IP)."""
+        """The orchestrator pod's own IP (the agent node has no kube-proxy for the Service's virtual IP)."""
         pods = self.core.list_namespaced_pod(namespace, label_selector=(
             f"omnistage.io/pipeline={pipeline},omnistage.io/component=orchestrator")).items
         ready = [p for p in pods if p.status.pod_ip and not p.metadata.deletion_timestamp and

@@ -21,6 +21,13 @@ import grpc
 BASE_EJECTION_S = 1.0
 MAX_EJECTION_S = 30.0
 
+# A replica's load is polled (routing.py, GetLoad with a 1 s bound). Two polls that could not connect mean it is
+# gone. A poll that timed out means it is slow, not gone: a stage starved of CPU (its cgroup's share on a busy
+# node, a long step holding the interpreter) still serves what it holds, and taking it out of routing would turn
+# slowness into refusals. Only this many timed-out polls in a row (about 10 s without one answer) mean hung.
+UNREACHABLE_AFTER_FAILED_POLLS = 2
+UNREACHABLE_AFTER_SLOW_POLLS = 8
+
 # What gRPC core says when no connection could be made (so no byte of the call was sent). Matched on
 # the status details because gRPC Python exposes no separate error kind for it.
 _NOT_CONNECTED = ("failed to connect to all addresses", "connection refused", "no route to host",
@@ -31,6 +38,12 @@ def nothing_sent(code: grpc.StatusCode, details: str) -> bool:
     """Whether a failed call never reached its replica: UNAVAILABLE before any connection was made."""
     text = (details or "").lower()
     return code == grpc.StatusCode.UNAVAILABLE and any(s in text for s in _NOT_CONNECTED)
+
+
+def unreachable(code: grpc.StatusCode, misses: int) -> bool:
+    """Whether `misses` load polls in a row, the last of which failed with `code`, mean the replica is unreachable."""
+    slow = code == grpc.StatusCode.DEADLINE_EXCEEDED
+    return misses >= (UNREACHABLE_AFTER_SLOW_POLLS if slow else UNREACHABLE_AFTER_FAILED_POLLS)
 
 
 def ejection_seconds(consecutive: int, base_s: float = BASE_EJECTION_S, max_s: float = MAX_EJECTION_S) -> float:

@@ -4,8 +4,10 @@
 # the place of its FROM). Out: the image in buildah's store under ~/.cache/omnistage/buildah, tagged
 # localhost/omnistage/omnistage:VERSION, and an OCI archive ~/.cache/omnistage/image/omnistage-VERSION-VARIANT.tar
 # (`ctr images import`, `skopeo copy oci-archive:... docker://REGISTRY/...`, `podman load`).
+# The archive is written only when the image changed (its ID is kept in omnistage-VERSION-VARIANT.tar.id).
 #   VARIANT=cpu|cuda      the Dockerfile's variant (cpu)
-#   CPU_TORCH_INDEX=URL   torch's CPU index for the build (the Dockerfile's default: PyTorch's)
+#   CPU_TORCH_INDEX=URL   torch's CPU index for the build (the Dockerfile's default: PyTorch's; where that cannot be
+#                         reached, the host pip's own index, whose find-links give the CPU build as setup.sh does)
 #   DEBIAN_MIRROR=URL     the Debian archive debootstrap reads (deb.debian.org)
 # The host's pip settings go into the build read-only (its config files, the local folders and file:// indexes
 # they name, its CA bundle), so a machine that installs from a mirror builds from the same mirror.
@@ -72,11 +74,29 @@ if python3 -m pip --version >/dev/null 2>&1; then
   done < <(python3 -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.\(find-links\|index-url\|extra-index-url\|constraint\|cert\)='\(.*\)'$/\2/p")
 fi
 args=(--build-arg "VARIANT=$VARIANT")
+if [ -z "${CPU_TORCH_INDEX:-}" ] && [ "$VARIANT" = cpu ]; then
+  pytorch=$(sed -n 's/^ARG CPU_TORCH_INDEX=//p' Dockerfile)
+  if ! curl -sf -m 10 -o /dev/null "$pytorch/torch/"; then
+    # The same choice on every run, so the build's cache keeps hitting (a build argument is part of its key).
+    CPU_TORCH_INDEX=$(python3 -m pip config list 2>/dev/null | sed -n "s/^[^.]*\.\(index-url\|extra-index-url\)='\([^ ']*\).*$/\1 \2/p" |
+                      sort -r | head -1 | cut -d' ' -f2)
+    [ -n "$CPU_TORCH_INDEX" ] || { echo "make image: $pytorch cannot be reached and pip names no other index: set CPU_TORCH_INDEX" >&2; exit 2; }
+    step "$pytorch cannot be reached: torch's CPU build from this machine's pip index, $CPU_TORCH_INDEX"
+  fi
+fi
 [ -n "${CPU_TORCH_INDEX:-}" ] && args+=(--build-arg "CPU_TORCH_INDEX=$CPU_TORCH_INDEX")
 
 step "building $TAG ($VARIANT) from the Dockerfile on $BASE"
 "${B[@]}" bud --isolation chroot --layers --from "$BASE" "${args[@]}" "${mounts[@]}" -f Dockerfile -t "$TAG" .
-step "writing $OUT"
-rm -f "$OUT"
-"${B[@]}" push -q "$TAG" "oci-archive:$OUT:$TAG"
-step "done in $(( $(date +%s) - t0 ))s: $TAG, $(du -h "$OUT" | cut -f1) archive"
+# The archive's image ID and size beside it (written once the archive is whole): a build that changed nothing
+# (every layer cached) gives the same ID, and the archive already holds it; writing it again takes minutes.
+id=$("${B[@]}" inspect --type image --format '{{.FromImageID}}' "$TAG")
+if [ -f "$OUT" ] && [ "$(cat "$OUT.id" 2>/dev/null)" = "$id $(stat -c %s "$OUT")" ]; then
+  step "reusing $OUT: it holds this image already (${id:0:12})"
+else
+  step "writing $OUT"
+  rm -f "$OUT" "$OUT.id"
+  "${B[@]}" push -q "$TAG" "oci-archive:$OUT:$TAG"
+  echo "$id $(stat -c %s "$OUT")" > "$OUT.id"
+fi
+step "done in $(( $(date +%s) - t0 ))s: $TAG (${id:0:12}), $(du -h "$OUT" | cut -f1) archive"

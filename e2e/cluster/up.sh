@@ -7,7 +7,9 @@
 #   pki/webhook.{crt,key}  serving certificate for a webhook on 127.0.0.1 (SAN IP:127.0.0.1)
 #   log/audit.log          every write request (JSON lines), to count the operator's writes
 #   *.pid, log/*.log       one per process; down.sh stops them by PID
-# usage: e2e/cluster/up.sh BIN_DIR RUN_DIR      env: APISERVER_PORT (6443), ETCD_PORT (2379; +1, +2 used too)
+# usage: e2e/cluster/up.sh BIN_DIR RUN_DIR      env: APISERVER_PORT (6443), ETCD_PORT (2379; +1, +2 used too),
+#   KUBELET_ADDRESS_TYPES (how the apiserver reaches a kubelet for logs and exec: Hostname,InternalIP),
+#   APISERVER_BIND, APISERVER_ADVERTISE (127.0.0.1: a real node's pods reach the API at the node's address)
 set -euo pipefail
 BIN=${1:?BIN_DIR}; RUN=${2:?RUN_DIR}
 PORT=${APISERVER_PORT:-6443}; EPORT=${ETCD_PORT:-2379}
@@ -67,11 +69,7 @@ rules:
   verbs: [create, update, patch, delete, deletecollection]
 - level: None
 A
-start() { # name command...: run in the background, record the PID
-  local name=$1; shift
-  "$@" > "$RUN/log/$name.log" 2>&1 &
-  echo $! > "$RUN/$name.pid"
-}
+. "$(dirname "$0")/lib.sh"
 t0=$(date +%s.%N)
 start etcd "$BIN/etcd" --name e2e --data-dir "$RUN/etcd" \
   --listen-client-urls "http://127.0.0.1:$EPORT" --advertise-client-urls "http://127.0.0.1:$EPORT" \
@@ -80,7 +78,8 @@ start etcd "$BIN/etcd" --name e2e --data-dir "$RUN/etcd" \
   --unsafe-no-fsync
 # --enable-aggregator-routing: webhooks behind a Service are called on its endpoint (pod) IPs, since
 # nothing here routes Service virtual IPs (no kube-proxy).
-start kube-apiserver "$BIN/kube-apiserver" --advertise-address=127.0.0.1 --bind-address=127.0.0.1 \
+start kube-apiserver "$BIN/kube-apiserver" --advertise-address="${APISERVER_ADVERTISE:-127.0.0.1}" \
+  --bind-address="${APISERVER_BIND:-127.0.0.1}" \
   --secure-port="$PORT" --insecure-port=0 --etcd-servers="http://127.0.0.1:$EPORT" \
   --client-ca-file="$P/ca.crt" --tls-cert-file="$P/apiserver.crt" --tls-private-key-file="$P/apiserver.key" \
   --kubelet-client-certificate="$P/kubelet-client.crt" --kubelet-client-key="$P/kubelet-client.key" \
@@ -88,7 +87,7 @@ start kube-apiserver "$BIN/kube-apiserver" --advertise-address=127.0.0.1 --bind-
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --api-audiences=https://kubernetes.default.svc.cluster.local \
   --service-cluster-ip-range=10.96.0.0/16 --authorization-mode=Node,RBAC --allow-privileged=false \
-  --enable-aggregator-routing=true --kubelet-preferred-address-types=Hostname,InternalIP --profiling=false \
+  --enable-aggregator-routing=true --kubelet-preferred-address-types="${KUBELET_ADDRESS_TYPES:-Hostname,InternalIP}" --profiling=false \
   --audit-policy-file="$RUN/audit-policy.yaml" --audit-log-path="$RUN/log/audit.log" --audit-log-format=json \
   --audit-log-maxsize=200 --audit-log-maxbackup=1
 A=(--cacert "$P/ca.crt" --cert "$P/admin.crt" --key "$P/admin.key")

@@ -1,14 +1,18 @@
 """The image's two variants, checked without Docker or CUDA: the Dockerfile's RUN steps are run by /bin/sh as
-a build would run them (its ARG and ENV values, a build argument overriding one) with every command they call
-stubbed to write down its arguments, and the `pip install` calls so recorded are resolved against
-pyproject.toml (extras with tomllib) into what each variant would install."""
+a build would run them (its ARG and ENV values, a build argument overriding one, the files its COPY steps
+bring) with every command they call stubbed to write down its arguments, and the `pip install` calls so
+recorded are resolved against pyproject.toml (extras with tomllib) into what each variant would install. The
+one command run for real is the step's own reading of pyproject.toml (python with tomllib, no network): the
+requirements it writes are what the dependency layer installs."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +29,9 @@ STUBBED = ("pip", "python", "rm", "useradd")
 VLLM_CUDA_MAJOR = {"0.32.0": "13"}
 # Built for one CUDA major each, or for the CPU: never two in one image.
 CUDA_PACKAGE = re.compile(r"-cu(\d+)$")
+# The folders of the project's sources: copied only after the dependency layer, so editing them reruns no
+# dependency install (gigabytes) on a rebuild.
+SOURCES = ("protos", "omnistage", "stage_service", "orchestrator_service", "operator")
 
 
 # ------------------------------------------------------------------------------ reading the Dockerfile
@@ -36,7 +43,7 @@ def instructions(text: str) -> list[tuple[str, str]]:
         if line.strip().startswith("#") or (not line.strip() and not pending):
             continue
         if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + "\n"
+            pending += line.rstrip()[:-1]   # as Docker joins them: no newline left
             continue
         whole = (pending + line).strip()
         pending = ""
@@ -57,6 +64,8 @@ class Build:
     env: dict[str, str] = field(default_factory=dict)
     base: str = ""
     failed: str = ""   # stderr of the step that failed, if one did
+    # ("COPY", its sources) and ("RUN", its recorded commands), in order: the image's layers that matter here.
+    steps: list[tuple[str, list]] = field(default_factory=list)
 
     def pip_installs(self) -> list[list[str]]:
         return [c[2:] for c in self.calls if c[:2] == ["pip", "install"]]
@@ -65,16 +74,25 @@ class Build:
         return {a for c in self.calls if c[:2] == ["pip", "uninstall"] for a in c[2:] if not a.startswith("-")}
 
 
-def build(tmp_path: Path, **build_args: str) -> Build:
+def requirements_file(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def build(tmp_path: Path, pyproject: str | None = None, **build_args: str) -> Build:
+    """pyproject: the text COPY brings as pyproject.toml, the repository's if None."""
+    app = tmp_path / "app"   # the WORKDIR
+    shutil.rmtree(app, ignore_errors=True)
+    app.mkdir()
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"
     log.write_text("")
     for name in STUBBED:   # builtins only: with PATH holding nothing else, a stub runs nothing real
         script = stubs / name
+        real = f'case "$2" in *tomllib*) exec {sys.executable} "$@" ;; esac\n' if name == "python" else ""
         script.write_text('#!/bin/sh\nprintf "%s" "${0##*/}" >> "$STUB_LOG"\n'
                           'for a in "$@"; do printf "\\037%s" "$a" >> "$STUB_LOG"; done\n'
-                          'printf "\\n" >> "$STUB_LOG"\n')
+                          'printf "\\n" >> "$STUB_LOG"\n' + real)
         script.chmod(0o755)
     result = Build()
     args: dict[str, str] = {}
@@ -86,13 +104,27 @@ def build(tmp_path: Path, **build_args: str) -> Build:
             args[name] = build_args.get(name, default)
         elif word == "ENV":
             result.env.update(env_pairs(rest))
+        elif word == "COPY":
+            sources = rest.split()[:-1]
+            result.steps.append(("COPY", sources))
+            for source in sources:   # the files (what a RUN step reads here); folders are only named
+                if source == "pyproject.toml" and pyproject is not None:
+                    (app / source).write_text(pyproject)
+                elif (ROOT / source).is_file():
+                    shutil.copy(ROOT / source, app / source)
         elif word == "RUN":
             env = {**args, **result.env, "PATH": str(stubs), "STUB_LOG": str(log)}
-            done = subprocess.run(["/bin/sh", "-c", rest], env=env, cwd=tmp_path, capture_output=True, text=True)
+            done = subprocess.run(["/bin/sh", "-c", rest], env=env, cwd=app, capture_output=True, text=True)
+            calls = [line.split("\037") for line in log.read_text().splitlines()][len(result.calls):]
+            for call in calls:   # `pip install -r FILE`: the requirements the file held then
+                while call[:2] == ["pip", "install"] and "-r" in call:
+                    at = call.index("-r")
+                    call[at:at + 2] = requirements_file(app / call[at + 1])
+            result.calls += calls
+            result.steps.append(("RUN", calls))
             if done.returncode:
                 result.failed = done.stderr or f"exit {done.returncode}"
                 break
-    result.calls = [line.split("\037") for line in log.read_text().splitlines()]
     return result
 
 
@@ -112,7 +144,7 @@ def extra(name: str) -> list[str]:
 
 def resolve(install_args: list[str]) -> tuple[list[str], list[str], list[str]]:
     """(requirements, index options, extras) of one `pip install`: `.[a,b]` becomes the project's dependencies
-    and those extras' requirements."""
+    and those extras' requirements (none of them with --no-deps)."""
     requirements, indexes, extras = [], [], []
     it = iter(install_args)
     for arg in it:
@@ -122,12 +154,25 @@ def resolve(install_args: list[str]) -> tuple[list[str], list[str], list[str]]:
             continue
         elif arg == "." or arg.startswith(".["):
             extras = [e for e in arg[2:-1].split(",") if e] if arg.startswith(".[") else []
+            if "--no-deps" in install_args:
+                continue
             requirements += PYPROJECT["project"]["dependencies"]
             for e in extras:
                 requirements += extra(e)
         else:
             requirements.append(arg)
     return requirements, indexes, extras
+
+
+def dependency_install(b: Build) -> list[str]:
+    """The `pip install` of the project's dependencies (the call that asks for transformers)."""
+    return next(c for c in b.pip_installs() if "transformers" in {name_of(r) for r in resolve(c)[0]})
+
+
+def step_of(b: Build, call: list[str]) -> int:
+    """The step that ran a command (as recorded, or a `pip install`'s arguments as pip_installs gives them)."""
+    return next(i for i, (word, body) in enumerate(b.steps)
+                if word == "RUN" and any(call in (c, c[2:]) for c in body))
 
 
 def everything(b: Build) -> list[str]:
@@ -176,8 +221,7 @@ def test_cuda_variant_installs_upstream_vllm_with_cuda_torch_and_ucx_of_one_cuda
     # vllm needs torchvision, torchaudio and torchcodec: nothing is uninstalled.
     assert b.pip_uninstalled() == set()
     # vllm's pinned torchvision/torchaudio resolve against the CUDA index too, not only PyPI.
-    main = next(c for c in b.pip_installs() if any(a.startswith(".[") for a in c))
-    assert resolve(main)[1] == ["--extra-index-url", "https://download.pytorch.org/whl/cu130"]
+    assert resolve(dependency_install(b))[1] == ["--extra-index-url", "https://download.pytorch.org/whl/cu130"]
     # One CUDA major: the torch index's, the UCX build's, the one vllm's wheels are built for.
     torch_cuda = re.search(r"/cu(\d+)\d$", resolve(b.pip_installs()[0])[1][1]).group(1)
     ucx_cuda = {CUDA_PACKAGE.search(n).group(1) for n in names if CUDA_PACKAGE.search(n)}
@@ -229,14 +273,56 @@ def test_a_wrong_build_argument_fails_the_build_before_installing(tmp_path, args
     assert b.pip_installs() == []
 
 
+def test_the_dependency_layer_installs_what_installing_the_project_with_the_variants_extras_would(variant):
+    """The requirements are those of `pip install ".[cpu,ucx,k8s,otel]"` (cuda: ".[gpu,ucx-cu13,k8s,otel]"), the
+    same list in the same order, as one install; the project itself is then installed without dependencies."""
+    name, b = variant
+    extras = {"cpu": ".[cpu,ucx,k8s,otel]", "cuda": ".[gpu,ucx-cu13,k8s,otel]"}[name]
+    assert resolve(dependency_install(b))[0] == list(dict.fromkeys(resolve([extras])[0]))
+    project = [c for c in b.pip_installs() if "." in c]
+    assert project == [["--no-deps", "."]] and resolve(project[0])[0] == []
+
+
+def test_no_source_is_copied_before_the_dependency_layer(variant):
+    """A source edit must leave the dependency layer (gigabytes, minutes) cached: before it, COPY brings
+    pyproject.toml alone, and the sources, the protos compiled with grpcio-tools and the project's own install
+    come after it."""
+    _, b = variant
+    deps = step_of(b, dependency_install(b))
+    copies = [(i, source) for i, (word, body) in enumerate(b.steps) if word == "COPY" for source in body]
+    assert [source for i, source in copies if i < deps] == ["pyproject.toml"]
+    assert set(SOURCES) <= {source for i, source in copies if i > deps}
+    last_copy = max(i for i, _ in copies)
+    protoc = next(c for c in b.calls if c[:3] == ["python", "-m", "grpc_tools.protoc"])
+    assert deps < step_of(b, protoc) and last_copy < step_of(b, protoc)
+    assert "grpcio-tools" in {name_of(r) for r in resolve(dependency_install(b))[0]}
+    project = next(c for c in b.pip_installs() if "." in c)
+    assert last_copy < step_of(b, project)
+
+
 def test_extra_extras_reach_the_install(tmp_path):
     b = build(tmp_path, VARIANT="cuda", EXTRAS="k8s,otel")
-    main = next(c for c in b.pip_installs() if any(a.startswith(".[") for a in c))
-    assert resolve(main)[2] == ["gpu", "ucx-cu13", "k8s", "otel"]
+    assert resolve(dependency_install(b))[0] == list(dict.fromkeys(resolve([".[gpu,ucx-cu13,k8s,otel]"])[0]))
     empty = build(tmp_path, EXTRAS="")
     assert not empty.failed, empty.failed
-    assert resolve(next(c for c in empty.pip_installs() if any(a.startswith(".[") for a in c)))[2] == [
-        "cpu", "ucx"]
+    assert resolve(dependency_install(empty))[0] == list(dict.fromkeys(resolve([".[cpu,ucx]"])[0]))
+
+
+def test_an_extra_naming_the_project_brings_that_extras_requirements(tmp_path):
+    text = (ROOT / "pyproject.toml").read_text().replace(
+        "[project.optional-dependencies]\n", '[project.optional-dependencies]\nkube = ["omnistage[k8s,otel]"]\n', 1)
+    b = build(tmp_path, pyproject=text, EXTRAS="kube")
+    assert not b.failed, b.failed
+    requirements = resolve(dependency_install(b))[0]
+    assert requirements == list(dict.fromkeys(resolve([".[cpu,ucx,k8s,otel]"])[0]))
+    assert "omnistage" not in {name_of(r) for r in requirements}
+
+
+def test_an_extra_pyproject_lacks_fails_the_build_naming_it(tmp_path):
+    b = build(tmp_path, EXTRAS="k8s,kubernetes")
+    assert "pyproject.toml has no extra kubernetes" in b.failed
+    torch = pins(PYPROJECT["project"]["dependencies"])["torch"]
+    assert [resolve(c)[0] for c in b.pip_installs()] == [[f"torch=={torch}"]]   # the torch step only
 
 
 def test_the_stubs_run_nothing_real(tmp_path):

@@ -6,7 +6,16 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from orchestrator_service.outliers import BASE_EJECTION_S, MAX_EJECTION_S, Outlier, ejection_seconds, nothing_sent
+from orchestrator_service.outliers import (
+    BASE_EJECTION_S,
+    MAX_EJECTION_S,
+    UNREACHABLE_AFTER_FAILED_POLLS,
+    UNREACHABLE_AFTER_SLOW_POLLS,
+    Outlier,
+    ejection_seconds,
+    nothing_sent,
+    unreachable,
+)
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 REFUSED = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: "
@@ -76,3 +85,13 @@ def test_served_while_ejected_does_not_clear_the_ejection():
     o.eject(0.0)
     o.served()                              # a call opened before the ejection ended well
     assert o.ejected and o.consecutive == 1
+
+
+def test_slow_polls_do_not_take_a_replica_out_as_soon_as_failed_ones():
+    """A replica that answers no load poll within its bound is slow (starved of CPU, a long step), not gone:
+    only about 10 s of timed-out polls mark it unreachable, where two polls that could not connect do."""
+    slow, gone = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE
+    assert not unreachable(gone, 1) and unreachable(gone, 2)
+    assert not any(unreachable(slow, n) for n in range(1, UNREACHABLE_AFTER_SLOW_POLLS))
+    assert unreachable(slow, UNREACHABLE_AFTER_SLOW_POLLS)
+    assert UNREACHABLE_AFTER_SLOW_POLLS > UNREACHABLE_AFTER_FAILED_POLLS
