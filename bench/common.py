@@ -151,6 +151,29 @@ def figure(name: str, value: float, unit: str) -> dict:
     return {"name": name, "value": round(float(value), 4), "unit": unit}
 
 
+def on_off_figures(prefix: str, on: list[float], off: list[float]) -> list[dict]:
+    """Requests/s with a feature on and off, measured in alternating rounds: PREFIX.rps_on, .rps_off,
+    .overhead_rps_over_off (all rounds) and its median over round pairs (each round's on over the off just
+    before it: a burst of other work on the machine moves one pair, not the median)."""
+    return [figure(f"{prefix}.rps_off", sum(off) / len(off), "req/s"),
+            figure(f"{prefix}.rps_on", sum(on) / len(on), "req/s"),
+            figure(f"{prefix}.overhead_rps_over_off", sum(on) / sum(off), "ratio"),
+            figure(f"{prefix}.overhead_rps_over_off_median_round",
+                   statistics.median(a / b for a, b in zip(on, off)), "ratio")]
+
+
+def run_measure(name: str, title: str, measure, extra: dict) -> None:
+    """A benchmark's `main`: `--quick`, its `measure(quick)`, the table, bench/results/NAME.json."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=title)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    figures = measure(args.quick)
+    print_table(title, figures)
+    write_results(name, figures, {"quick": args.quick, **extra})
+
+
 def print_table(title: str, figures: list[dict]) -> None:
     print(f"\n{title}")
     w = max(len(f["name"]) for f in figures)

@@ -24,7 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from omnistage import tls
+from omnistage import logs, tls
 from omnistage.api import SpecError
 from omnistage.contract.launch import (
     DRAIN_PATH,
@@ -321,9 +321,9 @@ def quiet_import_warnings() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str = "INFO", fmt: str = logs.DEFAULT_LOG_FORMAT, access_log: str = "on") -> None:
+    """The process's log lines (omnistage/logs.py), and the import warnings quieted."""
+    logs.configure(level, fmt, access_log)
     quiet_import_warnings()
 
 
@@ -333,7 +333,7 @@ def run_server(serve: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], 
     refuses to start on exits 2 with one line saying why, not a traceback (`launch.report_exit`: on stderr
     and in the termination log): an invalid pipeline, TLS material (`name` says whose), and each
     (exception, prefix) of `refusals`, the first that fits, as "prefix: message"."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format, args.access_log)
     try:
         return asyncio.run(serve(args))
     except SpecError as e:

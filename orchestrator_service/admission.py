@@ -60,7 +60,6 @@ class Admission:
     fairness: str = "InFlightFirst"
     max_overtakes: int = 64
     inflight: int = 0
-    peak_queued: int = 0
     pending: dict[str, int] = field(default_factory=dict)  # admitted, not yet at a stage
 
     def __post_init__(self):
@@ -96,7 +95,6 @@ class Admission:
                     f"{self._busiest()})", self.retry_after())
             w = _Waiter(ticket, asyncio.get_running_loop().create_future())
             self._waiters.append(w)
-            self.peak_queued = max(self.peak_queued, len(self._waiters))
             self.poke()  # it may fit now, even behind others that do not
             try:
                 await w.future

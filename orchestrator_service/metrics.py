@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from omnistage.contract.metrics import LATENCY_SECONDS
+
 # the stage planner reads them (targets.ttfpP95Ms, targets.rtf; per request class, the demand on each stage)
 from omnistage.planner.scrape import (
     CLASS_ENDED,
@@ -11,11 +13,14 @@ from omnistage.planner.scrape import (
     CLASS_REQUESTS,
     CLASS_STAGE_REQUESTS,
     CLASS_STAGE_UNITS,
-    FIRST_OUTPUT_MS,
+    FIRST_OUTPUT_SECONDS,
     RTF,
 )
 
-_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
+# How a client request ended: each request that reaches a door is counted once, under one of these. An admitted
+# one ends finished, cancelled, failed or timeout; one never admitted rejected, invalid, failed (a stage down)
+# or timeout (its deadline passed in the admission queue).
+ENDED_OUTCOMES = ("finished", "cancelled", "failed", "timeout", "rejected", "invalid")
 # Real-time factors: fine around 1 (where a target sits: its p95 is read as the upper bound of a bucket)
 _RTF = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
@@ -23,32 +28,34 @@ _RTF = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5,
 class OrchestratorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
-        self.requests = Counter("omnistage_requests", "Client requests by outcome "
-                                "(admitted, rejected, finished, cancelled, failed, invalid)", ["outcome"], registry=r)
+        # An event (admitted) and the end states apart, so that sum() over the outcomes counts each request once.
+        self.admitted = Counter("omnistage_requests_admitted", "Client requests admitted (given a slot)",
+                                registry=r)
+        self.requests = Counter("omnistage_requests_ended", "Client requests ended, by outcome "
+                                f"({', '.join(ENDED_OUTCOMES)}): each request once", ["outcome"], registry=r)
+        for outcome in ENDED_OUTCOMES:  # every outcome's series from the start: rate() of an outcome never seen
+            self.requests.labels(outcome)  # yet is 0, not absent, and its first one is counted as an increase
         self.inflight = Gauge("omnistage_requests_inflight", "Requests being served", registry=r)
         self.waiting = Gauge("omnistage_admission_queue", "Requests waiting for admission", registry=r)
-        self.admission_wait_ms = Histogram("omnistage_admission_wait_ms", "Time waited for admission (ms)",
-                                           buckets=_MS, registry=r)
-        self.media_decode_ms = Histogram("omnistage_media_decode_ms", "Time to decode a request's media parts "
-                                         "at admission (ms)", buckets=_MS, registry=r)
-        self.latency_ms = Histogram("omnistage_request_latency_ms", "End-to-end request latency (ms)",
-                                    buckets=_MS, registry=r)
-        self.first_output_ms = Histogram(FIRST_OUTPUT_MS, "Time to the first output event (ms)",
-                                         buckets=_MS, registry=r)
+        self.admission_wait_seconds = Histogram("omnistage_admission_wait_seconds", "Time waited for admission",
+                                                buckets=LATENCY_SECONDS, registry=r)
+        self.media_decode_seconds = Histogram("omnistage_request_media_decode_seconds", "Time to decode a "
+                                              "request's media parts at admission", buckets=LATENCY_SECONDS,
+                                              registry=r)
+        self.latency_seconds = Histogram("omnistage_request_latency_seconds", "End-to-end request latency",
+                                         buckets=LATENCY_SECONDS, registry=r)
+        self.first_output_seconds = Histogram(FIRST_OUTPUT_SECONDS, "Time to the first output event",
+                                              buckets=LATENCY_SECONDS, registry=r)
         self.rtf = Histogram(RTF, "Real-time factor of a finished request's audio: seconds from its arrival to its "
                              "last audio chunk over the seconds of audio it produced (below 1: faster than real "
                              "time)", buckets=_RTF, registry=r)
-        self.stage_ms = Histogram("omnistage_stage_time_ms", "Per-stage time of a request (ms) by part "
-                                  "(queue, compute, transfer, first_chunk, total)", ["stage", "part"],
-                                  buckets=_MS, registry=r)
+        self.stage_seconds = Histogram("omnistage_stage_time_seconds", "Per-stage time of a finished request, by "
+                                       "part (queue, compute, transfer, encode, first_chunk, total)",
+                                       ["stage", "part"], buckets=LATENCY_SECONDS, registry=r)
         self.retries = Counter("omnistage_stage_retries", "Stage calls retried on another replica", ["stage"],
                                registry=r)
-        self.waiting_peak = Gauge("omnistage_admission_queue_peak", "Most requests ever waiting for admission",
-                                  registry=r)
         self.backlog = Gauge("omnistage_stage_backlog", "Requests at a stage or waiting for a slot on it",
                              ["stage"], registry=r)
-        self.backlog_peak = Gauge("omnistage_stage_backlog_peak", "Most requests ever at a stage",
-                                  ["stage"], registry=r)
         self.capacity = Gauge("omnistage_stage_capacity", "Requests a stage's ready replicas can hold",
                               ["stage"], registry=r)
         self.stage_errors = Counter("omnistage_stage_errors", "Stage calls that failed", ["stage", "code"],
@@ -81,9 +88,7 @@ class OrchestratorMetrics:
             self.class_finished.labels(request_class).inc()
         self.class_ended.labels(request_class).inc()
 
-    def observe_admission(self, admission, router) -> None:
-        self.waiting_peak.set(admission.peak_queued)
+    def observe_admission(self, router) -> None:
         for stage, pool in router.pools.items():
             self.backlog.labels(stage).set(pool.backlog())
-            self.backlog_peak.labels(stage).set(pool.peak_backlog)
             self.capacity.labels(stage).set(pool.capacity())

@@ -1,70 +1,80 @@
-"""Optional OpenTelemetry export of request traces: one span per request, one child per stage.
+"""The orchestrator's span of a request: the root of the request's trace, live from the moment the request
+is admitted to its queue until it ends, and the trace context every stage call carries (gRPC metadata), so
+that the stages' spans (stage_service/tracing.py) are its children. A client's W3C `traceparent` (gRPC
+metadata on Generate, the HTTP header on the OpenAI-compatible API) makes it a child of the client's span.
 
-Off unless configured: `configure_from_env()` turns it on when OTEL_EXPORTER_OTLP_ENDPOINT is set
-(OTLP over gRPC), or a test passes its own exporter to `configure()`.
+Tracing is set up by the standard OTEL_* variables (omnistage/tracing.py); off, a request costs one object
+and passes the client's trace context on unchanged.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
-log = logging.getLogger("omnistage.orchestrator")
-_tracer = None
+from omnistage import tracing
 
-
-def configure(exporter=None, service_name: str = "omnistage-orchestrator") -> bool:
-    """Install a tracer provider exporting to `exporter` (default: OTLP from the environment)."""
-    global _tracer
-    try:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-    except ImportError:
-        log.warning("OpenTelemetry SDK not installed: traces are not exported as spans")
-        return False
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    else:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    _tracer = provider.get_tracer("omnistage")
-    return True
+SERVICE_NAME = "omnistage-orchestrator"  # the resource's service.name unless OTEL_SERVICE_NAME names one
+ROOT_SPAN = "omnistage.request"
+# Outcomes that are not the server's fault: the span is not marked as an error for them.
+NOT_ERRORS = ("finished", "cancelled", "invalid", "rejected")
 
 
 def configure_from_env() -> bool:
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")) and configure()
+    return tracing.configure_from_env(SERVICE_NAME)
 
 
-def enabled() -> bool:
-    return _tracer is not None
+@dataclass(frozen=True)
+class Incoming:
+    """Where a request came in (`door`: grpc or http) and the W3C trace context it came with (checked)."""
+    door: str
+    context: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, door: str, pairs: Iterable[tuple[str, Any]]) -> "Incoming":
+        """From the door's headers or metadata."""
+        return cls(door, tracing.trace_context(pairs))
 
 
-def emit(request_id: str, pipeline: str, trace, outcome: str, client_request_id: str = "") -> None:
-    """Spans for a finished request from its RequestTrace (times are reconstructed from the trace)."""
-    if _tracer is None:
-        return
-    end_ns = time.time_ns()
-    start_ns = end_ns - int(trace.total_ms * 1e6)
-    root = _tracer.start_span("omnistage.request", start_time=start_ns, attributes={
-        "omnistage.request_id": request_id, "omnistage.client_request_id": client_request_id,
-        "omnistage.pipeline": pipeline, "omnistage.outcome": outcome,
-        "omnistage.admission_wait_ms": trace.admission_wait_ms, "omnistage.first_output_ms": trace.first_output_ms,
-        "omnistage.media_decode_ms": trace.media_decode_ms})
-    from opentelemetry import trace as otel_trace
+class RequestSpan:
+    """The root span of one request; `metadata` is what each of its stage calls carries."""
 
-    ctx = otel_trace.set_span_in_context(root)
-    for st in trace.stages:
-        s_start = start_ns + int(trace.admission_wait_ms * 1e6)
-        span = _tracer.start_span(f"omnistage.stage.{st.stage}", context=ctx, start_time=s_start, attributes={
-            "omnistage.stage": st.stage, "omnistage.replica": st.replica, "omnistage.queue_ms": st.queue_ms,
-            "omnistage.compute_ms": st.compute_ms, "omnistage.transfer_ms": st.transfer_ms,
-            "omnistage.transfer_path": st.transfer_path,
-            "omnistage.encode_ms": st.encode_ms,
-            "omnistage.first_chunk_ms": st.first_chunk_ms, "omnistage.contract.chunks": st.chunks,
-            "omnistage.attempts": st.attempts, "omnistage.units": st.units, "omnistage.unit": st.unit})
-        span.end(end_time=s_start + int(st.total_ms * 1e6))
-    root.end(end_time=end_ns)
+    def __init__(self, incoming: Incoming | None, pipeline: str, request_id: str, client_request_id: str,
+                 max_tokens: int):
+        incoming = incoming or Incoming("")
+        tracer = tracing.tracer()
+        self.span = None
+        if tracer is not None:
+            from opentelemetry.trace import SpanKind
+
+            self.span = tracer.start_span(ROOT_SPAN, context=tracing.parent_context(incoming.context),
+                                          kind=SpanKind.SERVER, attributes={
+                                              "omnistage.door": incoming.door, "omnistage.pipeline": pipeline,
+                                              "omnistage.request_id": request_id,
+                                              "omnistage.client_request_id": client_request_id,
+                                              "gen_ai.request.model": pipeline,
+                                              "gen_ai.request.max_tokens": max_tokens})
+        self.metadata = tracing.carried(self.span, incoming.context)
+
+    def admitted(self, wait_s: float) -> None:
+        if self.span is not None:
+            self.span.set_attribute("omnistage.admission_wait_seconds", wait_s)
+
+    def answered(self, final) -> None:
+        """The request's Final: its usage and finish reason."""
+        if self.span is not None:
+            u = final.usage
+            self.span.set_attributes({"gen_ai.usage.input_tokens": u.prompt_tokens,
+                                      "gen_ai.usage.output_tokens": u.completion_tokens,
+                                      "gen_ai.response.finish_reasons": (final.finish_reason,),
+                                      "omnistage.audio_samples": u.audio_samples})
+
+    def end(self, outcome: str, error: str = "") -> None:
+        if self.span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        self.span.set_attribute("omnistage.outcome", outcome)
+        if outcome not in NOT_ERRORS:
+            self.span.set_status(Status(StatusCode.ERROR, error or outcome))
+        self.span.end()

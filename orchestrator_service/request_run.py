@@ -54,6 +54,7 @@ class RequestRun:
     max_replay_bytes: int = 64 << 20
     on_dispatched: Callable[[], None] = lambda: None  # the request reached its first stage
     max_buffered_events: int = 64
+    trace_metadata: tuple[tuple[str, str], ...] = ()  # the request's trace context, on each stage call (otel.py)
 
     def __post_init__(self):
         self.needed = needed_stages(self.pipeline, set(self.outputs))
@@ -73,7 +74,7 @@ class RequestRun:
         self._calls = {s: StageCall(s, frozenset(inputs[s]), self._header(s), router=self.router,
                                     deadline=self.deadline, deliver=functools.partial(self._deliver, s),
                                     ended=functools.partial(self._ended, s), max_attempts=self.max_attempts,
-                                    max_replay_bytes=self.max_replay_bytes)
+                                    max_replay_bytes=self.max_replay_bytes, metadata=self.trace_metadata)
                        for s in self.needed}
         self._active = 0  # stage calls whose outputs are still being read
         self._by_reference: set[str] = set()  # stages whose outputs went by reference: they hold them for retries
@@ -124,7 +125,8 @@ class RequestRun:
             for addr in sc.tried:
                 r = pool.replicas.get(addr) if pool else None
                 if r is not None:
-                    calls.append(r.stub.Release(stage_pb2.ReleaseRequest(request_id=self.request_id), timeout=5))
+                    calls.append(r.stub.Release(stage_pb2.ReleaseRequest(request_id=self.request_id), timeout=5,
+                                                metadata=self.trace_metadata))
         await asyncio.gather(*calls, return_exceptions=True)  # a replica that is gone frees by its TTL
 
     @property

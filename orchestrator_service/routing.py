@@ -25,7 +25,7 @@ from omnistage.serving import KEEPALIVE_CHANNEL_OPTIONS
 from omnistage.tls_grpc import ChannelTls
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
-from .outliers import Outlier, nothing_sent
+from .outliers import Outlier, nothing_sent, unreachable
 from .retry_budget import RetryBudget
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -85,7 +85,6 @@ class StagePool:
     stage: str
     replicas: dict[str, Replica] = field(default_factory=dict)
     waiting: int = 0            # dispatches of in-flight requests waiting for room
-    peak_backlog: int = 0
     picks: int = 0              # calls placed so far
 
     def __post_init__(self):
@@ -204,7 +203,7 @@ class Router:
                 if nothing_sent(e.code(), e.details() or ""):
                     self.eject(r)  # refused: out at once, not after a second miss
                 misses += 1
-                if misses >= 2 and r.reachable:
+                if r.reachable and unreachable(e.code(), misses):
                     r.reachable = False
                     log.warning("stage %s: replica %s unreachable", r.stage, r.address)
                     self._changed()
@@ -241,7 +240,6 @@ class Router:
                     if counted:
                         pool.waiting -= 1
                         counted = False
-                    pool.peak_backlog = max(pool.peak_backlog, pool.backlog())
                     return r
                 if not counted:
                     pool.waiting += 1

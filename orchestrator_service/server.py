@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from omnistage import serving, tls, tls_grpc
+from omnistage import serving, tls, tls_expiry, tls_grpc
 from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, load_pipeline
 from omnistage.checkpoints.defaults import with_model_limits
 from omnistage.contract import launch
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
+from .access_log import GrpcAccess
 from .api_keys import ApiKeyError, ApiKeys
 from .byte_budget import ByteBudget
 from .discovery import FileDiscovery, KubernetesDiscovery, read_endpoints_file
@@ -93,6 +94,10 @@ class OrchestratorServer:
         for stage, addrs in endpoints.items():
             self.router.set_endpoints(stage, addrs)
         self.metrics = OrchestratorMetrics()
+        certificates = tls_expiry.CertificateMetrics(self.metrics.registry)
+        for name, files in (("pipeline", self.router.tls and self.router.tls.files), ("client", self.client_tls)):
+            if files is not None:
+                certificates.follow(name, files)
         self.media = MediaCheck(pipeline)
         keys = ApiKeys(api_keys, pipeline.deployment.orchestrator.max_priority)
         self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media, keys)
@@ -123,7 +128,8 @@ class OrchestratorServer:
         self.server, self.health = await serving.start_grpc_server(
             SERVICE, lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server),
             self.receive_bytes, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds,
-            interceptors=[self.door], max_concurrent_rpcs=orc.max_inflight + orc.max_queued + RPC_SLACK,
+            interceptors=[GrpcAccess(GENERATE, self.servicer.api_keys), self.door],  # access lines: outermost
+            max_concurrent_rpcs=orc.max_inflight + orc.max_queued + RPC_SLACK,
             max_concurrent_streams=MAX_STREAMS_PER_CONNECTION, stream_window_bytes=CLIENT_STREAM_WINDOW_BYTES)
         self.port = self._add_port()
         await self.server.start()
@@ -257,10 +263,10 @@ async def serve(args: argparse.Namespace) -> int:
     if args.ready_file:
         launch.write_ready(args.ready_file, launch.ReadyPorts(srv.port, srv.http.port if srv.http else None,
                                                               srv.api_port))
-    print(f"orchestrator ready on {args.host}:{srv.port}", flush=True)
+    log.info("orchestrator ready on %s:%d", args.host, srv.port)  # log lines: JSON under --log-format json
     if srv.api is not None:
         url = launch.http_url(args.host, srv.api_port, launch.API_PATH)
-        print(f"OpenAI API on {tls.https(url) if srv.client_tls else url}", flush=True)
+        log.info("OpenAI API on %s", tls.https(url) if srv.client_tls else url)
     await srv.stopped.wait()
     await asyncio.to_thread(srv.close)  # off the loop: a pending /drain answer still needs it
     return 0

@@ -18,7 +18,7 @@ from omnistage.contract.modalities import MODALITY_CODES, MODALITY_NAMES
 from omnistage.contract.params import InvalidRequest, RequestParams, fill_resolved, has_media, resolve
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from . import client_cap, consumer_pace, otel
+from . import access_log, client_cap, consumer_pace, otel
 from .admission import Admission, Overloaded
 from .api_keys import ApiKeys
 from .media_check import MediaCheck
@@ -122,7 +122,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.max_attempts = 1 + orc.max_retries
         self.admission = Admission(orc.max_inflight, orc.max_queued, capacity=router.capacity,
                                    backlog=router.backlog, fairness=orc.fairness)
-        router.on_change = self.admission.poke
+        # A replica's readiness changed: admission may go on, and the per-stage gauges say so at once (not at
+        # the next request's end: a stage that lost its last replica reads capacity 0 with no traffic).
+        router.on_change = self._replicas_changed
         self.draining = False
         self.runs: dict[str, RequestRun] = {}       # server id -> the request's walk
         self.labels: dict[str, str] = {}            # client label -> server id, while in flight
@@ -147,7 +149,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # client that stops reading or reads a trickle gives its request up instead of holding it.
         pace, too_slow = consumer_pace.ConsumerPace(consumer_pace.GRACE_S, consumer_pace.MIN_READ_BPS), None
         try:
-            async with contextlib.aclosing(self.generate(request, deadline, client=client)) as events:
+            rid = uuid.uuid4().hex  # here, not in generate: the access line names it however the request ends
+            async with contextlib.aclosing(access_log.observed(self.generate(
+                    request, deadline, rid, client=client, incoming=otel.Incoming.of(
+                        "grpc", context.invocation_metadata() or ())), rid)) as events:
                 async for ev in events:
                     nbytes, t0 = ev.ByteSize(), time.monotonic()
                     allowed = pace.allowed_wait(nbytes)
@@ -170,12 +175,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def generate(self, request: orchestrator_pb2.GenerateRequest, deadline: float | None = None,
                        request_id: str | None = None,
-                       client: str | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+                       client: str | None = None,
+                       incoming: otel.Incoming | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         """The one request path both front doors (gRPC and HTTP) take: validate -> admit -> walk the
         stage graph -> events -> final. `deadline` is time.time() seconds, the caller's; the pipeline's
         requestTimeoutSeconds bounds it. `request_id` is the server's id for it (a new one when None; the
         HTTP layer makes its own to name the response); `request.request_id` is only the client's label.
-        `client` names who sent it for the per-client cap (client_cap.py; None: not capped).
+        `client` names who sent it for the per-client cap (client_cap.py; None: not capped). `incoming`: its door
+        and trace context, for its span (otel.py).
         Raises Refused; a caller that stops iterating (client gone) cancels the request in every stage."""
         deadline = effective_deadline(deadline, time.time(), self.pipeline.limits.request_timeout_seconds)
         m = self.metrics
@@ -192,7 +199,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if has_media(params.parts):
                 self.client_cap.check(client)  # a client over its cap gets no media decoded first
                 media_decode_ms = await self.media.check(params.parts)
-                m.media_decode_ms.observe(media_decode_ms)
+                m.media_decode_seconds.observe(media_decode_ms / 1e3)
         except InvalidRequest as e:
             m.requests.labels("invalid").inc()
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), param=e.field) from None
@@ -214,6 +221,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         t0 = time.perf_counter()
         outcome = "failed"
         ticket = None
+        span = otel.RequestSpan(incoming, self.pipeline.name, rid, label, params.max_tokens)
         capped = contextlib.ExitStack()
         try:
             capped.enter_context(self.client_cap.holding(client))  # Overloaded: refused before it queues
@@ -228,20 +236,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                               "the request's deadline passed while it waited for admission") from None
             finally:
                 m.waiting.set(self.admission.queued)
-            m.requests.labels("admitted").inc()
+            m.admitted.inc()
             m.class_requests.labels(req_class).inc()
-            m.admission_wait_ms.observe(ticket.wait_ms)
+            m.admission_wait_seconds.observe(ticket.wait_ms / 1e3)
             m.inflight.set(self.admission.inflight)
+            span.admitted(ticket.wait_ms / 1e3)
             # The stages are sent the values resolved here, so they apply no defaults of their own.
             sent = fill_resolved(request.params, params)
             run = RequestRun(self.pipeline, self.router, rid, sent, outputs, deadline,
-                             max_attempts=self.max_attempts, on_dispatched=lambda: self.admission.arrived(ticket))
+                             max_attempts=self.max_attempts, on_dispatched=lambda: self.admission.arrived(ticket),
+                             trace_metadata=span.metadata)
             self.runs[rid] = run
             first, last_audio = True, t0
             async with contextlib.aclosing(run.events()) as events:  # closed now, not at GC, if we stop early
                 async for ev in events:
                     if first:
-                        m.first_output_ms.observe((time.perf_counter() - t0) * 1e3)
+                        m.first_output_seconds.observe(time.perf_counter() - t0)
                         first = False
                     if ev.HasField("audio"):
                         last_audio = time.perf_counter()
@@ -252,12 +262,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             trace = run.trace(ticket.wait_ms, media_decode_ms)
             for st in trace.stages:
                 for part in ("queue_ms", "compute_ms", "transfer_ms", "encode_ms", "first_chunk_ms", "total_ms"):
-                    m.stage_ms.labels(st.stage, part[:-3]).observe(getattr(st, part))
+                    m.stage_seconds.labels(st.stage, part[:-3]).observe(getattr(st, part) / 1e3)
                 if st.attempts > 1:
                     m.retries.labels(st.stage).inc(st.attempts - 1)
             if request.return_trace:
                 final.trace.CopyFrom(trace)
-            otel.emit(rid, self.pipeline.name, trace, "finished", label)
+            span.answered(final)
             yield orchestrator_pb2.GenerateResponse(request_id=rid, client_request_id=label, final=final)
             outcome = "finished"
         except Overloaded as e:
@@ -274,6 +284,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             outcome = "cancelled"
             raise
         finally:
+            span.end(outcome)
             capped.close()
             self.runs.pop(rid, None)
             if label:
@@ -284,8 +295,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             m.requests.labels(outcome).inc()
             if ticket is not None:  # admitted (counted in class_requests): its class's ended count
                 m.observe_ended(req_class, trace if outcome == "finished" else None)
-            m.latency_ms.observe((time.perf_counter() - t0) * 1e3)
-            m.observe_admission(self.admission, self.router)
+            m.latency_seconds.observe(time.perf_counter() - t0)
+            m.observe_admission(self.router)
+
+    def _replicas_changed(self) -> None:
+        self.admission.poke()
+        self.metrics.observe_admission(self.router)
 
     async def DescribePipeline(self, request, context) -> orchestrator_pb2.PipelineInfo:
         refused = self.api_keys.refusal(dict(context.invocation_metadata()).get("authorization"), 0)

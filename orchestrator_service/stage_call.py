@@ -110,10 +110,11 @@ class StageCall:
                  router: Router, deadline: float | None,
                  deliver: Callable[[stage_pb2.Chunk], Awaitable[bool]],
                  ended: Callable[[StageFailed | None], Awaitable[None]],
-                 max_attempts: int, max_replay_bytes: int):
+                 max_attempts: int, max_replay_bytes: int, metadata: tuple[tuple[str, str], ...] = ()):
         """`deliver(chunk)` hands on each output chunk once, in order, and says whether any of it
-        reached the client; `ended(error)` is awaited once the call is over (error None: finished)."""
-        self.stage, self.sources, self.header = stage, sources, header
+        reached the client; `ended(error)` is awaited once the call is over (error None: finished).
+        `metadata` goes with every attempt (the request's trace context)."""
+        self.stage, self.sources, self.header, self.metadata = stage, sources, header, metadata
         self.router, self.deadline = router, deadline
         self._deliver, self._ended = deliver, ended
         self.max_attempts, self.max_replay_bytes = max_attempts, max_replay_bytes
@@ -311,7 +312,7 @@ class StageCall:
             timing.dispatched = time.perf_counter()
         timing.replica, timing.attempts = replica.address, timing.attempts + 1
         self._counted += 1
-        self._call = replica.stub.Process(timeout=remaining(self.deadline))
+        self._call = replica.stub.Process(timeout=remaining(self.deadline), metadata=self.metadata)
         self._replica = replica
         self._writes.put_nowait(_Attempt(self._call, tuple(self._log), self._ended_sources >= self.sources))
 

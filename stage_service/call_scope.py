@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
+from stage_service import access_log
 from stage_service.data_plane import DataPlane
 from stage_service.metrics import StageMetrics
 from stage_service.runtime.base import Engine, InputChunk, OutputChunk, StageInputs, StageRequest
@@ -78,6 +79,8 @@ class StageCalls:
 
     def _ended(self, call: CallScope) -> None:
         self.metrics.outcome(call.outcome)
+        access_log.write(self.stage, call.request_id, call.outcome, call.status[0] if call.status else None,
+                         call.queue_s, call.compute_s, time.perf_counter() - call.started, call.units, self.engine.unit)
         self.inflight -= 1
         if self.inflight == 0:
             self.idle.set()
@@ -97,6 +100,10 @@ class CallScope:
         self._released = False
         self._sending = False
         self._caller_gone: Callable[[], bool] = lambda: False
+        # for its access line: when it began, the engine's queue and compute seconds, the units it made
+        self.started = time.perf_counter()
+        self.queue_s = self.compute_s = 0.0
+        self.units = 0
 
     async def __aenter__(self) -> CallScope:
         self._task = asyncio.current_task()
@@ -125,7 +132,8 @@ class CallScope:
         if self.request_id and self.request_id not in calls._serving:
             # its last chunk took its units; a call that ended otherwise leaves them here, unless another call
             # of the request (a retry back on this replica) is still counting into the same tally
-            calls.engine.tally.take(self.request_id)
+            left = calls.engine.tally.take(self.request_id)   # always taken: never left to leak
+            self.units = self.units or left
         calls._ended(self)
         return handled
 
@@ -173,6 +181,10 @@ class CallScope:
         gen = self._calls.engine.generate(req, inputs)
         try:
             async for out in gen:
+                self.queue_s += out.queue_ms / 1e3
+                self.compute_s += out.compute_ms / 1e3
+                if out.last:   # before the servicer takes them for the last chunk
+                    self.units = self._calls.engine.tally.peek(req.request_id)
                 yield out
                 if out.last:
                     break

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from collections import deque
+from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
-from omnistage.planner.scrape import QUEUE_DEPTH, REQUESTS, RUNNING, STEP_MS, UNITS  # what the planner reads
-
-_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
-RATE_WINDOW_S = 10.0
+from omnistage.contract.metrics import LATENCY_SECONDS
+from omnistage.planner.scrape import QUEUE_DEPTH, REQUESTS, RUNNING, STEP_SECONDS, UNITS  # what the planner reads
 
 
 class StageMetrics:
@@ -27,15 +25,13 @@ class StageMetrics:
                             "(they count against maxQueued, as queued ones do)", labels, registry=r)
         self.batch_size = Histogram("omnistage_stage_batch_size", "Requests per engine step", labels,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.step_ms = Histogram(STEP_MS, "Engine step time (ms)", labels,
-                                 buckets=_MS_BUCKETS, registry=r)
-        self.queue_ms = Histogram("omnistage_stage_queue_ms", "Time a request waited before its first step (ms)",
-                                  labels, buckets=_MS_BUCKETS, registry=r)
+        self.step_seconds = Histogram(STEP_SECONDS, "Engine step time", labels,
+                                      buckets=LATENCY_SECONDS, registry=r)
+        self.queue_seconds = Histogram("omnistage_stage_queue_seconds", "Time a request waited before its first "
+                                       "step", labels, buckets=LATENCY_SECONDS, registry=r)
+        # its rate() is the stage's throughput (the planner reads it so)
         self.units = Counter(UNITS, "Work units produced (tokens, frames, steps, images, chunks)",
                              ["stage", "unit"], registry=r)
-        self.units_per_second = Gauge("omnistage_stage_units_per_second",
-                                      f"Work units produced per second over the last {RATE_WINDOW_S:.0f} s",
-                                      ["stage", "unit"], registry=r)
         self.failed_steps = Counter("omnistage_stage_failed_steps", "Engine steps that raised", labels, registry=r)
         self.preemptions = Counter("omnistage_stage_kv_preemptions", "Running requests whose KV cache was dropped "
                                    "to fit the stage's KV budget (recomputed when readmitted)", labels, registry=r)
@@ -43,7 +39,12 @@ class StageMetrics:
         self.output_bytes = Counter("omnistage_stage_output_bytes", "Tensor bytes sent in output chunks",
                                     labels, registry=r)
         self.stage = stage
-        self._recent: deque[tuple[float, int]] = deque()
+
+    def reexport(self, prefix: str, source: CollectorRegistry = REGISTRY) -> None:
+        """Serve, with the stage's own, the metrics an engine library registers in `source` (prometheus_client's
+        global registry by default) under names starting with `prefix`: read from there at each scrape, never
+        copied."""
+        self.registry.register(_Reexported(source, prefix))
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.stage, outcome).inc()
@@ -53,16 +54,22 @@ class StageMetrics:
         self.queue_depth.labels(self.stage).set(queued)
         self.parked.labels(self.stage).set(parked)
 
-    def step(self, batch: int, ms: float | None, unit: str, units: int | None = None) -> None:
-        """One engine step over `batch` requests that produced `units` (default: one per request)."""
+    def step(self, batch: int, seconds: float | None, unit: str, units: int | None = None) -> None:
+        """One engine step over `batch` requests that took `seconds` and produced `units` (default: one per
+        request)."""
         units = batch if units is None else units
         self.batch_size.labels(self.stage).observe(batch)
-        if ms is not None:
-            self.step_ms.labels(self.stage).observe(ms)
+        if seconds is not None:
+            self.step_seconds.labels(self.stage).observe(seconds)
         self.units.labels(self.stage, unit).inc(units)
-        now = time.monotonic()
-        self._recent.append((now, units))
-        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
-            self._recent.popleft()
-        span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else RATE_WINDOW_S
-        self.units_per_second.labels(self.stage, unit).set(sum(u for _, u in self._recent) / span)
+
+
+class _Reexported:
+    """The families of another registry whose names start with a prefix (a collector with no describe(), so
+    the registry does not check their names against its own at registration)."""
+
+    def __init__(self, source: CollectorRegistry, prefix: str):
+        self.source, self.prefix = source, prefix
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in self.source.collect() if family.name.startswith(self.prefix))

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import grpc
 
-from omnistage import serving, tls, tls_grpc
+from omnistage import serving, tls, tls_expiry, tls_grpc
 from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, load_pipeline
 from omnistage.checkpoints.check import StageCheckError, check_stage
 from omnistage.checkpoints.defaults import with_model_limits
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.contract import launch
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from stage_service import tracing
 from stage_service.data_plane import DataPlane
 from stage_service.engines.registry import create_engine
 from stage_service.metrics import StageMetrics
@@ -54,6 +55,8 @@ class StageServer:
         self.interceptors = self._authorization()  # before anything loads: unusable TLS files fail here
         self.engine = create_engine(pipeline, self.stage, model_root)
         self.metrics = StageMetrics(self.stage.name)
+        if self.tls is not None:
+            tls_expiry.CertificateMetrics(self.metrics.registry).follow("pipeline", self.tls)
         self.engine.bind_metrics(self.metrics)
         self.data_plane = DataPlane(pipeline, self.stage, self.metrics.registry, host,
                                     device=self.engine.placement.device,  # received tensors land where it runs
@@ -176,6 +179,7 @@ async def serve(args: argparse.Namespace) -> int:
               f'{", ".join(s.name for s in pipeline.stages)})', file=sys.stderr)
         return 2
     check_stage(pipeline, pipeline.stage(args.stage), args.model_dir)  # before any weights are read
+    tracing.configure_from_env(args.stage)
     srv = StageServer(pipeline, args.stage, args.host, args.port, args.http_port, args.model_dir,
                       args.drain_seconds, tls_dir=args.tls_dir, data_plane_key=args.data_plane_key)
     faults.fail_steps_from_env(srv.engine)  # a test's switch: nothing unless the environment asks
@@ -184,7 +188,7 @@ async def serve(args: argparse.Namespace) -> int:
     if srv.ready:
         if args.ready_file:
             launch.write_ready(args.ready_file, launch.ReadyPorts(srv.port, srv.http.port if srv.http else None))
-        print(f"stage {args.stage} ready on {args.host}:{srv.port}", flush=True)
+        log.info("stage %s ready on %s:%d", args.stage, args.host, srv.port)  # a log line: JSON under --log-format json
     await srv.stopped.wait()
     await asyncio.to_thread(srv.close)  # off the loop: a pending /drain answer still needs it
     return srv.exit_code

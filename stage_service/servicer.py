@@ -32,6 +32,7 @@ from stage_service.runtime.errors import (
     RequestFailed,
     StageDraining,
 )
+from stage_service.tracing import CallSpans
 
 
 def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -88,7 +89,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if refusal is not None:
             self.metrics.outcome("rejected")
             await context.abort(*status_for(self.stage.name, refusal))
-        async with self.calls.scope() as call:
+        spans = CallSpans(self.stage.name, first, context.invocation_metadata())
+        async with self.calls.scope() as call, spans:
             header = header_from_proto(first)
             call.serve(header.request_id)
             req = request_from_proto(header, self.pipeline.limits)
@@ -97,9 +99,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             async with contextlib.aclosing(call.run(req, request_iterator, to_input,
                                                     context.cancelled)) as outputs:
                 async for out in outputs:
-                    msg = stage_pb2.StageOutput(chunk=await self._to_proto(header, out, chunk_id))
-                    with call.sending():  # gRPC sends it in its own frame: see CallScope.sending
-                        yield msg
+                    spans.computed(out)
+                    with spans.transferring():
+                        msg = stage_pb2.StageOutput(chunk=await self._to_proto(header, out, chunk_id))
+                        with call.sending():  # gRPC sends it in its own frame: see CallScope.sending
+                            yield msg
                     chunk_id, last = chunk_id + 1, out.last
             if not last:  # the engine ended without a last chunk: the stream still ends with one
                 units, unit = self._work(header.request_id)
@@ -133,7 +137,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.metrics.output_bytes.labels(self.stage.name).inc(sum(t.numel() * t.element_size()
                                                                   for t in out.tensors.values()))
         if out.queue_ms:
-            self.metrics.queue_ms.labels(self.stage.name).observe(out.queue_ms)
+            self.metrics.queue_seconds.labels(self.stage.name).observe(out.queue_ms / 1e3)
         return msg
 
     def _work(self, request_id: str) -> tuple[int, str]:

@@ -30,6 +30,16 @@ from omnistage.api.ports import (  # noqa: F401
     HTTP_PORT,
     HTTP_PORT_NAME,
 )
+from omnistage.logs import (
+    ACCESS_LOGGER,
+    DEFAULT_LOG_FORMAT,
+    ENV_ACCESS_LOG,
+    ENV_LOG_FORMAT,
+    LOG_FORMATS,
+    POD_LOG_FORMAT,
+    access_log_switch,
+    log_format,
+)
 
 if TYPE_CHECKING:
     from omnistage.api import Stage
@@ -118,6 +128,12 @@ _LIFECYCLE = (
     Flag("drain_seconds", "bound on finishing admitted work at SIGTERM", float),
     Flag("ready_file", "once serving, write the bound ports here (see launch.write_ready)"),
     Flag("log_level", "logging level", default="INFO"),
+    Flag("log_format", f"log lines as json (one object a line) or text (default ${ENV_LOG_FORMAT} or "
+                       f"{DEFAULT_LOG_FORMAT}; the operator's pods: {POD_LOG_FORMAT})", log_format,
+         default=DEFAULT_LOG_FORMAT, env=ENV_LOG_FORMAT, metavar="|".join(LOG_FORMATS)),
+    Flag("access_log", f"one {ACCESS_LOGGER} line per request (orchestrator) or per stage call (stage): on or off "
+                       f"(default ${ENV_ACCESS_LOG} or on)", access_log_switch, default="on", env=ENV_ACCESS_LOG,
+         metavar="on|off"),
 )
 STAGE_FLAGS = (
     _PIPELINE,

@@ -13,6 +13,8 @@ from pathlib import Path
 from omnistage.api import MODALITIES, SpecError, load_pipeline
 from omnistage.contract.launch import ENV_ALLOWED_HOSTS, ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root, report_exit
 from omnistage.local import gpu_placement
+from omnistage.local.restarts import LOG_BACKUPS, LOG_MAX_BYTES
+from omnistage.logs import ACCESS_LOGGER, ENV_ACCESS_LOG, ENV_LOG_FORMAT, log_format
 
 DEFAULT_MODEL_DIR = str(model_root())
 
@@ -96,8 +98,12 @@ def _launcher(args, **options):
         if name not in {s.name for s in pipeline.stages} or not n.isdigit() or int(n) < 1:
             raise SystemExit(f'--replicas "{item}": expected STAGE=N with a stage of {pipeline.name} and N >= 1')
         replicas[name] = int(n)
+    log_env = {ENV_LOG_FORMAT: args.log_format} if args.log_format else {}   # else the environment's, or text
+    if args.no_access_log:
+        log_env[ENV_ACCESS_LOG] = "off"
     return LocalPipeline(Path(args.file).resolve(), pipeline, Path(args.models).resolve(), host=args.host,
-                         port=args.port, log_dir=args.log_dir, replicas=replicas, **options)
+                         port=args.port, log_dir=args.log_dir, replicas=replicas, extra_env=log_env,
+                         log_max_bytes=args.log_max_bytes, log_backups=args.log_backups, **options)
 
 
 def _print_endpoints(local) -> None:
@@ -492,12 +498,34 @@ def _api_key_file(path: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return int(value)
+
+
+def _count(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 0")
+    return int(value)
+
+
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="OmniPipeline YAML file")
     p.add_argument("--models", default=DEFAULT_MODEL_DIR, help="model store root (default: ./models)")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
     p.add_argument("--port", type=int, default=0, help="orchestrator port (0: any free port)")
     p.add_argument("--log-dir", default=None, help="where each process writes its log")
+    p.add_argument("--log-format", type=log_format, default=None, metavar="json|text",
+                   help=f"each process's log lines: json (one object a line) or text (default ${ENV_LOG_FORMAT} or "
+                        "text)")
+    p.add_argument("--no-access-log", action="store_true",
+                   help=f"no {ACCESS_LOGGER} lines (one per request at the orchestrator, one per stage call)")
+    p.add_argument("--log-max-bytes", type=_positive_int, default=LOG_MAX_BYTES, metavar="BYTES",
+                   help=f"rotate a process's log file once it passes this (default {LOG_MAX_BYTES >> 20} MiB)")
+    p.add_argument("--log-backups", type=_count, default=LOG_BACKUPS, metavar="N",
+                   help=f"old copies of each log file kept by the rotation: FILE.1 (newest) to FILE.N "
+                        f"(default {LOG_BACKUPS})")
     p.add_argument("--replicas", action="append", metavar="STAGE=N", help="override a stage's replica count")
 
 

@@ -16,9 +16,11 @@ RESTART_RESET_AFTER_S = 120.0
 
 # A process's log file is copied to `<log>.1` and emptied in place once it passes LOG_MAX_BYTES (what
 # logrotate calls copytruncate: the process keeps its file open, and writes in append mode, so it goes on
-# at the new end). One old copy is kept: a process's logs take at most twice this, plus what it writes
-# between two checks of serve's loop.
+# at the new end); the older copies move up (`.1` -> `.2`), LOG_BACKUPS of them kept. A process's logs take
+# at most (1 + LOG_BACKUPS) x LOG_MAX_BYTES, plus what it writes between two checks of serve's loop: 192 MiB,
+# a day or more of access lines at a laptop's load. `omnistage serve --log-max-bytes --log-backups` set them.
 LOG_MAX_BYTES = 64 << 20
+LOG_BACKUPS = 2
 LOG_TAIL_BYTES = 64 << 10   # what is read back to show a process's last lines
 
 
@@ -32,13 +34,19 @@ def failures_after_death(failures: int, up_s: float) -> int:
     return 1 if up_s >= RESTART_RESET_AFTER_S else failures + 1
 
 
-def rotate_log(path: Path, max_bytes: int = LOG_MAX_BYTES) -> bool:
-    """Copy the log to `<path>.1` and empty it, once it passes `max_bytes`; True when it did. Lines the
-    process writes between the copy and the truncation are lost (a few, at most)."""
+def rotate_log(path: Path, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUPS) -> bool:
+    """Once the log passes `max_bytes`: its copies move up one (`<path>.N` -> `<path>.N+1`, the oldest beyond
+    `backups` gone), it is copied to `<path>.1` and emptied; True when it did. Lines the process writes
+    between the copy and the truncation are lost (a few, at most). `backups` 0: only emptied."""
     try:
         if os.stat(path).st_size <= max_bytes:
             return False
-        shutil.copyfile(path, path.with_name(path.name + ".1"))
+        for n in range(backups - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{n}")
+            if older.exists():
+                os.replace(older, path.with_name(f"{path.name}.{n + 1}"))
+        if backups > 0:
+            shutil.copyfile(path, path.with_name(path.name + ".1"))
         os.truncate(path, 0)
     except OSError:
         return False   # a full disk, a file gone: the next check tries again

@@ -59,7 +59,14 @@ from omnistage.contract.launch import (
     stage_command,
 )
 from omnistage.local import gpu_placement
-from omnistage.local.restarts import failures_after_death, log_tail, restart_delay, rotate_log
+from omnistage.local.restarts import (
+    LOG_BACKUPS,
+    LOG_MAX_BYTES,
+    failures_after_death,
+    log_tail,
+    restart_delay,
+    rotate_log,
+)
 
 TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
 ENDPOINTS_FILE = "endpoints.json"           # in the log folder: the orchestrator's stage replicas (--discovery file)
@@ -117,6 +124,8 @@ class LocalPipeline:
     api_keys: Sequence[str] = ()    # bearer keys the API takes (none: no key needed)
     tls: bool = True                # mutual TLS between the orchestrator and the stages (throwaway CA)
     client_tls_dir: Path | None = None  # tls.crt + tls.key: the orchestrator's client ports serve TLS
+    log_max_bytes: int = LOG_MAX_BYTES  # each process's log file is rotated past this (restarts.rotate_log)
+    log_backups: int = LOG_BACKUPS      # ... keeping this many old copies
 
     def __post_init__(self):
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix=f"omnistage-{self.pipeline.name}-"))
@@ -440,7 +449,7 @@ class LocalPipeline:
                 self._spawn(orch, orch.env)
                 events.append(f"{orch.name}: restarted (pid {orch.popen.pid})")
         for p in [*self.all_procs(), *self.starting, *self.draining]:
-            rotate_log(p.log_path)
+            rotate_log(p.log_path, self.log_max_bytes, self.log_backups)
         return events
 
     def _restart_later(self, p: Proc, when: str) -> str:

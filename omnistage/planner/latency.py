@@ -1,5 +1,6 @@
 """The pipeline targets the orchestrators measure (`targets.ttfpP95Ms`, `targets.rtf`) against their
-values, from the orchestrators' histograms of them (`omnistage_first_output_ms`, `omnistage_rtf`).
+values, from the orchestrators' histograms of them (`omnistage_request_first_output_seconds`,
+`omnistage_request_rtf`).
 
 Utilisation sizes each stage for throughput; a latency target can still be missed at a utilisation that
 looks fine (bursts queue, a long prompt holds a step, audio comes out slower than it plays). So when a
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from omnistage.api.model import AutoscalingTargets
-from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF
+from omnistage.planner.scrape import FIRST_OUTPUT_SECONDS, RTF
 
 # Fewer requests than this in a window say nothing of a p95.
 MIN_REQUESTS = 5
@@ -36,11 +37,12 @@ class OrchestratorTarget:
     histogram: str                                  # the metric it is read from (scrape.py)
     value: Callable[[AutoscalingTargets], float]    # the target's value in the spec; 0: no target
     told: str                                       # a miss for a person, formatted with (p95, target)
+    per_unit: float = 1.0                           # the spec's units in one of the histogram's (1e3: ms per s)
 
 
 TARGETS = (
-    OrchestratorTarget(FIRST_OUTPUT_MS, lambda t: t.ttfp_p95_ms,
-                       "first packet p95 {:.0f} ms over the {:.0f} ms target"),
+    OrchestratorTarget(FIRST_OUTPUT_SECONDS, lambda t: t.ttfp_p95_ms,
+                       "first packet p95 {:.0f} ms over the {:.0f} ms target", per_unit=1e3),
     OrchestratorTarget(RTF, lambda t: t.rtf, "rtf p95 {:.2f} over the {:.2f} target"),
 )
 
@@ -73,6 +75,7 @@ def missed(targets: AutoscalingTargets, p95s: Mapping[str, float | None]) -> tup
     factor, told = 1.0, []
     for t in TARGETS:
         target, measured = t.value(targets), p95s.get(t.histogram)
+        measured = None if measured is None else measured * t.per_unit   # in the spec's unit
         f = pressure(target, measured)
         if f > 1.0:
             factor = max(factor, f)

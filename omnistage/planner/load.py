@@ -1,7 +1,7 @@
 """What a stage is offered and what one of its replicas serves, from the counters its replicas export.
 
 Every stage replica counts, in its Prometheus metrics, the work units it produced
-(`omnistage_stage_units`), the time its engine spent in steps (`omnistage_stage_step_ms`), the
+(`omnistage_stage_units`), the time its engine spent in steps (`omnistage_stage_step_seconds`), the
 requests that ended (`omnistage_stage_requests`) and what it holds now (queue depth, running). Two
 snapshots of those counters, a window apart, give per stage:
 

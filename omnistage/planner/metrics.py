@@ -16,6 +16,8 @@ class PlannerMetrics:
         labels, r = ["pipeline", "stage"], self.registry
         self.pipeline = pipeline
         self.desired = Gauge(DESIRED_REPLICAS, "Replicas the stage planner wants for the stage", labels, registry=r)
+        self.needed = Gauge("omnistage_planner_needed_replicas", "Replicas the stage would get if the pipeline's "
+                            "budget were unlimited (above desired: the budget holds it back)", labels, registry=r)
         self.capacity = Gauge("omnistage_planner_capacity", "Work units per second one replica serves, as measured",
                               labels, registry=r)
         self.load = Gauge("omnistage_planner_offered_load", "Work units per second offered to the stage, queue "
@@ -39,11 +41,16 @@ class PlannerMetrics:
                                   "traces", ["pipeline", "class", "stage"], registry=r)
         self.changes = Counter("omnistage_planner_changes", "Replica count changes the planner made, by direction",
                                [*labels, "direction"], registry=r)
+        self.decisions = Counter("omnistage_planner_decisions", "Decisions the planner made for the pipeline "
+                                 "(a change of replicas or none)", ["pipeline"], registry=r)
 
     def record(self, planner: Planner, decision: Decision) -> None:
+        self.decisions.labels(self.pipeline).inc()
         for stage, n in planner.desired().items():
             est = decision.estimates[stage]
             self.desired.labels(self.pipeline, stage).set(n)
+            if stage in decision.plan.stages:
+                self.needed.labels(self.pipeline, stage).set(decision.plan.stages[stage].need)
             self.capacity.labels(self.pipeline, stage).set(est.capacity)
             self.load.labels(self.pipeline, stage).set(est.load)
             self.utilization.labels(self.pipeline, stage).set(est.utilization)

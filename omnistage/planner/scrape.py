@@ -18,11 +18,11 @@ from omnistage.planner.load import ReplicaCounters
 REQUESTS = "omnistage_stage_requests"       # counter, labels stage, outcome
 QUEUE_DEPTH = "omnistage_stage_queue_depth"  # gauge
 RUNNING = "omnistage_stage_running"          # gauge
-STEP_MS = "omnistage_stage_step_ms"          # histogram: its sum is the engine's busy time, its count its steps
+STEP_SECONDS = "omnistage_stage_step_seconds"  # histogram: its sum is the engine's busy time, its count its steps
 UNITS = "omnistage_stage_units"              # counter, labels stage, unit
-FIRST_OUTPUT_MS = "omnistage_first_output_ms"  # orchestrator histogram: time to the first output event
-RTF = "omnistage_rtf"                          # orchestrator histogram: a finished request's audio real-time factor
-ORCHESTRATOR_HISTOGRAMS = (FIRST_OUTPUT_MS, RTF)
+FIRST_OUTPUT_SECONDS = "omnistage_request_first_output_seconds"  # orchestrator histogram: time to the first output
+RTF = "omnistage_request_rtf"           # orchestrator histogram: a finished request's audio real-time factor
+ORCHESTRATOR_HISTOGRAMS = (FIRST_OUTPUT_SECONDS, RTF)
 # Per request class (orchestrator_service/request_class.py: the request's input and output modalities), what the
 # orchestrator counts from each request's trace: the demand a request of each class puts on each stage.
 CLASS_REQUESTS = "omnistage_class_requests"              # counter, label class: requests admitted
@@ -45,9 +45,9 @@ def replica_counters(text: str, at: float) -> tuple[ReplicaCounters, str]:
             if s.name == f"{UNITS}_total":
                 units += s.value
                 unit = s.labels.get("unit", unit)
-            elif s.name == f"{STEP_MS}_sum":
-                busy += s.value / 1e3
-            elif s.name == f"{STEP_MS}_count":
+            elif s.name == f"{STEP_SECONDS}_sum":
+                busy += s.value
+            elif s.name == f"{STEP_SECONDS}_count":
                 steps += s.value
             elif s.name == f"{REQUESTS}_total" and s.labels.get("outcome") in RAN:
                 finished += s.value

@@ -36,6 +36,7 @@ from omnistage.contract.launch import (
     service_env,
     stage_command,
 )
+from omnistage.logs import ENV_LOG_FORMAT, POD_LOG_FORMAT
 from omnistage.tls import DATA_PLANE_KEY_FILE
 
 from .certificates import Leaf, build_certificate, leaves
@@ -456,8 +457,10 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
         {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         *secret_env,
     ]
-    # HOME: the root filesystem is read-only, /tmp is the pod's own emptyDir.
-    plain = {"HOME": "/tmp", **service_env(cfg.model_volume.mount_path if models else None)}
+    # HOME: the root filesystem is read-only, /tmp is the pod's own emptyDir. Log lines as JSON, what a cluster's
+    # log pipeline indexes (by environment: a pipeline's env may ask for text, an older image ignores it).
+    plain = {"HOME": "/tmp", ENV_LOG_FORMAT: POD_LOG_FORMAT,
+             **service_env(cfg.model_volume.mount_path if models else None)}
     plain.update(user_env)   # the pipeline's own env wins over the defaults
     env += [{"name": key, "value": value} for key, value in sorted(plain.items())]
     mounts = [{"name": "pipeline", "mountPath": PIPELINE_DIR, "readOnly": True},

@@ -23,6 +23,7 @@ from .autoscaler import Autoscaler, autoscaling_enabled
 from .config import TLS_CERT_MANAGER, ConfigError, from_env
 from .kube import Kube
 from .leadership import follow_peering, start_priority
+from .metrics import OperatorMetrics
 from .pipeline_object import validation_errors
 from .planning import Plans
 from .reconcile import reconcile
@@ -92,7 +93,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
     memo.plans = Plans()
     memo.autoscaler = Autoscaler(kube, memo.plans)
     run = functools.partial(reconcile, kube, cfg, plans=memo.plans)
-    memo.tasks += [asyncio.create_task(worker(memo.queue, run, f"worker-{i}", active)) for i in range(cfg.workers)]
+    # the operator's own metrics, served with the planner's on the metrics port
+    metrics = OperatorMetrics(memo.autoscaler.registry, memo.queue)
+    memo.tasks += [asyncio.create_task(worker(memo.queue, run, f"worker-{i}", active, metrics))
+                   for i in range(cfg.workers)]
     memo.tasks.append(asyncio.create_task(memo.autoscaler.run(memo.queue, active)))
     memo.metrics_server = None
     if cfg.metrics_port:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import kopf
+
+if TYPE_CHECKING:
+    from .metrics import OperatorMetrics
 
 log = logging.getLogger("omnistage.operator")
 
@@ -82,10 +85,24 @@ class WorkQueue:
     def pending(self) -> int:
         return len(self._queued) + len(self._active) + len(self._timers)
 
+    def queued(self) -> int:
+        """Keys waiting for a worker."""
+        return len(self._queued)
 
-async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: asyncio.Event | None = None) -> None:
+    def active(self) -> int:
+        """Keys being reconciled now."""
+        return len(self._active)
+
+    def delayed(self) -> int:
+        """Keys due later (add_after)."""
+        return len(self._timers)
+
+
+async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: asyncio.Event | None = None,
+                 metrics: OperatorMetrics | None = None) -> None:
     """Take keys forever; `reconcile(*key)` returns an object with `requeue_after` (or raises). With `active`,
-    only while it is set (this replica leads, leadership.py): a standby keeps its keys queued."""
+    only while it is set (this replica leads, leadership.py): a standby keeps its keys queued. Each pass is
+    counted in `metrics` by its result (metrics.RESULTS)."""
     while True:
         if active is not None:
             await active.wait()
@@ -94,9 +111,10 @@ async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: async
             queue.done(key)
             queue.add(key)
             continue
+        result, t0 = None, time.monotonic()   # None: cancelled (the worker stops), not counted
         try:
-            t0 = time.monotonic()
             outcome = await asyncio.to_thread(reconcile, *key)
+            result = "ok"
             queue.succeeded(key)
             log.info("reconciled %s/%s in %.2fs: %d writes%s", *key, time.monotonic() - t0,
                      getattr(outcome, "writes", 0),
@@ -106,17 +124,22 @@ async def worker(queue: WorkQueue, reconcile: Callable, name: str, active: async
             elif outcome is not None and outcome.requeue_after:
                 queue.add_after(key, outcome.requeue_after)
         except kopf.PermanentError as e:
+            result = "invalid"
             queue.succeeded(key)    # nothing to retry until the object changes (its event adds it again)
             log.info("%s: %s", name, e)
         except kopf.TemporaryError as e:
+            result = "waiting"
             log.info("%s: %s/%s: %s (again in %.0fs)", name, *key, e, e.delay or 0)
             queue.add_after(key, e.delay if e.delay is not None else queue.backoff(key))
         except Exception:
+            result = "error"
             delay = queue.backoff(key)
             log.exception("%s: reconcile of %s/%s failed; again in %.1fs", name, *key, delay)
             queue.add_after(key, delay)
         finally:
             queue.done(key)
+            if metrics is not None and result is not None:
+                metrics.reconciled(result, time.monotonic() - t0)
 
 
 async def resync(queue: WorkQueue, period: float) -> None:

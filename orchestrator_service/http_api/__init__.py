@@ -20,6 +20,7 @@ from omnistage import tls as tls_files
 from omnistage.api import Pipeline
 from omnistage.contract.launch import ENV_ALLOWED_HOSTS
 
+from .access import HttpAccess
 from .connections import ConnectionLimits, Door, protocol_for
 from .gate import HostCheck, RequestGate
 from .parse_workers import ParseWorkers, address_space_for
@@ -67,7 +68,7 @@ class HttpApi:
         self.parse_workers = ParseWorkers(pipeline, BODIES_AT_ONCE, address_space_for(chat_body_limit(pipeline.limits)))
         self.gate = RequestGate(build_app(servicer, pipeline, self.parse_workers), self.request_limit,
                                 HostCheck.for_bind(host, allowed_hosts))
-        self.app = self.gate
+        self.app = HttpAccess(self.gate, servicer.api_keys)   # outermost: every API request gets its access line
         self.tls = tls  # given: HTTPS with its tls.crt and tls.key
         self._tls_stamp = tls.stamp() if tls else None
         # The door does the TLS handshakes (connections.py: counted and timed from the TCP accept), not uvicorn.

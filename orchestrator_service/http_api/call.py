@@ -29,6 +29,7 @@ from starlette.datastructures import Headers
 from omnistage.contract.params import InvalidRequest
 from omnistage.v1 import orchestrator_pb2
 
+from .. import access_log, otel
 from ..servicer import Refused
 from .errors import from_exception
 
@@ -64,11 +65,13 @@ class Call:
 
     def __init__(self, servicer, request: orchestrator_pb2.GenerateRequest, fields: Mapping[str, str] = {}, *,
                  deadline: float | None = None, receive: Callable[[], Awaitable[dict]] | None = None,
-                 max_buffered: int = MAX_BUFFERED_EVENTS, client: str | None = None):
+                 max_buffered: int = MAX_BUFFERED_EVENTS, client: str | None = None,
+                 incoming: otel.Incoming | None = None):
         self.request_id = uuid.uuid4().hex  # the server's id (the response names it); request_id: the client's label
         self.deadline = deadline
         self._servicer, self._request, self._fields, self._receive = servicer, request, fields, receive
         self._client = client  # who sent it, for the per-client cap (client_cap.py)
+        self._incoming = incoming  # its door and trace context, for its span
         self._queue: asyncio.Queue = asyncio.Queue(max_buffered)
         self._run_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
@@ -147,7 +150,9 @@ class Call:
     async def _run(self) -> None:
         try:
             try:
-                events = self._servicer.generate(self._request, self.deadline, self.request_id, client=self._client)
+                events = access_log.observed(self._servicer.generate(
+                    self._request, self.deadline, self.request_id, client=self._client, incoming=self._incoming),
+                    self.request_id)
                 async with contextlib.aclosing(events):
                     async for ev in events:
                         await self._queue.put(ev)

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp
 from omnistage.api import Pipeline
 from omnistage.contract.params import InvalidRequest
 
-from .. import client_cap
+from .. import client_cap, otel
 from ..byte_budget import BudgetFull, ByteBudget
 from ..servicer import MAX_REQUEST_ID
 from . import audio_formats, chat, images, speech, translate
@@ -188,7 +188,8 @@ class Endpoints:
         client = client_cap.client_of(key, request.client.host if request.client else None,
                                       self.servicer.client_cap.trusted)
         return Call(self.servicer, plan.request, plan.fields, deadline=deadline_from(request.headers),
-                    receive=request.receive, client=client)
+                    receive=request.receive, client=client,
+                    incoming=otel.Incoming.of("http", request.headers.items()))
 
 
 async def _events(call: Call, events: AsyncIterator[bytes]) -> Response:

@@ -578,7 +578,7 @@ class StepScheduler:
                 j.results.put_nowait(_END)
                 self._remove(j)  # the worker steps no finished state again
         if self.metrics is not None:
-            self.metrics.step(len(batch), took * 1e3, self.unit)
+            self.metrics.step(len(batch), took, self.unit)
         # Counted last: a delivery that fails part way is not delivered, so the worker, which may step on
         # only while the loop is at most one step behind, stops at the next boundary even before `_dirty`.
         self._delivered += 1

@@ -26,6 +26,10 @@ class WorkTally:
         if n:
             self._units[request_id] = self._units.get(request_id, 0) + n
 
+    def peek(self, request_id: str) -> int:
+        """The request's units so far (0 when none), kept."""
+        return self._units.get(request_id, 0)
+
     def take(self, request_id: str) -> int:
         """The request's units so far (0 when none), forgotten here."""
         return self._units.pop(request_id, 0)

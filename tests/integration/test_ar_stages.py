@@ -4,12 +4,15 @@ One vLLM engine serves the whole module (start-up is about 30 s here); the last 
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 import psutil
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
-from omnistage.contract import tensors
+from omnistage.contract import launch, tensors
 from omnistage.v1 import stage_pb2
 
 from ..harness import call_stage, example, header, start_stage, tensor_of, token_ids
@@ -85,7 +88,7 @@ def vllm_with_upstream():
 
 @pytest.fixture(scope="module")
 async def vllm_stage(model_dir):
-    srv = await start_stage(vllm_with_upstream(), "llm", model_dir)
+    srv = await start_stage(vllm_with_upstream(), "llm", model_dir, http_port=0)
     yield srv
     await srv.drain()
 
@@ -181,6 +184,28 @@ async def test_vllm_request_joining_a_batch_gets_what_it_gets_alone(vllm_stage):
     fillers = [(header(f"f{i}", prompt=f"filler {i}", max_tokens=250, ignore_eos=True), ()) for i in range(6)]
     alone, joined = await joins_a_running_batch(vllm_stage, probe, fillers, token_ids)
     assert len(alone) == 30 and joined == alone
+
+
+@pytest.mark.vllm
+async def test_vllm_stage_serves_vllms_own_metrics_with_its_own(vllm_stage):
+    """vLLM's `vllm:*` metrics (its registry, read at each scrape) on the stage's /metrics, next to the stage's."""
+    def scrape() -> dict[str, float]:
+        """Each sample name's values summed over its labels."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{vllm_stage.http.port}{launch.METRICS_PATH}",
+                                    timeout=30) as r:
+            out: dict[str, float] = {}
+            for family in text_string_to_metric_families(r.read().decode()):
+                for s in family.samples:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+            return out
+
+    before = scrape()
+    await call_stage(vllm_stage.port, header("vllm-metrics", max_tokens=10, ignore_eos=True))
+    after = scrape()
+    assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0) == 10
+    assert after["vllm:request_success_total"] >= 1 and "vllm:kv_cache_usage_perc" in after
+    assert "omnistage_stage_step_seconds_count" in after            # the stage's own, on the same page
+    assert not [name for name in after if name.startswith(("python_", "process_"))]   # only vLLM's taken
 
 
 @pytest.mark.vllm

@@ -24,7 +24,7 @@ LM_LIMITS = {"defaultMaxTokens": 2, "maxTokens": 4}  # answers of a few tokens: 
 
 
 def finished(orc: OrchestratorServer) -> float:
-    return orc.metrics.registry.get_sample_value("omnistage_requests_total", {"outcome": "finished"}) or 0.0
+    return orc.metrics.registry.get_sample_value("omnistage_requests_ended_total", {"outcome": "finished"}) or 0.0
 
 
 @contextlib.asynccontextmanager

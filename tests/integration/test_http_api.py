@@ -186,13 +186,13 @@ async def test_image_and_audio_parts_reach_the_thinker_in_order(servers):
     omni = servers["omni"]
     client = omni.aio()
     plain = await client.chat.completions.create(model=omni.model, messages=user("What is this?"), max_tokens=2)
-    decoded = omni.orc.metrics.media_decode_ms._sum.get()
+    decoded = omni.orc.metrics.media_decode_seconds._sum.get()
     r = await client.chat.completions.create(model=omni.model, max_tokens=2, messages=user(
         {"type": "image_url", "image_url": {"url": data_url("image/png", PNG)}},
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(tone(0.5))).decode(), "format": "wav"}},
         {"type": "text", "text": "What is this?"}))
     assert r.choices[0].message.content and r.choices[0].message.audio is None
-    assert omni.orc.metrics.media_decode_ms._sum.get() > decoded
+    assert omni.orc.metrics.media_decode_seconds._sum.get() > decoded
     # The Thinker's processor put the picture's and the sound's tokens into the prompt.
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 10
     with pytest.raises(openai.BadRequestError) as e:  # a broken second part is named as the client sent it

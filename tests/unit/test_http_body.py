@@ -139,7 +139,7 @@ class Recorded(ScriptedPath):
         super().__init__(*a, **kw)
         self.requests = []
 
-    def generate(self, request, deadline=None, request_id=None, client=None):
+    def generate(self, request, deadline=None, request_id=None, client=None, incoming=None):
         self.requests.append(request)
         return super().generate(request, deadline, request_id)
 

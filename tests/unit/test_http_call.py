@@ -39,7 +39,7 @@ class ScriptedPath:
         self.deadline = None
         self.yielded = 0
 
-    async def generate(self, request, deadline=None, request_id=None, client=None):
+    async def generate(self, request, deadline=None, request_id=None, client=None, incoming=None):
         self.deadline = deadline
         self.request_id = request_id
         try:

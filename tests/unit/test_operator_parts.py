@@ -9,15 +9,18 @@ import copy
 import kopf
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from omnistage.api import SpecError
 from omnistage_operator.compare import matches
 from omnistage_operator.config import ConfigError, ModelVolume, from_env
 from omnistage_operator.handlers import validate
+from omnistage_operator.metrics import OperatorMetrics
 from omnistage_operator.pipeline_object import parse
 from omnistage_operator.workqueue import WorkQueue, worker
 
 from ..conftest import EXAMPLES
+from ..polling import wait_until
 
 BASE = yaml.safe_load((EXAMPLES / "qwen3-omni-tiny.yaml").read_text())
 
@@ -214,3 +217,38 @@ async def test_worker_retries_failures_and_stops_on_permanent_errors():
     task.cancel()
     assert calls.count("flaky") == 2 and calls.count("bad") == 1
     assert ("ns", "deleted") not in q.known and ("ns", "bad") in q.known
+
+
+async def test_worker_counts_each_reconcile_by_result_with_its_time_and_the_queue_read_when_scraped():
+    seen = asyncio.Event()
+
+    def reconcile(ns, name):
+        if name == "flaky":
+            raise RuntimeError("apiserver hiccup")
+        if name == "bad":
+            raise kopf.PermanentError("invalid spec")
+        if name == "later":
+            raise kopf.TemporaryError("waiting on a Secret", delay=3600)
+        seen.set()
+        return _Result()
+
+    registry = CollectorRegistry()
+    q = WorkQueue()
+    metrics = OperatorMetrics(registry, q)
+    for name in ("flaky", "bad", "later", "ok"):   # one worker: taken in order, "ok" last
+        q.add(("ns", name))
+
+    def value(name, labels=None):
+        return registry.get_sample_value(name, labels or {}) or 0.0
+
+    assert value("omnistage_operator_queue_depth") == 4 and value("omnistage_operator_reconciles_inflight") == 0
+    task = asyncio.create_task(worker(q, reconcile, "w", metrics=metrics))
+    await asyncio.wait_for(seen.wait(), 30)
+    await wait_until(lambda: q.active() == 0, 30, what="the last pass done")   # then counted too
+    task.cancel()
+    results = {r: value("omnistage_operator_reconciles_total", {"result": r}) for r in ("ok", "error", "invalid",
+                                                                                         "waiting")}
+    assert results == {"ok": 1, "error": 1, "invalid": 1, "waiting": 1}
+    assert value("omnistage_operator_reconcile_seconds_count") == 4
+    assert value("omnistage_operator_queue_depth") == 0
+    assert value("omnistage_operator_queue_delayed") == 2    # "flaky" backing off, "later" after its delay

@@ -18,8 +18,8 @@ from stage_service.metrics import StageMetrics
 
 def test_counters_from_a_stage_replicas_metrics():
     m = StageMetrics("talker")
-    m.step(4, 250.0, "frames", 100)
-    m.step(2, 750.0, "frames", 50)
+    m.step(4, 0.25, "frames", 100)
+    m.step(2, 0.75, "frames", 50)
     for outcome in ("finished", "finished", "cancelled", "rejected"):
         m.outcome(outcome)
     m.load(3, 2)
@@ -264,3 +264,24 @@ def test_arrivals_steadier_than_poisson_are_measured_and_make_a_step_sure_sooner
     poisson_at = first_growth(planner(), counts)
     assert steady_at is not None and 30 < steady_at <= 40, steady_at     # 10 s of evenly sent requests
     assert poisson_at is None or poisson_at >= 50, poisson_at             # twice that as Poisson
+
+
+def test_a_stage_the_budget_holds_back_is_exported_with_what_it_would_need():
+    """`omnistage_planner_needed_replicas` above the desired count is what the chart's OmnistagePlannerAtBudget
+    alert reads: the pipeline's budget (6 here) holds the stages below what their load needs."""
+    planner = Planner(config(thinker=(1, 8, 10.0), talker=(1, 8, 10.0)), {"thinker": 1, "talker": 1})
+    stages = {"thinker": Replicas(100.0, 20), "talker": Replicas(100.0, 100)}
+    metrics = PlannerMetrics("p")
+    for tick in range(40):
+        now = tick * 0.5
+        for stage, reps in stages.items():
+            names = [f"{stage}-{i}" for i in range(planner.desired()[stage])]
+            planner.observe(stage, reps.run(names, now, 0.5, 8.0 * reps.per_request), "tokens")
+        d = planner.decide(now)
+        metrics.record(planner, d)
+    assert d.plan.budget_limited and sum(planner.desired().values()) <= 6
+    text = generate_latest(metrics.registry).decode()
+    needed = {s: d.plan.stages[s].need for s in stages}
+    for stage in stages:
+        assert f'omnistage_planner_needed_replicas{{pipeline="p",stage="{stage}"}} {float(needed[stage])}' in text
+    assert any(needed[s] > planner.desired()[s] for s in stages), (needed, planner.desired())

@@ -16,7 +16,7 @@ from omnistage.api.model import Autoscaling, AutoscalingTargets, StageAutoscalin
 from omnistage.planner.controller import Planner
 from omnistage.planner.latency import MAX_PRESSURE, MIN_REQUESTS, merged, missed, p95, pressure
 from omnistage.planner.load import ReplicaCounters
-from omnistage.planner.scrape import FIRST_OUTPUT_MS, RTF, orchestrator_buckets
+from omnistage.planner.scrape import FIRST_OUTPUT_SECONDS, RTF, orchestrator_buckets
 from orchestrator_service.metrics import OrchestratorMetrics
 
 BOUNDS = (100.0, 500.0, 1000.0, 5000.0, math.inf)
@@ -63,26 +63,27 @@ def test_pressure(target, p95, want):
 
 def test_buckets_read_from_the_orchestrators_metrics_and_merged():
     m = OrchestratorMetrics(CollectorRegistry())
-    for ms in (50, 50, 700):
-        m.first_output_ms.observe(ms)
-    b = orchestrator_buckets(generate_latest(m.registry).decode())[FIRST_OUTPUT_MS]
-    assert b[math.inf] == 3 and max(n for le, n in b.items() if le < 100) == 2
+    for seconds in (0.05, 0.05, 0.7):
+        m.first_output_seconds.observe(seconds)
+    b = orchestrator_buckets(generate_latest(m.registry).decode())[FIRST_OUTPUT_SECONDS]
+    assert b[math.inf] == 3 and max(n for le, n in b.items() if le < 0.1) == 2
     assert merged({"a": b, "b": b})[math.inf] == 6
 
 
 @pytest.mark.parametrize("ttfp_ms, rtf, p95s, factor, told", [
-    (0, 0, {FIRST_OUTPUT_MS: 5000.0, RTF: 3.0}, 1.0, []),                  # no targets: nothing looked at
-    (1000, 1.0, {FIRST_OUTPUT_MS: 1000.0, RTF: 1.0}, 1.0, []),             # met at the target
-    (1000, 1.0, {FIRST_OUTPUT_MS: None, RTF: None}, 1.0, []),              # too few requests to say
+    (0, 0, {FIRST_OUTPUT_SECONDS: 5.0, RTF: 3.0}, 1.0, []),                  # no targets: nothing looked at
+    (1000, 1.0, {FIRST_OUTPUT_SECONDS: 1.0, RTF: 1.0}, 1.0, []),             # met at the target
+    (1000, 1.0, {FIRST_OUTPUT_SECONDS: None, RTF: None}, 1.0, []),              # too few requests to say
     (1000, 1.0, {}, 1.0, []),                                              # no orchestrator read yet
-    (1000, 1.0, {FIRST_OUTPUT_MS: 500.0, RTF: 1.5}, 1.5, ["rtf p95 1.50 over the 1.00 target"]),
-    (1000, 1.0, {FIRST_OUTPUT_MS: 1200.0, RTF: 0.5}, 1.2, ["first packet p95 1200 ms over the 1000 ms target"]),
-    (1000, 1.0, {FIRST_OUTPUT_MS: 1200.0, RTF: 1.5}, 1.5,                  # both missed: the larger
+    (1000, 1.0, {FIRST_OUTPUT_SECONDS: 0.5, RTF: 1.5}, 1.5, ["rtf p95 1.50 over the 1.00 target"]),
+    (1000, 1.0, {FIRST_OUTPUT_SECONDS: 1.2, RTF: 0.5}, 1.2, ["first packet p95 1200 ms over the 1000 ms target"]),
+    (1000, 1.0, {FIRST_OUTPUT_SECONDS: 1.2, RTF: 1.5}, 1.5,                  # both missed: the larger
      ["first packet p95 1200 ms over the 1000 ms target", "rtf p95 1.50 over the 1.00 target"]),
-    (1000, 0.5, {FIRST_OUTPUT_MS: 1800.0, RTF: 0.6}, 1.8,
+    (1000, 0.5, {FIRST_OUTPUT_SECONDS: 1.8, RTF: 0.6}, 1.8,
      ["first packet p95 1800 ms over the 1000 ms target", "rtf p95 0.60 over the 0.50 target"]),
-    (0, 0.8, {FIRST_OUTPUT_MS: 9000.0, RTF: math.inf}, MAX_PRESSURE, ["rtf p95 inf over the 0.80 target"]),
-    (1000, 0, {FIRST_OUTPUT_MS: 5000.0, RTF: 4.0}, MAX_PRESSURE, ["first packet p95 5000 ms over the 1000 ms target"]),
+    (0, 0.8, {FIRST_OUTPUT_SECONDS: 9.0, RTF: math.inf}, MAX_PRESSURE, ["rtf p95 inf over the 0.80 target"]),
+    (1000, 0, {FIRST_OUTPUT_SECONDS: 5.0, RTF: 4.0}, MAX_PRESSURE,
+     ["first packet p95 5000 ms over the 1000 ms target"]),
 ])
 def test_missed_targets_table(ttfp_ms, rtf, p95s, factor, told):
     got = missed(AutoscalingTargets(ttfp_p95_ms=ttfp_ms, rtf=rtf), p95s)
@@ -97,12 +98,15 @@ MEASURED = st.one_of(st.none(), st.floats(0, 1e5), st.just(math.inf))
 def test_pressure_is_monotone_in_the_miss_at_most_the_cap_and_none_when_met(t_ttfp, t_rtf, ttfp, rtf, more_ttfp,
                                                                             more_rtf):
     targets = AutoscalingTargets(ttfp_p95_ms=t_ttfp, rtf=t_rtf)
-    factor, told = missed(targets, {FIRST_OUTPUT_MS: ttfp, RTF: rtf})
+    # the histogram is in seconds, the target in ms
+    factor, told = missed(targets, {FIRST_OUTPUT_SECONDS: None if ttfp is None else ttfp / 1e3, RTF: rtf})
     assert 1.0 <= factor <= MAX_PRESSURE
-    met = [t <= 0 or m is None or m <= t for t, m in ((t_ttfp, ttfp), (t_rtf, rtf))]
+    ttfp_ms = None if ttfp is None else ttfp / 1e3 * 1e3
+    met = [t <= 0 or m is None or m <= t for t, m in ((t_ttfp, ttfp_ms), (t_rtf, rtf))]
     assert (factor == 1.0) == all(met) and len(told) == met.count(False)
-    assert factor == max(pressure(t_ttfp, ttfp), pressure(t_rtf, rtf))
-    worse = {FIRST_OUTPUT_MS: None if ttfp is None else ttfp + more_ttfp, RTF: None if rtf is None else rtf + more_rtf}
+    assert factor == max(pressure(t_ttfp, ttfp_ms), pressure(t_rtf, rtf))
+    worse = {FIRST_OUTPUT_SECONDS: None if ttfp is None else (ttfp + more_ttfp) / 1e3,
+             RTF: None if rtf is None else rtf + more_rtf}
     assert missed(targets, worse)[0] >= factor
 
 
@@ -113,8 +117,8 @@ def test_rtf_is_observed_only_for_requests_with_audio_and_read_back_from_the_met
     m.observe_audio(3.0, 2.0)              # 1.5
     b = orchestrator_buckets(generate_latest(m.registry).decode())
     assert b[RTF][math.inf] == 2 and b[RTF][0.5] == 1 and b[RTF][1.25] == 1 and b[RTF][1.5] == 2
-    assert b[FIRST_OUTPUT_MS][math.inf] == 0
-    assert orchestrator_buckets("") == {FIRST_OUTPUT_MS: {}, RTF: {}}   # an orchestrator without them
+    assert b[FIRST_OUTPUT_SECONDS][math.inf] == 0
+    assert orchestrator_buckets("") == {FIRST_OUTPUT_SECONDS: {}, RTF: {}}   # an orchestrator without them
 
 
 def planner(ttfp_ms: float = 0.0, rtf: float = 0.0) -> Planner:
@@ -136,7 +140,7 @@ def drive(p: Planner, first_packet_ms: float, rtf: float | None = None, seconds:
             units[stage] += rate * 1.0
         p.observe_orchestrators({"orch-0": orchestrator_buckets(generate_latest(orch.registry).decode())}, float(t))
         for _ in range(4):
-            orch.first_output_ms.observe(first_packet_ms)
+            orch.first_output_seconds.observe(first_packet_ms / 1e3)
             if rtf is not None:
                 orch.observe_audio(rtf * 2.0, 2.0)
     return p.decide(float(seconds))

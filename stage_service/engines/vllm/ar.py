@@ -15,7 +15,8 @@ chat template unless the request asks for the raw prompt), so vLLM gets ids.
 
 vLLM schedules, batches and frees on its own; this adapter bounds what it
 admits (maxBatch + maxQueued), aborts the vLLM request when the call ends
-early, and feeds vLLM's per-iteration stats into the stage's metrics.
+early, and feeds vLLM's per-iteration stats into the stage's metrics. vLLM's own
+`vllm:*` metrics are served on the stage's /metrics too.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def check_quantization(stage: str, method: str, known: Iterable[str]) -> None:
                                 f"method of the vLLM installed here; known: {', '.join(sorted(known))}")
 
 
+# The names of vLLM's own Prometheus metrics (vllm/v1/metrics/loggers.py).
+VLLM_METRICS_PREFIX = "vllm:"
 # Config keys that count a mixture-of-experts model's experts (Qwen-MoE and the omni Thinkers, Mixtral,
 # DeepSeek), at any depth of a combined checkpoint's config.
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -175,6 +178,10 @@ class VllmEngine(Engine):
             raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs: unknown vLLM engine "
                              f"argument(s) {', '.join(unknown)}")
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger()])
+        if self.metrics is not None:
+            # vLLM's own metrics (TTFT, TPOT, token counters, KV cache use): its Prometheus stat logger, which it
+            # adds next to ours, registers them in prometheus_client's global registry; served with the stage's.
+            self.metrics.reexport(VLLM_METRICS_PREFIX)
         if self.max_model_len is None:  # vLLM chose it from the model
             self.max_model_len = self.llm.model_config.max_model_len
         self.tokenizer = self.llm.tokenizer
@@ -337,10 +344,10 @@ class VllmEngine(Engine):
                 self.metrics.load(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
         if iteration_stats is not None and self.metrics is not None and scheduler_stats is not None:
             now = iteration_stats.iteration_timestamp
-            ms = (now - self._last_stats) * 1e3 if self._last_stats is not None else None
+            took = now - self._last_stats if self._last_stats is not None else None
             self._last_stats = now
             if scheduler_stats.num_running_reqs:
-                self.metrics.step(scheduler_stats.num_running_reqs, ms, self.unit,
+                self.metrics.step(scheduler_stats.num_running_reqs, took, self.unit,
                                   units=iteration_stats.num_generation_tokens)
 
     async def shutdown(self) -> None:
