@@ -6,6 +6,7 @@ scenarios use. Needs root (mount namespaces for pods), the tiny models, and the 
 from __future__ import annotations
 
 import os
+import signal
 import stat
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def models_readable_by_pods() -> None:
         p.chmod(p.stat().st_mode | stat.S_IROTH | (stat.S_IXOTH if p.is_dir() else 0))
     if closed:
         print(f"[e2e] made {len(closed)} model files readable by the pods' uid {POD_UID}")
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# scripts/run_tests.sh bounds a run with `timeout`, which ends it with SIGTERM: tear the clusters down as on
+# Ctrl-C (pytest runs the session fixtures' teardown), not leave their processes and containers behind.
+signal.signal(signal.SIGTERM, _interrupted)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ Two kinds of node:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -75,15 +76,21 @@ def running(c: "Cluster", namespace: str) -> Iterator["Cluster"]:
         c.down()
 
 
+def outside(cmd: list[str]) -> tuple[list[str], dict]:
+    """`cmd` (and subprocess.run's keywords) to run in the machine's own network namespace: a build that needs
+    the network (PyPI, the Debian archive) started from inside e2e/cluster/in-netns.sh's private one."""
+    fd = os.environ.get("OMNISTAGE_OUTER_NETNS_FD")
+    if not fd:
+        return cmd, {}
+    return ["nsenter", f"--net=/proc/self/fd/{fd}", *cmd], {"pass_fds": (int(fd),)}
+
+
 def project_image(log: Path) -> tuple[str, Path]:
     """`make image` (scripts/build_image.sh; every layer and the archive reused when nothing changed): the
     image's reference and its OCI archive."""
-    cmd, fds = [str(REPO / "scripts" / "build_image.sh")], ()
-    outer = os.environ.get("OMNISTAGE_OUTER_NETNS_FD")
-    if outer:   # in e2e/cluster/in-netns.sh's private namespace: the build needs the machine's network (PyPI)
-        cmd, fds = ["nsenter", f"--net=/proc/self/fd/{outer}", *cmd], (int(outer),)
     with open(log, "ab") as out:
-        r = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, pass_fds=fds)
+        cmd, kw = outside([str(REPO / "scripts" / "build_image.sh")])
+        r = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, **kw)
     if r.returncode != 0:
         raise AssertionError(f"make image failed ({r.returncode}); see {log}")
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -109,7 +116,10 @@ class Cluster:
 
     def up(self) -> "Cluster":
         t0 = time.monotonic()
-        subprocess.run([str(CLUSTER / "build.sh"), str(BIN)], check=True)
+        if self.node == "real":
+            self._hold_node_lock()
+        cmd, kw = outside([str(CLUSTER / "build.sh"), str(BIN)])
+        subprocess.run(cmd, check=True, **kw)
         self.timings = {"build_s": time.monotonic() - t0}
         self.down()                    # leftovers of an interrupted run in the same folder
         for leftover in ("etcd", "pods", "kubelet", "containerd", "log/pods"):
@@ -150,6 +160,21 @@ class Cluster:
         if self.node == "real":
             subprocess.run([str(CLUSTER / "node-down.sh"), str(BIN), str(self.run)], check=False)
         subprocess.run([str(CLUSTER / "down.sh"), str(self.run)], check=False)
+
+    def _hold_node_lock(self) -> None:
+        """One real node per machine: it shares the cgroup parent, containerd's store and the kubelet's log
+        folders with any other. Held until this process exits."""
+        if getattr(self, "_node_lock", None) is not None:
+            return
+        CACHE.mkdir(parents=True, exist_ok=True)
+        f = open(CACHE / "real-node.lock", "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise AssertionError(f"another real e2e node runs on this machine ({CACHE / 'real-node.lock'} is held): "
+                                 "one at a time (they share cgroups and containerd's store)") from None
+        self._node_lock = f
 
     def _start_node_agent(self) -> None:
         cmd = [PYTHON, "-m", "e2e.node.agent", "--kubeconfig", str(self.admin_kubeconfig),

@@ -7,7 +7,8 @@
 # The archive is written only when the image changed (its ID is kept in omnistage-VERSION-VARIANT.tar.id).
 #   VARIANT=cpu|cuda      the Dockerfile's variant (cpu)
 #   CPU_TORCH_INDEX=URL   torch's CPU index for the build (the Dockerfile's default: PyTorch's; where that cannot be
-#                         reached, the host pip's own index, whose find-links give the CPU build as setup.sh does)
+#                         reached, the host pip's own index, whose find-links give the CPU build as setup.sh does;
+#                         the choice is kept in ~/.cache/omnistage/image/torch-index: delete it to choose again)
 #   DEBIAN_MIRROR=URL     the Debian archive debootstrap reads (deb.debian.org)
 # The host's pip settings go into the build read-only (its config files, the local folders and file:// indexes
 # they name, its CA bundle), so a machine that installs from a mirror builds from the same mirror.
@@ -30,7 +31,9 @@ for tool in buildah debootstrap; do
   command -v $tool >/dev/null && continue
   [ "$(id -u)" = 0 ] || { echo "make image: needs $tool (apt-get install $tool)" >&2; exit 2; }
   step "installing $tool from the distribution"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $tool >/dev/null
+  # flock: scripts/run_tests.sh runs this beside e2e/cluster/build.sh, which may run apt-get too
+  mkdir -p "$CACHE" && flock "$CACHE/apt.lock" sh -c "apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $tool >/dev/null"
 done
 mkdir -p "$CACHE/image"
 
@@ -74,14 +77,20 @@ if python3 -m pip --version >/dev/null 2>&1; then
   done < <(python3 -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.\(find-links\|index-url\|extra-index-url\|constraint\|cert\)='\(.*\)'$/\2/p")
 fi
 args=(--build-arg "VARIANT=$VARIANT")
-if [ -z "${CPU_TORCH_INDEX:-}" ] && [ "$VARIANT" = cpu ]; then
+# Decided once per machine and kept (a network blip must not change a build argument: the cache would miss).
+if [ -z "${CPU_TORCH_INDEX:-}" ] && [ "$VARIANT" = cpu ] && [ -s "$CACHE/image/torch-index" ]; then
+  CPU_TORCH_INDEX=$(cat "$CACHE/image/torch-index")
+elif [ -z "${CPU_TORCH_INDEX:-}" ] && [ "$VARIANT" = cpu ]; then
   pytorch=$(sed -n 's/^ARG CPU_TORCH_INDEX=//p' Dockerfile)
-  if ! curl -sf -m 10 -o /dev/null "$pytorch/torch/"; then
+  if curl -sf -m 10 -o /dev/null "$pytorch/torch/"; then
+    echo "$pytorch" > "$CACHE/image/torch-index"
+  else
     # The same choice on every run, so the build's cache keeps hitting (a build argument is part of its key).
     CPU_TORCH_INDEX=$(python3 -m pip config list 2>/dev/null | sed -n "s/^[^.]*\.\(index-url\|extra-index-url\)='\([^ ']*\).*$/\1 \2/p" |
                       sort -r | head -1 | cut -d' ' -f2)
     [ -n "$CPU_TORCH_INDEX" ] || { echo "make image: $pytorch cannot be reached and pip names no other index: set CPU_TORCH_INDEX" >&2; exit 2; }
     step "$pytorch cannot be reached: torch's CPU build from this machine's pip index, $CPU_TORCH_INDEX"
+    echo "$CPU_TORCH_INDEX" > "$CACHE/image/torch-index"
   fi
 fi
 [ -n "${CPU_TORCH_INDEX:-}" ] && args+=(--build-arg "CPU_TORCH_INDEX=$CPU_TORCH_INDEX")

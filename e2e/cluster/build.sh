@@ -13,7 +13,12 @@ GO_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-prox
 NODE=(node/containerd node/containerd-shim-runc-v2 node/ctr node/runc node/cni/bridge node/cni/host-local
       node/cni/loopback node/pause.tar)
 WANT=("${GO_CMDS[@]}" kubectl etcd "${NODE[@]}")
-have_all() { for b in "${WANT[@]}"; do [ -e "$BIN/$b" ] || return 1; done; }
+# The sandbox image is rebuilt when its sources change (their hash is kept beside it).
+PAUSE_SRC=$(cat "$(dirname "$0")"/pause/pause.go "$(dirname "$0")"/pause/oci_archive.py | sha256sum | cut -c1-16)
+have_all() {
+  for b in "${WANT[@]}"; do [ -e "$BIN/$b" ] || return 1; done
+  [ "$(cat "$BIN/node/pause.src" 2>/dev/null)" = "$PAUSE_SRC" ]
+}
 if have_all; then echo "[cluster] cached binaries: $BIN"; exit 0; fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/omnistage-k8s-build.XXXXXX")
@@ -23,8 +28,12 @@ SRC_VERSION=1.20.5+really1.20.2-1.1+deb12u1   # Debian's version string for upst
 log() { echo "[cluster] $*"; }
 
 log "installing the Go toolchain from Debian (golang-go 1.19)"
-apt-get update -q >/dev/null
-apt-get install -y -q golang-go golang-github-modern-go-reflect2-dev make rsync >/dev/null
+# flock: scripts/run_tests.sh runs this beside scripts/build_image.sh, which may run apt-get too.
+APT_LOCK=${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}/apt.lock
+mkdir -p "$(dirname "$APT_LOCK")"
+flock "$APT_LOCK" sh -c 'apt-get update -q >/dev/null &&
+  apt-get install -y -q golang-go golang-github-modern-go-reflect2-dev make rsync iptables iproute2 >/dev/null'
+
 
 if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ]; then
   log "unpacking etcd and kubectl 1.20 from Debian packages"
@@ -34,7 +43,9 @@ if [ ! -x "$BIN/etcd" ] || [ ! -x "$BIN/kubectl" ]; then
   install -m 0755 "$WORK/pkgroot/usr/bin/kubectl" "$BIN/kubectl"
 fi
 
-if [ ! -x "$BIN/node/containerd" ] || [ ! -x "$BIN/node/runc" ] || [ ! -x "$BIN/node/cni/bridge" ]; then
+node_files_missing() { for f in containerd containerd-shim-runc-v2 ctr runc cni/bridge cni/host-local cni/loopback \
+                        cni/portmap; do [ -x "$BIN/node/$f" ] || return 0; done; return 1; }
+if node_files_missing; then
   log "unpacking containerd, runc and the CNI plugins from Debian packages"
   (cd "$WORK" && apt-get download -q containerd runc containernetworking-plugins 2>&1 >/dev/null | grep -v "^W:" || true)
   for deb in "$WORK"/containerd_*.deb "$WORK"/runc_*.deb "$WORK"/containernetworking-plugins_*.deb; do
@@ -46,12 +57,13 @@ if [ ! -x "$BIN/node/containerd" ] || [ ! -x "$BIN/node/runc" ] || [ ! -x "$BIN/
   for b in bridge host-local loopback portmap; do install -m 0755 "$WORK/noderoot/usr/lib/cni/$b" "$BIN/node/cni/$b"; done
 fi
 
-if [ ! -f "$BIN/node/pause.tar" ]; then
+if [ ! -f "$BIN/node/pause.tar" ] || [ "$(cat "$BIN/node/pause.src" 2>/dev/null)" != "$PAUSE_SRC" ]; then
   log "building the sandbox image localhost/omnistage/pause:3.6 from e2e/cluster/pause"
   (cd "$(dirname "$0")/pause" && env GOPATH="$WORK/gopath" GO111MODULE=off CGO_ENABLED=0 HOME="$WORK" \
      GOCACHE="$WORK/gocache" go build -ldflags=-s -o "$WORK/pause" pause.go)
   mkdir -p "$BIN/node"
   python3 "$(dirname "$0")/pause/oci_archive.py" "$WORK/pause" "$BIN/node/pause.tar"
+  echo "$PAUSE_SRC" > "$BIN/node/pause.src"
 fi
 
 missing=()

@@ -29,6 +29,18 @@ print(next((n.get("path", "") for n in spec.get("linux", {}).get("namespaces", [
   done
 fi
 stop containerd
+# Whatever still runs in the node's cgroups (a run killed before it could tear down: containerd gone, shims and
+# containers left), then the shims of this node's containerd.
+find /sys/fs/cgroup/pids/"$CGROUP_ROOT" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null
+pkill -9 -f "containerd-shim-runc-v2 .*-address $SOCK" 2>/dev/null
+for _ in $(seq 30); do
+  [ -z "$(find /sys/fs/cgroup/pids/"$CGROUP_ROOT" -name cgroup.procs -exec cat {} + 2>/dev/null)" ] && break; sleep 0.1
+done
+# The machine-wide kernel settings the kubelet changed, as they were before node-up.sh.
+if [ -f "$RUN/kernel-settings" ]; then
+  while IFS='=' read -r k v; do sysctl -qw "$k=$v" 2>/dev/null; done < "$RUN/kernel-settings"
+  rm -f "$RUN/kernel-settings"
+fi
 # The kubelet's volume mounts (tmpfs Secrets and memory emptyDirs) and containerd's leftover rootfs mounts.
 grep -oE " $RUN/[^ ]+" /proc/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
 rm -f /var/lib/cni/results/e2e-*   # the CNI plugins' cache of this node's pods (network "e2e")

@@ -38,9 +38,15 @@ ip link show cni0 >/dev/null 2>&1 || ip link add cni0 type bridge
 ip addr replace "$NODE_IP/16" dev cni0
 ip link set cni0 up
 ip route replace "$SERVICE_CIDR" dev cni0
-# Bridged pod-to-Service traffic must pass iptables (kube-proxy's DNAT), hairpin included.
-sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || modprobe br_netfilter 2>/dev/null || true
+# Bridged pod-to-Service traffic must pass iptables (kube-proxy's DNAT), hairpin included: the kernel's
+# br_netfilter (these settings are this namespace's own).
+[ -e /proc/sys/net/bridge/bridge-nf-call-iptables ] || {
+  echo "node-up.sh: the kernel has no br_netfilter (/proc/sys/net/bridge): load it (modprobe br_netfilter)" >&2; exit 2; }
+sysctl -qw net.bridge.bridge-nf-call-iptables=1
 sysctl -qw net.ipv4.ip_forward=1
+# The kubelet sets these machine-wide kernel settings at start (not per namespace): node-down.sh puts them back.
+KERNEL_SETTINGS="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes"
+[ -f "$RUN/kernel-settings" ] || for k in $KERNEL_SETTINGS; do echo "$k=$(sysctl -n "$k")"; done > "$RUN/kernel-settings"
 
 # cgroup v1 (this kind of VM): the kubelet requires its --cgroup-root to exist in every controller.
 for c in /sys/fs/cgroup/*/; do
@@ -82,6 +88,8 @@ PATH=$BIN/node:$PATH start containerd "$BIN/node/containerd" --config "$CTD/conf
 for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
 CTR=("$BIN/node/ctr" --address "$SOCK" -n k8s.io)
 "${CTR[@]}" version >/dev/null || { tail -20 "$RUN/log/containerd.log" >&2; exit 1; }
+# Records of an earlier run that could not tear down (the store is cached): none of them runs any more.
+for id in $("${CTR[@]}" containers ls -q); do "${CTR[@]}" containers rm "$id" >/dev/null 2>&1 || true; done
 
 # Images: import an archive only when its manifest is not in the store yet (a 4 GB image takes a minute).
 for archive in "$BIN/node/pause.tar" "$@"; do
