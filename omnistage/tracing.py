@@ -24,6 +24,11 @@ _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.
 # The W3C limit on a tracestate a vendor must propagate (32 members of up to 256 bytes is the upper bound; 512
 # is what every implementation keeps): anything longer is dropped rather than carried to every stage.
 MAX_TRACESTATE = 512
+# A tracestate member as W3C writes it (key=value; the value printable ASCII without "," or "="): anything else
+# (control characters, bytes above 0x7f) would fail as gRPC metadata on the stage calls it is carried to.
+_VALUE_CHAR = r"\x21-\x2b\x2d-\x3c\x3e-\x7e"   # printable ASCII but space, "," and "="
+_TRACESTATE_MEMBER = re.compile(rf"[a-z0-9][a-z0-9_\-*/@]{{0,255}}=[ {_VALUE_CHAR}]{{0,255}}[{_VALUE_CHAR}]")
+MAX_TRACESTATE_MEMBERS = 32
 # The variables that turn export on (the traces-only one wins, as in the SDK).
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -36,7 +41,8 @@ _provider: Any = None
 
 def trace_context(pairs: Iterable[tuple[str, Any]]) -> dict[str, str]:
     """The W3C trace context among a request's headers or gRPC metadata (pure): `traceparent` when it is well
-    formed, and `tracestate` with it when within MAX_TRACESTATE; {} otherwise (the request starts a trace)."""
+    formed (as version 00), and `tracestate` with it when its members are well formed and within MAX_TRACESTATE;
+    {} otherwise (the request starts a trace)."""
     found = {}
     for key, value in pairs:
         key = key.lower()
@@ -46,10 +52,14 @@ def trace_context(pairs: Iterable[tuple[str, Any]]) -> dict[str, str]:
     if not _TRACEPARENT.fullmatch(parent) or parent.startswith("ff") or (parent.startswith("00") and len(parent) > 55) \
             or parent[3:35] == "0" * 32 or parent[36:52] == "0" * 16:
         return {}
-    out = {TRACEPARENT: parent}
+    # carried on as version 00 (a later version's first four fields are version 00's): nothing the client
+    # appended reaches the stages
+    out = {TRACEPARENT: "00" + parent[2:55]}
     state = found.get(TRACESTATE)
     if state and len(state) <= MAX_TRACESTATE:
-        out[TRACESTATE] = state
+        members = [m.strip() for m in state.split(",") if m.strip()]
+        if len(members) <= MAX_TRACESTATE_MEMBERS and all(_TRACESTATE_MEMBER.fullmatch(m) for m in members):
+            out[TRACESTATE] = ",".join(members)
     return out
 
 

@@ -31,10 +31,11 @@ def _refusing(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 
 class ClientDoor(grpc.aio.ServerInterceptor):
     """`service`: the full name of the service keys guard; `budgeted`: the method (full path) whose requests
-    take their size from `budget` while they are held; `on_refused(method)`: counts a refusal."""
+    take their size from `budget` while they are held; `on_refused(method, outcome)`: counts a refusal
+    (unauthenticated: the key; rejected: the budget)."""
 
     def __init__(self, service: str, keys: ApiKeys, budget: ByteBudget, budgeted: str,
-                 on_refused: Callable[[str], None] = lambda method: None):
+                 on_refused: Callable[[str, str], None] = lambda method, outcome: None):
         self.service_prefix = f"/{service}/"
         self.keys, self.budget, self.budgeted = keys, budget, budgeted
         self.on_refused = on_refused
@@ -48,7 +49,7 @@ class ClientDoor(grpc.aio.ServerInterceptor):
             header = dict(details.invocation_metadata or ()).get("authorization")
             refused = self.keys.refusal(header if isinstance(header, str) else None, 0)  # priority 0: key only
             if refused is not None:
-                self.on_refused(method)
+                self.on_refused(method, "unauthenticated")
                 return _refusing(REFUSED_KEY[refused[0]], refused[1])
         handler = await continuation(details)
         if method == self.budgeted and handler is not None and handler.unary_stream is not None:
@@ -64,7 +65,7 @@ class ClientDoor(grpc.aio.ServerInterceptor):
                 try:
                     take(request.ByteSize())
                 except BudgetFull as e:
-                    on_refused(method)
+                    on_refused(method, "rejected")
                     context.set_trailing_metadata((("retry-after", f"{BUDGET_RETRY_AFTER_S}"),))
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         f"{e}; retry after {BUDGET_RETRY_AFTER_S}s")

@@ -17,10 +17,11 @@ from omnistage.planner.scrape import (
     RTF,
 )
 
-# How a client request ended: each request that reaches a door is counted once, under one of these. An admitted
-# one ends finished, cancelled, failed or timeout; one never admitted rejected, invalid, failed (a stage down)
-# or timeout (its deadline passed in the admission queue).
-ENDED_OUTCOMES = ("finished", "cancelled", "failed", "timeout", "rejected", "invalid")
+# How a client request ended: each request that reaches the request path is counted once, under one of these
+# (the HTTP door's own refusals before it, of a body or a key, are in its access lines). An admitted one ends
+# finished, cancelled, failed or timeout; one never admitted rejected (full), unauthenticated (its API key, on
+# the gRPC door), invalid, failed (a stage down) or timeout (its deadline passed in the admission queue).
+ENDED_OUTCOMES = ("finished", "cancelled", "failed", "timeout", "rejected", "unauthenticated", "invalid")
 # Real-time factors: fine around 1 (where a target sits: its p95 is read as the upper bound of a bucket)
 _RTF = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 

@@ -158,9 +158,9 @@ class OrchestratorServer:
         log.info("orchestrator for %s serving on %s:%d", self.pipeline.name, self.host, self.port)
         return self.port
 
-    def _count_refusal(self, method: str) -> None:
+    def _count_refusal(self, method: str, outcome: str) -> None:
         if method == GENERATE:  # as the handler counts its refusals
-            self.metrics.requests.labels("rejected").inc()
+            self.metrics.requests.labels(outcome).inc()
 
     def _add_port(self) -> int:
         address = f"{self.host}:{self.port}"

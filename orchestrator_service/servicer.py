@@ -139,8 +139,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # The server's ClientDoor (grpc_door) refused a missing key before the message was read; the priority the
         # message asks for is checked against the key here.
         refused = self.api_keys.refusal(dict(context.invocation_metadata()).get("authorization"), request.priority)
-        if refused is not None:
-            self.metrics.requests.labels("rejected").inc()
+        if refused is not None:   # a key refused (or its priority): not the admission queue's doing
+            self.metrics.requests.labels("unauthenticated").inc()
             await context.abort(REFUSED_KEY[refused[0]], refused[1])
         client = client_cap.client_of(
             client_cap.key_index(self.api_keys, dict(context.invocation_metadata()).get("authorization")),

@@ -54,8 +54,8 @@ async def keyed(model_dir):
         stage.close()
 
 
-def rejected(orc: OrchestratorServer) -> float:
-    return orc.metrics.requests.labels("rejected")._value.get()
+def rejected(orc: OrchestratorServer, outcome: str = "rejected") -> float:
+    return orc.metrics.requests.labels(outcome)._value.get()
 
 
 async def generate(port: int, request, metadata=()) -> list:
@@ -76,12 +76,13 @@ async def raw_generate(port: int, body: bytes, metadata=()) -> grpc.StatusCode:
 
 
 async def test_a_call_without_a_key_is_refused_before_its_message_is_read(keyed):
-    before = rejected(keyed)
+    before, full = rejected(keyed, "unauthenticated"), rejected(keyed)
     # Not a GenerateRequest at all: had the message been read, parsing it would have failed first (INTERNAL).
     assert await raw_generate(keyed.port, b"\xff" * 64) == grpc.StatusCode.UNAUTHENTICATED
     assert await raw_generate(keyed.port, b"\xff" * 64, (("authorization", "Bearer nope"),)) == \
         grpc.StatusCode.UNAUTHENTICATED
-    assert rejected(keyed) == before + 2  # counted once each, as the handler counts its refusals
+    # counted once each, as the handler counts its refusals; a key is not a full queue (the saturation alert)
+    assert rejected(keyed, "unauthenticated") == before + 2 and rejected(keyed) == full
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await generate(keyed.port, build_request("hi"))
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in e.value.details()

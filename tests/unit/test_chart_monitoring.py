@@ -14,7 +14,7 @@ from omnistage_operator.builders import build_orchestrator_deployment, build_sta
 from omnistage_operator.config import OperatorConfig
 
 from ..harness import example
-from .test_operator_chart import CHART, needs_helm, render, render_all
+from .test_operator_chart import CHART, helm, needs_helm, render, render_all
 
 MONITORING_KINDS = {"PodMonitor", "PrometheusRule"}
 ON = ("monitoring.enabled=true", "monitoring.labels.release=kube-prometheus-stack")
@@ -84,3 +84,31 @@ def test_rules_and_dashboard_are_the_files_they_come_from():
 def test_rules_and_dashboard_can_be_left_out():
     objs = monitoring_objects(*ON, "monitoring.rules.enabled=false", "monitoring.dashboard.enabled=false")
     assert {k[0] for k in objs} == {"PodMonitor"}
+
+
+def notes(tmp_path, *sets: str) -> str:
+    """The chart's NOTES.txt as an install prints it (helm template leaves NOTES out: a copy of the chart renders
+    it into a ConfigMap with `tpl`)."""
+    import shutil
+
+    chart = tmp_path / "chart"
+    shutil.rmtree(chart, ignore_errors=True)
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "NOTES.txt").rename(chart / "install-notes.txt")
+    (chart / "templates" / "install-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: install-notes}\n"
+        'data: {notes: {{ tpl (.Files.Get "install-notes.txt") . | quote }}}\n')
+    args = ["template", "omnistage", str(chart), "--namespace", "omnistage-system",
+            "--show-only", "templates/install-notes.yaml"]
+    for s in sets:
+        args += ["--set", s]
+    r = helm(*args)
+    assert r.returncode == 0, r.stderr
+    return yaml.safe_load(r.stdout)["data"]["notes"]
+
+
+@needs_helm
+def test_monitoring_without_a_way_through_the_network_policies_is_warned_of(tmp_path):
+    assert "WARNING: monitoring is on" in notes(tmp_path, *ON)
+    assert "WARNING" not in notes(tmp_path, *ON, "pipelinePods.metricsNamespaceLabel=kubernetes.io/metadata.name=mon")
+    assert "WARNING" not in notes(tmp_path)

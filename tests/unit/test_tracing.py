@@ -20,7 +20,14 @@ PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     ([("traceparent", f"00-{'0' * 32}-00f067aa0ba902b7-01")], {}),      # the all-zero trace id
     ([("traceparent", f"00-4bf92f3577b34da6a3ce929d0e0e4736-{'0' * 16}-01")], {}),  # the all-zero parent
     ([("traceparent", PARENT + "-more")], {}),                          # version 00 has exactly four fields
-    ([("traceparent", "01" + PARENT[2:] + "-more")], {"traceparent": "01" + PARENT[2:] + "-more"}),  # a later one more
+    # a later version may append fields: read, and carried on, as version 00 (what it appended stays here)
+    ([("traceparent", "01" + PARENT[2:] + "-more" * 5000)], {"traceparent": PARENT}),
+    # a tracestate gRPC metadata cannot carry, or one beyond W3C's 32 members: dropped, the trace kept
+    ([("traceparent", PARENT), ("tracestate", "a=b\tc")], {"traceparent": PARENT}),
+    ([("traceparent", PARENT), ("tracestate", "a=\u00e9")], {"traceparent": PARENT}),
+    ([("traceparent", PARENT), ("tracestate", ",".join(f"k{i}=v" for i in range(33)))], {"traceparent": PARENT}),
+    ([("traceparent", PARENT), ("tracestate", "congo=t61rcWkgMzE, rojo@x=00f067aa0ba902b7")],
+     {"traceparent": PARENT, "tracestate": "congo=t61rcWkgMzE,rojo@x=00f067aa0ba902b7"}),
     ([("traceparent", PARENT), ("tracestate", "x" * (tracing.MAX_TRACESTATE + 1))], {"traceparent": PARENT}),
     ([("traceparent", b"bytes")], {}),                                  # binary metadata is not a trace context
     ([("authorization", "Bearer k")], {}),
