@@ -59,7 +59,7 @@ cluster_tools_start() {
   timeout "$(left)" scripts/build_image.sh > e2e/.run/image.log 2>&1 &
   image_build=$!
   # an interrupted run stops them too (each `timeout` leads a process group of its own)
-  trap 'kill -- -$k8s_build -$image_build 2>/dev/null' EXIT
+  trap 'kill -- -$k8s_build -$image_build 2>/dev/null || true' EXIT
 }
 
 cluster_tools_wait() {
