@@ -21,6 +21,11 @@ produce the same tokens and samples, so the work behind them is identical.
    and a final (no stage, no service time: what is left is each door's own work, server and client);
    the same pairwise median of time to the first audio bytes, HTTP against gRPC.
 
+4. The other endpoints, each against the gRPC door or the chat stream for the same work, side by side in one
+   run (their own modules): `completions.rps_c8` (bench/http_api_completions.py), `transcriptions.rps_c8`
+   (bench/http_api_transcriptions.py), `realtime.first_audio_after_commit_p50_ms_s1` / `_s8` beside
+   `chat_stream.ttfp_p50_ms`, and `realtime.sessions_at_rtf_below_1` (bench/http_api_realtime.py).
+
     .venv/bin/python bench/http_api.py [--quick]
 """
 
@@ -211,6 +216,14 @@ def main() -> None:
                figure("grpc.ttfp_p95_c1_ms", 1e3 * percentile(out["ttfp"]["grpc"], 95), "ms")]
     print_table("HTTP (OpenAI SSE) against gRPC, same orchestrator, same requests", figures)
     print(f"\nHTTP / gRPC req/s at c8, round by round: {ratios}")
+    import http_api_completions  # here: each imports this module's helpers
+    import http_api_realtime
+    import http_api_transcriptions
+
+    for part in (http_api_completions, http_api_transcriptions, http_api_realtime):
+        measured = part.measure(args.quick)
+        print_table((part.__doc__ or part.__name__).strip().splitlines()[0], measured)
+        figures += measured
     notes = ("examples/qwen3-omni-tiny.yaml served by `omnistage serve`; text + audio out, greedy, ignore_eos, "
              "8 or 24 tokens; gRPC Generate stream against chat completions SSE with base64 pcm16 audio deltas, "
              f"through one orchestrator; a thin httpx SSE client. {os.cpu_count()} CPU cores shared by the "

@@ -32,6 +32,7 @@ from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .routing import Router
 from .servicer import OrchestratorServicer
+from .voices import VoiceError, Voices
 
 if TYPE_CHECKING:
     from .http_api import HttpApi
@@ -82,6 +83,9 @@ class OrchestratorServer:
                  tls_dir: str | None = None, client_tls_dir: str | None = None,
                  tls_reload_s: float = tls_grpc.RELOAD_INTERVAL_S, endpoints_file: str | None = None):
         self.pipeline = pipeline
+        # Its voices, from the model store's checkpoint as the limits are (serve): configs only. First: a
+        # VoiceError (a defaultVoice the checkpoint lacks) stops the start before anything is opened.
+        voices = Voices.read(pipeline, launch.model_root())
         self.router = Router(pipeline)
         # Stage channels over mutual TLS as this orchestrator's identity; the client-facing ports over TLS.
         # Both read here: unusable files fail before anything binds.
@@ -100,7 +104,7 @@ class OrchestratorServer:
                 certificates.follow(name, files)
         self.media = MediaCheck(pipeline)
         keys = ApiKeys(api_keys, pipeline.deployment.orchestrator.max_priority)
-        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media, keys)
+        self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media, keys, voices)
         # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
         # message gets gRPC's RESOURCE_EXHAUSTED).
         self.receive_bytes = min(max(MIN_RECEIVE_BYTES, pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
@@ -277,5 +281,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serving.run_server(serve, parse_args(argv), "orchestrator",
-                              [(ApiKeyError, "orchestrator")])  # names the entry, never the key
+    return serving.run_server(serve, parse_args(argv), "orchestrator",  # an ApiKeyError names the entry, never the key
+                              [(ApiKeyError, "orchestrator"), (VoiceError, "orchestrator")])

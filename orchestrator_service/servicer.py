@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from .request_class import request_class
 from .request_run import RequestRun, StageFailed, needed_stages
 from .routing import Router
 from .stage_call import remaining
+from .voices import Voices
 
 log = logging.getLogger("omnistage.orchestrator")
 MAX_REQUEST_ID = 128
@@ -113,8 +115,10 @@ def estimated_cost(params: RequestParams, outputs: Iterable[str]) -> float:
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, pipeline: Pipeline, router: Router, metrics: OrchestratorMetrics, media: MediaCheck,
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, voices: Voices | None = None):
         self.pipeline = pipeline
+        # The audio output's voices (voices.py; None: no audio output, or not read): checked before admission.
+        self.voices = voices
         self.router = router
         self.metrics = metrics
         self.media = media
@@ -194,6 +198,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             label = checked_label(request.request_id)
             params = resolve(request.params, self.pipeline.limits)
             outputs = requested_outputs(self.pipeline, request)
+            if self.voices is not None and "audio" in outputs.values():  # resolve's own default is not the model's
+                params = dataclasses.replace(params, speaker=self.voices.choose(request.params.audio.speaker))
             req_class = request_class(params, outputs.values())
             media_decode_ms = 0.0
             if has_media(params.parts):
@@ -306,6 +312,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         refused = self.api_keys.refusal(dict(context.invocation_metadata()).get("authorization"), 0)
         if refused is not None:  # the same keys as Generate (and as the HTTP API's /v1/models)
             await context.abort(REFUSED_KEY[refused[0]], refused[1])
+        voices = self.voices or Voices()
         return orchestrator_pb2.PipelineInfo(
             name=self.pipeline.name, stages=[s.name for s in self.pipeline.stages],
-            outputs=[MODALITY_CODES[o.modality] for o in self.pipeline.outputs])
+            outputs=[MODALITY_CODES[o.modality] for o in self.pipeline.outputs],
+            voices=voices.names, default_voice=voices.default)

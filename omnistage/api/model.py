@@ -65,6 +65,8 @@ DEFAULT_API_KEYS_KEY = "api-keys"
 DEFAULT_HUB_TOKEN_KEY = "token"
 ORCHESTRATOR_SUFFIX = "-orchestrator"
 RESERVED_STAGE_NAMES = ("orchestrator",)
+# A voice name's length, as a request may give it (the request path refuses a longer params.audio.speaker).
+MAX_VOICE_CHARS = 64
 
 
 # ------------------------------------------------------------------------- topology
@@ -149,6 +151,14 @@ class Limits:
     max_codec_frames: int = api_field("Most audio codec frames a request may ask for.", default=2048, minimum=1)
     default_codec_frames: int = api_field("Audio codec frames when a request does not say.", default=100,
                                           minimum=1)
+    default_voice: str = api_field("Voice of the audio output when a request names none (or \"default\"): one of "
+                                   "the checkpoint's speakers. \"\": the model's own default (Ethan for Qwen3-Omni, "
+                                   "Chelsie for Qwen2.5-Omni), else its first speaker.", default="", empty_ok=True,
+                                   max_length=MAX_VOICE_CHARS)
+    voice_aliases: Mapping[str, str] = api_field("Other names a request may give a voice by (matched in any case), "
+                                                 "each to one of the checkpoint's speakers: e.g. OpenAI's "
+                                                 "{alloy: Chelsie}. OpenAI voice names not mapped here are "
+                                                 "refused with the list of voices.", default_factory=dict)
     max_image_side: int = api_field("Largest image width or height, in pixels.", default=1024, minimum=1)
     default_image_side: int = api_field("Image width and height when a request does not say. 0: the denoiser's "
                                         "sample_size x the VAE's scale factor, from the checkpoint (1024 for SD3.5, "
@@ -157,7 +167,8 @@ class Limits:
     default_inference_steps: int = api_field("Denoise steps when a request does not say. 0: the published "
                                              "pipeline's own default (28 for SD3, 50 for SD), else 28.",
                                              default=0, minimum=0)
-    max_parts: int = api_field("Most content parts (text, image, audio, video) in one request.", default=16,
+    max_parts: int = api_field("Most media parts (image, audio, video) in one request, across all its messages; "
+                               "text is bounded by maxPromptChars.", default=16,
                                minimum=1, maximum=1024)
     max_part_bytes: int = api_field("Largest content part, in bytes as sent (encoded).", default=16 << 20,
                                     minimum=1, maximum=1 << 30)

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 
 from omnistage.api import MODEL_LIMIT_FALLBACKS, Limits
+from omnistage.contract import conversation
+from omnistage.contract.errors import InvalidRequest as InvalidRequest  # where callers have found it
 from omnistage.v1 import common_pb2
 
 # Below this a temperature samples greedily, as vLLM does: logits divided by 1e-45 overflow to inf and the
@@ -21,17 +23,14 @@ from omnistage.v1 import common_pb2
 MIN_TEMPERATURE = 1e-5
 
 
+# Parts of one request, text ones included: a conversation's messages are parts. What they hold is bounded by
+# maxPromptChars (text) and maxParts (media); this bounds the count of the list itself.
+MAX_PARTS = 4096
+
+
 def is_greedy(temperature: float | None) -> bool:
     """Whether a request's temperature means greedy decoding (unset, 0, or below MIN_TEMPERATURE)."""
     return not temperature or temperature < MIN_TEMPERATURE
-
-
-class InvalidRequest(ValueError):
-    """A request field with a value no stage can serve; carries the field path."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,16 @@ class RequestParams:
     # The user turn as ordered content parts (the ContentPart messages as given); `prompt`, when also set,
     # is one more text part after them (see `content`).
     parts: tuple[common_pb2.ContentPart, ...] = ()
+    # A conversation instead of one user turn (`omnistage.contract.conversation`): its turns over `parts`, the
+    # functions the model may call, the text its answer starts with.
+    turns: tuple[common_pb2.Turn, ...] = ()
+    tools: tuple[common_pb2.Tool, ...] = ()
+    answer_prefix: str = ""
+
+    @property
+    def prompt_field(self) -> str:
+        """The request field a refusal of the whole prompt names."""
+        return "params.turns" if self.turns else "params.parts" if self.parts else "params.prompt"
 
     @property
     def content(self) -> tuple[common_pb2.ContentPart, ...]:
@@ -84,8 +93,9 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         raise InvalidRequest("params.prompt", "is required (or params.prompt_token_ids, or params.parts)")
     if len(p.prompt) > limits.max_prompt_chars:
         raise InvalidRequest("params.prompt", f"is {len(p.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    extra = conversation.check(p, limits.max_prompt_chars)
     if parts:
-        _check_request_parts(p, parts, limits)
+        _check_request_parts(p, parts, limits, extra)
     if len(p.prompt_token_ids) > limits.max_prompt_chars:
         raise InvalidRequest("params.prompt_token_ids",
                              f"has {len(p.prompt_token_ids)} tokens; the limit is {limits.max_prompt_chars}")
@@ -135,7 +145,8 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         ignore_eos=t.ignore_eos,
         max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
-        system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts)
+        system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts, turns=tuple(p.turns),
+        tools=tuple(p.tools), answer_prefix=p.answer_prefix)
 
 
 def fill_resolved(p: common_pb2.GenerationParams, params: RequestParams) -> common_pb2.GenerationParams:
@@ -163,10 +174,13 @@ def fill_resolved(p: common_pb2.GenerationParams, params: RequestParams) -> comm
 
 
 def check_parts(parts, limits: Limits) -> None:
-    """The cheap checks of content parts: how many, each one set, each within the byte limit, no empty
-    text. Decoding them (`omnistage.media.decode_parts`) is the costly check."""
-    if len(parts) > limits.max_parts:
-        raise InvalidRequest("params.parts", f"has {len(parts)} parts; the limit is {limits.max_parts}")
+    """The cheap checks of content parts: how many (media parts against `maxParts`), each one set, each within
+    the byte limit, no empty text. Decoding them (`omnistage.media.decode_parts`) is the costly check."""
+    media = sum(1 for x in parts if x.WhichOneof("part") not in ("text", None))
+    if media > limits.max_parts:
+        raise InvalidRequest("params.parts", f"has {media} media parts; the limit is {limits.max_parts}")
+    if len(parts) > MAX_PARTS:
+        raise InvalidRequest("params.parts", f"has {len(parts)} parts; the limit is {MAX_PARTS}")
     for i, part in enumerate(parts):
         kind = part.WhichOneof("part")
         if kind is None:
@@ -183,14 +197,15 @@ def has_media(parts) -> bool:
     return any(x.WhichOneof("part") not in ("text", None) for x in parts)
 
 
-def _check_request_parts(p: common_pb2.GenerationParams, parts, limits: Limits) -> None:
+def _check_request_parts(p: common_pb2.GenerationParams, parts, limits: Limits, extra: int = 0) -> None:
     if p.prompt_token_ids:
         raise InvalidRequest("params.parts", "cannot be used with params.prompt_token_ids (parts go through the "
                                              "chat template)")
     check_parts(parts, limits)
     chars = len(p.prompt) + sum(len(x.text) for x in parts if x.WhichOneof("part") == "text")
-    if chars > limits.max_prompt_chars:
-        raise InvalidRequest("params.parts", f"text parts and prompt are {chars} characters together; the limit "
+    if chars + extra > limits.max_prompt_chars:
+        what = "text parts and prompt" if not extra else "text parts, tool calls and tools"
+        raise InvalidRequest("params.parts", f"{what} are {chars + extra} characters together; the limit "
                                              f"is {limits.max_prompt_chars}")
     if p.raw_prompt and has_media(parts):
         raise InvalidRequest("params.raw_prompt", "cannot be used with media parts (media is placed by the chat "

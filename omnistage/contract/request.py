@@ -20,9 +20,11 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
                   width: int = 0, height: int = 0, num_inference_steps: int = 0, guidance_scale: float | None = None,
                   negative_prompt: str = "", outputs: Iterable[str] = (), return_trace: bool = False,
                   priority: int = 0, request_id: str = "",
-                  parts: Iterable[common_pb2.ContentPart | str] = ()) -> orchestrator_pb2.GenerateRequest:
+                  parts: Iterable[common_pb2.ContentPart | str] = (), turns: Iterable[common_pb2.Turn] = (),
+                  tools: Iterable[common_pb2.Tool] = (), answer_prefix: str = "") -> orchestrator_pb2.GenerateRequest:
     """One Generate request. `parts`: the user turn as ordered content parts (a str is a text part); a
-    `prompt` with them is one more text part after them."""
+    `prompt` with them is one more text part after them. With `turns`, `parts` is a conversation instead:
+    each turn takes the next `Turn.parts` of them (`omnistage.contract.conversation`)."""
     text = common_pb2.TextParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     if temperature is not None:
         text.temperature = temperature
@@ -38,7 +40,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
                                          audio=common_pb2.AudioParams(max_codec_frames=max_codec_frames,
                                                                       speaker=speaker), image=image,
                                          system_prompt=system_prompt, raw_prompt=raw_prompt,
-                                         parts=[_part(p) for p in parts])
+                                         parts=[_part(p) for p in parts], turns=list(turns), tools=list(tools),
+                                         answer_prefix=answer_prefix)
     if seed is not None:
         params.seed = seed
     unknown = [o for o in outputs if o not in MODALITY_CODES]

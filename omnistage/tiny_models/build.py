@@ -11,7 +11,7 @@ from typing import Callable
 from omnistage.tiny_models import diffusion, lm, qwen2_5_omni, qwen3_omni, sd3
 
 # Bump when a builder changes, so stale models get rebuilt.
-BUILD_VERSION = 6
+BUILD_VERSION = 7
 MODELS: dict[str, Callable[[Path, int], None]] = {
     "qwen3-omni-tiny": qwen3_omni.build,
     "qwen2.5-omni-tiny": qwen2_5_omni.build,

@@ -21,9 +21,10 @@ from omnistage.api import Pipeline
 from omnistage.contract.launch import ENV_ALLOWED_HOSTS
 
 from .access import HttpAccess
-from .connections import ConnectionLimits, Door, protocol_for
+from .connections import ConnectionLimits, Door, protocol_for, websocket_protocol_for
 from .gate import HostCheck, RequestGate
 from .parse_workers import ParseWorkers, address_space_for
+from .realtime.limits import MAX_FRAME_BYTES, PING_INTERVAL_S
 from .routes import BODIES_AT_ONCE, build_app, chat_body_limit
 
 log = logging.getLogger("omnistage.orchestrator.http_api")
@@ -95,8 +96,14 @@ class HttpApi:
         # log_config=None: the process's logging stays as the orchestrator configured it. No limit_concurrency:
         # uvicorn's counts idle and half-open connections too (a slowloris fills it); the door and the gate
         # bound connections and requests instead.
+        # WebSockets (the Realtime API) are upgraded from the door's connections and stay counted in it; no
+        # per-message compression: base64 audio hardly compresses, and inflating would cost the loop every request
+        # shares.
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", lifespan="off", access_log=False,
-                                ws="none", timeout_graceful_shutdown=5, http=protocol_for(self.door))
+                                ws=websocket_protocol_for(self.door), ws_max_size=MAX_FRAME_BYTES,
+                                ws_ping_interval=PING_INTERVAL_S, ws_ping_timeout=PING_INTERVAL_S,
+                                ws_per_message_deflate=False, timeout_graceful_shutdown=5,
+                                http=protocol_for(self.door))
         config.load()
         self._server = uvicorn.Server(config)
         # What serve() does, less its signal handlers (SIGTERM belongs to the orchestrator's drain):

@@ -1,5 +1,6 @@
 """The HTTP door's access lines (orchestrator_service/access_log.py): one per API request, the outermost
-layer of the API, so a request the gate or the key check refuses gets its line too.
+layer of the API, so a request the gate or the key check refuses gets its line too. A Realtime WebSocket is
+one line when it closes, with the ids and usage of all its responses.
 
 An images request of n images is n runs of the request path, one line: its request ids, usage summed.
 The status is the gRPC code's name the HTTP status stands for (errors.STATUS read backwards), and the HTTP
@@ -9,6 +10,7 @@ status itself; a client that went away before its answer ended is CANCELLED, wha
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 from starlette.datastructures import Headers
@@ -39,14 +41,14 @@ class HttpAccess:
         self.app, self.keys, self.prefix = app, keys, prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(self.prefix):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
         client = scope.get("client")
         line = AccessLine("http", client[0] if client else None, key_name(self.keys, headers.get("authorization")),
                           headers.get(CLIENT_ID_HEADER, ""), trace_id(headers.items()))
-        answer = {"status": None, "complete": False, "gone": False}
+        answer: dict[str, Any] = {"status": None, "complete": False, "gone": False}
 
         async def receiving() -> Message:
             message = await receive()
@@ -55,8 +57,10 @@ class HttpAccess:
             return message
 
         async def sending(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] in ("http.response.start", "websocket.http.response.start"):
                 answer["status"] = message["status"]
+            elif message["type"] == "websocket.accept":  # a session: its one line when it ends, its responses'
+                answer["status"] = 101                    # ids and usage in it
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 answer["complete"] = True

@@ -17,7 +17,8 @@ OPEN_PATHS = ("/health",)
 
 
 class ApiKeyAuth:
-    """ASGI middleware: a request without a valid key gets 401 in the OpenAI error shape."""
+    """ASGI middleware: a request without a valid key gets 401 in the OpenAI error shape (a WebSocket's
+    handshake too: the 401 is its answer, before any upgrade)."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: Iterable[str] = OPEN_PATHS):
         self.app = app
@@ -25,7 +26,7 @@ class ApiKeyAuth:
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys.required or scope["path"] in self.open_paths:
+        if scope["type"] not in ("http", "websocket") or not self.keys.required or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         header = Headers(scope=scope).get("authorization")

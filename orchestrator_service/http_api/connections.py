@@ -14,6 +14,9 @@ below uvicorn, so that a connection is counted (in all and per address) from its
 has a deadline of ours: one that has not completed its handshake within HANDSHAKE_TIMEOUT_S is closed, and one
 over the caps is closed at once, before its handshake (there is no TLS session yet to carry an answer).
 
+A WebSocket (the Realtime API) is upgraded from a door connection and stays counted in the door, as working,
+until it ends (`DoorWebSocketProtocol`); the send floor applies to it as to an HTTP answer (`SendFloor`).
+
 Each request's headers are counted and timed from the first byte of its request line to their end, whatever
 the previous request on the connection is doing: a request answered before its body was read (401, 413, 421,
 429) has the rest of its body drained, bounded, so that a client still sending it reads the answer.
@@ -30,6 +33,7 @@ import ssl
 from collections import OrderedDict
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from .errors import ApiError
 from .responses import SEND_STALL_S
@@ -196,7 +200,50 @@ class Door:
         return True
 
 
-class DoorProtocol(HttpToolsProtocol):
+class SendFloor:
+    """The floor on the rate a client takes a held answer, for the door's protocols (HTTP and WebSocket):
+    once the connection's buffers are full, the client must take `min_send_bytes` each `send_window_s`, or
+    the connection is cut (a close would wait for the buffer to drain: never)."""
+
+    door: Door
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    address: str
+    _send_timer: asyncio.TimerHandle | None = None
+    _unsent = 0  # bytes buffered at the start of the current send window
+
+    def pause_writing(self) -> None:
+        """The connection's buffers are full: from now the client must take `min_send_bytes` a window."""
+        super().pause_writing()  # type: ignore[misc]
+        if self._send_timer is None:
+            self._unsent = self.transport.get_write_buffer_size()
+            self._send_timer = self.loop.call_later(self.door.limits.send_window_s, self._judge_send)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()  # type: ignore[misc]
+        self._stop_judging_send()
+
+    def _stop_judging_send(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _judge_send(self) -> None:
+        # While writing is paused nothing more is written (the sends wait), so what left the buffer is what the
+        # client took.
+        self._send_timer = None
+        limits = self.door.limits
+        unsent = self.transport.get_write_buffer_size()
+        if self._unsent - unsent < limits.min_send_bytes:
+            log.warning("HTTP API: a client at %s took %d bytes of its answer in %g s; connection cut",
+                        self.address, max(0, self._unsent - unsent), limits.send_window_s)
+            self.transport.abort()
+            return
+        self._unsent = unsent
+        self._send_timer = self.loop.call_later(limits.send_window_s, self._judge_send)
+
+
+class DoorProtocol(SendFloor, HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol with the door's bounds: counted in `door` (a subclass per API sets it),
     a deadline on each request's headers, a floor on the rate of its body, and a floor on the rate at which
     the client takes a held answer."""
@@ -219,8 +266,6 @@ class DoorProtocol(HttpToolsProtocol):
         self._received = 0  # bytes received in the current receive window
         self._header_timer: asyncio.TimerHandle | None = None
         self._receive_timer: asyncio.TimerHandle | None = None
-        self._send_timer: asyncio.TimerHandle | None = None
-        self._unsent = 0  # bytes buffered at the start of the current send window
 
     # ------------------------------------------------------------------ the connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -286,6 +331,24 @@ class DoorProtocol(HttpToolsProtocol):
         self.refused = True
         self.door.release(self)
         tcp.abort()
+
+    def handle_websocket_upgrade(self) -> None:
+        """A WebSocket upgrade: the connection stays counted in the door (as working: never given up for
+        room) until the WebSocket protocol that takes the transport over loses it; this protocol's timers
+        end here (the WebSocket has its own keepalive, and the endpoint its own bounds)."""
+        if self._too_long():  # refused by data_received once the parser returns
+            return
+        for timer in (self._header_timer, self._receive_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._receive_timer = self._send_timer = None
+        self.door.works(self)
+        super().handle_websocket_upgrade()
+        upgraded = self.transport.get_protocol()
+        if isinstance(upgraded, DoorWebSocketProtocol):
+            upgraded.counted_as = self
+        else:  # not ours to count: counted out now
+            self.door.release(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         try:
@@ -449,34 +512,34 @@ class DoorProtocol(HttpToolsProtocol):
         self._received = 0
         self._receive_timer = self.loop.call_later(self.limits.receive_window_s, self._judge_receive)
 
-    # ------------------------------------------------------------------ the answer
-    def pause_writing(self) -> None:
-        """The connection's buffers are full: from now the client must take `min_send_bytes` a window."""
-        super().pause_writing()
-        if self._send_timer is None:
-            self._unsent = self.transport.get_write_buffer_size()
-            self._send_timer = self.loop.call_later(self.limits.send_window_s, self._judge_send)
 
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+class DoorWebSocketProtocol(SendFloor, WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol for a connection upgraded from a DoorProtocol: it counts the connection
+    out of the door when it ends (the HTTP protocol it took the transport from is never told), and a client
+    that stops reading is cut by the door's send floor (its sends would wait for ever otherwise)."""
 
-    def _judge_send(self) -> None:
-        # While writing is paused nothing more is written (uvicorn's send waits), so what left the buffer
-        # is what the client took.
-        self._send_timer = None
-        unsent = self.transport.get_write_buffer_size()
-        if self._unsent - unsent < self.limits.min_send_bytes:
-            log.warning("HTTP API: a client at %s took %d bytes of its answer in %g s; connection cut",
-                        self.address, max(0, self._unsent - unsent), self.limits.send_window_s)
-            self.transport.abort()  # close() would wait for the buffer to drain: never
-            return
-        self._unsent = unsent
-        self._send_timer = self.loop.call_later(self.limits.send_window_s, self._judge_send)
+    door: Door
+    counted_as: DoorProtocol | None = None  # the HTTP protocol the connection is counted under
+
+    @property
+    def address(self) -> str:  # type: ignore[override]
+        return self.counted_as.address if self.counted_as is not None else ""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._stop_judging_send()
+            if self.counted_as is not None:
+                self.door.release(self.counted_as)
+                self.counted_as = None
+        finally:
+            super().connection_lost(exc)
 
 
 def protocol_for(door: Door) -> type[DoorProtocol]:
     """The protocol class uvicorn makes each connection with, bound to `door`."""
     return type("ApiDoorProtocol", (DoorProtocol,), {"door": door})
+
+
+def websocket_protocol_for(door: Door) -> type[DoorWebSocketProtocol]:
+    """The protocol class uvicorn upgrades a connection to for a WebSocket, bound to `door`."""
+    return type("ApiDoorWebSocketProtocol", (DoorWebSocketProtocol,), {"door": door})

@@ -73,7 +73,7 @@ class RequestGate:
         self.in_progress = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):  # a WebSocket holds its place for as long as it is open
             await self.app(scope, receive, send)
             return
         if self.hosts is not None:

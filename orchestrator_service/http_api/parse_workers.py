@@ -227,8 +227,8 @@ def _serve(conn: multiprocessing.connection.Connection, pipeline: Pipeline, addr
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash on request bytes leaves no core file of them
     _return_freed_memory()
     os.nice(PARSER_NICENESS)
+    from .body_models import bounded
     from .errors import from_exception
-    from .schemas import bounded
 
     schemas = bounded(pipeline.limits)
     conn.send(True)

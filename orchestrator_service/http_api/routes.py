@@ -4,6 +4,7 @@ path -> shape the answer; failures become the OpenAI error shape in one place (`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import io
@@ -15,8 +16,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp
+from starlette.websockets import WebSocket
 
 from omnistage.api import Pipeline
 from omnistage.contract.params import InvalidRequest
@@ -24,7 +26,8 @@ from omnistage.contract.params import InvalidRequest
 from .. import client_cap, otel
 from ..byte_budget import BudgetFull, ByteBudget
 from ..servicer import MAX_REQUEST_ID
-from . import audio_formats, chat, images, speech, translate
+from . import audio_formats, body_models, chat, completions, images, speech, transcriptions, translate, voices
+from .audio_ids import AnswerTranscripts
 from .auth import ApiKeyAuth
 from .body_limits import BodyBounds, BodyScan, chat_bounds, text_bounds
 from .body_limits import chat_body_limit as chat_body_limit  # each endpoint's size, as the API's own
@@ -32,8 +35,9 @@ from .body_limits import text_body_limit as text_body_limit
 from .call import Call, ClientGone, deadline_from
 from .errors import ApiError, error_response, from_exception, retry_after_header
 from .parse_workers import ParseWorkers
+from .realtime import RealtimeEndpoint
 from .responses import SSE_HEADERS, SSE_MEDIA_TYPE, CallStreamResponse, model_card
-from .schemas import ChatCompletionRequest, ImageRequest, SpeechRequest, bounded
+from .schemas import ChatCompletionRequest, ImageRequest, SpeechRequest
 
 BODIES_AT_ONCE = 2  # the body budget: this many chat bodies at their largest, read at once
 CLIENT_BODIES = 1  # of which one client address may hold this many: the rest stays open to the others
@@ -70,20 +74,23 @@ def _answers_errors(handler: Callable[..., Awaitable[Response]]):
 class Endpoints:
     def __init__(self, servicer, pipeline: Pipeline, parse_workers: ParseWorkers | None = None):
         self.servicer, self.pipeline, self.parse_workers = servicer, pipeline, parse_workers
-        self.card = model_card(pipeline, int(time.time()))
+        self.card = model_card(pipeline, int(time.time())) | voices.card_fields(servicer.voices)
         limits = pipeline.limits
         self.chat_limit, self.text_limit = chat_bounds(limits), text_bounds(limits)
+        self.upload_limit = transcriptions.upload_body_limit(limits)
         self.budget = ByteBudget(BODIES_AT_ONCE * self.chat_limit.size, CLIENT_BODIES * self.chat_limit.size)
-        self.schemas = bounded(limits)  # each request model under this pipeline's limits
+        self.schemas = body_models.bounded(limits)  # each request model under this pipeline's limits
+        self.transcripts = AnswerTranscripts()  # what each audio answer said, for a later turn's audio.id
 
     @_answers_errors
     async def chat_completions(self, request: Request) -> Response:
         plan = await self._translated(request, ChatCompletionRequest, translate.chat, self.chat_limit)
+        self._fill_transcripts(plan)
         call = self._call(request, plan)
         if plan.stream:
-            return await _events(call, chat.stream(call, plan, self.pipeline.name))
+            return await _events(call, chat.stream(call, plan, self.pipeline.name, self.transcripts))
         async with call:
-            return JSONResponse(await chat.complete(call, plan, self.pipeline.name),
+            return JSONResponse(await chat.complete(call, plan, self.pipeline.name, self.transcripts),
                                 headers={"X-Request-Id": call.request_id})
 
     @_answers_errors
@@ -109,6 +116,31 @@ class Endpoints:
                             headers={"X-Request-Id": ",".join(c.request_id for c in calls)})
 
     @_answers_errors
+    async def audio_transcriptions(self, request: Request) -> Response:
+        return await self._transcribed(request, await self._uploaded(request, transcriptions.transcription))
+
+    @_answers_errors
+    async def audio_translations(self, request: Request) -> Response:
+        return await self._transcribed(request, await self._uploaded(request, transcriptions.translation))
+
+    async def _transcribed(self, request: Request, plan: transcriptions.Transcription) -> Response:
+        call = self._call(request, plan)
+        if plan.stream:
+            return await _events(call, transcriptions.stream(call))
+        async with call:
+            return await transcriptions.whole(call, plan)
+
+    @_answers_errors
+    async def text_completions(self, request: Request) -> Response:
+        plans = await self._translated(request, completions.CompletionRequest, completions.translate,
+                                       completions.body_bounds(self.pipeline.limits))
+        calls = [self._call(request, p) for p in plans]
+        if plans[0].stream:  # one choice: several are refused
+            return await _events(calls[0], completions.stream(calls[0], plans[0], self.pipeline.name))
+        return JSONResponse(await completions.complete(calls, plans, self.pipeline.name),
+                            headers={"X-Request-Id": ",".join(c.request_id for c in calls)})
+
+    @_answers_errors
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.card]})
 
@@ -117,19 +149,62 @@ class Endpoints:
         translate.check_model(request.path_params["model"], self.pipeline)
         return JSONResponse(self.card)
 
+    @_answers_errors
+    async def audio_voices(self, request: Request) -> Response:
+        translate.check_model(request.query_params.get("model"), self.pipeline)
+        return JSONResponse(voices.listing(self.pipeline.name, self.servicer.voices))
+
     async def health(self, request: Request) -> Response:
         if self.servicer.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     # ------------------------------------------------------------------ helpers
+    def _fill_transcripts(self, plan: translate.Translated) -> None:
+        """Each earlier spoken answer the conversation refers to by its audio id, as what it said; bounded by
+        the prompt's characters as they are filled (the same id sent a thousand times is not copied past it)."""
+        room = self.pipeline.limits.max_prompt_chars
+        for ref in plan.audio_refs:
+            text = self.transcripts.transcript(ref.id, ref.field) or " "
+            room -= len(text)
+            if room < 0:
+                raise InvalidRequest("messages", "the transcripts of the earlier audio answers it refers to are "
+                                                 f"more than {self.pipeline.limits.max_prompt_chars} characters")
+            plan.request.params.parts[ref.part].text = text
+
     async def _translated(self, request: Request, model: type[BaseModel],
                           translation: Callable[[BaseModel, Pipeline], Plan], bounds: BodyBounds) -> Plan:
-        """The JSON body, strictly typed as `model`, translated; bounded in size, JSON values and escapes (`bounds`),
-        in the bytes of all bodies read at once and of this client's (the budget), in the time between its
-        pieces and in its whole time (at least BODY_MIN_RATE)."""
+        """The JSON body, strictly typed as `model`, translated; bounded as `_body` reads it, and in its JSON
+        values and escapes (`bounds`)."""
         trace = trace_from(request)
-        limit = bounds.size
+        async with self._body(request, bounds.size, BodyScan(bounds).add) as (body, received):
+            # Parsing and decoding a large body takes a while (about 1.2 s for 170 MiB of media parts, of which
+            # the parser holds Python's lock about 0.25 s at a time, stalling every stream): not in this process.
+            if received > PARSE_APART_BYTES and self.parse_workers is not None:
+                plan = await self.parse_workers.parse(body, model, translation)
+            else:
+                parse = functools.partial(_parse, body, self.schemas[model], translation, self.pipeline)
+                plan = await asyncio.to_thread(parse) if received > PARSE_APART_BYTES else parse()
+        return self._labelled(request, plan, trace)
+
+    async def _uploaded(self, request: Request, translation: Callable[[bytes, str, Pipeline], Plan]) -> Plan:
+        """The multipart body (an upload), bounded as `_body` reads it (in size: `transcriptions`' limit),
+        translated."""
+        trace = trace_from(request)
+        async with self._body(request, self.upload_limit) as (body, received):
+            parse = functools.partial(translation, body.getvalue(), request.headers.get("content-type", ""),
+                                      self.pipeline)
+            body.close()  # its bytes live on in `parse` only
+            plan = await asyncio.to_thread(parse) if received > PARSE_APART_BYTES else parse()
+        return self._labelled(request, plan, trace)
+
+    @contextlib.asynccontextmanager
+    async def _body(self, request: Request, limit: int,
+                    scan: Callable[[bytes], None] | None = None) -> AsyncIterator[tuple[io.BytesIO, int]]:
+        """The body's bytes and their count, held (in the body budget) for the scope: bounded in size
+        (`limit`), in the bytes of all bodies read at once and of this client's (the budget), in the time
+        between its pieces and in its whole time (at least BODY_MIN_RATE); each piece passed to `scan` as it
+        comes (which may refuse it)."""
         declared = request.headers.get("content-length", "")
         expected = int(declared) if declared.isdigit() else 0
         if expected > limit:
@@ -139,7 +214,6 @@ class Endpoints:
 
             body = io.BytesIO()  # grown in place, and its value is the bytes themselves (_parse)
             received = 0
-            scan = BodyScan(bounds)  # refused before the values are built (body_limits)
             more = True
             while more:
                 allowed = BODY_BASE_S + max(expected, received) / BODY_MIN_RATE
@@ -154,7 +228,8 @@ class Endpoints:
                 piece, more = message.get("body", b""), message.get("more_body", False)
                 if received + len(piece) > limit:
                     raise _too_large(limit)
-                scan.add(piece)
+                if scan is not None:
+                    scan(piece)
                 try:
                     take(len(piece))
                 except BudgetFull as e:
@@ -162,13 +237,10 @@ class Endpoints:
                                    headers={"Retry-After": retry_after_header(1)}) from None
                 body.write(piece)
                 received += len(piece)
-            # Parsing and decoding a large body takes a while (about 1.2 s for 170 MiB of media parts, of which
-            # the parser holds Python's lock about 0.25 s at a time, stalling every stream): not in this process.
-            if received > PARSE_APART_BYTES and self.parse_workers is not None:
-                plan = await self.parse_workers.parse(body, model, translation)
-            else:
-                parse = functools.partial(_parse, body, self.schemas[model], translation, self.pipeline)
-                plan = await asyncio.to_thread(parse) if received > PARSE_APART_BYTES else parse()
+            yield body, received
+
+    def _labelled(self, request: Request, plan: Plan, trace: bool) -> Plan:
+        """The translated request(s) with the client's label (CLIENT_ID_HEADER) and the trace header."""
         plans = plan if isinstance(plan, list) else [plan]
         label = request.headers.get(CLIENT_ID_HEADER, "")
         if label:  # a refusal of the label names the header it came in
@@ -182,6 +254,14 @@ class Endpoints:
             # n images are n requests: each label must be unique in flight
             p.request.request_id = label if len(plans) == 1 or not label else f"{label}.{i}"
         return plans if isinstance(plan, list) else plans[0]
+
+    def realtime_call(self, websocket: WebSocket, request, fields) -> Call:
+        """A Realtime response's run: as an HTTP request's, its connection's headers standing for the request's."""
+        key = client_cap.key_index(self.servicer.api_keys, websocket.headers.get("authorization"))
+        client = client_cap.client_of(key, websocket.client.host if websocket.client else None,
+                                      self.servicer.client_cap.trusted)
+        return Call(self.servicer, request, fields, client=client,
+                    incoming=otel.Incoming.of("http", websocket.headers.items()))
 
     def _call(self, request: Request, plan: translate.Translated) -> Call:
         key = client_cap.key_index(self.servicer.api_keys, request.headers.get("authorization"))
@@ -241,10 +321,15 @@ def build_app(servicer, pipeline: Pipeline, parse_workers: ParseWorkers | None =
     api = Endpoints(servicer, pipeline, parse_workers)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.text_completions, methods=["POST"]),
         Route("/v1/audio/speech", api.audio_speech, methods=["POST"]),
+        Route("/v1/audio/voices", api.audio_voices, methods=["GET"]),
         Route("/v1/images/generations", api.images_generations, methods=["POST"]),
+        Route("/v1/audio/transcriptions", api.audio_transcriptions, methods=["POST"]),
+        Route("/v1/audio/translations", api.audio_translations, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        WebSocketRoute("/v1/realtime", RealtimeEndpoint(pipeline, api.realtime_call, servicer.voices).serve),
     ]
     return ApiKeyAuth(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}), servicer.api_keys)

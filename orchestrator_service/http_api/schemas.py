@@ -27,8 +27,11 @@ from .body_limits import base64_bytes
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
 MAX_IMAGES = 10  # `n` of one images request (each image is one request down the request path)
-# System and developer messages and the one user message: the translation takes no conversation history.
-MAX_MESSAGES = 64
+# Messages of one conversation: a long agent session's turns; what they hold is bounded by the body's size
+# and JSON values (body_limits.py) and the pipeline's prompt characters.
+MAX_MESSAGES = 1024
+MAX_TOOLS = 128  # functions one request offers (OpenAI's reference allows 128)
+MAX_TOOL_CALLS = 128  # calls one assistant message made
 MAX_CONTENT_PARTS = 1024  # the largest maxParts a pipeline may set (omnistage.api Limits)
 MAX_MODALITIES = 8  # text and audio, each named once or twice
 # Names, roles, types, formats, voices, sizes, user labels: a pipeline's name (a Kubernetes name, 253
@@ -73,6 +76,22 @@ class ContentPart(Body):
     image_url: ImageUrl | None = None
     input_audio: InputAudio | None = None
     video_url: VideoUrl | None = None  # vLLM's extension: a video as a data: URL
+    refusal: str | None = None  # an assistant message's refusal part, read as its text
+
+
+class FunctionCall(Body):
+    name: Name
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(Body):
+    id: Name
+    type: Name = "function"
+    function: FunctionCall
+
+
+class AssistantAudio(Body):
+    id: Name  # an earlier answer's message.audio.id: its transcript is that turn's text
 
 
 class Message(Body):
@@ -80,6 +99,31 @@ class Message(Body):
     content: Annotated[str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None,
                        BuiltOnce] = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS, fail_fast=True)] | None = None
+    tool_call_id: Name | None = None
+    audio: AssistantAudio | None = None
+    refusal: str | None = None
+
+
+class FunctionDefinition(Body):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Name
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: Name
+
+
+class NamedToolChoice(Body):
+    type: Name
+    function: NamedFunction
 
 
 class AudioOutput(Body):
@@ -111,6 +155,9 @@ class ChatCompletionRequest(Body):
     stop: Annotated[StopString | Annotated[list[StopString], Field(fail_fast=True)] | None, BuiltOnce] = None
     n: int | None = Field(None, ge=1)
     user: Name | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
+    tool_choice: Annotated[Name | NamedToolChoice | None, BuiltOnce] = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1, le=UINT32)  # -1 or 0: off
     ignore_eos: bool | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from omnistage.contract.params import InvalidRequest
 from omnistage.contract.request import build_request
 from omnistage.v1 import common_pb2, orchestrator_pb2
 
+from ..tool_calls import call_prefix
 from . import audio_formats
 from .errors import UnknownModel
 from .schemas import UINT64, AudioOutput, ChatCompletionRequest, ContentPart, ImageRequest, SpeechRequest
@@ -37,10 +39,8 @@ CHAT_MODALITIES = ("text", "audio")
 AUDIO_IN_FORMATS = ("wav", "mp3", "flac", "ogg")  # what the orchestrator's media check decodes
 # The reference's chat fields this API cannot honour, refused when a request asks for them.
 REFUSED_CHAT_FIELDS = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the deprecated functions are not supported: send them as tools",
+    "function_call": "the deprecated function_call is not supported: use tool_choice",
     "response_format": "structured output is not supported (the answer is free text)",
     "logprobs": "log probabilities are not returned",
     "top_logprobs": "log probabilities are not returned",
@@ -56,6 +56,24 @@ _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
 @dataclass(frozen=True)
+class AudioRef:
+    """An assistant message's `audio.id`: the text part at `part` is that earlier answer's transcript, filled
+    in by the door that kept it (`audio_ids`) before the request is sent."""
+
+    part: int
+    id: str
+    field: str
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How the answer's tool calls are read (`tool_calls.ToolCallStream`)."""
+
+    prefix: str = ""                # the forced call's opening (the request's answer_prefix)
+    max_calls: int | None = None    # 1 without parallel_tool_calls
+
+
+@dataclass(frozen=True)
 class Translated:
     request: orchestrator_pb2.GenerateRequest
     fields: Mapping[str, str]  # request-path field (as a refusal names it) -> the OpenAI field
@@ -63,6 +81,8 @@ class Translated:
     stops: tuple[str, ...] = ()
     stream: bool = False  # the answer is sent as it appears (chat: SSE chunks; speech: SSE events)
     include_usage: bool = False  # a streamed chat answer ends with a usage chunk
+    tools: ToolUse | None = None  # the answer's tool calls are read out of its text
+    audio_refs: tuple[AudioRef, ...] = ()
 
 
 def check_model(model: str | None, pipeline: Pipeline) -> None:
@@ -85,8 +105,9 @@ def chat(body: ChatCompletionRequest, pipeline: Pipeline) -> Translated:
     if body.n not in (None, 1):
         raise InvalidRequest("n", f"only 1 choice per request is supported (got {body.n}): send one request each")
     stream = bool(body.stream)
-    fields: dict[str, str] = {"params.parts": "messages", "params.prompt": "messages"}
-    system_prompt, parts = _messages(body, fields)
+    fields: dict[str, str] = {"params.parts": "messages", "params.turns": "messages", "params.prompt": "messages"}
+    parts, turns, refs = _conversation(body, fields)
+    tools, tool_use, prefix = _tools(body, fields)
     outputs = _chat_outputs(body.modalities, pipeline, fields)
     audio_format, speaker = None, ""
     if "audio" in outputs:
@@ -102,46 +123,151 @@ def chat(body: ChatCompletionRequest, pipeline: Pipeline) -> Translated:
     fields.update({"params.text.max_tokens": max_tokens_field, "params.text.temperature": "temperature",
                    "params.text.top_p": "top_p", "params.text.top_k": "top_k", "params.seed": "seed"})
     request = build_request(
-        parts=parts, system_prompt=system_prompt, max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+        parts=parts, turns=turns, tools=tools, answer_prefix=prefix,
+        max_tokens=body.max_completion_tokens or body.max_tokens or 0,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k if body.top_k and body.top_k > 0 else None,
         seed=body.seed, ignore_eos=bool(body.ignore_eos), speaker=speaker, outputs=outputs,
         return_trace=bool(body.return_trace))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Translated(request, fields, audio_format, _stops(body.stop), stream, include_usage)
+    return Translated(request, fields, audio_format, _stops(body.stop), stream, include_usage, tool_use, refs)
 
 
-def _messages(body: ChatCompletionRequest, fields: dict[str, str]) -> tuple[str, list[common_pb2.ContentPart]]:
-    """System and developer messages -> the system prompt; the one user message -> the parts, in order."""
-    system: list[str] = []
+# The roles a chat message may have, and the turn each becomes.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def _conversation(body: ChatCompletionRequest, fields: dict[str, str]) \
+        -> tuple[list[common_pb2.ContentPart], list[common_pb2.Turn], tuple[AudioRef, ...]]:
+    """The messages as the request path's conversation: every message's content in one list of parts, a turn
+    per message (system and developer messages at the start joined into one system turn, as one system
+    prompt); an assistant message's earlier audio as a text part its transcript fills (`AudioRef`)."""
     parts: list[common_pb2.ContentPart] = []
-    user_at = None
+    turns: list[common_pb2.Turn] = []
+    refs: list[AudioRef] = []
     for i, m in enumerate(body.messages):
         at = f"messages[{i}]"
-        if m.role in ("system", "developer"):
-            system.append(_system_text(m.content, at))
-            fields.setdefault("params.system_prompt", at)
-        elif m.role == "user":
-            if user_at is not None:
-                raise InvalidRequest(at, f"one user message is supported (another is {user_at}): the pipeline takes "
-                                         "one user turn; put every part in one message")
-            user_at = at
+        role = _ROLES.get(m.role)
+        if role is None:
+            why = "the deprecated function messages are not supported: send tool messages" if m.role == "function" \
+                else f'"{m.role}" is not a role (system, developer, user, assistant, tool)'
+            raise InvalidRequest(f"{at}.role", why)
+        first = len(parts)
+        if role == "system":
+            text = _system_text(m.content, at)
+            if not text:  # an empty system message says nothing
+                continue
+            if turns and turns[-1].role == "system" and len(turns) == 1:  # leading ones: one system prompt
+                parts[-1].text += "\n\n" + text
+                continue
+            parts.append(common_pb2.ContentPart(text=text))
+        elif role == "assistant":
+            _assistant(m, at, parts, refs)
+        elif role == "tool":
+            if not m.tool_call_id:
+                raise InvalidRequest(f"{at}.tool_call_id", "is required on a tool message (the call it answers)")
+            parts += _text_parts(m.content, at, "a tool message")
+        else:
             if m.content is None:
                 raise InvalidRequest(f"{at}.content", "is required")
-            if isinstance(m.content, str):
-                fields[f"params.parts[{len(parts)}]"] = f"{at}.content"
-                parts.append(common_pb2.ContentPart(text=m.content))
-                continue
-            for j, part in enumerate(m.content):
-                fields[f"params.parts[{len(parts)}]"] = f"{at}.content[{j}]"
-                parts.append(_part(part, f"{at}.content[{j}]"))
-        elif m.role in ("assistant", "tool", "function"):
-            raise InvalidRequest(f"{at}.role", f'"{m.role}" messages are not supported: the pipeline takes no '
-                                               "conversation history, one user turn (and system messages)")
-        else:
-            raise InvalidRequest(f"{at}.role", f'"{m.role}" is not a role (system, developer, user)')
-    if user_at is None:
+            contents = [m.content] if isinstance(m.content, str) else m.content
+            for j, part in enumerate(contents):
+                where = f"{at}.content" if isinstance(m.content, str) else f"{at}.content[{j}]"
+                fields[f"params.parts[{len(parts)}]"] = where
+                parts.append(common_pb2.ContentPart(text=part) if isinstance(part, str) else _part(part, where))
+        for k in range(first, len(parts)):
+            fields.setdefault(f"params.parts[{k}]", f"{at}.content")
+        t = len(turns)
+        fields[f"params.turns[{t}]"] = at
+        fields[f"params.turns[{t}].role"] = f"{at}.role"
+        fields[f"params.turns[{t}].tool_call_id"] = f"{at}.tool_call_id"
+        fields[f"params.turns[{t}].tool_calls"] = f"{at}.tool_calls"
+        for j in range(len(m.tool_calls or []) if role == "assistant" else 0):
+            call = f"params.turns[{t}].tool_calls[{j}]"
+            fields.update({call: f"{at}.tool_calls[{j}]", f"{call}.id": f"{at}.tool_calls[{j}].id",
+                           f"{call}.name": f"{at}.tool_calls[{j}].function.name",
+                           f"{call}.arguments": f"{at}.tool_calls[{j}].function.arguments"})
+        calls = [common_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                 for c in (m.tool_calls or [])] if role == "assistant" else []
+        turns.append(common_pb2.Turn(role=role, parts=len(parts) - first, tool_calls=calls,
+                                     tool_call_id=m.tool_call_id or "" if role == "tool" else ""))
+    if not any(t.role == "user" for t in turns):
         raise InvalidRequest("messages", "needs a user message")
-    return "\n\n".join(system), parts
+    return parts, turns, tuple(refs)
+
+
+def _assistant(m, at: str, parts: list[common_pb2.ContentPart], refs: list[AudioRef]) -> None:
+    """An assistant message's text: its content, else its earlier audio's transcript; none with only tool
+    calls."""
+    for j, c in enumerate(m.tool_calls or []):
+        if c.type != "function":
+            raise InvalidRequest(f"{at}.tool_calls[{j}].type", f'"{c.type}" is not supported (function)')
+    if m.content not in (None, "", []):
+        parts += _text_parts(m.content, at, "an assistant message")
+    elif m.audio is not None:
+        refs.append(AudioRef(len(parts), m.audio.id, f"{at}.audio.id"))
+        parts.append(common_pb2.ContentPart(text=" "))  # the transcript, once the door has it
+    elif m.content is None and not m.tool_calls:
+        raise InvalidRequest(f"{at}.content", "is required (or audio.id, or tool_calls)")
+
+
+def _text_parts(content, at: str, what: str) -> list[common_pb2.ContentPart]:
+    """A message's text content (a string, or text and refusal parts) as one text part."""
+    if content is None:
+        raise InvalidRequest(f"{at}.content", "is required")
+    if isinstance(content, str):
+        return [common_pb2.ContentPart(text=content)] if content else []
+    texts = []
+    for j, part in enumerate(content):
+        if part.type == "text" and part.text is not None:
+            texts.append(part.text)
+        elif part.type == "refusal" and part.refusal is not None:
+            texts.append(part.refusal)
+        else:
+            raise InvalidRequest(f"{at}.content[{j}]", f"{what} takes text parts only")
+    text = "".join(texts)
+    return [common_pb2.ContentPart(text=text)] if text else []
+
+
+def _tools(body: ChatCompletionRequest, fields: dict[str, str]) \
+        -> tuple[list[common_pb2.Tool], ToolUse | None, str]:
+    """The offered functions, how the answer's calls are read, and the answer prefix that forces a call
+    (`tool_choice` "required" or a named function)."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice", "needs tools (the request offers none)")
+        return [], None, ""
+    tools = []
+    for i, t in enumerate(body.tools):
+        if t.type != "function":
+            raise InvalidRequest(f"tools[{i}].type", f'"{t.type}" is not supported (function)')
+        f = t.function
+        fields[f"params.tools[{i}]"] = f"tools[{i}]"
+        fields[f"params.tools[{i}].name"] = f"tools[{i}].function.name"
+        fields[f"params.tools[{i}].parameters"] = f"tools[{i}].function.parameters"
+        tools.append(common_pb2.Tool(name=f.name, description=f.description or "",
+                                     parameters=json.dumps(f.parameters) if f.parameters is not None else ""))
+    fields["params.tools"] = "tools"
+    fields["params.answer_prefix"] = "tool_choice"
+    if choice == "none":
+        return [], None, ""
+    max_calls = 1 if body.parallel_tool_calls is False else None
+    if choice in (None, "auto"):
+        return tools, ToolUse(max_calls=max_calls), ""
+    if choice == "required":
+        prefix = call_prefix(None)
+    elif isinstance(choice, str):
+        raise InvalidRequest("tool_choice", f'"{choice}" is not a choice (none, auto, required, or '
+                                            '{"type": "function", "function": {"name": ...}})')
+    else:
+        if choice.type != "function":
+            raise InvalidRequest("tool_choice.type", f'"{choice.type}" is not supported (function)')
+        names = [t.name for t in tools]
+        if choice.function.name not in names:
+            raise InvalidRequest("tool_choice.function.name", f'"{choice.function.name}" is not among the tools '
+                                                              f'({", ".join(names)})')
+        prefix = call_prefix(choice.function.name)
+    return tools, ToolUse(prefix, max_calls), prefix
 
 
 def _system_text(content, at: str) -> str:

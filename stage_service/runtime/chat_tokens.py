@@ -83,32 +83,85 @@ def _specials(tokenizer) -> _Specials:
         return _SPECIALS.setdefault(tokenizer, _Specials(tokenizer))
 
 
+@dataclass(frozen=True)
+class ChatTurn:
+    """One message as the template reads it: `content` one client text or a list of content parts (a
+    `ClientText`, or a media part's dict such as {"type": "audio"}), or "" for none; `extra` the template's
+    other keys of the message (an assistant's `tool_calls`, a tool's `tool_call_id`), strings checked by
+    `Checked`."""
+
+    role: str
+    content: ClientText | list | str
+    extra: dict | None = None
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A client string the template places where it may rewrite it (a tool's JSON, a call's arguments): it
+    must carry no special token of the model, and is refused naming `field` when it does."""
+
+    text: str
+    field: str
+
+
 def chat_ids(tokenizer, template: str, system: ClientText | None, user: ClientText | list,
              expand: Callable[[str], str] | None = None) -> list[int]:
     """An optional system turn and the user turn in `template`, with the assistant generation prompt, as
-    token ids; the client's texts as plain text. `user` is one text or a list of content parts (a
-    `ClientText`, or a media part's dict such as {"type": "audio"}); `expand`, if given, rewrites the
-    rendered template before it is tokenized (the processor's placeholder expansion)."""
-    texts = [system] if system else []
-    texts += [user] if isinstance(user, ClientText) else [p for p in user if isinstance(p, ClientText)]
+    token ids; the client's texts as plain text (`conversation_ids` of those two turns)."""
+    turns = ([ChatTurn("system", system)] if system else []) + [ChatTurn("user", user)]
+    return conversation_ids(tokenizer, template, turns, expand)
+
+
+# The special tokens an answer prefix may hold: a tool call's tags (a forced call opens with one). No other:
+# a prefix is never a way to close the assistant's turn and open another.
+PREFIX_TAGS = frozenset({"<tool_call>", "</tool_call>"})
+
+
+def conversation_ids(tokenizer, template: str, turns: list[ChatTurn], expand: Callable[[str], str] | None = None,
+                     tools: list[dict] | None = None, prefix: ClientText | None = None,
+                     checked: tuple[Checked, ...] = ()) -> list[int]:
+    """`turns` in `template`, with `tools` offered and the assistant generation prompt, then `prefix` (the
+    text the answer starts with), as token ids; the client's texts as plain text, the prefix as text whose
+    tool-call tags are the model's own tokens (`PREFIX_TAGS`; any other special token in it is refused).
+    `expand`, if given, rewrites the rendered template before it is tokenized (the processor's placeholder
+    expansion)."""
+    return _conversation_ids(tokenizer, template, turns, expand, tools, checked) + \
+        (prefix_ids(tokenizer, prefix) if prefix else [])
+
+
+def prefix_ids(tokenizer, prefix: ClientText) -> list[int]:
+    specials = _specials(tokenizer)
+    found = {m.strip() for m in specials.pattern.findall(prefix.text)} if specials.pattern else set()
+    if found - PREFIX_TAGS:
+        raise InvalidRequest(prefix.field, f'contains "{sorted(found - PREFIX_TAGS)[0]}", a special token of the '
+                                           "model (an answer prefix may open a tool call, nothing else)")
+    return tokenizer(prefix.text, add_special_tokens=False)["input_ids"]
+
+
+def _conversation_ids(tokenizer, template: str, turns: list[ChatTurn], expand: Callable[[str], str] | None,
+                      tools: list[dict] | None, checked: tuple[Checked, ...]) -> list[int]:
+    texts = [t for turn in turns for t in _client_texts(turn.content)]
+    specials = _specials(tokenizer)
+    for c in checked:
+        found = specials.found(c.text)
+        if found:
+            raise InvalidRequest(c.field, f'contains "{found}", a special token of the model')
     open_ = _sentinel_opening(template, texts)
     sentinels = {f"{open_}{i}{SENTINEL_CLOSE}": t for i, t in enumerate(texts)}
     by_text = {id(t): s for s, t in sentinels.items()}
 
     def render(placed: Callable[[ClientText], str]) -> str:
-        content = placed(user) if isinstance(user, ClientText) else [
-            {"type": "text", "text": placed(p)} if isinstance(p, ClientText) else p for p in user]
-        messages = ([{"role": "system", "content": placed(system)}] if system else []) + \
-            [{"role": "user", "content": content}]
+        messages = [{"role": turn.role, "content": _placed(turn.content, placed), **(turn.extra or {})}
+                    for turn in turns]
+        offered = {"tools": tools} if tools else {}
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **offered)
 
     sentinel = re.compile("|".join(re.escape(s) for s in sentinels)) if sentinels else None
 
     def unmask(piece: str) -> str:
         return sentinel.sub(lambda m: sentinels[m.group(0)].text, piece) if sentinel else piece
 
-    specials = _specials(tokenizer)
     masked = render(lambda t: by_text[id(t)])
     if sentinel is not None:
         as_written = render(lambda t: t.text)
@@ -123,6 +176,39 @@ def chat_ids(tokenizer, template: str, system: ClientText | None, user: ClientTe
         elif piece:
             ids += specials.plain(unmask(piece))
     return ids
+
+
+def places(tokenizer, template: str, turns: list[ChatTurn], tools: list[dict] | None) -> tuple[bool, bool]:
+    """Whether `template` places offered tools, and an assistant turn's tool calls: a template that renders
+    the same without them drops them (a request relying on them is refused rather than answered blind)."""
+    def render(ts: list[ChatTurn], offered: list[dict] | None) -> str:
+        messages = [{"role": t.role, "content": _placed(t.content, lambda c: c.text), **(t.extra or {})}
+                    for t in ts]
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True, **({"tools": offered} if offered else {}))
+
+    with_all = render(turns, tools or None)
+    tools_placed = not tools or render(turns, None) != with_all
+    calls = any(t.extra and t.extra.get("tool_calls") for t in turns)
+    bare = [ChatTurn(t.role, t.content, {k: v for k, v in (t.extra or {}).items() if k != "tool_calls"})
+            for t in turns]
+    calls_placed = not calls or render(bare, tools or None) != with_all
+    return tools_placed, calls_placed
+
+
+def _client_texts(content: ClientText | list | str) -> list[ClientText]:
+    if isinstance(content, str):
+        return []
+    return [content] if isinstance(content, ClientText) else [p for p in content if isinstance(p, ClientText)]
+
+
+def _placed(content: ClientText | list | str, placed: Callable[[ClientText], str]):
+    """A turn's content as the template gets it, each client text as `placed` writes it."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, ClientText):
+        return placed(content)
+    return [{"type": "text", "text": placed(p)} if isinstance(p, ClientText) else p for p in content]
 
 
 def _sentinel_opening(template: str, texts: list[ClientText]) -> str:

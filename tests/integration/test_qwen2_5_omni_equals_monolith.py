@@ -98,7 +98,7 @@ async def test_same_text_tokens_and_codec_codes_and_close_audio(staged, monolith
     # Text tokens and audio, through the orchestrator as a client gets them.
     async with AsyncOmniClient(f"127.0.0.1:{orc.port}") as client:
         r = await client.generate(prompt, max_tokens=max_tokens, ignore_eos=not stop_at_eos, max_codec_frames=frames,
-                                  seed=seed, timeout=120)
+                                  seed=seed, speaker="Ethan", timeout=120)  # the monolith's voice
     assert [t for t in r.token_ids if t not in thinker.stop_ids] == mono_tokens
 
     # Codec codes: the Talker stage's output equals what generate() hands Token2Wav.

@@ -149,3 +149,31 @@ async def test_health_is_not_serving_until_the_model_is_loaded(model_dir):
     await srv.start()
     assert seen["ready_during_load"] is False and srv.ready
     await srv.drain()
+
+
+async def test_with_a_forced_tool_call_the_thinker_marks_the_calls_rows_unspoken(servers):
+    """Tools in play: each chunk carries `spoken`; an answer that opens inside a call (the forced call's
+    prefix) is unspoken throughout, and the Talker fed it speaks from the prompt alone."""
+    from omnistage.v1 import common_pb2
+    from orchestrator_service.tool_calls import call_prefix
+
+    tool = common_pb2.Tool(name="get_weather", parameters='{"type": "object"}')
+    forced = header(prompt="", parts=["Weather in Paris?"], turns=[common_pb2.Turn(role="user", parts=1)],
+                    tools=[tool], answer_prefix=call_prefix("get_weather"), max_tokens=6, ignore_eos=True)
+    out = await call_stage(servers["thinker"].port, forced)
+    prompt = len(tensor_of(out[0], "prompt_token_ids"))
+    spoken = torch.cat([tensor_of(c, "spoken") for c in out])
+    assert len(spoken) == sum(len(tensor_of(c, "embeds")) for c in out)
+    assert spoken[:prompt].all() and not spoken[prompt:].any()
+    offered = header(prompt="", parts=["Weather in Paris?"], turns=[common_pb2.Turn(role="user", parts=1)],
+                     tools=[tool], max_tokens=6, ignore_eos=True)
+    free = await call_stage(servers["thinker"].port, offered)
+    generated = torch.cat([tensor_of(c, "token_ids") for c in free]).tolist()
+    tags = {servers["thinker"].engine.tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")}
+    if not tags & set(generated):   # no call in the answer: every row spoken
+        assert torch.cat([tensor_of(c, "spoken") for c in free]).all()
+    # The Talker fed the forced call's rows speaks from the prompt's rows only: as if the Thinker had sent
+    # the prompt and no answer row.
+    talker = await call_stage(servers["talker"].port, header(max_codec_frames=10, **{
+        "prompt": "", "parts": ["Weather in Paris?"], "turns": [common_pb2.Turn(role="user", parts=1)]}), out)
+    assert talker[-1].end_of_stream and sum(tensor_of(c, "codes").shape[1] for c in talker) > 0

@@ -35,6 +35,7 @@ class ScriptedPath:
         self.events, self.fail, self.hang = list(events), fail, hang
         self.api_keys = ApiKeys()  # the servicer's client keys: none, no key needed
         self.client_cap = ClientCap(CLIENT_FLOOR)  # the servicer's per-client cap (and trusted proxies: none)
+        self.voices = None  # the servicer's voices: none read (the cards list none)
         self.unwound = asyncio.Event()
         self.deadline = None
         self.yielded = 0

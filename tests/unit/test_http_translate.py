@@ -33,7 +33,7 @@ def kinds(request) -> list[str]:
     return [p.WhichOneof("part") for p in request.params.parts]
 
 
-def test_messages_become_the_system_prompt_and_the_parts_in_order():
+def test_messages_become_turns_over_the_parts_in_order():
     t = chat(messages=[
         {"role": "system", "content": "Be brief."},
         {"role": "developer", "content": [{"type": "text", "text": "Be kind."}]},
@@ -43,11 +43,53 @@ def test_messages_become_the_system_prompt_and_the_parts_in_order():
             {"type": "input_audio", "input_audio": {"data": WAV_B64, "format": "wav"}},
             {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
     p = t.request.params
-    assert p.system_prompt == "Be brief.\n\nBe kind." and not p.prompt
-    assert kinds(t.request) == ["text", "image", "audio", "video"]
-    assert p.parts[1].image.data == b"\x89PNG fake" and p.parts[2].audio.data == b"RIFF fake"
-    assert t.fields["params.parts[1]"] == "messages[2].content[1]"
-    assert t.fields["params.system_prompt"] == "messages[0]"
+    assert not p.system_prompt and not p.prompt
+    assert [(x.role, x.parts) for x in p.turns] == [("system", 1), ("user", 4)]
+    assert p.parts[0].text == "Be brief.\n\nBe kind."   # the leading system messages: one system prompt
+    assert kinds(t.request) == ["text", "text", "image", "audio", "video"]
+    assert p.parts[2].image.data == b"\x89PNG fake" and p.parts[3].audio.data == b"RIFF fake"
+    assert t.fields["params.parts[2]"] == "messages[2].content[1]"
+    assert t.fields["params.turns[1]"] == "messages[2]"
+
+
+def test_a_conversation_with_tool_calls_becomes_turns_and_tools():
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    t = chat(tools=tools, parallel_tool_calls=False, messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]},
+        {"role": "user", "content": "Thanks"}])
+    p = t.request.params
+    assert [(x.role, x.parts) for x in p.turns] == [("user", 1), ("assistant", 0), ("tool", 1), ("assistant", 1),
+                                                    ("user", 1)]
+    assert [x.text for x in p.parts] == ["Weather?", "sunny", "Sunny.", "Thanks"]
+    assert p.turns[1].tool_calls[0].name == "get_weather" and p.turns[2].tool_call_id == "call_1"
+    assert p.tools[0].name == "get_weather" and json.loads(p.tools[0].parameters) == tools[0]["function"]["parameters"]
+    assert t.tools == translate.ToolUse(max_calls=1) and not p.answer_prefix
+    named = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.request.params.answer_prefix == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert named.tools.prefix == named.request.params.answer_prefix
+    assert not chat(tools=tools, tool_choice="none").request.params.tools
+
+
+def test_an_earlier_audio_answer_is_a_text_part_the_door_fills():
+    t = chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "audio": {"id": "audio_x"}},
+                       {"role": "user", "content": "Again"}])
+    assert t.audio_refs == (translate.AudioRef(1, "audio_x", "messages[1].audio.id"),)
+
+
+def test_a_conversation_ending_with_an_answer_is_refused_by_the_request_path_naming_the_message():
+    from omnistage.api import Limits
+    from omnistage.contract.params import resolve
+    from orchestrator_service.http_api.errors import openai_param
+
+    t = chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    with pytest.raises(InvalidRequest) as e:
+        resolve(t.request.params, Limits())
+    assert openai_param(e.value.field, t.fields) == "messages[1].role"
 
 
 def test_sampling_fields_and_modalities():
@@ -103,7 +145,15 @@ def test_null_optional_fields_are_not_given(translation, model, body):
 
 CHAT_REFUSALS = [
     (dict(n=2), "n"),
-    (dict(tools=[{"type": "function"}]), "tools"),
+    (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice.function.name"),
+    (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(messages=[{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]), "messages[1].tool_call_id"),
+    (dict(messages=[{"role": "user", "content": "a"}, {"role": "function", "content": "b"}]), "messages[1].role"),
+    (dict(messages=[{"role": "user", "content": "a"}, {"role": "assistant"}]), "messages[1].content"),
     (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(logprobs=True), "logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty"),
@@ -115,8 +165,6 @@ CHAT_REFUSALS = [
     (dict(modalities=["text", "audio"], audio={"format": "ogg"}), "audio.format"),
     (dict(modalities=["text", "audio"], stream=True, audio={"format": "wav"}), "audio.format"),
     (dict(messages=[{"role": "system", "content": "x"}]), "messages"),
-    (dict(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]), "messages[1]"),
-    (dict(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]), "messages[1].role"),
     (dict(messages=[{"role": "wizard", "content": "a"}]), "messages[0].role"),
     (dict(messages=[{"role": "user"}]), "messages[0].content"),
     (dict(messages=[{"role": "system", "content": [{"type": "image_url", "image_url": {"url": PNG_URL}}]},
@@ -247,3 +295,35 @@ def test_images_on_a_pipeline_without_images_are_refused_naming_the_model():
     with pytest.raises(InvalidRequest) as e:
         images(OMNI)
     assert e.value.field == "model"
+
+
+def test_refusal_parts_empty_tool_results_and_empty_system_messages_are_taken():
+    t = chat(messages=[{"role": "system", "content": ""},
+                       {"role": "user", "content": "Do it"},
+                       {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}],
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                       {"role": "tool", "tool_call_id": "c1", "content": ""},
+                       {"role": "user", "content": "Why?"}])
+    p = t.request.params
+    assert [(x.role, x.parts) for x in p.turns] == [("user", 1), ("assistant", 1), ("tool", 0), ("user", 1)]
+    assert [x.text for x in p.parts] == ["Do it", "I cannot.", "Why?"]
+    assert t.fields["params.turns[1].tool_calls[0].name"] == "messages[2].tool_calls[0].function.name"
+
+
+def test_an_audio_answer_is_kept_until_it_expires_and_never_after():
+    from orchestrator_service.http_api.audio_ids import AnswerTranscripts
+
+    now = [1000.0]
+    kept = AnswerTranscripts(keep_s=60, max_entries=2, clock=lambda: now[0])
+    kept.keep("audio_a", "said a", created=1000)
+    kept.keep("audio_b", "said b", created=1010)
+    assert kept.transcript("audio_a", "f") == "said a"
+    now[0] = 1060.5   # a's hour (here a minute) is over, b's is not
+    with pytest.raises(InvalidRequest, match="unknown or expired") as e:
+        kept.transcript("audio_a", "messages[1].audio.id")
+    assert e.value.field == "messages[1].audio.id" and kept.transcript("audio_b", "f") == "said b"
+    kept.keep("audio_c", "said c", created=1060)
+    kept.keep("audio_d", "said d", created=1060)   # past max_entries: the oldest goes
+    assert len(kept) == 2
+    with pytest.raises(InvalidRequest):
+        kept.transcript("audio_b", "f")

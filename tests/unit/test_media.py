@@ -287,7 +287,8 @@ def test_encoded_video_without_a_decoder_says_to_send_frames(monkeypatch):
 
 
 @pytest.mark.parametrize("parts,limits,message", [
-    ([text("a")] * 3, Limits(max_parts=2), "params.parts: has 3 parts; the limit is 2"),
+    ([image(b"\x00")] * 3, Limits(max_parts=2), "params.parts: has 3 media parts; the limit is 2"),
+    ([text("a")] * 4097, Limits(max_parts=2), "params.parts: has 4097 parts; the limit is 4096"),
     ([text("a"), common_pb2.ContentPart()], LIMITS, "params.parts[1]: empty part (set text, image, audio or "
                                                      "video)"),
     ([text("")], LIMITS, "params.parts[0].text: is empty"),

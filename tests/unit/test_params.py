@@ -62,7 +62,7 @@ BAD = [
     (dict(system_prompt="x" * 9000), "params.system_prompt: is longer than 8192"),
     (dict(system_prompt="Be brief.", raw_prompt=True), "params.system_prompt: cannot be used with params.raw_prompt"),
     # Content parts: structure only (decoding is omnistage.media's).
-    (dict(prompt="", parts=["a"] * 17), "params.parts: has 17 parts; the limit is 16"),
+    (dict(prompt="", parts=[image_part(b"x")] * 17), "params.parts: has 17 media parts; the limit is 16"),
     (dict(parts=["a", common_pb2.ContentPart()]), "params.parts[1]: empty part (set text, image, audio or video)"),
     (dict(parts=[""]), "params.parts[0].text: is empty"),
     (dict(parts=[image_part(bytes(17 << 20))]), "params.parts[0].image: is 17825802 bytes; the limit is 16777216"),

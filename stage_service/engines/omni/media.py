@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from omnistage import media
 from omnistage.checkpoints.names import PROCESSOR_CONFIG, THINKER_TOWERS
 from omnistage.checkpoints.shards import CheckpointError
 from omnistage.contract.params import InvalidRequest
+from stage_service.runtime.chat import render_conversation
 from stage_service.runtime.chat_tokens import ClientText, chat_ids
 from stage_service.runtime.errors import InputError
 
@@ -207,15 +209,32 @@ class OmniProcessor:
         a placeholder written in it is text, not a stand-in for media that is not there."""
         content = [ClientText(p.text, "params.prompt" if i == prompt_at else f"params.parts[{i}].text")
                    if isinstance(p, media.Text) else {"type": p.modality} for i, p in enumerate(parts)]
+        sys_text = ClientText(system, "params.system_prompt") if system else None
+        return self._processed(parts, lambda expand: chat_ids(self.tokenizer, self.chat_template, sys_text,
+                                                             content, expand))
+
+    def prepare_conversation(self, parts: list, p, default_system: str = "") -> MediaInputs:
+        """As `prepare`, for a request's conversation (`p.turns` over the decoded `parts`, in their order)."""
+        if self.chat_template is None:
+            raise InputError("this checkpoint has no chat template to place media parts")
+        template = self.chat_template
+
+        def item(i: int, _part) -> ClientText | dict:
+            x = parts[i]
+            return ClientText(x.text, f"params.parts[{i}].text") if isinstance(x, media.Text) else {"type": x.modality}
+        return self._processed(parts, lambda expand: render_conversation(p, self.tokenizer, template, default_system,
+                                                                        item, expand))
+
+    def _processed(self, parts: list, ids_of: Callable[[Callable[[str], str]], list[int]]) -> MediaInputs:
         try:
-            return self._prepare(parts, content, ClientText(system, "params.system_prompt") if system else None)
+            return self._prepare(parts, ids_of)
         except (InvalidRequest, InputError):
             raise
         except PROCESSING_ERRORS as e:  # what the processor's components raise on media they cannot take
             raise InvalidRequest("params.parts", f"the model's processor refused them: {e or type(e).__name__}") \
                 from None
 
-    def _prepare(self, parts: list, content: list, system: ClientText | None) -> MediaInputs:
+    def _prepare(self, parts: list, ids_of: Callable[[Callable[[str], str]], list[int]]) -> MediaInputs:
         if self.chat_template is None:
             raise InputError("this checkpoint has no chat template to place media parts")
         out = MediaInputs(ids=[])
@@ -243,7 +262,7 @@ class OmniProcessor:
                                 position_id_per_seconds=self.position_id_per_seconds,
                                 seconds_per_chunk=self.seconds_per_chunk)[0]
 
-        out.ids = chat_ids(self.tokenizer, self.chat_template, system, content, expand)
+        out.ids = ids_of(expand)
         return out
 
 

@@ -154,6 +154,7 @@ class ThinkerFeed:
         self.prompt_ids: list[int] | None = None
         self.embeds: list[torch.Tensor] = []
         self.hidden: list[torch.Tensor] = []
+        self.spoken: list[torch.Tensor] = []  # which rows are spoken (all, unless the Thinker marks them)
         self.n_rows = 0
         self.ended = False
 
@@ -166,6 +167,23 @@ class ThinkerFeed:
                              f"{list(hid.shape)} must both be [positions, hidden_size]")
         return emb, hid
 
+    @staticmethod
+    def spoken_of(chunk: InputChunk, rows: int) -> torch.Tensor:
+        """The chunk's `spoken` mask (the Thinker marks a tool call's rows unspoken): all rows without one."""
+        mask = chunk.tensors.get("spoken")
+        if mask is None:
+            return torch.ones(rows, dtype=torch.bool)
+        if mask.shape != (rows,):
+            raise InputError(f"Thinker chunk {chunk.chunk_id}: spoken {list(mask.shape)} for {rows} rows")
+        return mask.to("cpu", torch.bool)
+
+    @classmethod
+    def spoken_rows_of(cls, chunk: InputChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A later chunk's rows the Talker speaks."""
+        emb, hid = cls.rows_of(chunk)
+        keep = cls.spoken_of(chunk, len(emb))
+        return (emb, hid) if bool(keep.all()) else (emb[keep.to(emb.device)], hid[keep.to(hid.device)])
+
     def absorb(self, chunk: InputChunk | None) -> None:
         if chunk is None:
             self.ended = True
@@ -173,23 +191,33 @@ class ThinkerFeed:
         if chunk.chunk_id == 0:
             self.prompt_ids = tensor(chunk, "prompt_token_ids").cpu().tolist()
         emb, hid = self.rows_of(chunk)
+        self.spoken.append(self.spoken_of(chunk, len(emb)))
         self.embeds.append(self.move(emb))
         self.hidden.append(self.move(hid))
         self.n_rows += len(emb)
         if chunk.end_of_stream:
             self.ended = True
 
+    def _spoken_after_prompt(self) -> int:
+        """Spoken rows beyond the prompt so far (a leading tool call's rows are not spoken: read past them)."""
+        n = len(self.prompt_ids or ())
+        return int(torch.cat(self.spoken)[n:].sum()) if self.n_rows > n else 0
+
     async def read_prompt(self, inputs: StageInputs) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Read until every prompt row and the first generated token's row are in (or the stream ended);
-        returns the prompt ids and every row so far (embeds, hidden), at least one per prompt position."""
-        while not self.ended and (self.prompt_ids is None or self.n_rows <= len(self.prompt_ids)):
+        """Read until every prompt row and the first spoken generated token's row are in (or the stream ended);
+        returns the prompt ids and every row so far that is spoken (embeds, hidden), the prompt's first: at
+        least one per prompt position."""
+        while not self.ended and (self.prompt_ids is None or self._spoken_after_prompt() == 0):
             self.absorb(await inputs.next())
         if self.prompt_ids is None:
             raise InputError("the Thinker's stream ended before it sent its prompt rows")
-        embeds, hidden = torch.cat(self.embeds), torch.cat(self.hidden)
+        embeds, hidden, spoken = torch.cat(self.embeds), torch.cat(self.hidden), torch.cat(self.spoken)
         if len(embeds) < len(self.prompt_ids):
             raise InputError(f"the Thinker sent {len(embeds)} rows for a prompt of {len(self.prompt_ids)} tokens")
-        self.embeds, self.hidden = [], []
+        if not bool(spoken.all()):  # prompt rows are always spoken: the answer's rows of a tool call go
+            keep = spoken.to(embeds.device)
+            embeds, hidden = embeds[keep], hidden[keep]
+        self.embeds, self.hidden, self.spoken = [], [], []
         return self.prompt_ids, embeds, hidden
 
 
@@ -284,7 +312,7 @@ class FedTalkerEngine(SteppedEngine):
         """Hand the Thinker's later rows to the state as they arrive; a bad chunk fails the request."""
         try:
             while (chunk := await inputs.next()) is not None:
-                st.inbox.append(self.spoken_rows(*map(self.on_device, ThinkerFeed.rows_of(chunk))))
+                st.inbox.append(self.spoken_rows(*map(self.on_device, ThinkerFeed.spoken_rows_of(chunk))))
                 self.scheduler.notify(st)
                 if chunk.end_of_stream:
                     break

@@ -33,6 +33,7 @@ from stage_service.engines.omni.media import (
     prompt_rows,
 )
 from stage_service.engines.omni.media_work import MediaStage
+from stage_service.engines.omni.spoken import SpokenRows, tool_tag_ids
 from stage_service.engines.transformers.causal_lm import CausalLmEngine, text_sampling
 from stage_service.runtime import device
 from stage_service.runtime.base import InputError, StageInputs, StageRequest
@@ -57,6 +58,7 @@ class OmniThinkerEngine(MediaStage, CausalLmEngine):
         self.thinker = thinker
         self.bound_kv(thinker.kv_per_token, device.weights_bytes(thinker.model), device.gpu_bytes(self.device))
         self.tokenizer, self.chat_template = thinker.tokenizer, thinker.chat_template
+        self.tool_tags = tool_tag_ids(self.tokenizer)
         self.vocab, self.stop_ids = thinker.vocab, thinker.stop_ids
         # Fed by an encoder stage, or without the processor's settings (text only), it needs no processor.
         self.processor = None
@@ -101,9 +103,17 @@ class OmniThinkerEngine(MediaStage, CausalLmEngine):
     def step_tensors(self, step) -> dict[str, torch.Tensor]:
         return {"embeds": step.embeds, "hidden": step.hidden}
 
+    def chunk_marks(self, ids: list[int], p: RequestParams) -> SpokenRows | None:
+        """With tools in play, which rows the Talker speaks (not a tool call's: `spoken`)."""
+        if not (p.tools or p.answer_prefix) or self.tool_tags is None:
+            return None
+        return SpokenRows(self.tool_tags, ids)
+
 
 def prepare_turn(processor: OmniProcessor, p: RequestParams, pipeline, default_system: str = ""):
     """A request's user turn (its parts, then the prompt as a last text part) decoded, checked against the
     pipeline's limits and inputs as the orchestrator checked them, and run through the processor."""
     parts = media.decode_parts(p.content, pipeline.limits, accepted_inputs(pipeline))
+    if p.turns:
+        return processor.prepare_conversation(parts, p, default_system)
     return processor.prepare(parts, p.system_prompt or default_system, prompt_at=len(p.parts) if p.prompt else None)

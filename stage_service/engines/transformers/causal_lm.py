@@ -12,7 +12,7 @@ from stage_service.engines.transformers.lm_core import LmCore, RemoteTokenState
 from stage_service.engines.transformers.lm_steps import DecoderLm, TokenState
 from stage_service.runtime import device
 from stage_service.runtime.base import Chunking, OutputChunk, StageInputs, StageRequest, SteppedEngine
-from stage_service.runtime.chat import load_chat_template, prompt_ids
+from stage_service.runtime.chat import check_context, load_chat_template, prompt_ids
 from stage_service.runtime.engine_process import remote_step
 from stage_service.runtime.quantize import quantize_weights
 from stage_service.runtime.sampling import SamplingSettings
@@ -119,6 +119,10 @@ class CausalLmEngine(SteppedEngine):
         """Tensors a step adds to the chunk beside its token (rows, for the Thinker)."""
         return {}
 
+    def chunk_marks(self, ids: list[int], p: RequestParams):
+        """What marks each chunk's rows for the stage downstream (the Thinker's `spoken`), or None."""
+        return None
+
     async def prompt(self, req: StageRequest, inputs: StageInputs) -> tuple[list[int], object | None, float]:
         """The request's prompt token ids, its input rows where they are not the ids' embeddings (media), and
         the milliseconds spent making them beyond tokenizing."""
@@ -131,9 +135,8 @@ class CausalLmEngine(SteppedEngine):
             raise InvalidRequest("params.prompt", "encodes to no tokens")
         if any(t >= self.vocab for t in ids):
             raise InvalidRequest("params.prompt_token_ids", f"token ids must be < {self.vocab}")
-        if self.max_len and len(ids) + p.max_tokens > self.max_len:
-            raise InvalidRequest("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
-                                 f"({p.max_tokens}) exceeds the model's length {self.max_len}")
+        if self.max_len:
+            check_context(p, len(ids), self.max_len)
         # Its last token is never fed, so its cache holds at most prompt + max_tokens - 1 tokens.
         refused = self.kv_refusal("params.text.max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
                                   f"({p.max_tokens})", len(ids) + p.max_tokens - 1)
@@ -141,6 +144,7 @@ class CausalLmEngine(SteppedEngine):
             raise refused
         st = self.new_state(ids, p)
         st.prompt_rows, rows = rows, None  # the state drops them once fed
+        marks = self.chunk_marks(ids, p)
         deltas = TextDeltas(self.decode)
         chunks = Chunking(self.stage)
         generated: list[int] = []
@@ -161,6 +165,8 @@ class CausalLmEngine(SteppedEngine):
                            **{name: torch.cat(ts) for name, ts in extra.items()}}
                     if chunks.first:
                         out["prompt_token_ids"] = torch.tensor(ids, dtype=torch.int64)
+                    if marks is not None and "embeds" in out:
+                        out["spoken"] = marks.marks(len(out["embeds"]), generated)
                     yield chunks.hand_on(OutputChunk(tensors=out, text=deltas.delta(generated, done), last=done,
                                                      finish_reason=step.finish_reason or "",
                                                      compute_ms=stream.compute_ms - compute_before),

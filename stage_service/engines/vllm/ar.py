@@ -48,7 +48,7 @@ from stage_service.runtime.base import (
     StageInputs,
     StageRequest,
 )
-from stage_service.runtime.chat import load_chat_template, prompt_ids
+from stage_service.runtime.chat import check_context, load_chat_template, prompt_ids
 
 
 def context_length(config: Mapping[str, Any]) -> int | None:
@@ -222,9 +222,7 @@ class VllmEngine(Engine):
 
         p = req.params
         prompt, prompt_ids, n_prompt = await self._prompt(req, inputs)
-        if n_prompt + p.max_tokens > self.max_model_len:
-            raise InvalidRequest("params.text.max_tokens", f"prompt ({n_prompt} tokens) plus max_tokens "
-                                 f"({p.max_tokens}) exceeds the model's length {self.max_model_len}")
+        check_context(p, n_prompt, self.max_model_len)
         if self.failed is not None:
             raise EngineDead(f"vLLM: {type(self.failed).__name__}")
         if self.inflight >= self.max_running + self.max_queued:
