@@ -142,7 +142,7 @@ async def measure(endpoint: str, api_url: str, model: str, rounds: int, per_roun
         await doors.close()
 
 
-def canned_path(request, deadline=None):
+def canned_path(request, deadline=None, request_id=None, **_):
     """A request path that answers at once (the layer measurement's stand-in for the stages): one text
     delta, one 0.2 s audio chunk at 24 kHz, a final."""
     from omnistage.v1 import orchestrator_pb2 as pb

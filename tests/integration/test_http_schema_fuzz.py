@@ -21,10 +21,11 @@ from ..harness import small_lm, start_stage
 # Small limits: a chat body of about 80 KiB, about 2600 JSON values.
 LIMITS = {"defaultMaxTokens": 2, "maxTokens": 4, "maxPromptChars": 256, "maxParts": 2, "maxPartBytes": 4096}
 CHAT = "/v1/chat/completions"
-ENDPOINTS = (CHAT, "/v1/audio/speech", "/v1/images/generations")
+ENDPOINTS = (CHAT, "/v1/completions", "/v1/audio/speech", "/v1/images/generations")
 FIELDS = ("model", "messages", "role", "content", "type", "text", "image_url", "url", "input_audio", "data",
           "format", "modalities", "audio", "voice", "stream", "stop", "max_tokens", "seed", "n", "input", "prompt",
-          "size", "response_format", "negative_prompt", "instructions", "stream_format", "tools")
+          "size", "response_format", "negative_prompt", "instructions", "stream_format", "tools", "tool_choice",
+          "tool_calls", "tool_call_id", "function", "name", "arguments", "parameters", "id", "echo")
 
 scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2**70, 2**70) | st.floats() |
            st.sampled_from(["user", "system", "text", "input_audio", "data:image/png;base64,AAAA", "wav", ""]) |

@@ -192,3 +192,28 @@ async def test_images_and_video_on_a_compiled_engine_are_refused_with_the_reason
         model_config.enforce_eager = True
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "enforce_eager" in e.value.details() and "engine: transformers" in e.value.details()
+
+
+async def test_a_forced_tool_calls_rows_are_marked_unspoken_as_the_transformers_thinker_marks_them(thinkers):
+    """With tools in play the vLLM Thinker marks each row `spoken` as the transformers one does: a forced
+    call's answer is unspoken throughout, so the Talker says none of it (Qwen2.5-Omni's template has no tool
+    format: its encoder stage refuses the tools)."""
+    from omnistage.v1 import common_pb2
+    from orchestrator_service.tool_calls import call_prefix
+
+    encoder, ref, ours = thinkers
+    h = header(prompt="", parts=["Weather in Paris?"], turns=[common_pb2.Turn(role="user", parts=1)],
+               tools=[common_pb2.Tool(name="get_weather", parameters='{"type": "object"}')],
+               answer_prefix=call_prefix("get_weather"), max_tokens=TOKENS, ignore_eos=True)
+    try:
+        encoded = await call_stage(encoder.port, h)
+    except grpc.aio.AioRpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "no place for tools" in e.details()
+        return
+    expected = await call_stage(ref.port, h, encoded)
+    got = await call_stage(ours.port, h, encoded)
+    assert_same_rows(got, expected)
+    spoken = torch.cat([tensor_of(c, "spoken") for c in got])
+    assert torch.equal(spoken, torch.cat([tensor_of(c, "spoken") for c in expected]))
+    prompt = len(tensor_of(got[0], "prompt_token_ids"))
+    assert spoken[:prompt].all() and not spoken[prompt:].any()

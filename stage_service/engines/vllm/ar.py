@@ -216,6 +216,10 @@ class VllmEngine(Engine):
         """`SamplingParams.extra_args` of the request for `prompt` (what a subclass's KV connector reads)."""
         return None
 
+    def chunk_marks(self, prompt_ids: list[int] | None, p):
+        """What marks each chunk's rows for the stage downstream (the Thinker's `spoken`), or None."""
+        return None
+
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -236,6 +240,8 @@ class VllmEngine(Engine):
         # stop); a last chunk still goes on, with the finish reason.
         chunks = Chunking(self.stage, always_end=True)
         tokens: list[int] = []
+        generated: list[int] = []  # every token so far (the chunk marks read them)
+        marks = self.chunk_marks(prompt_ids, p)
         text = ""
         t0 = time.perf_counter()
         sent = 0  # generated tokens in the chunks already yielded
@@ -249,6 +255,7 @@ class VllmEngine(Engine):
                 async for out in stream:
                     c = out.outputs[0]
                     tokens.extend(c.token_ids)
+                    generated.extend(c.token_ids)
                     self.tally.add(req.request_id, len(c.token_ids))
                     text += c.text
                     done = out.finished
@@ -259,6 +266,8 @@ class VllmEngine(Engine):
                         sent += len(tokens)
                         if chunks.first and prompt_ids is not None:
                             out_t["prompt_token_ids"] = torch.tensor(prompt_ids, dtype=torch.int64)
+                        if marks is not None and "embeds" in out_t:
+                            out_t["spoken"] = marks.marks(len(out_t["embeds"]), generated)
                         yield chunks.hand_on(OutputChunk(tensors=out_t, text=text, last=done,
                                                          finish_reason=(c.finish_reason or "") if done else "",
                                                          compute_ms=(now - t0) * 1e3),

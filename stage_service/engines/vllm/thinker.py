@@ -35,6 +35,7 @@ from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest, has_media
 from omnistage.families import family_of
 from stage_service.engines.omni.media import EncodedPrompt, prompt_rows
+from stage_service.engines.omni.spoken import SpokenRows, tool_tag_ids
 from stage_service.engines.qwen2_5_omni.steps import SPEECH_SYSTEM_PROMPT
 from stage_service.engines.qwen2_5_omni.steps import _stop_ids as qwen2_5_stop_ids
 from stage_service.engines.qwen3_omni.steps import _generation_eos
@@ -168,6 +169,7 @@ class VllmThinkerEngine(VllmEngine):
         self.rows.start()
         await super().start()
         self.eos_ids = sorted(self.family.stop_ids(self.model_dir, config, self.tokenizer))
+        self.tool_tags = tool_tag_ids(self.tokenizer)  # a tool call's rows are not spoken (`chunk_marks`)
 
     def _engine_dead(self) -> BaseException | None:
         llm = getattr(self, "llm", None)
@@ -259,6 +261,12 @@ class VllmThinkerEngine(VllmEngine):
 
     def stop_ids(self, p) -> list[int]:
         return [] if p.ignore_eos else self.eos_ids
+
+    def chunk_marks(self, prompt_ids: list[int] | None, p) -> SpokenRows | None:
+        """With tools in play, which rows the Talker speaks (not a tool call's: `spoken`)."""
+        if not (p.tools or p.answer_prefix) or prompt_ids is None or self.tool_tags is None:
+            return None
+        return SpokenRows(self.tool_tags, prompt_ids)
 
     def open_request(self, call_id: str) -> None:
         self.rows.open(call_id)
