@@ -102,12 +102,34 @@ def speaker_table_names(file: Path) -> tuple[str, ...]:
             if archive.getinfo(pickles[0]).file_size > MAX_SPEAKER_PICKLE_BYTES:
                 raise CheckpointError(f"{file}: its data.pkl is over {MAX_SPEAKER_PICKLE_BYTES} bytes (not a "
                                       "speaker table)")
-            table = _SpeakerNames(io.BytesIO(archive.read(pickles[0]))).load()
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+            data = archive.read(pickles[0])
+        _check_opcodes(data, file)
+        table = _SpeakerNames(io.BytesIO(data)).load()
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, MemoryError,
+            RecursionError) as e:
         raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(table, dict) or not table:
-        raise CheckpointError(f"{file}: no speakers")
-    return tuple(str(name) for name in table)
+    if not isinstance(table, dict) or not table or not all(isinstance(k, str) for k in table):
+        raise CheckpointError(f"{file}: no speakers (a speaker table maps names to their settings)")
+    return tuple(table)
+
+
+# A speaker table's pickle, walked before it is loaded: a memo index or an opcode count past these bounds is
+# no speaker table (a hostile one could make the unpickler allocate a memo of any size). A real table has a
+# few hundred opcodes per speaker. The checkpoint is the operator's, as trusted as its weights: these bound
+# mistakes and memory, not every slow pickle.
+MAX_MEMO_INDEX = 1 << 16
+MAX_OPCODES = 1 << 20
+
+
+def _check_opcodes(data: bytes, file: Path) -> None:
+    import pickletools
+
+    for count, (op, arg, _) in enumerate(pickletools.genops(data)):
+        if count >= MAX_OPCODES:
+            raise CheckpointError(f"{file}: its data.pkl has over {MAX_OPCODES} opcodes (not a speaker table)")
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET") and \
+                isinstance(arg, int) and arg > MAX_MEMO_INDEX:
+            raise CheckpointError(f"{file}: its data.pkl uses memo index {arg} (not a speaker table)")
 
 
 class _Opaque:

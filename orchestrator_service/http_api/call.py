@@ -107,6 +107,10 @@ class Call:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks)
+        if self._run_task is not None and self._run_task.cancelled():
+            # A run cancelled before its first step never ran its own wake-up: a reader waiting on it would
+            # wait for ever.
+            self._wake_reader(ClientGone())
         for t in tasks:  # retrieved here, or asyncio reports them at garbage collection
             if not t.cancelled() and t.exception() is not None:
                 # The run hands its failures to the reader, so this is the watcher (a broken `receive`): the

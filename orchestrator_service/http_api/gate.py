@@ -1,5 +1,6 @@
 """What every request passes before its route: the Host it names (on loopback, only loopback names: a web
-page that rebinds its own DNS name to 127.0.0.1 must not drive the local API), and a place among the
+page that rebinds its own DNS name to 127.0.0.1 must not drive the local API), a WebSocket's Origin (a web
+page of another site must not open one: browsers apply no CORS to WebSockets), and a place among the
 requests in progress (beyond the requests admission runs and queues, more could only hold bodies for
 answers admission refuses). `/health` needs no place: it answers while the door is full."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from typing import Iterable
+from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -65,6 +67,26 @@ class HostCheck:
                              f'it answers to localhost, addresses and names without a dot', code="host_not_allowed")
 
 
+def cross_origin(scope: Scope) -> ApiError | None:
+    """A WebSocket handshake sent by a web page of another origin than the API's own (its `Origin` names another
+    host than its `Host`): refused. A browser lets any page open a WebSocket to any address and read what comes
+    back, so without this a page on any site could talk to an API on the visitor's loopback. SDK clients send
+    no Origin."""
+    headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"origin", b"host")}
+    origin = headers.get(b"origin")
+    if origin is None:
+        return None
+    try:
+        origin_host = urlsplit(origin.strip()).netloc.lower()
+    except ValueError:
+        origin_host = ""
+    if origin_host and origin_host == headers.get(b"host", "").strip().lower():
+        return None
+    return ApiError(403, f'a WebSocket opened by a web page of the origin "{origin[:MAX_HOST_SHOWN]}" is refused: '
+                         "only clients that are not web pages of another site (they send no Origin) or pages this "
+                         "host serves may open one", code="origin_not_allowed")
+
+
 class RequestGate:
     """ASGI middleware: the Host check, then a place among `limit` requests in progress (429 beyond)."""
 
@@ -81,6 +103,9 @@ class RequestGate:
             if (refusal := self.hosts.refusal(header)) is not None:
                 await error_response(refusal)(scope, receive, send)
                 return
+        if scope["type"] == "websocket" and (refusal := cross_origin(scope)) is not None:
+            await error_response(refusal)(scope, receive, send)
+            return
         if scope["path"] == HEALTH_PATH:
             await self.app(scope, receive, send)
             return

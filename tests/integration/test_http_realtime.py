@@ -231,6 +231,31 @@ async def test_server_vad_commits_on_silence_answers_and_barge_in_cancels_the_an
     await until_closed_and_idle(s)
 
 
+async def test_two_turns_in_one_append_are_two_turns_each_committed_with_its_own_audio(served):
+    s = served["omni"]
+    async with s.aio().realtime.connect(model=s.model) as conn:
+        await recv_until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "silence_duration_ms": 300, "prefix_padding_ms": 100, "create_response": False}}}})
+        await recv_until(conn, "session.updated")
+        await conn.input_audio_buffer.append(audio=b64(silence(0.5) + vowel(0.6) + silence(0.6) + vowel(0.6) +
+                                                       silence(0.6)))
+        first = await recv_until(conn, "input_audio_buffer.committed")
+        second = await recv_until(conn, "input_audio_buffer.committed")
+        for events in (first, second):   # each turn: started, stopped, committed, once, under one item id
+            kinds = [e.type for e in events if e.type.startswith("input_audio_buffer.")]
+            assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                             "input_audio_buffer.committed"]
+            assert len({e.item_id for e in events if e.type.startswith("input_audio_buffer.")}) == 1
+        ends = [next(e for e in events if e.type == "input_audio_buffer.speech_stopped").audio_end_ms
+                for events in (first, second)]
+        starts = [next(e for e in events if e.type == "input_audio_buffer.speech_started").audio_start_ms
+                  for events in (first, second)]
+        assert starts[0] < ends[0] < starts[1] < ends[1]
+        assert first[-1].item_id != second[-1].item_id
+    await until_closed_and_idle(s)
+
+
 async def test_api_keys_are_required_on_the_handshake(served):
     keyed = served["keyed"]
     with pytest.raises(websockets.exceptions.InvalidStatus) as e:
@@ -240,6 +265,20 @@ async def test_api_keys_are_required_on_the_handshake(served):
     assert json.loads(e.value.response.body)["error"]["code"] == "invalid_api_key"
     async with keyed.aio(api_key=KEYS[0]).realtime.connect(model=keyed.model) as conn:
         assert (await conn.recv()).type == "session.created"
+
+
+async def test_a_web_page_of_another_origin_cannot_open_a_session(served):
+    """Browsers apply no CORS to WebSockets: a page on any site could otherwise talk to a loopback API."""
+    s = served["omni"]
+    with pytest.raises(websockets.exceptions.InvalidStatus) as e:
+        async with websockets.connect(ws_url(s, s.model), origin="https://attacker.example"):
+            pass
+    assert e.value.response.status_code == 403
+    assert json.loads(e.value.response.body)["error"]["code"] == "origin_not_allowed"
+    host = ws_url(s, s.model).split("/")[2]
+    async with websockets.connect(ws_url(s, s.model), origin=f"http://{host}") as conn:   # the API's own origin
+        assert json.loads(await conn.recv())["type"] == "session.created"
+    await until_closed_and_idle(s)
 
 
 async def test_an_unknown_model_is_refused_at_the_handshake(served):

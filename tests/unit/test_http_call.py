@@ -168,3 +168,14 @@ def test_the_timeout_header(value, ok):
             deadline_from(headers)
         assert e.value.field == "X-Request-Timeout"
     assert deadline_from(Headers({})) is None
+
+
+async def test_a_close_before_the_run_took_its_first_step_still_ends_a_waiting_reader():
+    """A realtime `response.cancel` right behind its `response.create`: the run is cancelled before it ever
+    ran, so its own wake-up never runs; the reader must not wait for ever."""
+    call = Call(ScriptedPath(hang=True), request())
+    call.start()
+    reader = asyncio.create_task(call.next())
+    await call.close()   # cancels the run before its first step
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(reader, 30)   # a safety bound only: the reader is woken at once

@@ -158,15 +158,28 @@ def user_text(text: str) -> items.Item:
                                           content=[ev.Content(type="input_text", text=text)]))
 
 
-def test_the_oldest_items_go_when_the_parts_bound_is_reached():
+def test_the_oldest_items_go_when_the_media_parts_bound_is_reached():
     conv = items.Conversation(LIMITS)
-    added = [user_text(str(i)) for i in range(7)]
-    for item in added:
+    spoken = [items.user_audio(b"\x01\x00" * 2400) for _ in range(8)]   # 0.1 s each: maxParts 8 of media
+    for item in spoken:
         assert conv.add(item)[1] == []
-    assert len(conv.items) == 7  # with the instructions' turn: 8 parts
-    _, dropped = conv.add(user_text("one more"))
-    assert dropped == [added[0].id]
-    assert len(conv.items) == 7 and conv.items[-1].parts[0].text == "one more"
+    _, dropped = conv.add(items.user_audio(b"\x01\x00" * 2400))
+    assert dropped == [spoken[0].id] and len(conv.items) == 8
+
+
+def test_text_items_are_bounded_by_characters_not_by_max_parts():
+    conv = items.Conversation(LIMITS)
+    added = [user_text(str(i)) for i in range(40)]   # five times maxParts: text is not media
+    assert all(conv.add(item)[1] == [] for item in added)
+    assert len(conv.items) == 40
+
+
+def test_an_empty_text_is_refused_when_the_item_is_made_and_an_empty_tool_output_is_taken():
+    with pytest.raises(RealtimeError) as e:
+        user_text("")
+    assert e.value.param == "item.content[0].text"
+    out = items.of_client(ev.FunctionCallOutputItem(type="function_call_output", call_id="c1", output=""))
+    assert out.parts == []
 
 
 def test_the_items_bound_holds_for_items_without_parts():

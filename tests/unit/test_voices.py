@@ -76,6 +76,9 @@ class Runs:
     (pickle.dumps(Runs(), protocol=2), "print is not part of a speaker table"),
     (pickle.dumps({}, protocol=2), "no speakers"),
     (b"\x80\x02}q", "unreadable"),
+    # A memo index of a billion: the unpickler would allocate a memo of that size before failing.
+    (b"\x80\x02}r\xff\xff\xff\x3f.", "memo index"),
+    (pickle.dumps({1: "a"}, protocol=2), "no speakers"),   # keys that are not names
 ])
 def test_a_speaker_table_that_is_not_one_is_refused_and_never_run(tmp_path, capsys, payload, why):
     with pytest.raises(CheckpointError, match=why):

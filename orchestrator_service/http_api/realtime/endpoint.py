@@ -28,7 +28,7 @@ from .items import Conversation
 from .limits import BYTES_PER_SECOND, SessionLimits
 from .runner import FIELDS, Response, request_for
 from .session import SessionConfig, Vad
-from .vad import START_MS, Segmenter, SpeechStarted, webrtc_classifier
+from .vad import FRAME_BYTES, START_MS, Segmenter, SpeechStarted, webrtc_classifier
 
 log = logging.getLogger("omnistage.orchestrator.http_api")
 MIN_COMMIT_MS = 100  # the reference's least audio in a committed buffer
@@ -157,28 +157,40 @@ class RealtimeSession:
         return Segmenter(vad.silence_duration_ms, webrtc_classifier(vad.threshold)) if vad else None
 
     async def _append(self, pcm: bytes) -> None:
-        self.buffer.append(pcm)
         vad, segmenter = self.config.vad, self.segmenter
         if vad is None or segmenter is None:
+            self.buffer.append(pcm)
             return
-        for turn in segmenter.feed(pcm):
-            if isinstance(turn, SpeechStarted):
-                self.speech_item = new_id("item")
-                await self.send(server_event("input_audio_buffer.speech_started", item_id=self.speech_item,
-                                             audio_start_ms=turn.audio_start_ms))
-                self.buffer.keep_from(turn.audio_start_ms - vad.prefix_padding_ms)
-                if vad.interrupt_response and self.response is not None and self.response.active:
-                    self.response.cancel("turn_detected")  # barge-in: the answer stops through every stage
-            else:
-                await self.send(server_event("input_audio_buffer.speech_stopped", item_id=self.speech_item,
-                                             audio_end_ms=turn.audio_end_ms))
-                await self._commit(self.speech_item)
-                if self.response is not None and self.response.cancel_reason and self.task is not None:
-                    await asyncio.wait([self.task])  # the interrupted answer reports its end first
-                if vad.create_response and not (self.response is not None and self.response.active):
-                    await self._respond(None)
-        if not segmenter.in_speech:  # before speech: only the padding the next turn starts with is kept
-            self.buffer.keep_last(vad.prefix_padding_ms + START_MS)
+        # Frame by frame, each turn's start and end acted on where it falls: one append may hold several turns.
+        for at in range(0, len(pcm), FRAME_BYTES):
+            piece = pcm[at:at + FRAME_BYTES]
+            if segmenter.in_speech and len(self.buffer) + len(piece) > self.buffer.max_bytes:
+                # A turn longer than the buffer holds ends here, as a pause would end it: committed and answered
+                # (else every later append would be refused and the turn would never end).
+                await self._speech_stopped(vad, self.buffer.end_ms)
+            self.buffer.append(piece)
+            for turn in segmenter.feed(piece):
+                if isinstance(turn, SpeechStarted):
+                    self.speech_item = new_id("item")
+                    await self.send(server_event("input_audio_buffer.speech_started", item_id=self.speech_item,
+                                                 audio_start_ms=turn.audio_start_ms))
+                    self.buffer.keep_from(turn.audio_start_ms - vad.prefix_padding_ms)
+                    if vad.interrupt_response and self.response is not None and self.response.active:
+                        self.response.cancel("turn_detected")  # barge-in: the answer stops through every stage
+                else:
+                    await self._speech_stopped(vad, turn.audio_end_ms)
+            if not segmenter.in_speech:  # before speech: only the padding the next turn starts with is kept
+                self.buffer.keep_last(vad.prefix_padding_ms + START_MS)
+
+    async def _speech_stopped(self, vad: Vad, audio_end_ms: int) -> None:
+        """The end of a turn: committed, and answered when the session says so."""
+        await self.send(server_event("input_audio_buffer.speech_stopped", item_id=self.speech_item,
+                                     audio_end_ms=audio_end_ms))
+        await self._commit(self.speech_item)
+        if self.response is not None and self.response.cancel_reason and self.task is not None:
+            await asyncio.wait([self.task])  # the interrupted answer reports its end first
+        if vad.create_response and not (self.response is not None and self.response.active):
+            await self._respond(None)
 
     async def _commit(self, item_id: str | None = None) -> None:
         if ms_of(len(self.buffer)) < MIN_COMMIT_MS:

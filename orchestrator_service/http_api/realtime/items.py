@@ -1,9 +1,10 @@
 """The conversation of a Realtime session: its items in order, bounded, and read as the turns of one
 GenerateRequest (a system turn of the instructions first).
 
-Bounds (limits.SessionLimits): at most `items` items, `parts` content parts in a request (the instructions'
-turn included) and `audio_s` seconds of audio in all its parts. An item that would go past them drops the
-oldest items (`dropped`, for `conversation.item.deleted`), as the reference truncates a long conversation
+Bounds (limits.SessionLimits): at most `items` items, `parts` media parts in a request (the pipeline's
+maxParts; text is bounded by characters) and `audio_s` seconds of audio in all its parts. An item that would
+go past them drops the oldest items (`dropped`, for `conversation.item.deleted`), as the reference truncates
+a long conversation
 from its start; a tool output whose call was dropped goes with it (a tool turn answers a call before it).
 One item that alone is past a bound is refused. The text bound (`chars`, the pipeline's maxPromptChars) is
 kept when a response is asked for (`fit`): the instructions and tools it offers take their share first.
@@ -89,14 +90,20 @@ def truncate(item: Item, content_index: int, audio_end_ms: int) -> None:
     item.parts, item.shown, item.audio_ms = [], [{"type": "output_audio", "transcript": ""}], audio_end_ms
 
 
+def media_parts(parts) -> int:
+    """How many of `parts` are media (image, audio, video): what `maxParts` bounds."""
+    return sum(1 for p in parts if p.WhichOneof("part") != "text")
+
+
 def of_client(item: MessageItem | FunctionCallItem | FunctionCallOutputItem, at: str = "item") -> Item:
     """A `conversation.item.create` item; RealtimeError naming what is wrong."""
     item_id = item.id or new_id("item")
     if isinstance(item, FunctionCallItem):
         return Item(item_id, "function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
     if isinstance(item, FunctionCallOutputItem):
-        return Item(item_id, "function_call_output", parts=[common_pb2.ContentPart(text=item.output)],
-                    call_id=item.call_id, output=item.output)
+        # An empty output (a tool that returns nothing): a tool turn without content, as the request path takes it.
+        output = [common_pb2.ContentPart(text=item.output)] if item.output else []
+        return Item(item_id, "function_call_output", parts=output, call_id=item.call_id, output=item.output)
     parts, shown = [], []
     for i, c in enumerate(item.content):
         part, show = _content(c, item.role, f"{at}.content[{i}]")
@@ -115,7 +122,9 @@ def _content(c: Content, role: str, at: str) -> tuple[common_pb2.ContentPart | N
         raise RealtimeError("invalid_value", f'{at}.type: a {role} message holds {", ".join(_ROLE_CONTENT[role])}, '
                                              f'not "{c.type}"', f"{at}.type")
     if c.type == "input_text":
-        return common_pb2.ContentPart(text=_required(c.text, f"{at}.text")), {"type": c.type, "text": c.text}
+        if not _required(c.text, f"{at}.text"):  # the request path takes no empty text: refused here, not later
+            raise RealtimeError("invalid_value", f"{at}.text: is empty", f"{at}.text")
+        return common_pb2.ContentPart(text=c.text), {"type": c.type, "text": c.text}
     if c.type == "input_audio":
         pcm = decode_audio(_required(c.audio, f"{at}.audio"), f"{at}.audio")
         if not pcm:
@@ -180,10 +189,10 @@ class Conversation:
         the ids of the items dropped to keep within the bounds."""
         if any(i.id == item.id for i in self.items):
             raise RealtimeError("invalid_value", f'an item "{item.id}" is already in the conversation', "item.id")
-        if len(item.parts) + 1 > self.limits.parts or item.audio_s > self.limits.audio_s or \
+        if media_parts(item.parts) > self.limits.parts or item.audio_s > self.limits.audio_s or \
                 item.chars > self.limits.chars:
-            raise RealtimeError("invalid_value", f"the item is larger than one request may be ({self.limits.parts - 1}"
-                                                 f" content parts, {self.limits.audio_s:g} s of audio, "
+            raise RealtimeError("invalid_value", f"the item is larger than one request may be ({self.limits.parts}"
+                                                 f" media parts, {self.limits.audio_s:g} s of audio, "
                                                  f"{self.limits.chars} characters)", "item")
         if item.type == "function_call_output" and not any(
                 i.type == "function_call" and i.call_id == item.call_id for i in self.items):
@@ -231,7 +240,8 @@ class Conversation:
         return dropped
 
     def _over(self) -> bool:
-        parts = 1 + sum(len(i.parts) for i in self.items)  # the instructions' turn
+        # maxParts bounds media parts (text is bounded by characters), as on the request path.
+        parts = sum(media_parts(i.parts) for i in self.items)
         return (len(self.items) > self.limits.items or parts > self.limits.parts
                 or sum(i.audio_s for i in self.items) > self.limits.audio_s)
 

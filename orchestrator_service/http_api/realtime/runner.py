@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -32,6 +33,8 @@ from .events import RealtimeError, error_event, new_id, of_api_error, server_eve
 from .items import Conversation
 from .limits import BYTES_PER_SECOND, SAMPLE_RATE
 from .session import PCM, SessionConfig
+
+log = logging.getLogger("omnistage.orchestrator.realtime")
 
 Send = Callable[[dict], Awaitable[None]]
 # Fields of the request path a refusal may name, as the session's.
@@ -136,7 +139,11 @@ class Response:
             pass  # cancelled: below
         except ApiError as e:
             failure = of_api_error(e)
-        self.done = True  # from here a new response may start: this one only reports how it ended
+        except Exception as e:
+            log.exception("realtime response %s failed", self.id)
+            failure = RealtimeError("server_error", f"the response failed ({type(e).__name__})", kind="server_error")
+        finally:
+            self.done = True  # from here a new response may start: this one only reports how it ended
         if self.cancel_reason is not None:
             await self._finish("incomplete")
             await self._send(server_event("response.done", response=self.body(

@@ -262,13 +262,20 @@ def tools_of(tools: list[FunctionTool], param: str) -> tuple[common_pb2.Tool, ..
         if not t.name:
             raise RealtimeError("missing_required_parameter", f"{at}.name: a function tool needs a name",
                                 f"{at}.name")
+        if not conversation.TOOL_NAME.fullmatch(t.name):
+            raise RealtimeError("invalid_value", f"{at}.name: must be 1 to 64 letters, digits, _ . or -",
+                                f"{at}.name")
         if t.parameters:  # checked here, so that a session never holds a tool no response could offer
             try:
                 conversation.check_schema(t.parameters, f"{at}.parameters")
             except InvalidRequest as e:
                 raise RealtimeError("invalid_value", str(e), e.field) from None
-        out.append(common_pb2.Tool(name=t.name, description=t.description or "",
-                                   parameters=json.dumps(t.parameters) if t.parameters else ""))
+        try:
+            parameters = json.dumps(t.parameters, allow_nan=False) if t.parameters else ""
+        except ValueError:
+            raise RealtimeError("invalid_value", f"{at}.parameters: holds NaN or Infinity, which JSON has not",
+                                f"{at}.parameters") from None
+        out.append(common_pb2.Tool(name=t.name, description=t.description or "", parameters=parameters))
     return tuple(out)
 
 
