@@ -50,6 +50,9 @@ class OrchestratorMetrics:
         self.rtf = Histogram(RTF, "Real-time factor of a finished request's audio: seconds from its arrival to its "
                              "last audio chunk over the seconds of audio it produced (below 1: faster than real "
                              "time)", buckets=_RTF, registry=r)
+        self.audio_underruns = Counter("omnistage_audio_underruns", "Audio chunks that reached the client after "
+                                       "the audio before them had finished playing (a listener playing the answer "
+                                       "as it arrives heard a gap)", registry=r)
         self.stage_seconds = Histogram("omnistage_stage_time_seconds", "Per-stage time of a finished request, by "
                                        "part (queue, compute, transfer, encode, first_chunk, total)",
                                        ["stage", "part"], buckets=LATENCY_SECONDS, registry=r)

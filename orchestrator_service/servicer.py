@@ -24,6 +24,7 @@ from .admission import Admission, Overloaded
 from .api_keys import ApiKeys
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
+from .playback import Playback
 from .request_class import request_class
 from .request_run import RequestRun, StageFailed, needed_stages
 from .routing import Router
@@ -253,7 +254,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                              max_attempts=self.max_attempts, on_dispatched=lambda: self.admission.arrived(ticket),
                              trace_metadata=span.metadata)
             self.runs[rid] = run
-            first, last_audio = True, t0
+            first, last_audio, playback = True, t0, Playback()
             async with contextlib.aclosing(run.events()) as events:  # closed now, not at GC, if we stop early
                 async for ev in events:
                     if first:
@@ -261,6 +262,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         first = False
                     if ev.HasField("audio"):
                         last_audio = time.perf_counter()
+                        if ev.audio.sample_rate and playback.arrived(
+                                last_audio, len(ev.audio.pcm) / 2 / max(1, ev.audio.channels) / ev.audio.sample_rate):
+                            m.audio_underruns.inc()
                     ev.client_request_id = label
                     yield ev
             m.observe_audio(last_audio - t0, run.assembler.usage.audio_seconds)

@@ -13,7 +13,7 @@ from omnistage.contract.metrics import LATENCY_SECONDS
 
 from ..conftest import REPO
 
-SUBSYSTEMS = ("request", "requests", "admission", "stage", "transfer", "class", "planner", "operator", "tls")
+SUBSYSTEMS = ("request", "requests", "admission", "audio", "stage", "transfer", "class", "planner", "operator", "tls")
 NAME = re.compile(rf"^omnistage_({'|'.join(SUBSYSTEMS)})_[a-z0-9_]+$")
 
 
