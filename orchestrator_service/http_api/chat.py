@@ -64,6 +64,13 @@ def usage(final: orchestrator_pb2.Final | None, tokens_seen: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def usage_event(obj: str, answer_id: str, created: int, model: str, final: orchestrator_pb2.Final | None,
+                tokens_seen: int) -> bytes:
+    """A stream's closing usage chunk (`choices: []`), as `stream_options.include_usage` asks for it."""
+    return sse_event({"id": answer_id, "object": obj, "created": created, "model": model,
+                      "system_fingerprint": None, "choices": [], "usage": usage(final, tokens_seen)})
+
+
 class Answer:
     """The answer's text as the client gets it: stop strings watched, then tool calls read out of it."""
 
@@ -188,8 +195,7 @@ async def stream(call: Call, plan: Translated, model: str, transcripts: AnswerTr
             yield chunk({"audio": {"id": c.audio_id, "expires_at": c.expires_at}})
         yield chunk({}, finish_reason(final, answer.ended, bool(answer.tool_calls())), final)
         if include_usage:
-            yield sse_event({"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": c.model,
-                             "system_fingerprint": None, "choices": [], "usage": usage(final, tokens)})
+            yield usage_event("chat.completion.chunk", c.id, c.created, c.model, final, tokens)
         yield SSE_DONE
     except ApiError as e:
         yield sse_event(e.body())

@@ -29,7 +29,7 @@ from omnistage.v1 import orchestrator_pb2
 
 from .body_limits import BODY_SLACK, ESCAPES_PER_CHAR, JSON_BYTES_PER_CHAR, VALUES_SLACK, BodyBounds
 from .call import Call, ClientGone, run_all
-from .chat import finish_reason, usage
+from .chat import finish_reason, usage, usage_event
 from .errors import ApiError
 from .responses import SSE_DONE, TRACE_FIELD, sse_event, trace_dict, with_trace
 from .schemas import UINT32, UINT64, Body, BuiltOnce, Name, StopString, StreamOptions
@@ -265,8 +265,7 @@ async def stream(call: Call, plan: ChoicePlan, model: str) -> AsyncIterator[byte
                 final = ev.final
         yield chunk(watch.flush(), finish_reason(final, watch.stopped), final)
         if plan.include_usage:
-            yield sse_event({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "system_fingerprint": None, "choices": [], "usage": usage(final, tokens)})
+            yield usage_event("text_completion", cid, created, model, final, tokens)
         yield SSE_DONE
     except ApiError as e:
         yield sse_event(e.body())

@@ -79,7 +79,8 @@ def render_conversation(p: RequestParams, tokenizer, template: str, default_syst
     `ClientText`, or a media part's dict); `expand` as `chat_tokens.conversation_ids`."""
     turns: list[ChatTurn] = []
     checked: list[Checked] = []
-    for m in conversation.messages(p):
+    messages = conversation.messages(p)
+    for m in messages:
         items = [item(i, part) for i, part in m.parts]
         content: ClientText | list | str
         if not items:  # no text (an assistant turn of calls only, an empty result): empty, as the client's is
@@ -103,7 +104,7 @@ def render_conversation(p: RequestParams, tokenizer, template: str, default_syst
     tools = conversation.tool_dicts(p.tools) if p.tools else None
     # As the templates' `tojson` writes them (non-ASCII as it is), so that a special token in them is found.
     checked += [Checked(json.dumps(t, ensure_ascii=False), f"params.tools[{i}]") for i, t in enumerate(tools or [])]
-    offers = bool(tools) or any(m.tool_calls for m in conversation.messages(p))
+    offers = bool(tools) or any(m.tool_calls for m in messages)
     tools_placed, calls_placed = places(tokenizer, template, turns, tools) if offers else (True, True)
     if not tools_placed:
         raise InvalidRequest("params.tools", "this model's chat template has no place for tools (it renders the "
