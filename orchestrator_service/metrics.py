@@ -6,8 +6,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from omnistage.contract.metrics import LATENCY_SECONDS
 
-# the stage planner reads them (targets.ttfpP95Ms, targets.rtf; per request class, the demand on each stage)
+# the stage planner reads them (targets.ttfpP95Ms, targets.rtf, targets.underruns; per request class, the demand
+# on each stage)
 from omnistage.planner.scrape import (
+    AUDIO_CHUNKS,
+    AUDIO_UNDERRUNS,
     CLASS_ENDED,
     CLASS_FINISHED,
     CLASS_REQUESTS,
@@ -50,9 +53,12 @@ class OrchestratorMetrics:
         self.rtf = Histogram(RTF, "Real-time factor of a finished request's audio: seconds from its arrival to its "
                              "last audio chunk over the seconds of audio it produced (below 1: faster than real "
                              "time)", buckets=_RTF, registry=r)
-        self.audio_underruns = Counter("omnistage_audio_underruns", "Audio chunks that reached the client after "
-                                       "the audio before them had finished playing (a listener playing the answer "
-                                       "as it arrives heard a gap)", registry=r)
+        # late chunks and all chunks side by side: the planner reads their share, which load alone does not move
+        self.audio_chunks = Counter(AUDIO_CHUNKS, "Audio chunks delivered to clients (of requests with audio out)",
+                                    registry=r)
+        self.audio_underruns = Counter(AUDIO_UNDERRUNS, "Audio chunks that reached the client after the audio "
+                                       "before them had finished playing (a listener playing the answer as it "
+                                       "arrives heard a gap)", registry=r)
         self.stage_seconds = Histogram("omnistage_stage_time_seconds", "Per-stage time of a finished request, by "
                                        "part (queue, compute, transfer, encode, first_chunk, total)",
                                        ["stage", "part"], buckets=LATENCY_SECONDS, registry=r)
@@ -78,6 +84,13 @@ class OrchestratorMetrics:
         """A finished request's real-time factor; one that produced no audio says nothing of it."""
         if audio_s > 0:
             self.rtf.observe(to_last_audio_s / audio_s)
+
+    def observe_audio_chunk(self, late: bool) -> None:
+        """An audio chunk delivered to a client; `late`: after the audio before it had finished playing
+        (playback.Playback)."""
+        self.audio_chunks.inc()
+        if late:
+            self.audio_underruns.inc()
 
     def observe_ended(self, request_class: str, trace=None) -> None:
         """An admitted request of `request_class` ended; `trace` (its RequestTrace) when it finished: each

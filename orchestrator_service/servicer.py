@@ -262,9 +262,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         first = False
                     if ev.HasField("audio"):
                         last_audio = time.perf_counter()
-                        if ev.audio.sample_rate and playback.arrived(
-                                last_audio, len(ev.audio.pcm) / 2 / max(1, ev.audio.channels) / ev.audio.sample_rate):
-                            m.audio_underruns.inc()
+                        if ev.audio.sample_rate:
+                            m.observe_audio_chunk(playback.arrived(
+                                last_audio, len(ev.audio.pcm) / 2 / max(1, ev.audio.channels) / ev.audio.sample_rate))
                     ev.client_request_id = label
                     yield ev
             m.observe_audio(last_audio - t0, run.assembler.usage.audio_seconds)

@@ -483,6 +483,13 @@ class AutoscalingTargets:
                            "While missed, the busiest stage that may grow is planned for up to twice its load "
                            "(p95 over target; with ttfpP95Ms also missed, the larger), so it gets the next "
                            "replica. 0: no target.", default=0.0, minimum=0)
+    underruns: float = api_field("Target share of audio chunks that reach the client late (an underrun: after "
+                                 "the audio before them had finished playing, so a listener playing the answer "
+                                 "as it arrives hears a gap), over the last 10 s as the orchestrators count them "
+                                 "(at least 100 chunks; 0.01: 1%). While missed, the busiest stage on the audio "
+                                 "path that may grow (the stage whose output is audio and the stages upstream of "
+                                 "it) is planned for up to twice its load (share over target), so it gets the "
+                                 "next replica. 0: no target.", default=0.0, minimum=0, maximum=1)
     queue_seconds: float = api_field("How soon a stage's queued work should be worked off, in seconds (the "
                                      "planner spreads a backlog over this or 30 s, whichever is longer). 0: the "
                                      "30 s alone.", default=1.0, minimum=0)

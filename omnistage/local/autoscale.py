@@ -6,7 +6,8 @@ replicas as the planner wants: a new replica process joins the orchestrator's re
 endpoints file, `--discovery file`); a replica removed leaves them first and is drained after (SIGTERM:
 it finishes what it was given, then exits), so scaling down fails no request. A stage on GPUs keeps the
 replicas it started with (serve places GPUs at start). The planner is given the stage graph (each
-stage's inputs), so a stage's upstream catch-up is not read as a rise in its load. The planner's
+stage's inputs), so a stage's upstream catch-up is not read as a rise in its load, and the stages the audio
+passes through, the only ones a missed underrun target grows. The planner's
 decisions are served as Prometheus metrics on a status port of their own
 (`omnistage_planner_desired_replicas`, ...).
 """
@@ -22,10 +23,10 @@ from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import METRICS_PATH, http_url
 from omnistage.local.serve import LaunchError, LocalPipeline
 from omnistage.planner.controller import Planner
-from omnistage.planner.graph import upstream_of
+from omnistage.planner.graph import audio_path, upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, replica_counters
+from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, orchestrator_counters, replica_counters
 from omnistage.serving import HttpStatusServer
 
 SCRAPE_TIMEOUT_S = 1.0
@@ -42,7 +43,7 @@ class LocalAutoscaler:
         self.fixed = {s.name for s in local.pipeline.stages if uses_gpus(dep.stages[s.name])}
         gpus = {s.name: dep.stages[s.name].gpus if s.name in self.fixed else 0 for s in local.pipeline.stages}
         self.planner = Planner(self.config, self._in_service(), gpus, fixed=frozenset(self.fixed),
-                               upstream=upstream_of(local.pipeline))
+                               upstream=upstream_of(local.pipeline), audio_path=audio_path(local.pipeline))
         self.metrics = PlannerMetrics(local.pipeline.name)
         self.http = HttpStatusServer(local.host, 0, self.metrics.registry, lambda: True).start()
         self.metrics_url = http_url(local.host, self.http.port, METRICS_PATH)
@@ -88,15 +89,17 @@ class LocalAutoscaler:
         for stage, counters in by_stage.items():
             self.planner.observe(stage, counters, units.get(stage, ""))
         orch = self.local.orchestrator
-        # the latency targets' measures and the request classes at the front door (not while it restarts)
+        # the targets' measures and the request classes at the front door (not while it restarts)
         if orch is not None and orch.ports is not None:
             try:
                 text = self._read(http_url(self.local.host, orch.ports.http, METRICS_PATH))
-                buckets, classes = orchestrator_buckets(text), orchestrator_classes(text)
+                buckets, classes, audio = orchestrator_buckets(text), orchestrator_classes(text), \
+                    orchestrator_counters(text)
             except (OSError, http.client.HTTPException, ValueError):
                 return
             self.planner.observe_orchestrators({orch.name: buckets}, self.clock())
             self.planner.observe_classes({orch.name: classes}, self.clock())
+            self.planner.observe_audio({orch.name: audio}, self.clock())
 
     @staticmethod
     def _read(url: str) -> str:

@@ -10,6 +10,9 @@ offered in it (graph.py): an upstream's catch-up passing through counts as backl
 Given the orchestrators' per-class counters (`observe_classes`), each stage is also planned for at least
 what the front door's admissions surely send it at each request class's demand (classes.py): a shift in
 the request mix reaches the stage it loads at the next decision, not once its upstream has passed it on.
+Given the stages on the audio path (`audio_path`: graph.audio_path) and the orchestrators' audio counters
+(`observe_audio`), a share of late audio chunks over `targets.underruns` presses the busiest of those
+stages only (latency.py).
 What the controller does with the result is its own: write Deployments' replicas, or start and drain
 local processes until each stage runs `scales[stage].replicas`.
 
@@ -28,7 +31,7 @@ from omnistage.planner.classes import ClassCounts, ClassDemand, Forecast, counte
 from omnistage.planner.classes import demand as class_demand
 from omnistage.planner.decisions import Change, StageScale, decide
 from omnistage.planner.graph import demand_per_request, edge_ratio, steady_arrivals
-from omnistage.planner.latency import Buckets, merged, missed, p95
+from omnistage.planner.latency import Buckets, Counters, counted_since, merged, missed, p95, underruns_missed
 from omnistage.planner.scrape import ORCHESTRATOR_HISTOGRAMS
 from omnistage.planner.sizing import Budget, Plan, StageNeed, plan
 
@@ -70,11 +73,13 @@ class Decision:
 class Planner:
     def __init__(self, autoscaling: Autoscaling, replicas: Mapping[str, int], gpus: Mapping[str, int] | None = None,
                  window_s: float = WINDOW_S, fixed: frozenset[str] = frozenset(),
-                 upstream: Mapping[str, Sequence[str]] | None = None):
+                 upstream: Mapping[str, Sequence[str]] | None = None, audio_path: frozenset[str] = frozenset()):
         """`replicas`: each stage's count now (the file's `replicas`: a starting point, clamped to the
         stage's bounds); `gpus`: GPUs per replica of each stage; `fixed`: stages the controller cannot
         scale (planned at the count they have, so the budget counts what really runs); `upstream`: the
-        stage graph, each stage's input stages (graph.upstream_of; None: every stage on its own)."""
+        stage graph, each stage's input stages (graph.upstream_of; None: every stage on its own);
+        `audio_path`: the stages the client's audio passes through (graph.audio_path), the only ones a
+        missed underrun target presses."""
         self.config = autoscaling
         self.gpus = dict(gpus or {})
         self.window_s = window_s
@@ -93,6 +98,9 @@ class Planner:
             name: deque() for name in ORCHESTRATOR_HISTOGRAMS}
         # the orchestrators' per-class counters: (at, per replica), and what each class takes
         self._classes: deque[tuple[float, dict[str, ClassCounts]]] = deque()
+        self.audio_path = frozenset(s for s in audio_path if s in replicas)
+        # the orchestrators' audio counters (scrape.orchestrator_counters): (at, per replica)
+        self._audio: deque[tuple[float, dict[str, Counters]]] = deque()
         self.classes: dict[str, ClassDemand] = {}
 
     @property
@@ -122,6 +130,15 @@ class Planner:
             while len(hist) > 2 and hist[1][0] <= at - self.window_s:
                 hist.popleft()   # keep one reading at least a window old
 
+    def observe_audio(self, readings: Mapping[str, Counters], at: float) -> None:
+        """One reading of every orchestrator replica's audio counters (by replica name:
+        scrape.orchestrator_counters), for targets.underruns."""
+        if not readings:
+            return
+        self._audio.append((at, {r: dict(c) for r, c in readings.items()}))
+        while len(self._audio) > 2 and self._audio[1][0] <= at - self.window_s:
+            self._audio.popleft()   # keep one reading at least a window old
+
     def observe_classes(self, readings: Mapping[str, ClassCounts], at: float) -> None:
         """One reading of every orchestrator replica's per-class counters (by replica name:
         scrape.orchestrator_classes): the request mix at the front door and each class's demand (classes.py)."""
@@ -146,18 +163,29 @@ class Planner:
 
     def _target_pressure(self, needs: list[StageNeed], now: float) -> tuple[list[StageNeed], str]:
         """Needs with the bottleneck's load raised while a target the orchestrators measure is missed (the
-        larger pressure when both are: latency.py), and what the plan's reason should add. Histograms whose
-        newest reading is a window old (no orchestrator answered since) say nothing of now."""
+        larger pressure when several press the same stage: latency.py), and what the plan's reason should
+        add. The p95 targets press the busiest growable stage; the underrun target the busiest growable one
+        on the audio path. Readings whose newest is a window old (no orchestrator answered since) say
+        nothing of now."""
         p95s = {name: p95(h[0][1], h[-1][1]) if len(h) >= 2 and h[-1][0] >= now - self.window_s else None
                 for name, h in self._orchestrators.items()}
         factor, told = missed(self.config.targets, p95s)
+        audio = counted_since([r for _, r in self._audio]) if len(self._audio) >= 2 and \
+            self._audio[-1][0] >= now - self.window_s else {}
+        audio_factor, audio_told = underruns_missed(self.config.targets, audio)
         # the busiest stage that may still grow (one at its maximum would take nothing from it)
         growable = [n for n in needs if n.load > 0 and self.scales[n.stage].replicas < n.max_replicas]
-        if factor <= 1.0 or not growable:
-            return needs, ""
-        worst = max(growable, key=lambda n: n.utilization(self.scales[n.stage].replicas))
-        raised = [n.scaled(factor) if n is worst else n for n in needs]
-        return raised, f"; {', '.join(told)}: {worst.stage} planned at {factor:.2f}x its load"
+        pressed: dict[str, tuple[float, list[str]]] = {}   # stage -> its pressure, the misses behind it
+        for f, why, among in ((factor, told, growable),
+                              (audio_factor, [audio_told], [n for n in growable if n.stage in self.audio_path])):
+            if f <= 1.0 or not among:
+                continue
+            worst = max(among, key=lambda n: n.utilization(self.scales[n.stage].replicas)).stage
+            had, whys = pressed.get(worst, (1.0, []))
+            pressed[worst] = (max(had, f), whys + why)
+        raised = [n.scaled(pressed[n.stage][0]) if n.stage in pressed else n for n in needs]
+        return raised, "".join(f"; {', '.join(whys)}: {stage} planned at {f:.2f}x its load"
+                               for stage, (f, whys) in pressed.items())
 
     def decide(self, now: float) -> Decision:
         targets = self.config.targets

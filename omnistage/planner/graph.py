@@ -28,7 +28,7 @@ Pure: the graph and numbers in, numbers out.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from omnistage.api.graph import topo_order
 
@@ -41,6 +41,25 @@ Upstream = Mapping[str, Sequence[str]]   # stage -> the stages it reads from (sp
 def upstream_of(pipeline) -> dict[str, tuple[str, ...]]:
     """The graph of an OmniPipeline (`omnistage.api.Pipeline`): each stage's input stages."""
     return {s.name: tuple(e.source for e in s.inputs) for s in pipeline.stages}
+
+
+def feeding(upstream: Upstream, stages: Iterable[str]) -> frozenset[str]:
+    """`stages` and every stage upstream of them: all a request's output from them passes through."""
+    out: set[str] = set()
+    todo = list(stages)
+    while todo:
+        s = todo.pop()
+        if s not in out:
+            out.add(s)
+            todo.extend(upstream.get(s, ()))
+    return frozenset(out)
+
+
+def audio_path(pipeline) -> frozenset[str]:
+    """The stages of an OmniPipeline the client's audio passes through: the stage whose output is audio
+    (`spec.outputs`) and every stage upstream of it; none for a pipeline without audio out. A stage off it
+    cannot make the audio late (targets.underruns)."""
+    return feeding(upstream_of(pipeline), (o.stage for o in pipeline.outputs if o.modality == "audio"))
 
 
 def order(upstream: Upstream) -> list[str]:

@@ -1,6 +1,6 @@
-"""The pipeline targets the orchestrators measure (`targets.ttfpP95Ms`, `targets.rtf`) against their
-values, from the orchestrators' histograms of them (`omnistage_request_first_output_seconds`,
-`omnistage_request_rtf`).
+"""The pipeline targets the orchestrators measure (`targets.ttfpP95Ms`, `targets.rtf`, `targets.underruns`)
+against their values, from the orchestrators' histograms of them (`omnistage_request_first_output_seconds`,
+`omnistage_request_rtf`) and their audio counters (`omnistage_audio_chunks`, `omnistage_audio_underruns`).
 
 Utilisation sizes each stage for throughput; a latency target can still be missed at a utilisation that
 looks fine (bursts queue, a long prompt holds a step, audio comes out slower than it plays). So when a
@@ -10,24 +10,34 @@ it gets the next replica though its utilisation alone would not ask for one. Bot
 larger pressure (one stage planned once, not twice over). Below every target nothing changes: utilisation
 and the scale-down band decide as before.
 
-Pure: cumulative bucket counts in, numbers out.
+Underruns (audio chunks that reached the client after the audio before them had finished playing) are a
+share of the chunks delivered over the window, so a load that doubles both moves nothing. Above the
+target, the pressure is share / target (at most `MAX_PRESSURE`) as for the p95s, but the controller puts
+it on the busiest growable stage on the audio path only (graph.audio_path): a stage that never feeds the
+audio cannot make it late.
+
+Pure: cumulative bucket counts and counters in, numbers out.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from omnistage.api.model import AutoscalingTargets
-from omnistage.planner.scrape import FIRST_OUTPUT_SECONDS, RTF
+from omnistage.planner.scrape import AUDIO_CHUNKS, AUDIO_UNDERRUNS, FIRST_OUTPUT_SECONDS, RTF
 
 # Fewer requests than this in a window say nothing of a p95.
 MIN_REQUESTS = 5
+# Fewer audio chunks than this in a window say nothing of a share: one late chunk among fewer would read as
+# more than 1%, a target's usual size (a request of 10 s of speech is some 10 to 40 chunks).
+MIN_CHUNKS = 100
 # A missed target raises the bottleneck's planned load by at most this factor per decision.
 MAX_PRESSURE = 2.0
 
 Buckets = Mapping[float, float]   # upper bound (math.inf last) -> cumulative count
+Counters = Mapping[str, float]    # counter name (scrape.ORCHESTRATOR_COUNTERS) -> its cumulative value
 
 
 @dataclass(frozen=True)
@@ -90,3 +100,39 @@ def merged(readings: Mapping[str, Buckets]) -> dict[float, float]:
         for b, n in buckets.items():
             out[b] = out.get(b, 0.0) + n
     return out
+
+
+def counted_since(readings: Sequence[Mapping[str, Counters]]) -> dict[str, float]:
+    """What the orchestrator replicas counted over successive readings (oldest first; each by replica name):
+    per replica, from the oldest reading that holds it to the newest, summed. A replica whose counter went
+    back restarted between them and counted from zero (its newest value is what it counted since); one
+    first read in the newest reading, or absent from it, adds nothing. Counted per replica, not summed
+    first: a replica missing from one reading would otherwise read as every other one's restart."""
+    out: dict[str, float] = {}
+    if not readings:
+        return out
+    for replica, after in readings[-1].items():
+        before = next((r[replica] for r in readings if replica in r), after)
+        reset = any(v < before.get(k, 0.0) for k, v in after.items())
+        for k, v in after.items():
+            out[k] = out.get(k, 0.0) + v - (0.0 if reset else before.get(k, 0.0))
+    return out
+
+
+def underrun_pressure(target: float, late: float, chunks: float) -> float:
+    """How much more load the busiest stage on the audio path is planned for when `late` of `chunks` audio
+    chunks were underruns: their share over the target (capped at MAX_PRESSURE) above it, else 1; 1 too
+    under MIN_CHUNKS chunks, or with no target."""
+    if target <= 0 or chunks < MIN_CHUNKS:
+        return 1.0
+    return pressure(target, late / chunks)
+
+
+def underruns_missed(targets: AutoscalingTargets, counts: Mapping[str, float]) -> tuple[float, str]:
+    """The underrun target's pressure from what the orchestrators counted over the window (`counted_since`), and
+    the miss told ("" when met, unmeasured or no target)."""
+    late, chunks = counts.get(AUDIO_UNDERRUNS, 0.0), counts.get(AUDIO_CHUNKS, 0.0)
+    f = underrun_pressure(targets.underruns, late, chunks)
+    if f <= 1.0:
+        return 1.0, ""
+    return f, f"underruns {late / chunks:.1%} of {chunks:.0f} audio chunks over the {targets.underruns:.1%} target"

@@ -1,5 +1,5 @@
-"""A stage replica's counters, and an orchestrator's time to first packet, real-time factor and per-class
-counters, read from their Prometheus metrics (the text their status ports serve).
+"""A stage replica's counters, and an orchestrator's time to first packet, real-time factor, audio chunks
+(late ones apart) and per-class counters, read from their Prometheus metrics (the text their status ports serve).
 
 The metric names the planner reads are declared here and the stage's and orchestrator's metrics
 (stage_service/metrics.py, orchestrator_service/metrics.py) are registered under them: one home for the
@@ -23,6 +23,11 @@ UNITS = "omnistage_stage_units"              # counter, labels stage, unit
 FIRST_OUTPUT_SECONDS = "omnistage_request_first_output_seconds"  # orchestrator histogram: time to the first output
 RTF = "omnistage_request_rtf"           # orchestrator histogram: a finished request's audio real-time factor
 ORCHESTRATOR_HISTOGRAMS = (FIRST_OUTPUT_SECONDS, RTF)
+# Orchestrator counters (no labels: one orchestrator serves one pipeline): the audio chunks it delivered to
+# clients, and of them those that came after the audio before them had finished playing (targets.underruns)
+AUDIO_CHUNKS = "omnistage_audio_chunks"
+AUDIO_UNDERRUNS = "omnistage_audio_underruns"
+ORCHESTRATOR_COUNTERS = (AUDIO_CHUNKS, AUDIO_UNDERRUNS)
 # Per request class (orchestrator_service/request_class.py: the request's input and output modalities), what the
 # orchestrator counts from each request's trace: the demand a request of each class puts on each stage.
 CLASS_REQUESTS = "omnistage_class_requests"              # counter, label class: requests admitted
@@ -70,6 +75,18 @@ def orchestrator_buckets(text: str) -> dict[str, dict[float, float]]:
             if s.name == f"{family.name}_bucket":
                 le = float(s.labels["le"])
                 into[le] = into.get(le, 0.0) + s.value
+    return out
+
+
+def orchestrator_counters(text: str) -> dict[str, float]:
+    """An orchestrator's counters the planner's targets read (ORCHESTRATOR_COUNTERS): name -> value (summed
+    over any labels). One the orchestrator does not export is 0."""
+    out = dict.fromkeys(ORCHESTRATOR_COUNTERS, 0.0)
+    names = {f"{name}_total": name for name in ORCHESTRATOR_COUNTERS}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in names:
+                out[names[s.name]] += s.value
     return out
 
 

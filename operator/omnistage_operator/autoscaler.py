@@ -38,10 +38,10 @@ from omnistage.api import Pipeline, SpecError
 from omnistage.contract.launch import METRICS_PATH
 from omnistage.planner.classes import ClassCounts
 from omnistage.planner.controller import Planner
-from omnistage.planner.graph import upstream_of
+from omnistage.planner.graph import audio_path, upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, replica_counters
+from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, orchestrator_counters, replica_counters
 
 from .kube import Kube
 from .pipeline_object import parse
@@ -123,10 +123,10 @@ def fetch_metrics(target: ScrapeTarget) -> str:
 
 
 def signature(p: Pipeline) -> str:
-    """What the planner is built from (the autoscaling section, GPUs per stage, the stage graph): a change
-    starts it afresh."""
+    """What the planner is built from (the autoscaling section, GPUs per stage, the stage graph, the audio
+    path): a change starts it afresh."""
     return json.dumps([asdict(p.deployment.autoscaling), [(s.name, p.deployment.stages[s.name].gpus) for s in p.stages],
-                       upstream_of(p)], sort_keys=True, default=str)
+                       upstream_of(p), sorted(audio_path(p))], sort_keys=True, default=str)
 
 
 @dataclass
@@ -199,7 +199,7 @@ class Autoscaler:
             gpus = {s.name: p.deployment.stages[s.name].gpus for s in p.stages}
             state = self.pipelines[key] = PipelinePlanner(
                 Planner(p.deployment.autoscaling, {s.name: live[s.name] for s in p.stages}, gpus,
-                        upstream=upstream_of(p)), sig)
+                        upstream=upstream_of(p), audio_path=audio_path(p)), sig)
         state.next_at = now + p.deployment.autoscaling.interval_seconds
         pods = owned_pods(self.kube.list_pods(namespace, name), self.kube.list_replica_sets(namespace, name),
                           deployments, body["metadata"].get("uid", ""))
@@ -232,13 +232,15 @@ class Autoscaler:
         units: dict[str, str] = {}
         orchestrators: dict[str, dict[str, dict[float, float]]] = {}
         classes: dict[str, ClassCounts] = {}
+        audio: dict[str, dict[str, float]] = {}
         for (unit, target), text in zip(flat, read):
             if text is None:
                 continue   # a pod that does not answer this time is measured next time
             try:
-                if unit == ORCHESTRATOR:   # the latency targets' measures and the request classes
+                if unit == ORCHESTRATOR:   # the targets' measures and the request classes
                     orchestrators[target.pod] = orchestrator_buckets(text)
                     classes[target.pod] = orchestrator_classes(text)
+                    audio[target.pod] = orchestrator_counters(text)
                     continue
                 counters, work = replica_counters(text, self.clock())
             except ValueError:
@@ -249,6 +251,7 @@ class Autoscaler:
             planner.observe(stage, counters, units.get(stage, ""))
         planner.observe_orchestrators(orchestrators, self.clock())
         planner.observe_classes(classes, self.clock())
+        planner.observe_audio(audio, self.clock())
 
     def _read(self, target: ScrapeTarget) -> str | None:
         try:

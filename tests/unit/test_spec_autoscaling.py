@@ -257,7 +257,7 @@ def test_the_crd_carries_the_autoscaling_schema():
         "minimum": 0.1, "maximum": 60, "default": 1.0}
     targets = auto["properties"]["targets"]["properties"]
     assert {k: (v["minimum"], v.get("maximum"), v["default"]) for k, v in targets.items()} == {
-        "ttfpP95Ms": (0, None, 0.0), "rtf": (0, None, 0.0), "queueSeconds": (0, None, 1.0),
+        "ttfpP95Ms": (0, None, 0.0), "rtf": (0, None, 0.0), "underruns": (0, 1, 0.0), "queueSeconds": (0, None, 1.0),
         "utilization": (0.05, 1, 0.8)}
     budget = auto["properties"]["budget"]["properties"]
     assert {k: (v["type"], v["minimum"], v["default"]) for k, v in budget.items()} == {
