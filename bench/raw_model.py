@@ -7,6 +7,8 @@ asyncio, no omnistage step code:
 - ar_transformers: transformers' `generate` over a left-padded batch (greedy, exactly N new tokens);
 - ar_vllm: vLLM's offline `LLM.generate` (greedy, ignore_eos, N tokens each);
 - thinker: the Qwen3-Omni Thinker's own `generate`, returning the hidden states the Talker takes;
+- thinker_vllm: the same Thinker on vLLM's `LLM.generate` with the stage's hidden-state extraction on
+  (rows pushed to a drained sink); `spec_`, `sync_` and `plain_b<n>` take its parts away one by one;
 - talker: transformers has no batched Talker generate (the combined model speaks one request at a
   time), so its limit is our own Talker step code driven in a plain loop, the scheduler and service
   left out, fed the Thinker's rows for the same prompts;
@@ -126,6 +128,69 @@ def ar_vllm(args) -> dict[str, float]:
     for b in args.batches:
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(llm.get_tokenizer(), template, b)]
         out[f"b{b}"] = timed(lambda: llm.generate(batch, params, use_tqdm=False), b * args.tokens, args.repeat)
+    return out
+
+
+def thinker_vllm(args) -> dict[str, float]:
+    """The Qwen3-Omni Thinker on vLLM's offline `LLM.generate`, through the text view the stage loads
+    (`thinker_text_view`): with the hidden-state extraction the stage runs (`rows_engine_args`: the
+    speculative `extract_hidden_states` method, prefix caching and async scheduling off, our KV connector
+    pushing each step's rows to a ZMQ sink drained by a thread here), reported as `b<n>` (what the stage
+    must do: tokens and rows); then, to split what that costs, the same without our connector (`spec_b<n>`:
+    the rows stay in vLLM's cache), without the speculative method either (`sync_b<n>`: prefix caching and
+    async scheduling still off) and plain (`plain_b<n>`: tokens only, vLLM's defaults)."""
+    import tempfile
+    import threading
+
+    import zmq
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from stage_service.engines.vllm.rows import engine_length, rows_engine_args
+    from stage_service.engines.vllm.thinker import thinker_family, thinker_text_view
+    from stage_service.runtime.chat import load_chat_template
+
+    root = MODELS / "qwen3-omni-tiny"
+    config = json.loads((root / "config.json").read_text())
+    text = config["thinker_config"]["text_config"]
+    layers = sorted({0, thinker_family(config).hidden_layer(config)})
+    stage_len = 512  # examples/qwen3-omni-vllm-tiny.yaml's engineArgs.max_model_len
+    engine_len, _ = engine_length(stage_len, text.get("max_position_embeddings"))
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="raw-thinker-vllm-") as tmp:
+        view = thinker_text_view(root, config, Path(tmp) / "view")
+        endpoint = f"ipc://{Path(tmp) / 'rows.sock'}"
+        received, stop, bound = [0], threading.Event(), threading.Event()
+
+        def drain():  # the socket lives in this thread only (ZMQ sockets are not thread-safe)
+            sink = zmq.Context.instance().socket(zmq.PULL)
+            sink.bind(endpoint)
+            bound.set()
+            while not stop.is_set():
+                if sink.poll(100):
+                    received[0] += sum(len(f) for f in sink.recv_multipart(copy=False))
+            sink.close(linger=0)
+
+        pump = threading.Thread(target=drain, daemon=True)
+        pump.start()
+        bound.wait(30)
+        rows = rows_engine_args(layers, endpoint, engine_len)
+        spec = {k: v for k, v in rows.items() if k != "kv_transfer_config"}
+        sync = {k: v for k, v in spec.items() if k != "speculative_config"}
+        for label, extra in (("", rows), ("spec_", spec), ("sync_", sync), ("plain_", {"max_model_len": engine_len})):
+            llm = LLM(model=str(view), tokenizer=str(view), dtype="float32", max_num_seqs=max(args.batches),
+                      enforce_eager=True, disable_log_stats=True, **extra)
+            template = load_chat_template(root, llm.get_tokenizer())
+            for b in args.batches:
+                batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(llm.get_tokenizer(), template, b)]
+                out[f"{label}b{b}"] = timed(lambda: llm.generate(batch, params, use_tqdm=False), b * args.tokens,
+                                            args.repeat)
+            llm.llm_engine.engine_core.shutdown()  # its engine-core process ends before the next one starts
+        stop.set()
+        pump.join(5)
+    if not received[0]:
+        raise RuntimeError("the rows connector sent nothing: extraction was not on")
     return out
 
 
@@ -291,8 +356,8 @@ def vae(args) -> dict[str, float]:
     return {f"b{b}": timed(lambda: run(b), b, args.repeat * 3) for b in args.batches}
 
 
-ENGINES = {"ar_transformers": ar_transformers, "ar_vllm": ar_vllm, "thinker": thinker, "talker": talker,
-           "diffusion": diffusion, "decoder": decoder, "vae": vae}
+ENGINES = {"ar_transformers": ar_transformers, "ar_vllm": ar_vllm, "thinker": thinker, "thinker_vllm": thinker_vllm,
+           "talker": talker, "diffusion": diffusion, "decoder": decoder, "vae": vae}
 
 
 def main() -> int:

@@ -11,7 +11,10 @@ Against the limit: after each stage, the same model alone (bench/raw_model.py, i
 thread: the library's own batched call on the same inputs, no service) at batch 1, 4 and 16 gives
 `<engine>.model_b1/_b4/_b16`, `<engine>.c16_over_model_b16` (the stage at concurrency 16 over the model
 at batch 16: what the service costs) and `<engine>.model_b16_over_b1` (the ceiling of batching on this
-machine). AR engines add `<engine>.engine_b16` (our step code alone) and
+machine). `thinker_vllm`'s model alone is vLLM with the stage's hidden-state extraction on, so the stage
+is held against the engine doing the same work; `model_plain_b<n>` (tokens only) and
+`<engine>.model_b16_over_plain_b16` say what the extraction itself costs.
+AR engines add `<engine>.engine_b16` (our step code alone) and
 `<engine>.engine_b16_over_model_b16`. `ar_transformers_process`, `talker_process` and `vae_process` are those
 stages with their model in an engine process of their own (`engineArgs.engine_process: true`), against the
 same model alone.
@@ -141,9 +144,9 @@ def cases(quick: bool) -> list[Case]:
         out += [
             Case("thinker", "qwen3-omni-tiny", "thinker", "tokens/s", lm, count_tokens, keep=thinker_outputs,
                  model_args=same),
-            # The same Thinker on vLLM (rows out through our KV connector), against the same model alone.
-            Case("thinker_vllm", "qwen3-omni-vllm-tiny", "thinker", "tokens/s", lm, count_tokens, model_args=same,
-                 model_case="thinker"),
+            # The same Thinker on vLLM (rows out through our KV connector), against the same engine alone with
+            # the same extraction on (raw_model's thinker_vllm; its plain vLLM figures beside it).
+            Case("thinker_vllm", "qwen3-omni-vllm-tiny", "thinker", "tokens/s", lm, count_tokens, model_args=same),
             Case("talker", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames, model_args=same),
             Case("talker_process", "qwen3-omni-tiny", "talker", "frames/s", talker, count_frames, model_args=same,
                  engine_args={"engine_process": True}, model_case="talker"),
@@ -285,6 +288,9 @@ def limit_figures(case: Case, stage: dict[str, float], model: dict[str, float]) 
     out = [figure(f"{case.name}.model_{k}", v, case.unit) for k, v in model.items()]
     out += [figure(f"{case.name}.c16_over_model_b16", stage["c16"] / model["b16"], "x"),
             figure(f"{case.name}.model_b16_over_b1", model["b16"] / model["b1"], "x")]
+    if "plain_b16" in model:  # an engine run alone with and without what the stage needs of it (thinker_vllm)
+        out += [figure(f"{case.name}.c16_over_model_plain_b16", stage["c16"] / model["plain_b16"], "x"),
+                figure(f"{case.name}.model_b16_over_plain_b16", model["b16"] / model["plain_b16"], "x")]
     if "engine_b16" in model:
         out.append(figure(f"{case.name}.engine_b16_over_model_b16", model["engine_b16"] / model["b16"], "x"))
     return out

@@ -19,10 +19,13 @@ from stage_service.engines.vllm.rows import (
     RowsMissing,
     RowsReceiver,
     engine_length,
+    gaps,
     ours,
+    read_step,
     rows_engine_args,
+    step_frames,
 )
-from stage_service.engines.vllm.rows_connector import RowCursor, expand_cpu, slots_of
+from stage_service.engines.vllm.rows_connector import Read, RowCursor, RowsConnector, expand_cpu, slots_of
 from stage_service.engines.vllm.thinker import thinker_text_config, thinker_text_view
 from stage_service.runtime.base import EngineConfigError
 
@@ -232,11 +235,12 @@ def _push(endpoint: str):
     sock.connect(endpoint)
 
     def send(rid: str, start: int, rows: torch.Tensor, done: bool = False):
-        head = {"start": start, "n": len(rows), "done": done, "shape": list(rows.shape),
-                "dtype": str(rows.dtype).removeprefix("torch.")}
-        sock.send_multipart([rid.encode(), json.dumps(head).encode(),
-                             rows.contiguous().view(torch.uint8).numpy().tobytes()])
+        sock.send_multipart(step_frames([[rid, start, len(rows), done]], rows), copy=False)
 
+    def send_step(reads: list[list], rows: torch.Tensor):
+        sock.send_multipart(step_frames(reads, rows), copy=False)
+
+    send.step = send_step
     return sock, send
 
 
@@ -283,6 +287,10 @@ async def test_a_request_finished_without_its_rows_is_an_error_naming_the_positi
         await rx.take("r", 0, 4)
     with pytest.raises(ValueError):
         await rx.take("r", 2, 2)
+    rx.open("s")
+    send("s-0a1b2c3d", 0, torch.zeros(0, 1, 4), done=True)  # a last read with no rows: the done mark alone
+    with pytest.raises(RowsMissing, match=r"\[0\]"):
+        await asyncio.wait_for(rx.take("s", 0, 1), 5)
 
 
 async def test_a_waiting_take_fails_soon_after_the_engine_dies(receiver):
@@ -295,3 +303,64 @@ async def test_a_waiting_take_fails_soon_after_the_engine_dies(receiver):
     rx.dead.append(RuntimeError("engine core died"))
     with pytest.raises(RowsMissing, match="engine stopped"):
         await asyncio.wait_for(waiting, 5)
+
+
+async def test_one_message_carries_a_steps_rows_for_every_request_and_each_request_holds_one_part_a_step(receiver):
+    rx, send = receiver
+    for rid in ("a", "b", "c"):
+        rx.open(rid)
+    rows = torch.arange(12 * 2 * 3, dtype=torch.float32).view(12, 2, 3)
+    # a prefill of 8 positions for "a", one decode position each for "b" and "c", a request not open between
+    send.step([["a-0a1b2c3d", 0, 8, False], ["gone-0a1b2c3d", 0, 2, False], ["b-0a1b2c3d", 5, 1, False],
+               ["c-0a1b2c3d", 9, 1, True]], rows)
+    assert torch.equal(await asyncio.wait_for(rx.take("b", 5, 6), 5), rows[10:11])
+    assert torch.equal(await rx.take("c", 9, 10), rows[11:12])
+    assert rx.parts_held("a") == 1  # eight positions, one part (no object per position)
+    assert torch.equal(await rx.take("a", 0, 6), rows[:6])
+    assert rx.parts_held("a") == 1  # what is left of the part: positions 6 and 7
+    send.step([["a-0a1b2c3d", 8, 1, False]], rows[:1] + 1000)
+    assert torch.equal(await asyncio.wait_for(rx.take("a", 6, 9), 5), torch.cat([rows[6:8], rows[:1] + 1000]))
+    assert rx.parts_held("a") == 0  # taken rows are let go
+    assert rx.received_bytes == (8 + 1 + 1 + 1) * 2 * 3 * 4
+
+
+async def test_a_recomputed_position_arriving_later_wins(receiver):
+    rx, send = receiver
+    rx.open("a")
+    send("a-0a1b2c3d", 0, torch.zeros(3, 1, 2))
+    send("a-0a1b2c3d", 1, torch.ones(1, 1, 2))
+    await asyncio.sleep(0.05)
+    got = await asyncio.wait_for(rx.take("a", 0, 3), 5)
+    assert got[:, 0, 0].tolist() == [0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_message_round_trips_its_reads_and_rows(dtype):
+    rows = torch.randn(5, 2, 4).to(dtype)
+    reads = [["x", 3, 2, False], ["y", 0, 3, True]]
+    got_reads, got = read_step(step_frames(reads, rows))
+    assert got_reads == reads and got.dtype == dtype and torch.equal(got, rows)
+    empty_reads, empty = read_step(step_frames([["z", 4, 0, True]], rows[:0]))
+    assert empty_reads == [["z", 4, 0, True]] and empty.shape == (0, 2, 4)
+
+
+def test_the_connector_gathers_a_steps_rows_once_from_the_paged_cache():
+    blocks, layers, size, hidden = 4, 2, 3, 5
+    cache = torch.arange(blocks * layers * size * hidden, dtype=torch.float32).view(blocks, layers, size, hidden)
+    reads = [Read("a", 0, [3, 4, 9]), Read("b", 7, []), Read("c", 2, [11], done=True)]
+    frames = RowsConnector._step(SimpleNamespace(rows=cache), reads)
+    assert len(frames) == 2  # one header, one buffer for every request
+    got_reads, rows = read_step(frames)
+    assert got_reads == [["a", 0, 3, False], ["b", 7, 0, False], ["c", 2, 1, True]]
+    for i, slot in enumerate([3, 4, 9, 11]):
+        assert torch.equal(rows[i], cache[slot // size, :, slot % size])
+
+
+@pytest.mark.parametrize("parts,start,end,missing", [
+    ([], 0, 3, [(0, 3)]),
+    ([(0, 2), (3, 1)], 0, 5, [(2, 3), (4, 5)]),
+    ([(2, 4), (0, 3)], 0, 6, []),
+    ([(10, 2)], 0, 4, [(0, 4)]),
+])
+def test_gaps_name_the_positions_no_part_covers(parts, start, end, missing):
+    assert gaps([(s, torch.zeros(n, 1, 1)) for s, n in parts], start, end) == missing

@@ -59,17 +59,68 @@ def ours(vllm_id: str, open_ids) -> str | None:
     return head if head in open_ids and len(tail) == 8 else None
 
 
+# The connector's message, one per engine step for all the requests it read (`step_frames`, `read_step`):
+# [json {"dtype", "row": [layers, hidden], "reads": [[vLLM request id, first position, count, done], ...]},
+#  the reads' rows back to back, [sum of counts, layers, hidden], raw bytes].
+
+
+def step_frames(reads: list[list], rows: torch.Tensor) -> list:
+    """One step's message: `reads` as [vLLM request id, first position, count, done], `rows` (on the CPU)
+    their rows in that order. The rows go as a view of the tensor's memory (no copy: send with copy=False)."""
+    head = {"dtype": str(rows.dtype).removeprefix("torch."), "row": list(rows.shape[1:]), "reads": reads}
+    return [json.dumps(head).encode(), rows.contiguous().view(torch.uint8).numpy()]
+
+
+def read_step(frames) -> tuple[list[list], torch.Tensor]:
+    """(reads, rows) of a `step_frames` message (frames: bytes or ZMQ frames); the rows are a view of the
+    message's memory."""
+    head = json.loads(bytes(frames[0]))
+    dtype, row = getattr(torch, head["dtype"]), head["row"]
+    raw = memoryview(frames[1])
+    rows = torch.frombuffer(raw, dtype=dtype).view(-1, *row) if len(raw) else torch.empty((0, *row), dtype=dtype)
+    return head["reads"], rows
+
+
 class RowsMissing(RuntimeError):
     pass
 
 
+def gaps(parts: list[tuple[int, torch.Tensor]], start: int, end: int) -> list[tuple[int, int]]:
+    """The ranges of [start, end) that no part (first position, rows) covers (pure)."""
+    spans = sorted((max(s, start), min(s + len(r), end)) for s, r in parts if s < end and s + len(r) > start)
+    out, at = [], start
+    for lo, hi in spans:
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < end:
+        out.append((at, end))
+    return out
+
+
 class _Rows:
-    __slots__ = ("rows", "done", "changed")
+    __slots__ = ("parts", "done", "changed")
 
     def __init__(self):
-        self.rows: dict[int, torch.Tensor] = {}  # position -> [layers, hidden]
+        # (first position, rows [n, layers, hidden]) in arrival order: a recomputed position (after preemption)
+        # arrives later and wins. One part per step that read the request, a view of that step's message.
+        self.parts: list[tuple[int, torch.Tensor]] = []
         self.done = False
         self.changed = asyncio.Event()
+
+    def cut(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) (all there), out of the parts; parts before `end` are dropped."""
+        first = self.parts[0][1]
+        out = first.new_empty((end - start, *first.shape[1:]))
+        kept = []
+        for s, r in self.parts:
+            lo, hi = max(s, start), min(s + len(r), end)
+            if lo < hi:
+                out[lo - start:hi - start] = r[lo - s:hi - s]
+            if s + len(r) > end:
+                kept.append((max(s, end), r[max(0, end - s):]))
+        self.parts = kept
+        return out
 
 
 class RowsReceiver:
@@ -94,6 +145,10 @@ class RowsReceiver:
     def open_requests(self) -> list[str]:
         return list(self._open)
 
+    def parts_held(self, request_id: str) -> int:
+        """How many received parts request `request_id` holds (rows not taken yet)."""
+        return len(self._open[request_id].parts)
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._pump())
 
@@ -105,30 +160,31 @@ class RowsReceiver:
 
     async def _pump(self) -> None:
         while True:
-            vid, head, raw = await self._sock.recv_multipart()
-            rid = ours(vid.decode(), self._open)
-            if rid is None:
-                continue
-            h = json.loads(head)
-            entry = self._open[rid]
-            if h["n"]:
-                rows = torch.frombuffer(bytearray(raw), dtype=getattr(torch, h["dtype"])).view(*h["shape"])
-                self.received_bytes += len(raw)
-                for i in range(h["n"]):  # a recomputed position (after preemption) overwrites its row
-                    entry.rows[h["start"] + i] = rows[i]
-            entry.done = entry.done or h["done"]
-            entry.changed.set()
+            reads, rows = read_step(await self._sock.recv_multipart(copy=False))
+            at = 0
+            for vid, start, n, done in reads:
+                rid = ours(vid, self._open)
+                if rid is not None:
+                    entry = self._open[rid]
+                    if n:
+                        part = rows[at:at + n]
+                        entry.parts.append((start, part))
+                        self.received_bytes += part.nbytes
+                    entry.done = entry.done or done
+                    entry.changed.set()
+                at += n
 
     async def take(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end) as [end - start, layers, hidden], waiting for those not here yet:
-        until they come, the engine is dead, or the call ends (its deadline cancels it)."""
+        until they come, the engine is dead, or the call ends (its deadline cancels it). Takes go forward:
+        rows before `end` are let go."""
         entry = self._open[request_id]
         if end <= start:
             raise ValueError(f"no positions in [{start}, {end})")
-        while any(p not in entry.rows for p in range(start, end)):
+        while missing := gaps(entry.parts, start, end):
             if entry.done:
-                missing = [p for p in range(start, end) if p not in entry.rows]
-                raise RowsMissing(f"vLLM finished request {request_id} without the rows of positions {missing}")
+                positions = [p for lo, hi in missing for p in range(lo, hi)]
+                raise RowsMissing(f"vLLM finished request {request_id} without the rows of positions {positions}")
             dead = self._engine_dead()
             if dead is not None:
                 raise RowsMissing(f"the vLLM engine stopped ({type(dead).__name__}) before the rows of request "
@@ -136,7 +192,7 @@ class RowsReceiver:
             entry.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(entry.changed.wait(), POLL_S)
-        return torch.stack([entry.rows.pop(p) for p in range(start, end)])
+        return entry.cut(start, end)
 
     async def close(self) -> None:
         if self._task is not None:

