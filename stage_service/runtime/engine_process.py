@@ -5,8 +5,13 @@ interpreter lock: on a small model, whose forward is mostly Python, the service'
 (results, detokenizing, chunks, gRPC writes) is time the model does not run. With this option the
 model and its sequences (KV caches, generators) live in a child process, the "engine core"; the stage
 process keeps what the service needs (tokenizer, requests' progress) and drives the core over a pipe,
-one synchronous round trip per step from the scheduler's worker thread. While the core computes a
-step, the stage process serves; the round trip itself costs a few pickled tuples.
+one round trip per step from the scheduler's worker thread. While the core computes a step, the stage
+process serves; the round trip itself costs a few pickled tuples.
+
+A step may also be sent without waiting for its answer (`submit`, then `collect` from any thread): up to
+`MAX_STEPS_IN_FLIGHT` steps are outstanding, so the core starts the next step while the stage process
+still applies the one before (the VAE: its PNGs). The core answers in the order the messages went; a
+reader takes the answers off the pipe in that order for whoever waits on them.
 
 The stage process's interpreter switches threads every `SWITCH_INTERVAL_S` instead of Python's 5 ms:
 its step thread, woken by the core's answer, would otherwise wait up to 5 ms for the event loop to
@@ -41,6 +46,10 @@ from stage_service.runtime.scheduler import StepState
 
 log = logging.getLogger("omnistage.stage")
 SWITCH_INTERVAL_S = 0.0005
+# Steps sent and not yet answered: two keep the core busy (one computing, the next queued in the pipe) while
+# the stage process applies the answer before; a third would only wait in the pipe, its inputs and answer
+# held in memory besides (`submit` blocks until an answer is taken: backpressure).
+MAX_STEPS_IN_FLIGHT = 2
 
 
 def serve(conn, factory: Callable[..., Any], args: tuple) -> None:
@@ -112,10 +121,21 @@ class RemoteSequence:
         self.spec = spec  # None once the core has it
 
 
+class PendingReply:
+    """A message the core will answer; its answer once taken off the pipe (`EngineProcess.collect`)."""
+
+    __slots__ = ("op", "answer")
+
+    def __init__(self, op: str):
+        self.op = op
+        self.answer: tuple | None = None  # ("ok", value) | ("failed", message, trace) | ("dead", why)
+
+
 class EngineProcess:
-    """The stage process's side: starts the core, sends steps, forwards releases. `step`, `start` and
-    `stats` block and run on the scheduler's worker thread (one at a time); `release` may be called from
-    any thread: it queues the id and asks `on_release` to flush it from that worker thread."""
+    """The stage process's side: starts the core, sends steps, forwards releases. `step`, `submit`, `start`
+    and `stats` run on the scheduler's worker thread (one at a time); `collect` on any thread; `release`
+    may be called from any thread: it queues the id and asks `on_release` to flush it from that worker
+    thread."""
 
     def __init__(self, stage: str, factory: Callable[..., Any], args: tuple):
         self.stage = stage
@@ -123,7 +143,13 @@ class EngineProcess:
         self._ids = itertools.count(1)
         self._released: deque[int] = deque()
         self._preempted: deque[int] = deque()
-        self._lock = threading.Lock()  # one message in flight: flush and step may come from two threads
+        self._lock = threading.Lock()  # one sender at a time: the answers come back in the order sent
+        self._replies = threading.Condition()  # guards what follows; notified when an answer is taken
+        self._pending: deque[PendingReply] = deque()  # sent and not yet answered, oldest first
+        self._reading = False  # a thread waits on the pipe for the oldest answer
+        self._dead: str | None = None  # why the pipe is gone, once a reader found it so
+        self.steps_sent = 0
+        self.peak_in_flight = 0  # the most messages outstanding at once (a step ahead shows as 2)
         self._conn = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         # Called after a release is queued: the owner flushes on its step thread (the queue also travels
@@ -152,10 +178,22 @@ class EngineProcess:
     def step(self, seqs: list[RemoteSequence], feeds: list | None = None) -> list:
         """One step of the core over these sequences: its list of results, one per sequence. `feeds`: what
         arrived for each sequence since its last step (streamed inputs), in the core's form."""
+        return self.collect(self.submit(seqs, feeds))
+
+    def submit(self, seqs: list[RemoteSequence], feeds: list | None = None) -> PendingReply:
+        """Send a step without waiting for its results (`collect` takes them); blocks while
+        `MAX_STEPS_IN_FLIGHT` are outstanding."""
         new = [(s.sid, s.spec) for s in seqs if s.spec is not None]
+        reply = self._submit("step", new, [s.sid for s in seqs], feeds)
         for s in seqs:
             s.spec = None
-        return self._call("step", new, [s.sid for s in seqs], feeds)
+        self.steps_sent += 1
+        return reply
+
+    @property
+    def in_flight(self) -> int:
+        """Messages sent and not yet answered."""
+        return len(self._pending)
 
     def stats(self) -> tuple[int, int]:
         """(sequences the core holds, their bytes): a leak check."""
@@ -177,7 +215,8 @@ class EngineProcess:
                 self._send("release")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask the child to exit (it ends once its step in flight does), then end it if it has not."""
+        """Ask the child to exit (it ends once its steps in flight do), let their answers be collected, then
+        end it if it has not exited."""
         if self._proc is None:
             return
         if self._lock.acquire(timeout=timeout):
@@ -187,6 +226,8 @@ class EngineProcess:
                         self._conn.send(("close",))
             finally:
                 self._lock.release()
+        with self._replies:  # answers still on their way go to those who wait on them, not to a closed pipe
+            self._replies.wait_for(lambda: not self._pending or self._dead is not None, timeout)
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()
@@ -201,15 +242,60 @@ class EngineProcess:
     # ------------------------------------------------------------------ the pipe
 
     def _call(self, op: str, *body) -> Any:
+        return self.collect(self._submit(op, *body))
+
+    def _submit(self, op: str, *body) -> PendingReply:
         with self._lock:
-            if not self._alive():
-                raise self._gone()
-            self._send(op, *body)
-            status, *rest = self._recv(f"running a {op}")
+            with self._replies:
+                while len(self._pending) >= MAX_STEPS_IN_FLIGHT and self._dead is None:
+                    self._replies.wait()  # an answer taken makes room
+                if self._dead is not None or not self._alive():
+                    raise self._gone()
+                reply = PendingReply(op)
+                self._pending.append(reply)  # before sending: a reader may take its answer at once
+                self.peak_in_flight = max(self.peak_in_flight, len(self._pending))
+            try:
+                self._send(op, *body)
+            except BaseException:
+                with self._replies:
+                    if reply in self._pending:  # never sent: no answer comes for it (a reader may have failed it)
+                        self._pending.remove(reply)
+                    self._replies.notify_all()
+                raise
+        return reply
+
+    def collect(self, reply: PendingReply) -> Any:
+        """Wait for the answer to a message sent (`submit`) and return its value; raises the core's failure
+        (`EngineError`), or `EngineDead` when the process exited first. Answers come in the order sent: the
+        waiter that reads the pipe hands each answer to its own message and wakes the others."""
+        with self._replies:
+            while reply.answer is None:
+                if self._reading:
+                    self._replies.wait()
+                    continue
+                self._reading = True
+                self._replies.release()  # read without the condition: others submit or wait meanwhile
+                try:
+                    answer = self._recv(f"running a {self._pending[0].op}")
+                except EngineDead as e:
+                    answer = ("dead", str(e))
+                finally:
+                    self._replies.acquire()
+                    self._reading = False
+                if answer[0] == "dead":  # every message outstanding fails the same way, and later ones too
+                    self._dead = answer[1]
+                    while self._pending:
+                        self._pending.popleft().answer = answer
+                else:
+                    self._pending.popleft().answer = answer
+                self._replies.notify_all()
+        status, *rest = reply.answer
         if status == "ok":
             return rest[0]
+        if status == "dead":
+            raise EngineDead(rest[0])
         message, trace = rest
-        log.error("stage %s: the engine process failed a %s\n%s", self.stage, op, trace.rstrip())
+        log.error("stage %s: the engine process failed a %s\n%s", self.stage, reply.op, trace.rstrip())
         raise EngineError(message)
 
     def _send(self, op: str, *body) -> None:
@@ -241,6 +327,8 @@ class EngineProcess:
         return self._proc is not None and self._proc.is_alive() and not self._conn.closed
 
     def _gone(self, doing: str = "") -> EngineDead:
+        if self._dead is not None:
+            return EngineDead(self._dead)
         if self._proc is not None:
             self._proc.join(1.0)
         code = None if self._proc is None else self._proc.exitcode

@@ -6,13 +6,16 @@ both omni families in an engine process too.)"""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import threading
 
 import grpc
 import psutil
 import pytest
 
 from stage_service.engines.registry import create_engine
-from stage_service.runtime.errors import EngineConfigError
+from stage_service.runtime.engine_process import MAX_STEPS_IN_FLIGHT, EngineProcess
+from stage_service.runtime.errors import EngineConfigError, EngineDead
 
 from ..harness import call_stage, example, header, in_engine_process, stage_servers, start_stage, tensor_of, token_ids
 from .test_stage_batching import joins_a_running_batch
@@ -145,3 +148,82 @@ async def test_a_talker_in_an_engine_process_speaks_as_in_the_stage_process(mode
             await asyncio.gather(*(c.outcome() for c in calls))
         await assert_nothing_held(talker)
         assert await core_stats(talker) == (0, 0)
+
+
+# ------------------------------------------------------------ steps in flight (GateCore: steps wait for the test)
+
+@pytest.fixture
+def gated():
+    """An engine process on `GateCore` and the test's end of its gate: `let_go()` lets one step answer."""
+    from .engine_process_gate import GateCore
+
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    core = EngineProcess("gate", GateCore, (theirs,))
+    assert core.start() == {"gate": True}
+    theirs.close()
+    core.let_go = lambda: ours.send_bytes(b"1")
+    yield core
+    for _ in range(core.in_flight):  # answers still owed: the child ends once it has sent them
+        core.let_go()
+    core.close()
+    ours.close()
+
+
+def test_two_steps_go_out_before_either_answer_and_come_back_in_order(gated):
+    a, b = gated.sequence("a"), gated.sequence("b")
+    first = gated.submit([a])
+    second = gated.submit([a, b])
+    assert gated.in_flight == 2 and gated.peak_in_flight == MAX_STEPS_IN_FLIGHT == 2
+    # the later step's answer is asked for first, on another thread: it reads the earlier one off the pipe
+    # for its owner and keeps waiting for its own
+    got: dict[str, list] = {}
+    reader = threading.Thread(target=lambda: got.update(second=gated.collect(second)))
+    reader.start()
+    gated.let_go()
+    gated.let_go()
+    reader.join(60)
+    assert got["second"] == [("a", "done", 0), ("b", "done", 0)]
+    assert gated.collect(first) == [("a", "done", 0)]
+    assert gated.in_flight == 0 and gated.steps_sent == 2
+    assert gated.stats() == (2, 0)
+
+
+def test_a_third_step_waits_until_an_answer_is_taken(gated):
+    seqs = [gated.sequence(i) for i in range(3)]
+    pending = [gated.submit([seqs[0]]), gated.submit([seqs[1]])]
+    third: list = []
+    sender = threading.Thread(target=lambda: third.append(gated.submit([seqs[2]])))
+    sender.start()
+    sender.join(0.5)  # a safety look only: a third step may not go out while two are unanswered
+    assert sender.is_alive() and gated.in_flight == 2
+    gated.let_go()
+    assert gated.collect(pending[0]) == [(0, "done", 0)]
+    sender.join(60)
+    assert not sender.is_alive() and gated.peak_in_flight == 2
+    gated.let_go()
+    gated.let_go()
+    assert gated.collect(pending[1]) == [(1, "done", 0)] and gated.collect(third[0]) == [(2, "done", 0)]
+
+
+def test_a_release_sent_while_a_step_is_out_reaches_the_core_after_that_step(gated):
+    a, b = gated.sequence("a"), gated.sequence("b")
+    pending = gated.submit([a, b])
+    gated.release(a)  # the state left the stage while its step is still in the core
+    gated.flush()
+    gated.let_go()
+    assert gated.collect(pending) == [("a", "done", 0), ("b", "done", 0)]
+    assert gated.stats() == (1, 0)  # b alone is left
+
+
+def test_a_child_dying_with_two_steps_out_fails_both_and_every_later_step(gated):
+    a = gated.sequence("a")
+    first, second = gated.submit([a]), gated.submit([a])
+    psutil.Process(gated._proc.pid).kill()
+    for pending in (second, first):  # whichever is asked first, both fail the same way
+        with pytest.raises(EngineDead, match="the engine process exited"):
+            gated.collect(pending)
+    assert gated.in_flight == 0
+    with pytest.raises(EngineDead, match="the engine process exited"):
+        gated.submit([a])
+    with pytest.raises(EngineDead, match="the engine process exited"):
+        gated.step([a])

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import inspect
 import io
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +33,13 @@ from stage_service.engines.diffusers.layout import PipelineDir
 from stage_service.engines.diffusers.text import prompt_encoder
 from stage_service.runtime import device
 from stage_service.runtime.base import Chunking, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
-from stage_service.runtime.engine_process import CoreStates, RemoteState, remote_step
-from stage_service.runtime.errors import EngineConfigError, InputError, RequestFailed
+from stage_service.runtime.engine_process import CoreStates, PendingReply, RemoteState
+from stage_service.runtime.errors import EngineConfigError, EngineDead, EngineError, InputError, RequestFailed
 from stage_service.runtime.invariance import make_batch_invariant
 from stage_service.runtime.per_request import alone
 from stage_service.runtime.scheduler import StepState
+
+log = logging.getLogger("omnistage.stage")
 
 # --------------------------------------------------------------- text encoder
 
@@ -328,6 +331,7 @@ class RemoteLatentsState(RemoteState):
     """An image decoded by the engine process, as the stage process sees it."""
 
     shape: tuple[int, ...]
+    answered_at: float | None = None  # perf_counter() when its decode's answer was taken (its PNG follows)
 
     @property
     def key(self):
@@ -343,7 +347,12 @@ class VaeDecodeEngine(SteppedEngine):
 
     The PNGs are encoded beside the step thread: a step hands its batch's pixels to the encoder thread in
     one job and returns at once (each state's result is a future of the event loop, settled for the whole
-    batch in one call), so the next decode starts while this batch is encoded.
+    batch in one call), so the next decode starts while this batch is encoded. In an engine process the
+    step only sends the batch (`EngineProcess.submit`) and the encoder thread takes the core's answer
+    (`collect`, in the order sent): the core decodes the next batch while this one's PNGs are encoded, at
+    most `MAX_STEPS_IN_FLIGHT` decodes outstanding. A decode that fails after its step returned fails its
+    requests as a failed step does, and ends the engine as the scheduler would (the process gone, or
+    `max_failed_steps` in a row).
     """
 
     ARCHITECTURES = ("AutoencoderKL",)
@@ -356,6 +365,7 @@ class VaeDecodeEngine(SteppedEngine):
         super().__init__(*args, **kwargs)
         self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"png-{self.stage.name}")
         self.loop: asyncio.AbstractEventLoop | None = None  # where the PNGs are awaited
+        self._failed_in_a_row = 0  # decodes sent ahead that failed, on the encoder thread
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -378,11 +388,10 @@ class VaeDecodeEngine(SteppedEngine):
     def step(self, states: list[LatentsState | RemoteLatentsState]) -> list[asyncio.Future | RequestFailed]:
         """The batch's decode; each state's result is the future of its PNG."""
         if self.core is not None:
-            pixels = remote_step(self.core, states)
-        else:
-            pixels = self.decoder.decode([st.latents for st in states])
-            for st in states:
-                st.finished = True
+            return self._sent(states)
+        pixels = self.decoder.decode([st.latents for st in states])
+        for st in states:
+            st.finished = True
         out, batch = [], []
         for st, px in zip(states, pixels):
             if isinstance(px, RequestFailed):
@@ -395,12 +404,56 @@ class VaeDecodeEngine(SteppedEngine):
             self.encoder.submit(self._encode, batch)
         return out
 
+    def _sent(self, states: list[RemoteLatentsState]) -> list[asyncio.Future]:
+        """The batch sent to the engine process, not waited for: the encoder thread takes its answer."""
+        pending = self.core.submit([st.seq for st in states])  # blocks while the core has enough to do
+        pngs = []
+        for st in states:
+            st.finished = True  # one decode each; the core's answer says so too
+            pngs.append(asyncio.Future(loop=self.loop))
+        self.encoder.submit(self._decoded, pending, list(zip(states, pngs)))
+        return pngs
+
+    def _decoded(self, pending: PendingReply, batch: list[tuple[RemoteLatentsState, asyncio.Future]]) -> None:
+        """On the encoder thread: a decode's answer from the engine process, then its PNGs."""
+        try:
+            answers = self.core.collect(pending)
+        except Exception as e:  # noqa: BLE001 - the decode's failure is its requests': none may wait forever
+            error = e if isinstance(e, EngineError) else EngineError(f"{type(e).__name__}: {e}")
+            return self._decode_failed(batch, error)
+        self._failed_in_a_row = 0
+        answered = time.perf_counter()
+        for st, _ in batch:
+            st.answered_at = answered
+        failed = [(png, r) for (_, png), r in zip(batch, answers) if isinstance(r, RequestFailed)]
+        if failed:
+            self._settle(failed)
+        self._encode([(st, r[0], png) for (st, png), r in zip(batch, answers) if not isinstance(r, RequestFailed)])
+
+    def _decode_failed(self, batch: list[tuple[RemoteLatentsState, asyncio.Future]], error: EngineError) -> None:
+        """A decode sent ahead failed: its requests fail as a failed step's do (UNAVAILABLE when the process
+        is gone, INTERNAL otherwise), and the engine is dead as the scheduler would declare it."""
+        dead = isinstance(error, EngineDead)
+        self._failed_in_a_row = self.options.max_failed_steps if dead else self._failed_in_a_row + 1
+        log.error("stage %s: a decode failed for %d requests (%d in a row): %s", self.stage.name, len(batch),
+                  self._failed_in_a_row, error)
+        if self.metrics is not None:
+            self.metrics.failed_steps.labels(self.stage.name).inc()
+        self._settle([(png, EngineDead(str(error)) if dead else EngineError(f"step failed: EngineError: {error}"))
+                      for _, png in batch])
+        if self._failed_in_a_row >= self.options.max_failed_steps:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the stage is gone already
+                self.loop.call_soon_threadsafe(self.fail_for_good, error)
+
+    def _settle(self, done: list[tuple[asyncio.Future, Any]]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: no request waits any more
+            self.loop.call_soon_threadsafe(_settle, done)
+
     def _encode(self, batch: list[tuple[StepState, np.ndarray, asyncio.Future]]) -> None:
         """On the encoder thread: the batch's PNGs (each image's own part, failing alone), handed to the loop
         in one call."""
-        done = [(png, alone(st, self._png, px)) for st, px, png in batch]
-        with contextlib.suppress(RuntimeError):  # the loop is closed: no request waits any more
-            self.loop.call_soon_threadsafe(_settle, done)
+        if batch:
+            self._settle([(png, alone(st, self._png, px)) for st, px, png in batch])
 
     @staticmethod
     def _png(pixels: np.ndarray) -> torch.Tensor:
@@ -430,11 +483,14 @@ class VaeDecodeEngine(SteppedEngine):
             encoded = await stream.next()
         t0 = time.perf_counter()
         png = await encoded
-        if isinstance(png, RequestFailed):
+        if isinstance(png, EngineError):  # its own failure, or its decode's in the engine process
             raise png
+        waited = time.perf_counter() - t0
+        # In an engine process the step only sent the decode: waiting for its answer is compute, the rest the PNG.
+        decoding = max(0.0, (getattr(state, "answered_at", None) or t0) - t0)
         yield OutputChunk(tensors={"image": png}, last=True, queue_ms=stream.queue_ms,
-                          compute_ms=stream.compute_ms, transfer_ms=transfer_ms,
-                          encode_ms=(time.perf_counter() - t0) * 1e3)
+                          compute_ms=stream.compute_ms + decoding * 1e3, transfer_ms=transfer_ms,
+                          encode_ms=(waited - decoding) * 1e3)
 
     async def shutdown(self) -> None:
         try:
@@ -443,7 +499,7 @@ class VaeDecodeEngine(SteppedEngine):
             await asyncio.to_thread(self.encoder.shutdown)
 
 
-def _settle(done: list[tuple[asyncio.Future, torch.Tensor | RequestFailed]]) -> None:
+def _settle(done: list[tuple[asyncio.Future, torch.Tensor | EngineError]]) -> None:
     """On the loop: a batch's PNGs to the requests still waiting for them."""
     for png, result in done:
         if not png.done():  # else its request was cancelled meanwhile
