@@ -19,6 +19,12 @@ its own, and over a view of a bigger buffer exactly as over a copy (both
 checked bit for bit in tests/unit/test_batching.py; the CUDA twin of the stacked-vs-lone check there is
 skipped without a GPU and has to run on one to say anything about CUDA).
 
+Sequences at different lengths would attend one group each. With `pad_to` (the Talker's), a sequence's
+keys are read up to its length rounded up to a multiple of `pad_to` (its own length alone decides it), with
+a bool mask hiding the rows past its own (zeros, never written) and the rows after each query: sequences
+with as many new rows whose lengths round to the same multiple share one call, each at its own length in
+its slot, and a sequence alone pads and masks just as it does in any group, so it gets the same numbers.
+
 Under a KV budget (`kv_budget.py`) a cache grows by whole pages instead of doubling and keeps a block of
 its own, so the bytes it holds are its own and known in advance; its attention is then one call per
 sequence.
@@ -57,7 +63,7 @@ class SequenceKV:
         self._slot = 0
 
     def length(self, layer: int = 0) -> int:
-        return 0 if self._block is None else self._block.length(layer)
+        return 0 if self._block is None else self._block.length(layer, self._slot)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add rows k, v [1, kv_heads, n, head_dim] (this sequence alone); returns the whole cache of
@@ -84,63 +90,84 @@ class SequenceKV:
 
 class _KvBlock:
     """The caches of sequences that step together, one slot each: per layer, keys and values
-    [slots, kv_heads, capacity, head_dim], every slot holding the same number of rows.
+    [slots, kv_heads, capacity, head_dim], each slot holding its own number of rows (all the same, unless
+    the block is padded: `pad_to`).
 
     Capacity doubles when full, up to the most rows a member will ever hold (its `limit`; under a KV budget
     it grows by its members' `page` rows instead), so a step writes
     its new rows in place instead of copying the cache into a new tensor. Only the first `length` rows are
     read: the spare room never changes a number, and attention over a view of the buffers is bit for bit
-    attention over a contiguous copy (checked in tests/unit/test_batching.py)."""
+    attention over a contiguous copy (checked in tests/unit/test_batching.py). A padded block's buffers are
+    zeros past every slot's rows, and their capacity whole multiples of `pad_to`, so that each slot's keys
+    can be read up to its padded length."""
 
     MIN_ROWS = 32  # the smallest capacity: a short prompt and its first tokens without regrowing
 
-    def __init__(self, members: list[SequenceKV]) -> None:
+    def __init__(self, members: list[SequenceKV], pad_to: int | None = None) -> None:
         self.members = members  # by slot
         self.slots = len(members)
         self.page = members[0].page
+        self.pad_to = pad_to
         limits = [m.limit for m in members]
         self.limit = None if None in limits else max(limits)  # the most rows a slot will ever need
         self.live = len(members)  # members that still hold it (not cleared, not moved to another block)
         self._k: dict[int, torch.Tensor] = {}
         self._v: dict[int, torch.Tensor] = {}
-        self._len: dict[int, int] = {}
+        self._len: dict[int, list[int]] = {}  # per layer, the rows each slot holds
 
     @classmethod
-    def of(cls, members: list[SequenceKV]) -> "_KvBlock":
-        """The block whose slots are exactly `members` (of equal lengths): theirs, or a new one their rows
-        are copied into."""
+    def of(cls, members: list[SequenceKV], pad_to: int | None = None) -> "_KvBlock":
+        """The block whose slots are exactly `members` (of equal lengths, unless padded): theirs, or a new
+        one their rows are copied into (one gather per layer from each block they come from)."""
         block = members[0]._block
-        if block is not None and block.slots == len(members) and all(
+        if block is not None and block.slots == len(members) and block.pad_to == pad_to and all(
                 m is b and m._block is block for m, b in zip(members, block.members)):
             return block
-        block = cls(members)
-        # Every member has as many rows in the same layers (the group's key): those of the first.
-        for layer, past in ({} if members[0]._block is None else members[0]._block._len).items():
-            block._k[layer] = _stacked([m._block._k[layer][m._slot, :, :past] for m in members], past, block)
-            block._v[layer] = _stacked([m._block._v[layer][m._slot, :, :past] for m in members], past, block)
-            block._len[layer] = past
+        block = cls(members, pad_to)
+        sources: dict[int, tuple[_KvBlock, list[int], list[int]]] = {}  # by block: (it, its slots, new slots)
+        for i, m in enumerate(members):
+            if m._block is not None:
+                src = sources.setdefault(id(m._block), (m._block, [], []))
+                src[1].append(m._slot)
+                src[2].append(i)
+        layers = sorted({layer for src, _, _ in sources.values() for layer in src._len})
+        for layer in layers:
+            lengths = [m.length(layer) for m in members]
+            block._k[layer] = _gathered(sources.values(), layer, "_k", max(lengths), block)
+            block._v[layer] = _gathered(sources.values(), layer, "_v", max(lengths), block)
+            block._len[layer] = lengths
         for i, m in enumerate(members):
             m._leave()
             m._block, m._slot = block, i
         return block
 
-    def length(self, layer: int) -> int:
-        return self._len.get(layer, 0)
+    def length(self, layer: int, slot: int = 0) -> int:
+        lengths = self._len.get(layer)
+        return 0 if lengths is None else lengths[slot]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add rows k, v [slots, kv_heads, n, head_dim]; returns every slot's whole cache of `layer`
-        ([slots, kv_heads, length, head_dim] views)."""
-        past = self._len.get(layer, 0)
-        end = past + k.shape[2]
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor | None = None,
+               read: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add rows k, v [slots, kv_heads, n, head_dim], each slot's after its own rows (`at` [slots, n]:
+        the rows they go to, where the slots hold different numbers); returns every slot's cache of `layer`
+        up to `read` rows (by default its length), as [slots, kv_heads, read, head_dim] views."""
+        n = k.shape[2]
+        pasts = self._len.get(layer) or [0] * self.slots
+        past, end = max(pasts), max(pasts) + n
+        read = end if read is None else read
         buf_k = self._k.get(layer)
-        if buf_k is None or end > buf_k.shape[2]:
-            self._k[layer] = buf_k = _grown(buf_k, k, past, end, self)
-            self._v[layer] = _grown(self._v.get(layer), v, past, end, self)
+        if buf_k is None or max(end, read) > buf_k.shape[2]:
+            self._k[layer] = buf_k = _grown(buf_k, k, past, max(end, read), self)
+            self._v[layer] = _grown(self._v.get(layer), v, past, max(end, read), self)
         buf_v = self._v[layer]
-        buf_k.narrow(2, past, end - past).copy_(k)
-        buf_v.narrow(2, past, end - past).copy_(v)
-        self._len[layer] = end
-        return buf_k.narrow(2, 0, end), buf_v.narrow(2, 0, end)
+        if at is None:  # every slot at the same row
+            buf_k.narrow(2, past, n).copy_(k)
+            buf_v.narrow(2, past, n).copy_(v)
+        else:
+            slots = torch.arange(self.slots, device=at.device)[:, None]
+            buf_k[slots, :, at] = k.transpose(1, 2)
+            buf_v[slots, :, at] = v.transpose(1, 2)
+        self._len[layer] = [p + n for p in pasts]
+        return buf_k.narrow(2, 0, read), buf_v.narrow(2, 0, read)
 
     @property
     def nbytes(self) -> int:
@@ -149,24 +176,46 @@ class _KvBlock:
 
 def _capacity(rows: int, block: "_KvBlock") -> int:
     """Rows to allocate for `rows`: as many again (at least MIN_ROWS) but no more than its members will ever
-    hold, or under a budget whole pages."""
+    hold, or under a budget whole pages; padded, a whole multiple of `pad_to`."""
     if block.page is not None:
         return -(-rows // block.page) * block.page
     grown = max(2 * rows, _KvBlock.MIN_ROWS)
-    return grown if block.limit is None else max(rows, min(grown, block.limit))
+    grown = grown if block.limit is None else max(rows, min(grown, block.limit))
+    return grown if block.pad_to is None else _padded(grown, block.pad_to)
 
 
-def _stacked(rows: list[torch.Tensor], past: int, block: _KvBlock) -> torch.Tensor:
-    """A buffer [len(rows), kv_heads, capacity, head_dim] holding each of `rows` [kv_heads, past, head_dim]."""
-    out = rows[0].new_empty(len(rows), rows[0].shape[0], _capacity(past, block), rows[0].shape[2])
-    for i, r in enumerate(rows):
-        out[i, :, :past] = r
+def _padded(rows: int, pad_to: int) -> int:
+    return -(-rows // pad_to) * pad_to
+
+
+def _new_buffer(like: torch.Tensor, slots: int, rows: int, block: _KvBlock) -> torch.Tensor:
+    """[slots, kv_heads, capacity for `rows`, head_dim] like `like`: zeros when padded (rows past a slot's own
+    are read, masked), uninitialised otherwise (never read)."""
+    shape = (slots, like.shape[-3], _capacity(rows, block), like.shape[-1])
+    return like.new_zeros(shape) if block.pad_to is not None else like.new_empty(shape)
+
+
+def _gathered(sources, layer: int, which: str, rows: int, block: _KvBlock) -> torch.Tensor:
+    """A buffer for `block` holding, in its new slots, the first `rows` rows (each slot's own, then zeros or
+    nothing it reads) of its members' slots in the blocks they come from."""
+    out = None
+    for src, old, new in sources:
+        buf = getattr(src, which)[layer]
+        out = _new_buffer(buf, block.slots, rows, block) if out is None else out
+        part = buf.narrow(2, 0, min(rows, buf.shape[2]))
+        if len(old) == 1:
+            out[new[0], :, :part.shape[2]] = part[old[0]]
+        else:
+            idx = torch.tensor(old, device=buf.device)
+            out[torch.tensor(new, device=buf.device), :, :part.shape[2]] = part.index_select(0, idx)
+    assert out is not None
     return out
 
 
 def _grown(buf: torch.Tensor | None, new: torch.Tensor, past: int, end: int, block: _KvBlock) -> torch.Tensor:
-    """A buffer shaped like `new` with room for `end` rows (`_capacity`), holding the `past` rows of `buf`."""
-    grown = new.new_empty(*new.shape[:2], _capacity(end, block), *new.shape[3:])
+    """A buffer shaped like `new` with room for `end` rows (`_capacity`), holding the first `past` rows of
+    `buf`."""
+    grown = _new_buffer(new, new.shape[0], end, block)
     if buf is not None:
         grown.narrow(2, 0, past).copy_(buf.narrow(2, 0, past))
     return grown
@@ -194,26 +243,49 @@ class _Group:
 
     block: _KvBlock  # the group's caches, one slot per sequence in step order
     rows: torch.Tensor  # the step rows of its sequences, sequence by sequence
-    mask: torch.Tensor | None  # new rows after a cached prefix: causal, aligned bottom-right
+    mask: torch.Tensor | None  # new rows after a cached prefix: causal, aligned bottom-right (padded: per slot)
+    at: torch.Tensor | None = None  # padded, slots at different lengths: the rows each slot's new rows go to
+    read: int | None = None  # padded: the rows of keys every slot reads (its padded length)
 
 
-def _groups(segments: list[_Segment], device: torch.device) -> list[_Group]:
-    """The step's sequences grouped by (new rows, cached rows), on every device (stacked calls against lone
-    ones: checked bit for bit in tests/unit/test_batching.py, its CUDA twin on a GPU only); padding rows are
-    in none. A paged cache (under a KV budget) keeps a block of its own, so it is a group of its own."""
+def _groups(segments: list[_Segment], device: torch.device, pad_to: int | None = None) -> list[_Group]:
+    """The step's sequences grouped by (new rows, cached rows), or with `pad_to` by (new rows, length after
+    the step rounded up to a multiple of `pad_to`), on every device (stacked calls against lone ones: checked
+    bit for bit in tests/unit/test_batching.py, its CUDA twin on a GPU only); padding rows are in none. A
+    paged cache (under a KV budget) keeps a block of its own, so it is a group of its own, never padded."""
     by_shape: dict[tuple[int, ...], list[_Segment]] = {}
     for seg in segments:
-        if seg.kv is not None:
-            key = (seg.length, seg.past()) if seg.kv.page is None else (seg.length, seg.past(), id(seg))
-            by_shape.setdefault(key, []).append(seg)
+        if seg.kv is None:
+            continue
+        if seg.kv.page is not None:
+            key: tuple[int, ...] = (seg.length, seg.past(), 0, id(seg))
+        elif pad_to is not None:
+            key = (seg.length, _padded(seg.past() + seg.length, pad_to), 1)
+        else:
+            key = (seg.length, seg.past(), 0)
+        by_shape.setdefault(key, []).append(seg)
     groups = []
-    for (n, past, *_), segs in by_shape.items():
+    for (n, size, padded, *_), segs in by_shape.items():
         rows = torch.tensor([r for s in segs for r in range(s.start, s.start + n)], device=device)
+        if padded:
+            groups.append(_padded_group(segs, n, size, rows, pad_to, device))
+            continue
         mask = None
-        if n > 1 and past:
-            mask = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
+        if n > 1 and size:
+            mask = torch.ones(n, size + n, dtype=torch.bool, device=device).tril(size)[None, None]
         groups.append(_Group(_KvBlock.of([s.kv for s in segs]), rows, mask))
     return groups
+
+
+def _padded_group(segs: list[_Segment], n: int, read: int, rows: torch.Tensor, pad_to: int | None,
+                  device: torch.device) -> _Group:
+    """A group of sequences with `n` new rows each whose keys are read up to `read` rows: each query row
+    sees its own sequence's rows up to itself, none past them (a mask row per slot, the same alone)."""
+    pasts = [s.past() for s in segs]
+    past = torch.tensor(pasts, device=device)[:, None] + torch.arange(n, device=device)  # [slots, n]
+    mask = (torch.arange(read, device=device) <= past[:, :, None])[:, None]  # [slots, 1, n, read]
+    at = None if len(set(pasts)) == 1 else past
+    return _Group(_KvBlock.of([s.kv for s in segs if s.kv is not None], pad_to), rows, mask, at, read)
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -226,11 +298,26 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         n = group.block.slots
         new_k, new_v = (t.index_select(2, group.rows).view(t.shape[1], n, -1, t.shape[3]).transpose(0, 1)
                         for t in (key, value))
-        k, v = group.block.append(layer, new_k, new_v)
+        k, v = group.block.append(layer, new_k, new_v, group.at, group.read)
         q = q_rows.index_select(0, group.rows).view(n, -1, *q_rows.shape[1:]).transpose(1, 2)
-        o, _ = sdpa_attention_forward(module, q, k, v, group.mask, dropout=0.0, scaling=scaling, is_causal=True)
+        if group.read is None:
+            o, _ = sdpa_attention_forward(module, q, k, v, group.mask, dropout=0.0, scaling=scaling, is_causal=True)
+        else:
+            o = padded_sdpa(module, q, k, v, group.mask, scaling)
         out.index_copy_(0, group.rows, o.flatten(0, 1))
     return out[None], None
+
+
+def padded_sdpa(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                scaling: float | None) -> torch.Tensor:
+    """A padded group's attention ([slots, new rows, heads, head_dim]). On the CPU, SDPA with the mask groups
+    the query heads over the KV heads itself (half the time of transformers' path, which repeats the keys
+    and values for a masked call to keep CUDA off its math kernel); elsewhere transformers' path."""
+    if q.device.type != "cpu":
+        return sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=True)[0]
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return o.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ATTENTION, packed_attention)
@@ -251,13 +338,16 @@ def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cache
                    rope_axes: int = 0, embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    hidden_states: bool = False, min_rows: int = MIN_MATMUL_ROWS,
                    position_ids: Sequence[torch.Tensor | None] | None = None,
-                   deepstack: Sequence[tuple[torch.Tensor, list[torch.Tensor]] | None] | None = None):
+                   deepstack: Sequence[tuple[torch.Tensor, list[torch.Tensor]] | None] | None = None,
+                   pad_to: int | None = None):
     """One forward of a transformers decoder (`...Model`, not `...ForCausalLM`) over several sequences.
 
     `inputs[i]` are sequence i's new rows: token ids [n] when `embed` is given, else embeddings [n, H].
     `position_ids[i]`, where given, are its rows' positions ([rope_axes, n]; by default they follow its
     cache). `deepstack[i]`, where given, is (mask [n] of its visual rows, per decoder layer the rows
-    added there): the model's deepstack inputs, laid out over the packed step.
+    added there): the model's deepstack inputs, laid out over the packed step. `pad_to`: each sequence's keys
+    padded to a multiple of it and masked (the module docstring), so sequences at nearby lengths share an
+    attention call.
     Each cache grows by its sequence's rows. Returns (last hidden rows [k, H] per sequence, and when asked
     every layer's hidden rows per sequence: a list of tuples of [n_i, H]).
     """
@@ -274,7 +364,7 @@ def packed_forward(model: torch.nn.Module, inputs: Sequence[torch.Tensor], cache
     position_ids = _positions(segments, position_ids or [None] * len(inputs), rope_axes, device)
     extra = (_deepstack_inputs(deepstack, segments, device) if deepstack and any(d is not None for d in deepstack)
              else {})
-    _step.groups = _groups(segments, device)
+    _step.groups = _groups(segments, device, pad_to)
     try:
         out = model(inputs_embeds=flat, position_ids=position_ids, use_cache=False,
                     output_hidden_states=hidden_states, **extra)

@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import stage_service.runtime.packed as packed_module
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant, pad_rows
-from stage_service.runtime.packed import SequenceKV, _KvBlock, packed_forward, use_packed_attention
+from stage_service.runtime.packed import SequenceKV, _KvBlock, packed_forward, padded_sdpa, use_packed_attention
 
 
 def seeded(n: int, *shape) -> torch.Tensor:
@@ -119,7 +119,8 @@ def tiny_lm():
     return reference, packed
 
 
-def run_packed(model, prompts: list[list[int]], steps: int | list[int], join_at: list[int] | None = None):
+def run_packed(model, prompts: list[list[int]], steps: int | list[int], join_at: list[int] | None = None,
+               pad_to: int | None = None):
     """Greedy decode; sequence i joins at step join_at[i] and takes steps[i] steps. Returns each sequence's
     last-position logits per step."""
     join_at = join_at or [0] * len(prompts)
@@ -132,7 +133,7 @@ def run_packed(model, prompts: list[list[int]], steps: int | list[int], join_at:
             live = [i for i in range(len(prompts)) if join_at[i] <= step < join_at[i] + steps[i]]
             inputs = [torch.tensor(fed[i][-1:] if fed[i] else prompts[i]) for i in live]
             last, _ = packed_forward(model.get_decoder(), inputs, [caches[i] for i in live],
-                                     embed=model.get_input_embeddings())
+                                     embed=model.get_input_embeddings(), pad_to=pad_to)
             out = model.get_output_embeddings()(last)
             for row, i in zip(out, live):
                 logits[i].append(row.clone())
@@ -181,6 +182,31 @@ def test_sequences_of_equal_shape_share_an_attention_call_and_get_their_numbers_
     assert len(calls) <= per_sequence // 2  # grouped, not one call per sequence
 
 
+def test_padded_sequences_at_different_lengths_share_an_attention_call_and_get_their_numbers_alone(
+        tiny_lm, monkeypatch):
+    """With `pad_to`, sequences whose lengths round up to the same multiple attend in one call, each at its
+    own length in its slot (a staggered batch: joining at different steps, prompts of different lengths,
+    crossing a multiple while in step, leaving early), bit for bit what each computes alone (padded the
+    same way), and close to the unpadded numbers."""
+    _, packed = tiny_lm
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    join_at, steps = [0, 1, 2, 2, 5], [12, 9, 12, 4, 7]
+    alone = [run_packed(packed, [p], steps=[n], pad_to=8)[0][0] for p, n in zip(prompts, steps)]
+    for p, n, a in zip(prompts, steps, alone):
+        unpadded = run_packed(packed, [p], steps=[n])[0][0]
+        assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(a, unpadded))
+    calls = []
+    monkeypatch.setattr(packed_module, "padded_sdpa", lambda *a: calls.append(1) or padded_sdpa(*a))
+    together, _ = run_packed(packed, prompts, steps=steps, join_at=join_at, pad_to=8)
+    for a, t in zip(alone, together):
+        assert len(a) == len(t) and all(torch.equal(x, y) for x, y in zip(a, t))
+    padded_calls, calls[:] = len(calls), []
+    monkeypatch.setattr(packed_module, "sdpa_attention_forward",
+                        lambda *a, **k: calls.append(1) or sdpa_attention_forward(*a, **k))
+    run_packed(packed, prompts, steps=steps, join_at=join_at)
+    assert 0 < padded_calls * 2 <= len(calls)  # unpadded, the staggered sequences attend one call each
+
+
 ATTENTION_SHAPES = [(1, 1), (1, 7), (1, 33), (1, 100), (1, 300), (5, 5), (5, 7), (5, 100)]
 # The CUDA twin: as the stages run there (bfloat16) and in float32; long caches too, where a kernel may split
 # the keys by batch size. It has to run on a GPU: `_groups` stacks equal shapes on CUDA on its word.
@@ -212,6 +238,30 @@ def test_a_stacked_attention_call_computes_each_sequence_as_alone(device, dtype,
         for i in range(6):
             one, _ = sdpa_attention_forward(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], mask, scaling=0.125,
                                             is_causal=True)
+            assert torch.equal(one, stacked[i:i + 1])
+
+
+@pytest.mark.parametrize("device, dtype, new_rows, kv_len",
+                         [*(("cpu", torch.float32, n, kv) for n, kv in ATTENTION_SHAPES), *CUDA_CASES])
+def test_a_padded_attention_call_computes_each_sequence_as_alone(device, dtype, new_rows, kv_len):
+    """The kernel fact padded groups rest on: slots at different lengths read to the same padded length,
+    each with its own mask row (its keys up to each query, none past its own rows), get what each gets alone
+    with its own mask, whatever the others' lengths."""
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 2, True
+    g = torch.Generator().manual_seed(kv_len)
+    read = kv_len + 31  # the padded length: up to 31 rows past the longest
+    q, k, v = (torch.randn(6, heads, n, 64, generator=g).to(device, dtype)
+               for heads, n in ((4, new_rows), (2, read), (2, read)))
+    lengths = torch.tensor([max(kv_len - d, new_rows) for d in (0, 3, 1, 17, 30, 2)], device=device)
+    past = (lengths - new_rows)[:, None] + torch.arange(new_rows, device=device)  # [slots, n]
+    mask = (torch.arange(read, device=device) <= past[:, :, None])[:, None]
+    for i, n in enumerate(lengths.tolist()):
+        k[i, :, n:], v[i, :, n:] = 0, 0  # zeros past each slot's rows, as a padded block keeps them
+    with torch.inference_mode():
+        stacked = padded_sdpa(layer, q, k, v, mask, 0.125)
+        for i in range(6):
+            one = padded_sdpa(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], mask[i:i + 1], 0.125)
             assert torch.equal(one, stacked[i:i + 1])
 
 

@@ -172,6 +172,10 @@ class Talker:
 
     # Prompt rows beyond the prompt's ids, at most (`_prefill`: the user turns' rows, then 9 of its own).
     prompt_rows_beyond_ids = 9
+    # Each request's keys are read up to a multiple of this many rows (packed.py, `pad_to`): requests that
+    # joined at different frames then attend in one call per 32-row band of lengths instead of one each,
+    # for at most 31 masked rows of attention each (small against the Talker's MoE layers).
+    PAD_KEYS_TO = 32
 
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
@@ -279,7 +283,7 @@ class Talker:
             frames.append(frame)
             inputs.append(st.unfed(row[None]))
         last_hidden, _ = packed_forward(self.model.model, inputs, [st.kv for st in states], rope_axes=3,
-                                        min_rows=self.min_rows)
+                                        min_rows=self.min_rows, pad_to=self.PAD_KEYS_TO)
         logits_all = self.model.codec_head(last_hidden)
         return [alone(st, self._sampled, st, logits_all[i], last_hidden[i], frames[i]) for i, st in enumerate(states)]
 
