@@ -327,6 +327,17 @@ def configure_logging(level: str = "INFO", fmt: str = logs.DEFAULT_LOG_FORMAT, a
     quiet_import_warnings()
 
 
+def run_loop(main: Coroutine[Any, Any, Any]) -> Any:
+    """`main` run to completion on uvloop where it is installed (it comes with vLLM; vLLM's own server runs
+    on it): its per-callback cost is a fraction of the standard loop's, and the request path pays it per
+    event in every process (gRPC streams, uvicorn, the queues between them); else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:  # the standard loop: same behaviour, more CPU per event
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def run_server(serve: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], args: argparse.Namespace,
                name: str, refusals: Sequence[tuple[type[Exception], str]] = ()) -> int:
     """A server process's main: logging at `args.log_level`, then `serve(args)`, its exit code. What it
@@ -335,7 +346,7 @@ def run_server(serve: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], 
     (exception, prefix) of `refusals`, the first that fits, as "prefix: message"."""
     configure_logging(args.log_level, args.log_format, args.access_log)
     try:
-        return asyncio.run(serve(args))
+        return run_loop(serve(args))
     except SpecError as e:
         report_exit(f"{args.pipeline}: invalid pipeline:\n" + "\n".join(f"  {x}" for x in e.errors))
         return 2

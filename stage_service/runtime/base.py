@@ -59,14 +59,33 @@ class OutputChunk:
     encode_ms: float = 0.0       # media decoding, processing and encoders behind this chunk
 
 
+# A token stage whose chunks only the client reads hands its first token on alone: the client's first token
+# as soon as it is made, as an LM server streams it (a first chunk of chunkSize 4 held it 3 decode steps more);
+# the later chunks keep chunkSize, fewer messages per token.
+CLIENT_FIRST_CHUNK = 1
+
+
+def first_chunk_units(pipeline: Pipeline, stage: Stage) -> int:
+    """The units of a token stage's first chunk when the spec leaves it open (pure): CLIENT_FIRST_CHUNK when no
+    stage reads `stage`'s chunks (they go to the client only) and it sets no initialChunkSize; else 0 (the
+    stage's own rule, `Stage.chunk_units`)."""
+    if stage.initial_chunk_size or stage.chunk_size <= CLIENT_FIRST_CHUNK:
+        return 0
+    if any(e.source == stage.name for s in pipeline.stages for e in s.inputs):
+        return 0
+    return CLIENT_FIRST_CHUNK
+
+
 @dataclass
 class Chunking:
     """One request's output chunks under the stage's chunk rule (`Stage.chunk_due`), which every engine
-    follows: a chunk once `chunkSize` units are made (the first at `initialChunkSize`), what is left at the
-    end. The timings of what came before the request's first unit (its queue wait, its media encoding, its
-    input's transfer) go on the first chunk only."""
+    follows: a chunk once `chunkSize` units are made (the first at `initialChunkSize`, or at `first_units`
+    when given: `first_chunk_units`), what is left at the end. The timings of what came before the
+    request's first unit (its queue wait, its media encoding, its input's transfer) go on the first chunk
+    only."""
     stage: Stage
     always_end: bool = False  # hand on a chunk at the end even with no unit left (see Stage.chunk_due)
+    first_units: int = 0      # the first chunk's units (0: the stage's rule)
     handed_on: int = 0        # chunks handed on so far
     pending: int = 0          # units made since the last one
 
@@ -78,6 +97,8 @@ class Chunking:
     def due(self, made: int, done: bool) -> bool:
         """`made` more units (`done`: the request's last): whether a chunk goes on now."""
         self.pending += made
+        if self.first_units and self.first and not done:
+            return self.pending >= self.first_units
         return self.stage.chunk_due(self.handed_on, self.pending, done, always_end=self.always_end)
 
     def hand_on(self, chunk: OutputChunk, **first_only: float) -> OutputChunk:

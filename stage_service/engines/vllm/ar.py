@@ -47,6 +47,7 @@ from stage_service.runtime.base import (
     OutputChunk,
     StageInputs,
     StageRequest,
+    first_chunk_units,
 )
 from stage_service.runtime.chat import check_context, load_chat_template, prompt_ids
 
@@ -238,7 +239,7 @@ class VllmEngine(Engine):
                             extra_args=self.sampling_extra_args(prompt))
         # always_end: vLLM may end a request with an output that brings no new token (an abort, a trimmed
         # stop); a last chunk still goes on, with the finish reason.
-        chunks = Chunking(self.stage, always_end=True)
+        chunks = Chunking(self.stage, always_end=True, first_units=first_chunk_units(self.pipeline, self.stage))
         tokens: list[int] = []
         generated: list[int] = []  # every token so far (the chunk marks read them)
         marks = self.chunk_marks(prompt_ids, p)
