@@ -30,6 +30,13 @@ recomputed are preempted: their KV is dropped and they wait at the front of the 
 generated. Decisions are taken on the loop between steps, so no state in a step is ever preempted. After
 every step the worker measures the bytes the states' caches hold (`kv_peak`).
 
+Deadlines: where states carry a `due` time (audio decoders: when the listener's audio runs out), queued
+states are admitted and ready states stepped earliest due first, instead of in arrival order. Under load a
+decoder's step cannot take every queued chunk; in arrival order a request's first chunk waits behind the later
+chunks of requests whose listeners still have seconds of audio to play, while nothing plays for it yet. The
+first chunk is due at once and so goes first, and a chunk whose audio is about to run out goes before one
+whose listener has plenty left; among states due at the same time, the order is their arrival.
+
 Work units: a step is one unit of the engine's `unit` per request in it, counted in the stage's
 metrics and, per request, in the engine's tally (work_tally.py) for the request's trace.
 
@@ -97,6 +104,10 @@ class StepState:
     finished: bool = False    # set by the step that produced the last result
     key: Hashable = None      # states with equal keys may share a step
     cost: int = 1             # its share of a step's work, against the scheduler's max_step_cost
+    # When a listener needs its result (time.perf_counter seconds): an audio decoder's chunk is due when the
+    # audio before it runs out, a request's first chunk as soon as it is submitted (nothing plays yet). States
+    # that are due are admitted and stepped earliest due first (see Deadlines); None: in arrival order.
+    due: float | None = None
 
     def ready(self) -> bool:
         """True when the next step has what it needs (inputs that stream in may not have arrived)."""
@@ -141,6 +152,19 @@ class _Job:
     last_step: int = -1
     cancelled: bool = False
     gone: bool = False  # left the scheduler
+
+
+def _due_first(job: _Job) -> tuple:
+    """Admission order among queued states: earliest due (states with no due time after those with one),
+    then arrival."""
+    due = job.state.due
+    return (due is None, due or 0.0, job.seq)
+
+
+def _step_order(job: _Job) -> tuple:
+    """Step order among ready states: earliest due, then the one that waited longest for a step."""
+    due = job.state.due
+    return (due is None, due or 0.0, job.last_step, job.seq)
 
 
 class JobStream:
@@ -396,10 +420,19 @@ class StepScheduler:
                 moved = self._free_parked() or moved
                 if not self._fits(self._queue[0]):
                     break  # in order: the head of the queue waits for room, nobody overtakes it
-            self._running.append(self._queue.popleft())
+            self._running.append(self._pop_queued())
             moved = True
         if moved:
             self._changed()
+
+    def _pop_queued(self) -> _Job:
+        """The queued state to admit next: the head (preempted and parked states wait at the front, in order), or
+        where the states are due (see Deadlines) the earliest due."""
+        if self.kv_budget is None and self._queue[0].state.due is not None:
+            job = min(self._queue, key=_due_first)
+            self._queue.remove(job)
+            return job
+        return self._queue.popleft()
 
     def _fits(self, job: _Job) -> bool:
         """Whether a queued state fits the KV budget beside the running states and what is reserved (with
@@ -478,18 +511,18 @@ class StepScheduler:
             sum(j.state.kv_bytes_next() for j in list(self._running)) <= self._running_budget()
 
     def _pick(self) -> tuple[list[_Job], bool]:
-        """The ready running states that share a key with the one that waited longest for a step,
-        longest-waiting first while their cost fits `max_step_cost` (the first always fits); and whether
+        """The ready running states that share a key with the one that waited longest for a step (or is due
+        first: see Deadlines), in that order while their cost fits `max_step_cost` (the first always fits); and whether
         that is every ready state (then the batch may step ahead: it keeps no one waiting)."""
         ready = [j for j in self._running
                  if j.results.qsize() < self.max_pending_results and j.state.ready()]
         if not ready:
             return [], False
-        first = min(ready, key=lambda j: (j.last_step, j.seq))
+        first = min(ready, key=_step_order)
         same = [j for j in ready if j.state.key == first.state.key]
         if self.max_step_cost is not None:
             chosen, cost = set(), 0
-            for j in sorted(same, key=lambda j: (j.last_step, j.seq)):
+            for j in sorted(same, key=_step_order):
                 if chosen and cost + j.state.cost > self.max_step_cost:
                     break
                 chosen.add(j)

@@ -29,6 +29,7 @@ class Count(StepState):
     length: int
     key: str | None = None
     cost: int = 1
+    due: float | None = None
     done: int = 0
     finished: bool = False
     releases: int = 0
@@ -216,6 +217,37 @@ async def test_a_step_takes_states_while_their_cost_fits_and_the_rest_go_next():
     await asyncio.gather(*(run(sched, Count(n, 2, cost=c)) for n, c in costs.items()))
     assert all(sum(costs[n] for n in b) <= 100 or len(b) == 1 for b in rec.batches)
     assert ["d"] in rec.batches and all(len(b) <= 2 for b in rec.batches)
+    await sched.shutdown()
+
+
+async def queued_behind_a_step(sched: StepScheduler, rec: Recorder, dues: dict[str, float]) -> list[list[str]]:
+    """States submitted in the order of `dues` (name -> due) while a first state's step holds the worker,
+    then let run: the batches after that first step."""
+    rec.gate = threading.Event()
+    blocker = asyncio.ensure_future(run(sched, Count("blocker", 1, due=0.0)))
+    await wait_until(lambda: rec.batches or sched._in_step, what="the first step running")
+    runs = []
+    for name, due in dues.items():
+        runs.append(asyncio.ensure_future(run(sched, Count(name, 1, due=due))))
+        await wait_until(lambda: sched.queued + sched.running >= len(runs) + 1, what=f"{name} submitted")
+    rec.gate.set()
+    await asyncio.gather(blocker, *runs)
+    return rec.batches[1:]
+
+
+async def test_due_states_step_earliest_due_first_whatever_their_arrival():
+    # One state per step (each costs the whole step): the order of the steps is the order of the dues.
+    sched, rec = make(max_batch=8, max_step_cost=1)
+    after = await queued_behind_a_step(sched, rec, {"late": 30.0, "mid": 20.0, "first": 10.0})
+    assert after == [["first"], ["mid"], ["late"]]
+    await sched.shutdown()
+
+
+async def test_due_states_are_admitted_earliest_due_first():
+    # One running at a time: the queue is admitted by due, not by arrival.
+    sched, rec = make(max_batch=1, max_queued=8)
+    after = await queued_behind_a_step(sched, rec, {"late": 30.0, "mid": 20.0, "first": 10.0, "also_first": 10.0})
+    assert after == [["first"], ["also_first"], ["mid"], ["late"]]  # equal dues: in arrival order
     await sched.shutdown()
 
 

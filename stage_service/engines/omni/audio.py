@@ -1,7 +1,9 @@
-"""What the stages that end in audio share: int16 PCM from a waveform, and how much decoding one step
-may take."""
+"""What the stages that end in audio share: int16 PCM from a waveform, how much decoding one step may take,
+and when each chunk of a request's audio is due."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -29,3 +31,24 @@ class AudioDecoderEngine(SteppedEngine):
         if self.options.max_batched_frames is not None:
             return self.options.max_batched_frames
         return None if self.placement.on_cuda else self.CPU_MAX_BATCHED_FRAMES
+
+
+class PlaybackDue:
+    """When one request's next audio chunk is due (its step state's `due`, scheduler.py Deadlines): a listener
+    starts playing at its first chunk and each later chunk must be out before the audio before it has played.
+    The first is due when it is submitted (nothing plays yet); each later one when the first came out plus the
+    seconds decoded so far. The stage's own clock: the hops to the listener add about the same to every chunk."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # time.perf_counter() when the first chunk's audio came out
+        self.seconds = 0.0                 # of audio out so far
+
+    def due(self) -> float:
+        return time.perf_counter() if self.started is None else self.started + self.seconds
+
+    def played(self, samples: int, sample_rate: int) -> None:
+        """A chunk of `samples` (one channel) came out."""
+        if samples and sample_rate:
+            if self.started is None:
+                self.started = time.perf_counter()
+            self.seconds += samples / sample_rate

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import torch
 
 from omnistage.checkpoints.shards import ShardedCheckpoint
-from stage_service.engines.omni.audio import AudioDecoderEngine, to_pcm16
+from stage_service.engines.omni.audio import AudioDecoderEngine, PlaybackDue, to_pcm16
 from stage_service.engines.omni.encoder import OmniEncoderEngine
 from stage_service.engines.omni.media import QWEN2_5_OMNI
 from stage_service.engines.omni.talker import FedTalkerEngine
@@ -74,6 +74,7 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         speech = self.t2w.stream(self.t2w.voice(req.params.speaker), req.params.seed)
         admitted = False
+        playback = PlaybackDue()
         while True:
             chunk = await inputs.next()
             ended = chunk is None or chunk.end_of_stream
@@ -92,9 +93,11 @@ class Token2WavEngine(_Checkpoint, AudioDecoderEngine):
             pcm = torch.empty(0, dtype=torch.int16, device=self.device)
             queue_ms = compute_ms = 0.0
             if (work := speech.next_chunk()) is not None:
+                work.due = playback.due()
                 # Later chunks of an admitted request skip the queue limit: refusing them would break a stream.
                 async with self.scheduler.submit(req.request_id, work, admitted=admitted) as stream:
                     mel, pcm = await stream.next()
+                playback.played(pcm.numel(), self.t2w.sample_rate)
                 speech.done(work, mel)
                 admitted = True
                 queue_ms, compute_ms = stream.queue_ms, stream.compute_ms

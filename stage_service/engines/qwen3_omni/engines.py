@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 import torch
 
-from stage_service.engines.omni.audio import AudioDecoderEngine, to_pcm16
+from stage_service.engines.omni.audio import AudioDecoderEngine, PlaybackDue, to_pcm16
 from stage_service.engines.omni.encoder import OmniEncoderEngine
 from stage_service.engines.omni.media import QWEN3_OMNI
 from stage_service.engines.omni.talker import FedTalkerEngine
@@ -60,6 +60,7 @@ class Code2WavEngine(AudioDecoderEngine):
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         history = torch.empty((self.c2w.groups, 0), dtype=torch.int64, device=self.device)
         admitted = False
+        playback = PlaybackDue()
         async for chunk in inputs.chunks():
             codes = self.on_device(tensor(chunk, "codes"))
             if codes.dim() != 2 or codes.shape[0] != self.c2w.groups:
@@ -70,9 +71,11 @@ class Code2WavEngine(AudioDecoderEngine):
             queue_ms = compute_ms = 0.0
             if codes.shape[1]:
                 # Later chunks of an admitted request skip the queue limit: refusing them would break a stream.
-                async with self.scheduler.submit(req.request_id, self.c2w.chunk_state(history, codes),
-                                                 admitted=admitted) as stream:
+                state = self.c2w.chunk_state(history, codes)
+                state.due = playback.due()
+                async with self.scheduler.submit(req.request_id, state, admitted=admitted) as stream:
                     pcm = await stream.next()
+                playback.played(pcm.numel(), self.c2w.sample_rate)
                 admitted = True
                 queue_ms, compute_ms = stream.queue_ms, stream.compute_ms
                 history = torch.cat([history, codes], dim=1)[:, -self.c2w.LEFT_CONTEXT:]
