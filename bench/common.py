@@ -179,3 +179,14 @@ def print_table(title: str, figures: list[dict]) -> None:
     w = max(len(f["name"]) for f in figures)
     for f in figures:
         print(f"  {f['name']:<{w}}  {f['value']:>12.4g}  {f['unit']}")
+
+
+async def sse_chunks(http, path: str, body: dict):
+    """The JSON chunks of a streamed (SSE) answer to `body` POSTed to `path` over an httpx.AsyncClient; an
+    answer other than 200 raises, quoting it."""
+    async with http.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])

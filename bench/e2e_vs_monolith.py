@@ -13,7 +13,13 @@ same prompts (a fixed, seeded mix of short and long), the same token and codec-f
 monolith's audio arrives with its whole result, so its time to first audio packet is its latency
 (queueing in front of a replica included).
 
-    .venv/bin/python bench/e2e_vs_monolith.py [--quick] [--device cuda]
+    .venv/bin/python bench/e2e_vs_monolith.py [--quick] [--device cuda] [--c8-rounds N]
+
+Every run records the machine's vector units (`cpu_flags`) and the CPU cores each process used at c8.
+`--c8-rounds N` measures only the c8 point, staged and monolith x2 both up and taken in turn N times, and
+merges `staged_over_monolith_x2.rps_c8_alternated` (the median of the rounds' ratios) and each side's CPU
+seconds per request into the results file (their ratio: about the req/s ratio with both sides on all of the
+cores, however much of them other work takes during the run).
 
 With --device cuda every side runs on the first GPU in bfloat16 (the monolith and both of its replicas
 moved there, the replicas sharing it; the three stages share it, a third of its memory each) and the
@@ -28,6 +34,7 @@ import itertools
 import multiprocessing
 import os
 import random
+import statistics
 import threading
 import time
 from concurrent.futures import Future
@@ -39,6 +46,7 @@ from common import (
     add_device_argument,
     exit_on_sigterm,
     figure,
+    merge_results,
     on_gpu,
     percentile,
     print_table,
@@ -46,7 +54,7 @@ from common import (
     results_name,
     write_results,
 )
-from omni_load import prompts, run_level, serve_local
+from omni_load import prompts, run_level, serve_omni
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEC_FRAMES = 50  # 4 s of audio per request
@@ -61,6 +69,40 @@ def request_order(n: int, seed: int) -> list[tuple[str, int]]:
     order = prompts(n, seed)
     random.Random(seed).shuffle(order)
     return order
+
+
+# The vector units torch's CPU kernels pick from: the monolith's matmul-heavy `generate` speeds up with them
+# far more than the staged side's per-chunk service work, so the headline ratio moves with them.
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str) -> dict[str, bool]:
+    """Which of `VECTOR_FLAGS` the first processor of a /proc/cpuinfo text has."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return {f: f in flags for f in VECTOR_FLAGS}
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds per named process (those gone are left out)."""
+    import contextlib
+
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system
+    return out
+
+
+def cpu_cores(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Cores each process used over `wall` seconds (one started in between counts from 0)."""
+    return {name: round((after[name] - before.get(name, 0.0)) / wall, 2) for name in after}
 
 
 def load_monolith(model_dir: Path, device: str):
@@ -193,6 +235,10 @@ class MonolithReplicas:
             self._senders[i].send((rid, text, max_tokens))
         return fut
 
+    def pids(self) -> list[int]:
+        """The replica processes' ids (for their CPU seconds)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
     def close(self) -> None:
         for s in self._senders:
             try:
@@ -213,7 +259,7 @@ class MonolithReplicas:
 
 def run_replicas_level(replicas: MonolithReplicas, prompt_set, concurrency: int) -> dict:
     """Every prompt through the replicas, `concurrency` at a time (a closed loop, as `run_level` drives
-    the staged side): rates, TTFP (= latency), real-time factor."""
+    the staged side): rates, TTFP (= latency), real-time factor (`rtf` the mean, `rtfs` per request)."""
     queue = list(prompt_set)
     lat, rtf, tokens = [], [], 0
     lock = threading.Lock()
@@ -241,19 +287,82 @@ def run_replicas_level(replicas: MonolithReplicas, prompt_set, concurrency: int)
         t.join()
     wall = time.perf_counter() - t0
     return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": lat, "latency": lat,
-            "rtf": sum(rtf) / len(rtf), "n": len(prompt_set)}
+            "rtf": sum(rtf) / len(rtf), "rtfs": rtf, "n": len(prompt_set)}
+
+
+def with_cpu(pids, run) -> dict:
+    """`run()`'s result with the CPU cores each process (`pids()`: name -> pid; this client included) used."""
+    pids_then = {"client": os.getpid(), **pids()}
+    cpu0, t0 = cpu_seconds(pids_then), time.perf_counter()
+    r = run()
+    wall = time.perf_counter() - t0
+    return {**r, "cpu_cores": cpu_cores(cpu0, cpu_seconds({"client": os.getpid(), **pids()}), wall)}
+
+
+def replica_pids(replicas: MonolithReplicas) -> dict[str, int]:
+    return {f"replica{i}": pid for i, pid in enumerate(replicas.pids())}
+
+
+def stage_pids(local) -> dict[str, int]:
+    return {p.name: p.popen.pid for p in local.all_procs()}
 
 
 def monolith_x2(levels: dict[int, int], frames: int, model_dir: Path, seed: int,
                 device: str = "cpu") -> dict[int, dict]:
     with MonolithReplicas(2, model_dir, frames, device) as replicas:
-        return {c: run_replicas_level(replicas, request_order(n, seed), c) for c, n in levels.items()}
+        return {c: with_cpu(lambda: replica_pids(replicas),
+                            lambda: run_replicas_level(replicas, request_order(n, seed), c))
+                for c, n in levels.items()}
+
+
+def staged_edit(device: str):
+    return (lambda doc: on_gpu(doc, fraction=0.3, dtype="bfloat16")) if device == "cuda" else None
 
 
 def staged(levels: dict[int, int], frames: int, models: Path, seed: int, device: str = "cpu") -> dict[int, dict]:
-    edit = (lambda doc: on_gpu(doc, fraction=0.3, dtype="bfloat16")) if device == "cuda" else None
-    with serve_local(models, edit) as endpoint:
-        return {c: asyncio.run(run_level(endpoint, request_order(n, seed), frames, c)) for c, n in levels.items()}
+    with serve_omni(models, staged_edit(device)) as local:
+        return {c: with_cpu(lambda: stage_pids(local),
+                            lambda: asyncio.run(run_level(local.endpoint, request_order(n, seed), frames, c)))
+                for c, n in levels.items()}
+
+
+def alternated_c8(rounds: int, n: int, frames: int, models: Path, seed: int, device: str) -> tuple[list[dict], dict]:
+    """The c8 point, staged against monolith x2, both up (each idle while the other is measured) and taken in
+    turn, `rounds` times (the first side alternating): per round each side's req/s and its processes' CPU;
+    the ratio is the median of the rounds' ratios (a burst of other work on the machine moves one round)."""
+    runs: dict[str, list[dict]] = {"staged": [], "monolith_x2": []}
+    with serve_omni(models, staged_edit(device)) as local, \
+            MonolithReplicas(2, models / "qwen3-omni-tiny", frames, device) as replicas:
+        sides = {"staged": (lambda: stage_pids(local),
+                            lambda: asyncio.run(run_level(local.endpoint, request_order(n, seed), frames, 8))),
+                 "monolith_x2": (lambda: replica_pids(replicas),
+                                 lambda: run_replicas_level(replicas, request_order(n, seed), 8))}
+        for i in range(rounds):
+            for name in (("staged", "monolith_x2") if i % 2 == 0 else ("monolith_x2", "staged")):
+                r = with_cpu(*sides[name])
+                runs[name].append(r)
+                print(f"  round {i + 1} {name:<12} {r['rps']:.2f} req/s  cores {r['cpu_cores']}", flush=True)
+    ratios = [a["rps"] / b["rps"] for a, b in zip(runs["staged"], runs["monolith_x2"])]
+    figures = [figure("staged_over_monolith_x2.rps_c8_alternated", statistics.median(ratios), "ratio")]
+    detail: dict = {"rounds": rounds, "requests": n, "ratios": [round(x, 3) for x in ratios]}
+    for name, rs in runs.items():
+        rps = statistics.median(r["rps"] for r in rs)
+        figures.append(figure(f"{name}.rps_c8_alternated", rps, "req/s"))
+        # CPU seconds each request costs, per process: what the ratio is made of where both sides fill the cores
+        per_request = {p: statistics.median(r["cpu_cores"].get(p, 0.0) / r["rps"] for r in rs)
+                       for p in rs[0]["cpu_cores"]}
+        figures.append(figure(f"{name}.cpu_s_per_request_c8", sum(per_request.values()), "core-s"))
+        figures.append(figure(f"{name}.cpu_cores_c8", statistics.median(sum(r["cpu_cores"].values()) for r in rs),
+                              "cores"))
+        detail[name] = {"rps": [round(r["rps"], 3) for r in rs],
+                        "cpu_s_per_request": {p: round(v, 3) for p, v in per_request.items()},
+                        "cpu_cores": [r["cpu_cores"] for r in rs]}
+    # What the ratio would be with both sides on all the cores, whatever else shares them: a loaded machine
+    # gives each runnable process about the same share, and the staged side has four to the monolith's two.
+    figures.append(figure("monolith_x2_over_staged.cpu_s_per_request_c8",
+                          sum(detail["monolith_x2"]["cpu_s_per_request"].values())
+                          / sum(detail["staged"]["cpu_s_per_request"].values()), "ratio"))
+    return figures, detail
 
 
 def side_figures(prefix: str, c: int | None, r: dict) -> list[dict]:
@@ -268,15 +377,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default=str(ROOT / "models"))
+    ap.add_argument("--c8-rounds", type=int, default=0, metavar="N",
+                    help="only the c8 point, staged and monolith x2 alternated N rounds (merged into the results)")
     add_device_argument(ap)
     args = ap.parse_args()
     require_device(args.device)
     exit_on_sigterm()
     load_at_start = [round(x, 2) for x in os.getloadavg()]  # every side shares the cores: say how busy they were
     print(f"load average at start (1, 5, 15 min): {load_at_start}", flush=True)
+    flags = cpu_flags(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+    print(f"vector units: {', '.join(f for f, on in flags.items() if on) or 'none of ' + ', '.join(flags)}", flush=True)
     started = time.perf_counter()
     model_dir = Path(args.models) / "qwen3-omni-tiny"
     frames = CODEC_FRAMES
+    if args.c8_rounds:
+        n = 16 if args.quick else 48
+        figures, detail = alternated_c8(args.c8_rounds, n, frames, Path(args.models), 0, args.device)
+        print_table("c8, staged and monolith x2 alternated", figures)
+        path = merge_results(results_name("e2e_vs_monolith", args.device), figures, {
+            "what": f"c8 alternated, {args.c8_rounds} rounds of {n} requests", "quick": args.quick,
+            "cpu_flags": flags, "load_average_at_start": load_at_start,
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()], "c8_alternated": detail,
+            "runtime_s": round(time.perf_counter() - started, 1),
+            "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+        print(f"\nmerged into {path}")
+        return
     n_mono = 6 if args.quick else 16
     levels = {1: 6, 8: 16, 32: 32} if args.quick else {1: 16, 8: 48, 32: 96}
     loaded_levels = {c: n for c, n in levels.items() if c > 1}
@@ -307,6 +432,8 @@ def main() -> None:
     figures.append(figure("monolith_x2_over_monolith.rps_c8", mono2[8]["rps"] / mono["rps"], "ratio"))
     print_table("figures", figures)
     extra = {"quick": args.quick, "codec_frames": frames, "device": args.device, "monolith_replicas": 2,
+             "cpu_flags": flags, "cpu_cores_c8": {"monolith_x2": mono2[8].get("cpu_cores"),
+                                                  "staged": st[8].get("cpu_cores")},
              "load_average_at_start": load_at_start, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
              "runtime_s": round(time.perf_counter() - started, 1)}
     print(f"\nwrote {write_results(results_name('e2e_vs_monolith', args.device), figures, extra)}")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
 import os
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import httpx
-from common import figure, finish, percentile, print_table
+from common import figure, finish, percentile, print_table, sse_chunks
 from omni_load import prompts, serve_omni
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,20 +81,14 @@ class Doors:
                 "max_tokens": max_tokens, "ignore_eos": True, "seed": SEED,
                 "stream_options": {"include_usage": True}}
         t0, first, audio, tokens = time.perf_counter(), None, 0, 0
-        async with self.http.stream("POST", "/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices", ()):
-                    data = (choice.get("delta", {}).get("audio") or {}).get("data")
-                    if data:
-                        first = first if first is not None else time.perf_counter() - t0
-                        audio += len(base64.b64decode(data))
+        async for chunk in sse_chunks(self.http, "/chat/completions", body):
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", ()):
+                data = (choice.get("delta", {}).get("audio") or {}).get("data")
+                if data:
+                    first = first if first is not None else time.perf_counter() - t0
+                    audio += len(base64.b64decode(data))
         return first, audio, tokens
 
 

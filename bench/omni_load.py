@@ -28,10 +28,30 @@ def prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
     return out
 
 
+async def stream_one(client, text: str, max_tokens: int, frames: int) -> dict:
+    """One request through the pipeline, its audio chunks timed as they arrive: TTFP, latency, real-time
+    factor (latency over the seconds of audio), tokens, `arrivals` as (arrival s from the call, audio s)."""
+    from omnistage.client import GenerateResult
+
+    r, arrivals = GenerateResult(), []
+    t0 = time.perf_counter()
+    async for ev in client.stream(text, max_tokens=max_tokens, ignore_eos=True, max_codec_frames=frames,
+                                  timeout=600):
+        elapsed = time.perf_counter() - t0
+        before = len(r.pcm)
+        r.add(ev, elapsed)
+        if len(r.pcm) > before:
+            arrivals.append((elapsed, (len(r.pcm) - before) / 2 / r.sample_rate))
+    dt = time.perf_counter() - t0
+    return {"ttfp": r.first_audio_s, "latency": dt, "rtf": dt / r.audio_seconds, "tokens": len(r.token_ids),
+            "arrivals": arrivals, "audio_s": r.audio_seconds}
+
+
 async def run_level(endpoint: str, prompt_set, frames: int, concurrency: int) -> dict:
-    """Every prompt through the pipeline, `concurrency` at a time: rates, TTFP, latency, real-time factor,
-    and per request its audio chunks as (arrival s from the call, audio s) and what it got (tokens, audio s)."""
-    from omnistage.client import AsyncOmniClient, GenerateResult
+    """Every prompt through the pipeline, `concurrency` at a time: rates, TTFP, latency, real-time factor
+    (`rtf` the mean, `rtfs` per request), and per request its audio chunks as (arrival s from the call,
+    audio s) and what it got (tokens, audio s)."""
+    from omnistage.client import AsyncOmniClient
 
     ttfp, lat, rtf, tokens, chunks, got = [], [], [], 0, [], []
     queue = list(prompt_set)
@@ -40,28 +60,19 @@ async def run_level(endpoint: str, prompt_set, frames: int, concurrency: int) ->
             nonlocal tokens
             while queue:
                 text, max_tokens = queue.pop()
-                r, arrivals = GenerateResult(), []
-                t0 = time.perf_counter()
-                async for ev in client.stream(text, max_tokens=max_tokens, ignore_eos=True,
-                                              max_codec_frames=frames, timeout=600):
-                    elapsed = time.perf_counter() - t0
-                    before = len(r.pcm)
-                    r.add(ev, elapsed)
-                    if len(r.pcm) > before:
-                        arrivals.append((elapsed, (len(r.pcm) - before) / 2 / r.sample_rate))
-                dt = time.perf_counter() - t0
-                ttfp.append(r.first_audio_s)
-                lat.append(dt)
-                rtf.append(dt / r.audio_seconds)
-                tokens += len(r.token_ids)
-                chunks.append(arrivals)
-                got.append((len(r.token_ids), r.audio_seconds))
+                one = await stream_one(client, text, max_tokens, frames)
+                ttfp.append(one["ttfp"])
+                lat.append(one["latency"])
+                rtf.append(one["rtf"])
+                tokens += one["tokens"]
+                chunks.append(one["arrivals"])
+                got.append((one["tokens"], one["audio_s"]))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return {"rps": len(prompt_set) / wall, "tok_s": tokens / wall, "ttfp": ttfp, "latency": lat,
-            "rtf": sum(rtf) / len(rtf), "n": len(prompt_set), "chunks": chunks, "got": got}
+            "rtf": sum(rtf) / len(rtf), "rtfs": rtf, "n": len(prompt_set), "chunks": chunks, "got": got}
 
 
 def playback_gaps(chunks: list[tuple[float, float]]) -> list[float]:

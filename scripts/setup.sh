@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 VENV=.venv
 TORCH_CPU=2.13.0+cpu   # the torch pin of pyproject.toml, CPU build
 CPU_TORCH_INDEX=${CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="gpu,ucx-cu13,k8s,dev"; else EXTRAS="cpu,ucx,k8s,dev"; fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="gpu,ucx-cu13,k8s,dev,bench"; else EXTRAS="cpu,ucx,k8s,dev,bench"; fi
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS
 stamp=$VENV/.omnistage-setup
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x $VENV/bin/omnistage ]; then

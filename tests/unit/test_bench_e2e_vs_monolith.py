@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from e2e_vs_monolith import RoundRobin, request_order
+from e2e_vs_monolith import VECTOR_FLAGS, RoundRobin, cpu_cores, cpu_flags, request_order
 from omni_load import prompts
 
 
@@ -63,3 +63,18 @@ def test_request_order_does_not_hand_every_long_prompt_to_one_of_two_replicas():
     replica_of = [rr.pick() for _ in range(48)]
     long_per_replica = Counter(r for r, (_, max_tokens) in zip(replica_of, request_order(48, 0)) if max_tokens > 8)
     assert sorted(long_per_replica.values())[0] >= 8  # of 24 long prompts, not 0 and 24
+
+
+def test_cpu_flags_read_the_first_processor():
+    cpuinfo = ("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse avx avx2 fma avx512f avx512_vnni\n\n"
+               "processor\t: 1\nflags\t\t: fpu sse\n")
+    flags = cpu_flags(cpuinfo)
+    assert set(flags) == set(VECTOR_FLAGS)
+    assert {f for f, on in flags.items() if on} == {"avx2", "fma", "avx512f", "avx512_vnni"}
+    assert not any(cpu_flags("").values())   # no /proc/cpuinfo: nothing claimed
+
+
+def test_cpu_cores_per_process_over_the_wall_time():
+    before = {"thinker": 10.0, "talker": 4.0}
+    after = {"thinker": 12.0, "talker": 7.0, "talker[+1]": 1.0}   # a replica started in between counts from 0
+    assert cpu_cores(before, after, 2.0) == {"thinker": 1.0, "talker": 1.5, "talker[+1]": 0.5}
