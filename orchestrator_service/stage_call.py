@@ -88,6 +88,19 @@ class _Incomplete(Exception):
     """The stream ended without end of stream: the replica went away."""
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Reported(Exception):
+    """The stage said which status it ends the call with (a StageFailure message): that is its answer, whatever
+    status the gRPC library then reports (one still writing inputs may be told INTERNAL: stage.proto)."""
+
+    def __init__(self, failure: stage_pb2.StageFailure):
+        super().__init__(failure.message)
+        self.code = _STATUS_CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
+        self.details = failure.message
+
+
 @dataclass(frozen=True)
 class _Attempt:
     """A call just opened on a replica: the writer sends it the header, then `replay`."""
@@ -236,6 +249,8 @@ class StageCall:
                         break
                     except grpc.aio.AioRpcError as e:
                         code, details = e.code(), e.details() or ""
+                    except _Reported as e:
+                        code, details = e.code, e.details
                     except _Incomplete:
                         code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without end of stream"
                     finally:
@@ -260,6 +275,8 @@ class StageCall:
         """Hand on one attempt's new output chunks until end of stream."""
         timing = self.timing
         async for out in call:
+            if out.HasField("failure"):
+                raise _Reported(out.failure)
             chunk = out.chunk
             if chunk.chunk_id < self.delivered:  # a retried replica repeating what was already handed on
                 self._check_repeat(chunk)

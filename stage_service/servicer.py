@@ -63,6 +63,11 @@ def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"stage {stage}: internal error ({type(exc).__name__})"
 
 
+
+def failure_output(code: grpc.StatusCode, message: str) -> stage_pb2.StageOutput:
+    """The message that tells the client the status the call is about to end with."""
+    return stage_pb2.StageOutput(failure=stage_pb2.StageFailure(code=code.value[0], message=message))
+
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def __init__(self, pipeline: Pipeline, stage: Stage, engine: Engine, metrics: StageMetrics,
                  data_plane: DataPlane | None = None):
@@ -88,7 +93,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         refusal = self._refusal()
         if refusal is not None:
             self.metrics.outcome("rejected")
-            await context.abort(*status_for(self.stage.name, refusal))
+            status = status_for(self.stage.name, refusal)
+            yield failure_output(*status)
+            await context.abort(*status)
         spans = CallSpans(self.stage.name, first, context.invocation_metadata())
         async with self.calls.scope() as call, spans:
             header = header_from_proto(first)
@@ -115,7 +122,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     yield msg
         if call.status is not None:
             # Outside the scope: the abort must not carry the error's traceback (and with it the
-            # engine's frames and request state) into gRPC's call state.
+            # engine's frames and request state) into gRPC's call state. The status goes in a message first:
+            # a client still writing inputs may not be told it (stage.proto StageFailure).
+            if not context.cancelled():  # a client that cancelled reads nothing more
+                yield failure_output(*call.status)
             await context.abort(*call.status)
 
     def _refusal(self) -> Exception | None:

@@ -151,13 +151,22 @@ def process(channel: grpc.Channel, messages, release: str | None = None
     call = stub.Process(iter(messages), timeout=CALL_TIMEOUT_S)
     if release is not None:
         stub.Release(stage_pb2.ReleaseRequest(request_id=release), timeout=CALL_TIMEOUT_S)
-    chunks = []
+    chunks, failures = [], []
     try:
         for out in call:
-            chunks.append(out.chunk)
+            if out.HasField("failure"):
+                failures.append(out.failure)
+            else:
+                chunks.append(out.chunk)
     except grpc.RpcError:
         pass
-    return call.code(), call.details() or "", chunks
+    code, details = call.code(), call.details() or ""
+    # A status the stage ended the call with came first as a message saying the same (stage.proto StageFailure);
+    # one gRPC itself set (a message over its size bound) comes alone.
+    assert len(failures) <= 1 and all((f.code, f.message) == (code.value[0], details) for f in failures), \
+        (failures, code, details)
+    assert not failures or not chunks or not chunks[-1].end_of_stream, "a failure after the last chunk"
+    return code, details, chunks
 
 
 def check_outcome(code: grpc.StatusCode, details: str, chunks, messages) -> None:

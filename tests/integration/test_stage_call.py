@@ -27,9 +27,12 @@ class ScriptedStage(stage_pb2_grpc.StageServiceServicer):
     gets it) aborts with `fail_code` (UNAVAILABLE: the replica went down) after `fail_first_after` input
     chunks."""
 
-    def __init__(self, fail_first_after: int | None = None, fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+    def __init__(self, fail_first_after: int | None = None, fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 reported: stage_pb2.StageFailure | None = None):
+        """`reported`: a StageFailure message sent before the abort (a stage says its status in it first)."""
         self.fail_first_after = fail_first_after
         self.fail_code = fail_code
+        self.reported = reported
         self.calls: list[list[stage_pb2.StageInput]] = []  # every call's input messages, as received
         self.open = 0
 
@@ -44,6 +47,8 @@ class ScriptedStage(stage_pb2_grpc.StageServiceServicer):
                 if msg.WhichOneof("kind") != "chunk":
                     continue
                 if first and self.fail_first_after is not None and len(got) - 1 >= self.fail_first_after:
+                    if self.reported is not None:
+                        yield stage_pb2.StageOutput(failure=self.reported)
                     await context.abort(self.fail_code, "replica went down" if self.fail_code ==
                                         grpc.StatusCode.UNAVAILABLE else "engine failed")
                 c = msg.chunk
@@ -118,6 +123,23 @@ def chunk(i: int, last: bool = False, ref: bool = False, size: int = 0) -> stage
 
 def inputs_of(call: list[stage_pb2.StageInput]) -> list[str]:
     return [m.WhichOneof("kind") if m.WhichOneof("kind") == "header" else m.chunk.text for m in call]
+
+
+async def test_the_status_a_stage_reports_before_ending_the_call_is_its_answer():
+    """A stage's StageFailure message is what failed, whatever status the gRPC library reports after it: the
+    asyncio client still writing inputs is told INTERNAL "Internal error from Core" instead of the stage's
+    status (grpc/grpc#36066), which read as the replica's fault (retried elsewhere, 503) where the stage
+    refused the request (400)."""
+    script = ScriptedStage(fail_first_after=0, fail_code=grpc.StatusCode.INTERNAL, reported=stage_pb2.StageFailure(
+        code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message='stage llm: bad input: unknown speaker "nobody"'))
+    async with Replicas(script) as replicas:
+        run = Run(replicas)
+        await run.call.open()
+        await run.call.forward(SOURCE, chunk(0, last=True))
+        error = await run.error()
+    assert isinstance(error, StageFailed) and error.code == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert 'unknown speaker "nobody"' in str(error)
+    assert len(script.calls) == 1  # the stage's refusal: not retried on another replica
 
 
 async def test_a_failed_replica_is_replaced_and_the_new_one_sees_every_input_once_in_order():

@@ -49,7 +49,8 @@ class Call:
 
     async def _run(self) -> list[stage_pb2.Chunk]:
         async for out in self.rpc:
-            self.chunks.append(out.chunk)
+            if out.HasField("chunk"):  # a StageFailure comes just before the call's error status
+                self.chunks.append(out.chunk)
             self.started.set()
         return self.chunks
 
