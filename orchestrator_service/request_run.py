@@ -156,7 +156,8 @@ class RequestRun:
             consumers=self._consumers[stage], deadline_unix_ms=int(self.deadline * 1e3) if self.deadline else 0,
             # a stage whose chunks go only to other stages is retried after handing some on: its repeats are
             # checked against their digests (StageCall._drain)
-            digest_outputs=stage not in self.outputs)
+            digest_outputs=stage not in self.outputs,
+            failure_message=True)  # StageCall._drain takes a StageFailure as the stage's answer
 
     async def _open(self, stage: str) -> None:
         if await self._calls[stage].open():

@@ -64,6 +64,11 @@ def status_for(stage: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 
+def asks_failure_message(first: stage_pb2.StageInput | None) -> bool:
+    """Whether the call's header asks for its error status in a StageFailure message first (stage.proto)."""
+    return first is not None and first.WhichOneof("kind") == "header" and first.header.failure_message
+
+
 def failure_output(code: grpc.StatusCode, message: str) -> stage_pb2.StageOutput:
     """The message that tells the client the status the call is about to end with."""
     return stage_pb2.StageOutput(failure=stage_pb2.StageFailure(code=code.value[0], message=message))
@@ -94,7 +99,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if refusal is not None:
             self.metrics.outcome("rejected")
             status = status_for(self.stage.name, refusal)
-            yield failure_output(*status)
+            if asks_failure_message(first):
+                yield failure_output(*status)
             await context.abort(*status)
         spans = CallSpans(self.stage.name, first, context.invocation_metadata())
         async with self.calls.scope() as call, spans:
@@ -124,7 +130,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Outside the scope: the abort must not carry the error's traceback (and with it the
             # engine's frames and request state) into gRPC's call state. The status goes in a message first:
             # a client still writing inputs may not be told it (stage.proto StageFailure).
-            if not context.cancelled():  # a client that cancelled reads nothing more
+            if asks_failure_message(first) and not context.cancelled():  # one that cancelled reads nothing more
                 yield failure_output(*call.status)
             await context.abort(*call.status)
 

@@ -104,18 +104,20 @@ def merged(readings: Mapping[str, Buckets]) -> dict[float, float]:
 
 def counted_since(readings: Sequence[Mapping[str, Counters]]) -> dict[str, float]:
     """What the orchestrator replicas counted over successive readings (oldest first; each by replica name):
-    per replica, from the oldest reading that holds it to the newest, summed. A replica whose counter went
-    back restarted between them and counted from zero (its newest value is what it counted since); one
-    first read in the newest reading, or absent from it, adds nothing. Counted per replica, not summed
-    first: a replica missing from one reading would otherwise read as every other one's restart."""
+    per replica, the increase from each of its readings to its next, summed (as Prometheus' `increase`): a
+    counter that went back between two readings restarted in between and counted from zero, so that step
+    adds its new value. A replica first read in the newest reading adds nothing. Counted per replica, not
+    summed first: a replica missing from one reading would otherwise read as every other one's restart."""
     out: dict[str, float] = {}
-    if not readings:
-        return out
-    for replica, after in readings[-1].items():
-        before = next((r[replica] for r in readings if replica in r), after)
-        reset = any(v < before.get(k, 0.0) for k, v in after.items())
-        for k, v in after.items():
-            out[k] = out.get(k, 0.0) + v - (0.0 if reset else before.get(k, 0.0))
+    last: dict[str, Counters] = {}
+    for reading in readings:
+        for replica, now in reading.items():
+            before = last.get(replica)
+            if before is not None:
+                reset = any(v < before.get(k, 0.0) for k, v in now.items())
+                for k, v in now.items():
+                    out[k] = out.get(k, 0.0) + v - (0.0 if reset else before.get(k, 0.0))
+            last[replica] = now
     return out
 
 

@@ -279,6 +279,11 @@ class EngineProcess:
                     answer = self._recv(f"running a {self._pending[0].op}")
                 except EngineDead as e:
                     answer = ("dead", str(e))
+                except BaseException as e:  # noqa: BLE001 - an answer taken off the pipe and not understood
+                    # (unpickling it failed): what follows on the pipe no longer matches the messages sent, so
+                    # no later answer can be handed to its own: the core is as good as gone
+                    answer = ("dead", f"stage {self.stage}: an answer of the engine process could not be read "
+                                      f"({type(e).__name__}: {e})")
                 finally:
                     self._replies.acquire()
                     self._reading = False

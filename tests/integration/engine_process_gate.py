@@ -4,6 +4,8 @@ Each sequence's value is its spec, handed back by every step that includes it.""
 
 from __future__ import annotations
 
+import os
+
 
 class GateCore:
     def __init__(self, gate):
@@ -28,3 +30,20 @@ class GateCore:
 
     def stats(self) -> tuple[int, int]:
         return len(self.specs), 0
+
+
+def _load(pid: int) -> "UnreadableIn":
+    if os.getpid() == pid:
+        raise TypeError("this answer cannot be rebuilt here")
+    return UnreadableIn(pid)
+
+
+class UnreadableIn:
+    """A value that travels to the core and back but cannot be unpickled in process `pid` (the stage's): an
+    answer the stage process cannot read."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def __reduce__(self):
+        return _load, (self.pid,)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import threading
 
 import grpc
@@ -213,6 +214,34 @@ def test_a_release_sent_while_a_step_is_out_reaches_the_core_after_that_step(gat
     gated.let_go()
     assert gated.collect(pending) == [("a", "done", 0), ("b", "done", 0)]
     assert gated.stats() == (1, 0)  # b alone is left
+
+
+def test_an_answer_that_cannot_be_read_fails_every_step_out_and_wakes_their_waiters(gated):
+    """Past an answer it could not read, the pipe is out of step with the messages: every step outstanding
+    fails (none gets another's answer) and whoever waits for one is woken to be told."""
+    from .engine_process_gate import UnreadableIn
+
+    a, bad = gated.sequence("a"), gated.sequence(UnreadableIn(os.getpid()))
+    first, second = gated.submit([bad]), gated.submit([a])
+    got: dict[str, object] = {}
+
+    def wait_second() -> None:
+        try:
+            got["second"] = gated.collect(second)
+        except EngineDead as e:
+            got["second"] = e
+
+    waiter = threading.Thread(target=wait_second)
+    waiter.start()  # reads the pipe itself, or waits for the reader of the first answer
+    gated.let_go()
+    gated.let_go()
+    with pytest.raises(EngineDead, match="could not be read"):
+        gated.collect(first)
+    waiter.join(60)
+    assert not waiter.is_alive() and isinstance(got["second"], EngineDead), got
+    assert gated.in_flight == 0
+    with pytest.raises(EngineDead, match="could not be read"):
+        gated.submit([a])
 
 
 def test_a_child_dying_with_two_steps_out_fails_both_and_every_later_step(gated):

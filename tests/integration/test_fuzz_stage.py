@@ -11,6 +11,7 @@ request and holds nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from pathlib import Path
@@ -205,6 +206,8 @@ async def test_any_process_stream_ends_cleanly_and_leaves_nothing(stage):
 
     def one(channel, messages, segments, release_mid_call):
         for m in messages:  # "self" stands for the stage's own host id, known only once it runs
+            if m.WhichOneof("kind") == "header":
+                m.header.failure_message = True  # as the orchestrator asks: process() checks what it says
             if m.WhichOneof("kind") == "chunk":
                 for t in m.chunk.tensors:
                     if t.WhichOneof("payload") == "ref" and t.ref.host_id == "self":
@@ -240,6 +243,28 @@ async def test_any_process_stream_ends_cleanly_and_leaves_nothing(stage):
     await assert_nothing_held(stage)
     assert stage.data_plane.held_bytes == 0
     assert not list(SHM.glob(f"{SEGMENT_PREFIX}fuzz-{RUN}-*"))
+
+
+async def test_the_status_comes_first_as_a_message_only_when_the_header_asks(stage):
+    """A client that asks (failure_message) reads a StageFailure saying the status before it; one that does
+    not (built before the message existed) gets the status alone, as it always did."""
+    def call(ask: bool):
+        messages = [stage_pb2.StageInput(), *_FOREIGN_BACKEND[1:]]
+        messages[0].CopyFrom(_FOREIGN_BACKEND[0])
+        messages[0].header.failure_message = ask
+        with grpc.insecure_channel(f"127.0.0.1:{stage.port}") as channel:
+            call = stage_pb2_grpc.StageServiceStub(channel).Process(iter(messages), timeout=CALL_TIMEOUT_S)
+            outputs = []
+            with contextlib.suppress(grpc.RpcError):
+                outputs.extend(call)
+            return call.code(), call.details(), outputs
+
+    code, details, outputs = await asyncio.to_thread(call, True)
+    assert code != grpc.StatusCode.OK and [o.WhichOneof("kind") for o in outputs] == ["failure"], outputs
+    assert (outputs[0].failure.code, outputs[0].failure.message) == (code.value[0], details)
+    code_alone, details_alone, outputs = await asyncio.to_thread(call, False)
+    assert outputs == [] and (code_alone, details_alone) == (code, details)
+    await assert_nothing_held(stage)
 
 
 async def test_release_of_any_id_is_answered_and_frees_nothing_of_others(stage):

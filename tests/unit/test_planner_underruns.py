@@ -83,10 +83,14 @@ def test_a_miss_is_told_as_a_share_and_a_met_target_says_nothing():
 
 @pytest.mark.parametrize("readings, want", [
     ([], {}),
-    ([{"o": counts(1, 10)}], {AUDIO_UNDERRUNS: 0.0, AUDIO_CHUNKS: 0.0}),                       # one reading: nothing
+    ([{"o": counts(1, 10)}], {}),                                                          # one reading: nothing
     ([{"o": counts(1, 10)}, {"o": counts(4, 110)}], {AUDIO_UNDERRUNS: 3.0, AUDIO_CHUNKS: 100.0}),
     # restarted between the readings: it counted from zero, its newest values are what it counted since
     ([{"o": counts(0, 10000)}, {"o": counts(60, 200)}], {AUDIO_UNDERRUNS: 60.0, AUDIO_CHUNKS: 200.0}),
+    # restarted inside the window and past its old totals by the newest reading: each step's increase counts
+    # (the oldest and newest alone, 0/100 -> 3/400, would read 3 of 300)
+    ([{"o": counts(0, 100)}, {"o": counts(5, 300)}, {"o": counts(1, 50)}, {"o": counts(3, 400)}],
+     {AUDIO_UNDERRUNS: 8.0, AUDIO_CHUNKS: 600.0}),
     # two replicas, one restarted: the other's counts stand
     ([{"a": counts(5, 500), "b": counts(0, 9000)}, {"a": counts(7, 600), "b": counts(1, 50)}],
      {AUDIO_UNDERRUNS: 3.0, AUDIO_CHUNKS: 150.0}),

@@ -316,8 +316,11 @@ async def test_one_message_carries_a_steps_rows_for_every_request_and_each_reque
     assert torch.equal(await asyncio.wait_for(rx.take("b", 5, 6), 5), rows[10:11])
     assert torch.equal(await rx.take("c", 9, 10), rows[11:12])
     assert rx.parts_held("a") == 1  # eight positions, one part (no object per position)
+    # a message of several requests' rows is copied apart: "a"'s part holds its own 8 rows, not the message's 12
+    assert rx._open["a"].parts[0][1].untyped_storage().nbytes() == 8 * 2 * 3 * 4
     assert torch.equal(await rx.take("a", 0, 6), rows[:6])
-    assert rx.parts_held("a") == 1  # what is left of the part: positions 6 and 7
+    assert rx.parts_held("a") == 1  # what is left of the part: positions 6 and 7, copied out of it
+    assert rx._open["a"].parts[0][1].untyped_storage().nbytes() == 2 * 2 * 3 * 4
     send.step([["a-0a1b2c3d", 8, 1, False]], rows[:1] + 1000)
     assert torch.equal(await asyncio.wait_for(rx.take("a", 6, 9), 5), torch.cat([rows[6:8], rows[:1] + 1000]))
     assert rx.parts_held("a") == 0  # taken rows are let go

@@ -331,6 +331,7 @@ class RemoteLatentsState(RemoteState):
     """An image decoded by the engine process, as the stage process sees it."""
 
     shape: tuple[int, ...]
+    sent_at: float | None = None      # perf_counter() when its decode went to the engine process
     answered_at: float | None = None  # perf_counter() when its decode's answer was taken (its PNG follows)
 
     @property
@@ -407,9 +408,11 @@ class VaeDecodeEngine(SteppedEngine):
     def _sent(self, states: list[RemoteLatentsState]) -> list[asyncio.Future]:
         """The batch sent to the engine process, not waited for: the encoder thread takes its answer."""
         pending = self.core.submit([st.seq for st in states])  # blocks while the core has enough to do
+        sent = time.perf_counter()
         pngs = []
         for st in states:
             st.finished = True  # one decode each; the core's answer says so too
+            st.sent_at = sent
             pngs.append(asyncio.Future(loop=self.loop))
         self.encoder.submit(self._decoded, pending, list(zip(states, pngs)))
         return pngs
@@ -423,8 +426,10 @@ class VaeDecodeEngine(SteppedEngine):
             return self._decode_failed(batch, error)
         self._failed_in_a_row = 0
         answered = time.perf_counter()
-        for st, _ in batch:
+        for (st, _), r in zip(batch, answers):
             st.answered_at = answered
+            if not isinstance(r, RequestFailed):  # as remote_step reads an answer: its end, and what the core holds
+                st.finish_reason, st.child_bytes = r[1], r[2]
         failed = [(png, r) for (_, png), r in zip(batch, answers) if isinstance(r, RequestFailed)]
         if failed:
             self._settle(failed)
@@ -486,11 +491,14 @@ class VaeDecodeEngine(SteppedEngine):
         if isinstance(png, EngineError):  # its own failure, or its decode's in the engine process
             raise png
         waited = time.perf_counter() - t0
-        # In an engine process the step only sent the decode: waiting for its answer is compute, the rest the PNG.
-        decoding = max(0.0, (getattr(state, "answered_at", None) or t0) - t0)
+        # In an engine process the step only sent the decode: from its sending to its answer is compute (it may
+        # have been answered before this resumed), what this waited after the answer is the PNG.
+        sent, answered = getattr(state, "sent_at", None), getattr(state, "answered_at", None)
+        decoding = answered - sent if sent is not None and answered is not None else 0.0
+        encoding = waited - max(0.0, (answered or t0) - t0)
         yield OutputChunk(tensors={"image": png}, last=True, queue_ms=stream.queue_ms,
                           compute_ms=stream.compute_ms + decoding * 1e3, transfer_ms=transfer_ms,
-                          encode_ms=(waited - decoding) * 1e3)
+                          encode_ms=encoding * 1e3)
 
     async def shutdown(self) -> None:
         try:

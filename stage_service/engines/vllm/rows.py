@@ -118,7 +118,10 @@ class _Rows:
             if lo < hi:
                 out[lo - start:hi - start] = r[lo - s:hi - s]
             if s + len(r) > end:
-                kept.append((max(s, end), r[max(0, end - s):]))
+                # what is left of a part partly taken is copied out: as a view it would keep the whole step's
+                # message alive until the last of its rows is taken
+                tail = r[max(0, end - s):]
+                kept.append((max(s, end), tail if len(tail) == len(r) else tail.clone()))
         self.parts = kept
         return out
 
@@ -161,13 +164,16 @@ class RowsReceiver:
     async def _pump(self) -> None:
         while True:
             reads, rows = read_step(await self._sock.recv_multipart(copy=False))
+            # One request's rows are a view of the message; several requests' are copied apart: as views, one
+            # request whose rows wait (a slow reader) would keep every other request's rows of the step alive.
+            shared = sum(1 for _, _, n, _ in reads if n) > 1
             at = 0
             for vid, start, n, done in reads:
                 rid = ours(vid, self._open)
                 if rid is not None:
                     entry = self._open[rid]
                     if n:
-                        part = rows[at:at + n]
+                        part = rows[at:at + n].clone() if shared else rows[at:at + n]
                         entry.parts.append((start, part))
                         self.received_bytes += part.nbytes
                     entry.done = entry.done or done
