@@ -117,3 +117,13 @@ async def _no_stale_loop_registrations():
     loop._add_reader = checked_add_reader
     yield
     loop._add_reader = add_reader
+
+
+@pytest.fixture(scope="module", autouse=True)
+async def _close_sdk_clients():
+    """The OpenAI SDK clients a module's tests made, closed once it ends (tests/sdk_clients.py: why never
+    left to the garbage collector)."""
+    yield
+    from .sdk_clients import close_all
+
+    await close_all()

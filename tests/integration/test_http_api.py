@@ -25,6 +25,7 @@ from orchestrator_service.server import OrchestratorServer
 from ..harness import example, start_stage
 from ..media_builders import wav
 from ..polling import wait_until
+from ..sdk_clients import kept
 from .test_orchestrator_control import nothing_left
 from .test_orchestrator_media import PNG, tone
 
@@ -61,10 +62,11 @@ class Served:
         self.model = orc.pipeline.name
 
     def sync(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+        return kept(openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw))
 
     def aio(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+        # kept, not left to the garbage collector (tests/sdk_clients.py: how that unregisters a server's socket)
+        return kept(openai.AsyncOpenAI(base_url=self.url, api_key=kw.pop("api_key", "none"), max_retries=0, **kw))
 
     def idle(self) -> bool:
         return nothing_left(self.orc, self.stages) and all(s.data_plane.held_bytes == 0 for s in self.stages.values())
