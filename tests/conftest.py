@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import select
 from pathlib import Path
 
 import grpc
@@ -77,46 +75,6 @@ async def _no_leaked_grpc_servers():
     _SERVERS.clear()
     if leaked:
         pytest.fail(f"gRPC servers left running by: {', '.join(sorted(set(leaked)))}")
-
-
-# The event loop's epoll set and asyncio's own map of it must agree. A descriptor closed behind the loop's back
-# (closed while still registered, without remove_reader) drops out of the kernel's set but stays in asyncio's
-# map; the next socket to get its number and register for reading then only updates the map (asyncio sees no
-# change of events to tell the kernel), is never polled, and whatever waits on it waits for ever (a server that
-# never accepts). A registration over a stale entry is refused here at once, naming what held the number.
-class StaleLoopRegistration(RuntimeError):
-    pass
-
-
-def _epoll_fds(epoll_fd: int) -> set[int]:
-    with open(f"/proc/self/fdinfo/{epoll_fd}") as f:
-        return {int(line.split()[1]) for line in f if line.startswith("tfd:")}
-
-
-@pytest.fixture(scope="session", autouse=True)
-async def _no_stale_loop_registrations():
-    loop = asyncio.get_running_loop()
-    selector = getattr(loop, "_selector", None)
-    epoll = getattr(selector, "_selector", None)
-    if not isinstance(epoll, select.epoll) or not os.path.exists(f"/proc/self/fdinfo/{epoll.fileno()}"):
-        yield
-        return
-    add_reader = loop._add_reader
-
-    def checked_add_reader(fd, callback, *args):
-        number = fd if isinstance(fd, int) else fd.fileno()
-        key = selector.get_map().get(number)
-        if key is not None and number not in _epoll_fds(epoll.fileno()):
-            reader, writer = key.data
-            raise StaleLoopRegistration(
-                f"descriptor {number} is registered with the event loop (reader {reader}, writer {writer}) but was "
-                f"closed without remove_reader (the kernel no longer polls it); now reused by {callback} "
-                f"(during {_CURRENT_TEST[0]})")
-        return add_reader(fd, callback, *args)
-
-    loop._add_reader = checked_add_reader
-    yield
-    loop._add_reader = add_reader
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -145,6 +145,7 @@ class VllmEngine(Engine):
         self.default_system = ""  # the system turn a request without one gets (the omni Thinkers set theirs)
         self.kv_cache_usage = 0.0  # fraction of vLLM's KV cache in use, from its last stats
         self._last_stats: float | None = None
+        self._first_units = first_chunk_units(self.pipeline, self.stage)  # the graph is fixed: read once
 
     @property
     def running(self) -> int:
@@ -239,7 +240,7 @@ class VllmEngine(Engine):
                             extra_args=self.sampling_extra_args(prompt))
         # always_end: vLLM may end a request with an output that brings no new token (an abort, a trimmed
         # stop); a last chunk still goes on, with the finish reason.
-        chunks = Chunking(self.stage, always_end=True, first_units=first_chunk_units(self.pipeline, self.stage))
+        chunks = Chunking(self.stage, always_end=True, first_units=self._first_units)
         tokens: list[int] = []
         generated: list[int] = []  # every token so far (the chunk marks read them)
         marks = self.chunk_marks(prompt_ids, p)
