@@ -101,16 +101,17 @@ async def start_grpc_server(service: str, add_servicer: Callable[[grpc.aio.Serve
                             max_send_bytes: int, request_timeout_s: float,
                             interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
                             max_concurrent_rpcs: int | None = None, max_concurrent_streams: int | None = None,
-                            stream_window_bytes: int | None = None,
+                            stream_window_bytes: int | None = None, also_reflected: Sequence[str] = (),
                             ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """A server with every omnistage server's options (`grpc_server_options`), the service `add_servicer`
     puts on it, health (NOT_SERVING for now) and reflection; its ports are the caller's to add.
-    `max_concurrent_rpcs`: calls open at once beyond it are answered RESOURCE_EXHAUSTED (None: no bound)."""
+    `max_concurrent_rpcs`: calls open at once beyond it are answered RESOURCE_EXHAUSTED (None: no bound).
+    `also_reflected`: more services `add_servicer` puts on it, listed by reflection (health follows `service`)."""
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
                              options=grpc_server_options(max_receive_bytes, max_send_bytes, request_timeout_s,
                                                          max_concurrent_streams, stream_window_bytes))
     add_servicer(server)
-    health = add_health_and_reflection(server, [service])
+    health = add_health_and_reflection(server, [service, *also_reflected])
     await set_serving(health, [service], False)
     return server, health
 

@@ -84,7 +84,7 @@ class AccessLine:
             _current.reset(token)
 
     def saw(self, ev: orchestrator_pb2.GenerateResponse) -> None:
-        if self.first_output is None and not ev.HasField("final"):
+        if self.first_output is None and not ev.HasField("final") and not ev.HasField("progress"):
             self.first_output = time.perf_counter()
         if ev.HasField("final"):
             usage = ev.final.usage

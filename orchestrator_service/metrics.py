@@ -17,6 +17,9 @@ from omnistage.planner.scrape import (
     CLASS_STAGE_REQUESTS,
     CLASS_STAGE_UNITS,
     FIRST_OUTPUT_SECONDS,
+    JOBS_QUEUED,
+    JOBS_RUNNING,
+    JOBS_SLOTS,
     RTF,
 )
 
@@ -25,6 +28,9 @@ from omnistage.planner.scrape import (
 # finished, cancelled, failed or timeout; one never admitted rejected (full), unauthenticated (its API key, on
 # the gRPC door), invalid, failed (a stage down) or timeout (its deadline passed in the admission queue).
 ENDED_OUTCOMES = ("finished", "cancelled", "failed", "timeout", "rejected", "unauthenticated", "invalid")
+# How a job run by this replica ended (each run once): completed, failed, or taken_over (its lease was lost to
+# another replica, which runs it again from the start).
+JOB_OUTCOMES = ("completed", "failed", "taken_over")
 # Real-time factors: fine around 1 (where a target sits: its p95 is read as the upper bound of a bucket)
 _RTF = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
@@ -79,6 +85,17 @@ class OrchestratorMetrics:
                                             "class", ["class", "stage"], registry=r)
         self.class_stage_units = Counter(CLASS_STAGE_UNITS, "Work units a stage did for finished requests, by "
                                          "request class (from their traces)", ["class", "stage", "unit"], registry=r)
+        # The job API (/v1/videos, gRPC Jobs): the planner reads the queued jobs as demand on the pipeline.
+        self.jobs_queued = Gauge(JOBS_QUEUED, "Jobs queued in the job store, as this replica last counted them",
+                                 registry=r)
+        self.jobs_running = Gauge(JOBS_RUNNING, "Jobs this replica runs now", registry=r)
+        # the planner counts queued jobs only as far as free slots take them into the pipeline
+        self.jobs_slots = Gauge(JOBS_SLOTS, "Jobs this replica runs at once at most (--jobs-concurrency; 0 without a "
+                                "job store or while it drains)", registry=r)
+        self.jobs = Counter("omnistage_jobs_ended", "Job runs of this replica ended, by outcome "
+                            f"({', '.join(JOB_OUTCOMES)})", ["outcome"], registry=r)
+        for outcome in JOB_OUTCOMES:
+            self.jobs.labels(outcome)
 
     def observe_audio(self, to_last_audio_s: float, audio_s: float) -> None:
         """A finished request's real-time factor; one that produced no audio says nothing of it."""

@@ -1,5 +1,6 @@
 """Final-stage chunks -> client events (pure). The orchestrator forwards bytes as the stages
-produced them: int16 PCM audio, PNG images, text deltas."""
+produced them: int16 PCM audio, PNG images, uint8 RGB video frames, text deltas; and a stage's progress
+reports as progress events."""
 
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ def png_size(png: bytes) -> tuple[int, int]:
 class OutputAssembler:
     """Turns one request's output-stage chunks into GenerateResponse events and counts usage."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, fps: int = 0):
         self.request_id = request_id
+        self.fps = fps  # the request's frame rate (resolved), on every VideoFrames event
         self.audio_index = 0
         self.image_index = 0
+        self.frame_index = 0  # frames sent so far: the next VideoFrames event's first frame
         self.usage = orchestrator_pb2.Usage()
 
     def events(self, modality: str, chunk: stage_pb2.Chunk) -> list[orchestrator_pb2.GenerateResponse]:
@@ -70,7 +73,32 @@ class OutputAssembler:
                 png=t.data, width=w, height=h, index=self.image_index))
             self.image_index += 1
             return [ev]
+        if modality == "video":
+            return self._video(chunk)
         return []
+
+    def _video(self, chunk: stage_pb2.Chunk) -> list[orchestrator_pb2.GenerateResponse]:
+        t = _tensor(chunk, "video")
+        if t is None or not t.shape:
+            return []
+        shape = list(t.shape)
+        if (len(shape) != 4 or shape[3] != 3 or t.dtype != tensor_pb2.UINT8
+                or len(t.data) != shape[0] * shape[1] * shape[2] * 3):
+            raise ValueError(f'stage {chunk.stage}: tensor "video" must be uint8 [frames, height, width, 3] '
+                             f"inline, got {tensor_pb2.DType.Name(t.dtype)} {shape} with {len(t.data)} bytes")
+        count = shape[0]
+        if not count:
+            return []
+        ev = orchestrator_pb2.GenerateResponse(request_id=self.request_id, video=orchestrator_pb2.VideoFrames(
+            rgb=t.data, width=shape[2], height=shape[1], count=count, index=self.frame_index, fps=self.fps))
+        self.frame_index += count
+        self.usage.video_frames += count
+        return [ev]
+
+    def progress(self, stage: str, p: stage_pb2.StageProgress) -> orchestrator_pb2.GenerateResponse:
+        """A stage's progress report as the client's event."""
+        return orchestrator_pb2.GenerateResponse(request_id=self.request_id, progress=orchestrator_pb2.Progress(
+            stage=stage, done=p.done, total=p.total, unit=p.unit))
 
     def count_prompt(self, chunk: stage_pb2.Chunk) -> None:
         t = _tensor(chunk, "prompt_token_ids")

@@ -58,7 +58,7 @@ class RequestRun:
 
     def __post_init__(self):
         self.needed = needed_stages(self.pipeline, set(self.outputs))
-        self.assembler = OutputAssembler(self.request_id)
+        self.assembler = OutputAssembler(self.request_id, fps=self.params.video.fps)
         self._events: asyncio.Queue = asyncio.Queue(self.max_buffered_events)
         inputs = {s.name: [e.source for e in s.inputs if e.source in self.needed]
                   for s in self.pipeline.stages if s.name in self.needed}
@@ -74,7 +74,8 @@ class RequestRun:
         self._calls = {s: StageCall(s, frozenset(inputs[s]), self._header(s), router=self.router,
                                     deadline=self.deadline, deliver=functools.partial(self._deliver, s),
                                     ended=functools.partial(self._ended, s), max_attempts=self.max_attempts,
-                                    max_replay_bytes=self.max_replay_bytes, metadata=self.trace_metadata)
+                                    max_replay_bytes=self.max_replay_bytes, metadata=self.trace_metadata,
+                                    progress=functools.partial(self._progress, s))
                        for s in self.needed}
         self._active = 0  # stage calls whose outputs are still being read
         self._by_reference: set[str] = set()  # stages whose outputs went by reference: they hold them for retries
@@ -97,7 +98,7 @@ class RequestRun:
                         raise item.error
                     self._active -= 1
                     continue
-                if self.first_output is None:
+                if self.first_output is None and not item.HasField("progress"):
                     self.first_output = time.perf_counter()
                 yield item
             self._completed = True
@@ -157,7 +158,8 @@ class RequestRun:
             # a stage whose chunks go only to other stages is retried after handing some on: its repeats are
             # checked against their digests (StageCall._drain)
             digest_outputs=stage not in self.outputs,
-            failure_message=True)  # StageCall._drain takes a StageFailure as the stage's answer
+            failure_message=True,  # StageCall._drain takes a StageFailure as the stage's answer
+            progress=True)  # StageCall takes StageProgress reports between chunks (a client Progress event)
 
     async def _open(self, stage: str) -> None:
         if await self._calls[stage].open():
@@ -185,6 +187,10 @@ class RequestRun:
                 reached = True
                 await self._events.put(ev)
         return reached
+
+    async def _progress(self, stage: str, progress: stage_pb2.StageProgress) -> None:
+        """A stage's report of how far it has come: a client event (no consumer stage reads it)."""
+        await self._events.put(self.assembler.progress(stage, progress))
 
     async def _ended(self, stage: str, error: StageFailed | None) -> None:
         await self._events.put(_PumpDone(stage, error))

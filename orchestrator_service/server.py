@@ -3,7 +3,8 @@ OpenAI-compatible HTTP API (optional, on its own port), drain.
 
 Drain order on SIGTERM or /drain: NOT_SERVING -> refuse new work -> admitted work (gRPC calls and HTTP
 requests alike) finishes within the drain bound -> the HTTP API stops (what is still open is cancelled)
--> the router closes its stage channels.
+-> the router closes its stage channels. Jobs (the job API's runner) claim no more at the drain's start; those
+running here have the drain bound to finish, then stop and are released (queued again: another replica takes them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from omnistage import serving, tls, tls_expiry, tls_grpc
 from omnistage.api import MAX_MESSAGE_BYTES, Pipeline, load_pipeline
 from omnistage.checkpoints.defaults import with_model_limits
 from omnistage.contract import launch
-from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from omnistage.v1 import jobs_pb2, jobs_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 from . import otel
 from .access_log import GrpcAccess
@@ -28,6 +29,9 @@ from .api_keys import ApiKeyError, ApiKeys
 from .byte_budget import ByteBudget
 from .discovery import FileDiscovery, KubernetesDiscovery, read_endpoints_file
 from .grpc_door import ClientDoor
+from .jobs.api import JobSettings
+from .jobs.replica import JobsFlagError, ReplicaJobs
+from .jobs.service import JobsServicer
 from .media_check import MediaCheck
 from .metrics import OrchestratorMetrics
 from .routing import Router
@@ -39,8 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnistage.orchestrator")
 SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+JOBS_SERVICE = jobs_pb2.DESCRIPTOR.services_by_name["Jobs"].full_name
 MIN_RECEIVE_BYTES = 64 << 20
 GENERATE = f"/{SERVICE}/Generate"
+SUBMIT_JOB = f"/{JOBS_SERVICE}/Submit"
 # Calls open at once beyond the admitted and waiting requests: health checks, DescribePipeline, reflection and
 # the admission's own refusals being answered (those carry a retry hint, so room for a burst of them). Past
 # maxInflight + maxQueued + this, gRPC itself answers RESOURCE_EXHAUSTED before reading the message.
@@ -81,7 +87,9 @@ class OrchestratorServer:
                  port: int = 0, http_port: int | None = None, drain_seconds: float | None = None,
                  namespace: str | None = None, api_port: int | None = None, api_keys: Sequence[str] = (),
                  tls_dir: str | None = None, client_tls_dir: str | None = None,
-                 tls_reload_s: float = tls_grpc.RELOAD_INTERVAL_S, endpoints_file: str | None = None):
+                 tls_reload_s: float = tls_grpc.RELOAD_INTERVAL_S, endpoints_file: str | None = None,
+                 jobs_store: str | None = None, jobs_content: str | None = None,
+                 jobs_settings: JobSettings = JobSettings()):
         self.pipeline = pipeline
         # Its voices, from the model store's checkpoint as the limits are (serve): configs only. First: a
         # VoiceError (a defaultVoice the checkpoint lacks) stops the start before anything is opened.
@@ -105,11 +113,14 @@ class OrchestratorServer:
         self.media = MediaCheck(pipeline)
         keys = ApiKeys(api_keys, pipeline.deployment.orchestrator.max_priority)
         self.servicer = OrchestratorServicer(pipeline, self.router, self.metrics, self.media, keys, voices)
+        # The job API's store, content and runner (JobsFlagError: a jobs flag that cannot work, before anything opens).
+        self.jobs = ReplicaJobs(self.servicer, self.metrics, jobs_store, jobs_content, jobs_settings)
         # Room for every request the limits admit (validation keeps that within MAX_MESSAGE_BYTES; a larger
         # message gets gRPC's RESOURCE_EXHAUSTED).
         self.receive_bytes = min(max(MIN_RECEIVE_BYTES, pipeline.limits.max_request_bytes), MAX_MESSAGE_BYTES)
-        self.door = ClientDoor(SERVICE, keys, ByteBudget(FULL_SIZE_REQUESTS_HELD * self.receive_bytes), GENERATE,
-                               on_refused=self._count_refusal)
+        # A job's Submit carries a whole request, as Generate does: both take their bytes from one budget.
+        self.door = ClientDoor([SERVICE, JOBS_SERVICE], keys, ByteBudget(FULL_SIZE_REQUESTS_HELD * self.receive_bytes),
+                               [GENERATE, SUBMIT_JOB], on_refused=self._count_refusal)
         self.host, self.port, self.http_port = host, port, http_port
         self.api_port = api_port
         self.api: HttpApi | None = None  # once started
@@ -130,11 +141,12 @@ class OrchestratorServer:
         # Keys are checked and request bytes budgeted by the door before a handler runs.
         orc = self.pipeline.deployment.orchestrator
         self.server, self.health = await serving.start_grpc_server(
-            SERVICE, lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server),
+            SERVICE, self._add_servicers,
             self.receive_bytes, MAX_MESSAGE_BYTES, self.pipeline.limits.request_timeout_seconds,
             interceptors=[GrpcAccess(GENERATE, self.servicer.api_keys), self.door],  # access lines: outermost
             max_concurrent_rpcs=orc.max_inflight + orc.max_queued + RPC_SLACK,
-            max_concurrent_streams=MAX_STREAMS_PER_CONNECTION, stream_window_bytes=CLIENT_STREAM_WINDOW_BYTES)
+            max_concurrent_streams=MAX_STREAMS_PER_CONNECTION, stream_window_bytes=CLIENT_STREAM_WINDOW_BYTES,
+            also_reflected=[JOBS_SERVICE])
         self.port = self._add_port()
         await self.server.start()
         self.router.start()
@@ -157,10 +169,15 @@ class OrchestratorServer:
                           allowed_hosts=allowed_hosts_from(os.environ))
             self.api_port = await api.start()
             self.api = api  # only once bound: a drain after a failed start has no API to stop
+        await self.jobs.start()  # once the stages are there: a claimed job goes straight down the request path
         self.ready = True
-        await serving.set_serving(self.health, [SERVICE], True)
+        await serving.set_serving(self.health, [SERVICE, JOBS_SERVICE], True)
         log.info("orchestrator for %s serving on %s:%d", self.pipeline.name, self.host, self.port)
         return self.port
+
+    def _add_servicers(self, server) -> None:
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server)
+        jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self.servicer.jobs, self.servicer.api_keys), server)
 
     def _count_refusal(self, method: str, outcome: str) -> None:
         if method == GENERATE:  # as the handler counts its refusals
@@ -188,16 +205,18 @@ class OrchestratorServer:
         self._drain_called = True
         self.servicer.draining = True
         self.ready = False
-        await serving.set_serving(self.health, [SERVICE], False)
+        await serving.set_serving(self.health, [SERVICE, JOBS_SERVICE], False)
         try:
             # One bound for both front doors: server.stop waits for gRPC calls only.
             await asyncio.gather(self.server.stop(grace=self.drain_seconds),
-                                 self._admitted_work_finished(self.drain_seconds))
+                                 self._admitted_work_finished(self.drain_seconds),
+                                 self.jobs.drain(self.drain_seconds))
         finally:
             if self._tls_watch is not None:
                 self._tls_watch.cancel()
             if self.api is not None:
                 await self.api.stop()
+            await self.jobs.close()  # once neither door can call it
             if self.discovery is not None:
                 self.discovery.stop()
             await self.router.close()
@@ -255,7 +274,11 @@ async def serve(args: argparse.Namespace) -> int:
     srv = OrchestratorServer(pipeline, endpoints, args.host, args.port, args.http_port, args.drain_seconds,
                              namespace=namespace, api_port=args.api_port, api_keys=args.api_key,
                              tls_dir=args.tls_dir, client_tls_dir=args.client_tls_dir,
-                             endpoints_file=args.endpoints_file if args.discovery == "file" else None)
+                             endpoints_file=args.endpoints_file if args.discovery == "file" else None,
+                             jobs_store=args.jobs_store, jobs_content=args.jobs_content,
+                             jobs_settings=JobSettings(args.jobs_ttl_s, args.jobs_concurrency,
+                                                       args.jobs_max_queued_per_key, args.jobs_lease_s,
+                                                       args.jobs_max_attempts))
     serving.on_signals(lambda: asyncio.ensure_future(srv.drain()))
     try:
         await srv.start(wait_for_stages=args.wait_for_stages)
@@ -282,4 +305,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     return serving.run_server(serve, parse_args(argv), "orchestrator",  # an ApiKeyError names the entry, never the key
-                              [(ApiKeyError, "orchestrator"), (VoiceError, "orchestrator")])
+                              [(ApiKeyError, "orchestrator"), (VoiceError, "orchestrator"),
+                               (JobsFlagError, "orchestrator")])

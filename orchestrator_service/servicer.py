@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import uuid
-from typing import AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import grpc
 
@@ -111,7 +111,7 @@ def estimated_cost(params: RequestParams, outputs: Iterable[str]) -> float:
     the number its stages will make."""
     outputs = set(outputs)
     return float(params.max_tokens + (params.max_codec_frames if "audio" in outputs else 0) +
-                 4 * (params.num_inference_steps if "image" in outputs else 0))
+                 4 * (params.num_inference_steps if outputs & {"image", "video"} else 0))
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -136,6 +136,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.api_keys = api_keys if api_keys is not None else ApiKeys(max_priority=orc.max_priority)
         self.client_cap = client_cap.ClientCap(client_cap.default_cap(orc.max_inflight, orc.max_queued),
                                                trusted=client_cap.trusted_proxies(os.environ))
+        # The job API both doors share (/v1/videos, gRPC Jobs), set by the server (jobs/replica.py): the job API
+        # builds on this module. None: no job API here (the HTTP door then refuses creating a job).
+        self.jobs: Any = None  # a jobs.api.JobApi
 
     async def Generate(self, request: orchestrator_pb2.GenerateRequest, context):
         """The gRPC front door: the request path below, a refusal as the call's status."""
@@ -257,7 +260,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             first, last_audio, playback = True, t0, Playback()
             async with contextlib.aclosing(run.events()) as events:  # closed now, not at GC, if we stop early
                 async for ev in events:
-                    if first:
+                    if first and not ev.HasField("progress"):  # a progress report is no output yet
                         m.first_output_seconds.observe(time.perf_counter() - t0)
                         first = False
                     if ev.HasField("audio"):

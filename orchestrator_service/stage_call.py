@@ -123,13 +123,17 @@ class StageCall:
                  router: Router, deadline: float | None,
                  deliver: Callable[[stage_pb2.Chunk], Awaitable[bool]],
                  ended: Callable[[StageFailed | None], Awaitable[None]],
-                 max_attempts: int, max_replay_bytes: int, metadata: tuple[tuple[str, str], ...] = ()):
+                 max_attempts: int, max_replay_bytes: int, metadata: tuple[tuple[str, str], ...] = (),
+                 progress: Callable[[stage_pb2.StageProgress], Awaitable[None]] | None = None):
         """`deliver(chunk)` hands on each output chunk once, in order, and says whether any of it
         reached the client; `ended(error)` is awaited once the call is over (error None: finished).
-        `metadata` goes with every attempt (the request's trace context)."""
+        `metadata` goes with every attempt (the request's trace context). `progress(p)` is awaited for each
+        step forward the stage reports (StageOutput.progress); a retried replica's reports count again from
+        its start, and only those past what was reported already are handed on."""
         self.stage, self.sources, self.header, self.metadata = stage, sources, header, metadata
         self.router, self.deadline = router, deadline
-        self._deliver, self._ended = deliver, ended
+        self._deliver, self._ended, self._progress = deliver, ended, progress
+        self.progress_done = 0         # the furthest progress handed on (units done)
         self.max_attempts, self.max_replay_bytes = max_attempts, max_replay_bytes
         self.tried: set[str] = set()   # replicas called, for Release when the request ends
         self.timing = StageTiming()
@@ -275,8 +279,12 @@ class StageCall:
         """Hand on one attempt's new output chunks until end of stream."""
         timing = self.timing
         async for out in call:
-            if out.HasField("failure"):
+            kind = out.WhichOneof("kind")
+            if kind == "failure":
                 raise _Reported(out.failure)
+            if kind == "progress":
+                await self._progressed(out.progress)
+                continue
             chunk = out.chunk
             if chunk.chunk_id < self.delivered:  # a retried replica repeating what was already handed on
                 self._check_repeat(chunk)
@@ -302,6 +310,12 @@ class StageCall:
             if chunk.end_of_stream:
                 return
         raise _Incomplete()
+
+    async def _progressed(self, progress: stage_pb2.StageProgress) -> None:
+        if progress.done <= self.progress_done or self._progress is None:
+            return  # a retry repeating steps already reported: the client saw them
+        self.progress_done = progress.done
+        await self._progress(progress)
 
     def _check_repeat(self, chunk: stage_pb2.Chunk) -> None:
         """A chunk repeated after a retry must be the one handed on: a replica that generates something else

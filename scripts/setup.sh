@@ -10,6 +10,18 @@ VENV=.venv
 TORCH_CPU=2.13.0+cpu   # the torch pin of pyproject.toml, CPU build
 CPU_TORCH_INDEX=${CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="gpu,ucx-cu13,k8s,dev,bench"; else EXTRAS="cpu,ucx,k8s,dev,bench"; fi
+# The distribution's PostgreSQL server: tests/integration/test_job_store_postgres.py runs the job store's
+# contract against a real one (tests/postgres_server.py starts it from /usr/lib/postgresql/*/bin).
+if ! command -v initdb >/dev/null 2>&1 && ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    printf '\033[1m[setup]\033[0m %s\n' "installing postgresql from the distribution"
+    # flock: scripts/build_image.sh and e2e/cluster/build.sh may run apt-get beside this
+    mkdir -p "${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}" && flock "${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}/apt.lock" \
+      sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null"
+  else
+    echo "the job store's PostgreSQL tests need the server: sudo apt-get install postgresql" >&2
+  fi
+fi
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS
 stamp=$VENV/.omnistage-setup
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x $VENV/bin/omnistage ]; then

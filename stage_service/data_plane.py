@@ -47,8 +47,9 @@ log = logging.getLogger("omnistage.stage")
 # last chunk or a release is forgotten oldest first).
 INPUT_PATHS_KEPT = 4096
 
-# What the orchestrator reads out of an output stage's chunks for the client.
-CLIENT_TENSORS = frozenset({"token_ids", "prompt_token_ids", "audio", "image"})
+# What the orchestrator reads out of an output stage's chunks for the client (orchestrator_service/outputs.py:
+# text tokens, audio, an image's PNG, a video's frames); it never fetches them by reference.
+CLIENT_TENSORS = frozenset({"token_ids", "prompt_token_ids", "audio", "image", "video"})
 
 
 def ucx_available() -> bool:

@@ -73,6 +73,14 @@ def failure_output(code: grpc.StatusCode, message: str) -> stage_pb2.StageOutput
     """The message that tells the client the status the call is about to end with."""
     return stage_pb2.StageOutput(failure=stage_pb2.StageFailure(code=code.value[0], message=message))
 
+
+def progress_output(progress: tuple[int, int], unit: str) -> stage_pb2.StageOutput:
+    """How far the request has come (`done` of `total` units): for a client whose header asked for it
+    (StageRequestHeader.progress), sent between chunks."""
+    done, total = progress
+    return stage_pb2.StageOutput(progress=stage_pb2.StageProgress(done=done, total=total, unit=unit))
+
+
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def __init__(self, pipeline: Pipeline, stage: Stage, engine: Engine, metrics: StageMetrics,
                  data_plane: DataPlane | None = None):
@@ -108,10 +116,17 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             call.serve(header.request_id)
             req = request_from_proto(header, self.pipeline.limits)
             chunk_id, last = 0, False
+            reports = header.progress  # a client that did not ask would read a report as an empty chunk
             to_input = functools.partial(self._input_from_proto, header.request_id)
             async with contextlib.aclosing(call.run(req, request_iterator, to_input,
                                                     context.cancelled)) as outputs:
                 async for out in outputs:
+                    if out.progress is not None:
+                        if reports:
+                            with call.sending():
+                                yield progress_output(out.progress, self.engine.unit)
+                        if out.progress_only:
+                            continue
                     spans.computed(out)
                     with spans.transferring():
                         msg = stage_pb2.StageOutput(chunk=await self._to_proto(header, out, chunk_id))

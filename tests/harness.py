@@ -16,6 +16,7 @@ from omnistage import tls, tls_grpc
 from omnistage.api import Pipeline, parse_pipeline
 from omnistage.client import build_request
 from omnistage.contract import launch, tensors
+from omnistage.local.process_group import kill_group, stop_group
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from orchestrator_service.server import OrchestratorServer
 from stage_service.server import StageServer
@@ -131,7 +132,8 @@ def header(request_id: str = "r1", deadline_unix_ms: int = 0, **params) -> stage
 
 async def call_stage(port: int, first: stage_pb2.StageInput | None, chunks=(), timeout: float = 120,
                      channel: grpc.aio.Channel | None = None) -> list[stage_pb2.Chunk]:
-    """One Process call: the header, then the given input chunks; returns every output chunk."""
+    """One Process call: the header, then the given input chunks; returns every output chunk (not the
+    progress reports sent between them)."""
     own = channel is None
     channel = channel or grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -143,7 +145,7 @@ async def call_stage(port: int, first: stage_pb2.StageInput | None, chunks=(), t
             for c in chunks:
                 yield stage_pb2.StageInput(chunk=c)
 
-        return [out.chunk async for out in stub.Process(requests(), timeout=timeout)]
+        return [out.chunk async for out in stub.Process(requests(), timeout=timeout) if out.HasField("chunk")]
     finally:
         if own:
             await channel.close()
@@ -191,24 +193,10 @@ class StageProcess:
         return f"127.0.0.1:{self.port}"
 
     def kill(self) -> None:
-        import os
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        kill_group(self.proc, 10)
 
     def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except Exception:  # noqa: BLE001 - not stopped by SIGTERM in time (or the wait failed): kill it either way
-                self.kill()
+        stop_group(self.proc, 30, 10)
 
 
 def write_pipeline(pipeline: Pipeline, path: Path) -> Path:

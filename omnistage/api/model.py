@@ -23,8 +23,9 @@ PLURAL = "omnipipelines"
 STAGE_KINDS = ("ar", "diffusion", "generation", "encoder")
 # What stages emit, and so what their edges carry.
 # `media`: an encoder stage's prompt ids and encoder rows, for the Thinker it feeds.
-EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", "image", "media")
-MODALITIES = ("text", "audio", "image")
+# `video`: decoded frames (uint8 [n, H, W, 3]), streamed as a video VAE decodes them.
+EMITS = ("text", "tokens", "hidden", "codes", "embeddings", "latents", "audio", "image", "video", "media")
+MODALITIES = ("text", "audio", "image", "video")
 TRANSPORTS = ("auto", "inline", "shm", "ucx")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The weight quantization methods the transformers engine applies at load to its AR stages (causal LM, Thinker,
@@ -63,6 +64,13 @@ SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 SECRET_KEY_HINT = 'must be letters, digits, "-", "_" and "."'
 DEFAULT_API_KEYS_KEY = "api-keys"
 DEFAULT_HUB_TOKEN_KEY = "token"
+DEFAULT_JOBS_STORE_KEY = "url"
+# The job store backends the orchestrator opens (orchestrator_service/jobs: open_store).
+JOBS_STORE_URL = r"^(sqlite:///|postgresql://|postgres://)[^\s]+$"
+JOBS_STORE_URL_HINT = "must be a postgresql://USER:PASS@HOST/DB or sqlite:///FILE URL"
+# A pipeline with an output of this modality serves durable jobs (/v1/videos): `omnistage serve` and the operator
+# (with the chart's jobs.*) give it a job store when it names none.
+JOBS_MODALITY = "video"
 ORCHESTRATOR_SUFFIX = "-orchestrator"
 RESERVED_STAGE_NAMES = ("orchestrator",)
 # A voice name's length, as a request may give it (the request path refuses a longer params.audio.speaker).
@@ -167,6 +175,22 @@ class Limits:
     default_inference_steps: int = api_field("Denoise steps when a request does not say. 0: the published "
                                              "pipeline's own default (28 for SD3, 50 for SD), else 28.",
                                              default=0, minimum=0)
+    default_width: int = api_field("Image or video width when a request does not say. 0: the published video "
+                                   "pipeline's own (832 for Wan) when the file sets no defaultImageSide nor "
+                                   "defaultHeight, else defaultImageSide.", default=0, minimum=0)
+    default_height: int = api_field("Image or video height when a request does not say. 0: the published video "
+                                    "pipeline's own (480 for Wan) when the file sets no defaultImageSide nor "
+                                    "defaultWidth, else defaultImageSide.", default=0, minimum=0)
+    default_guidance_scale: float = api_field("Classifier-free guidance scale when a request does not say (1 or "
+                                              "less: unguided). 0: the published pipeline's own default (5.0 for "
+                                              "Wan, 7.0 for SD3, 7.5 for SD), else 7.5.", default=0.0, minimum=0,
+                                              maximum=100)
+    max_frames: int = api_field("Most video frames a request may ask a video pipeline for.", default=81, minimum=1)
+    default_frames: int = api_field("Video frames when a request does not say. 0: the published pipeline's own "
+                                    "default (81 for Wan), at most maxFrames.", default=0, minimum=0)
+    default_fps: int = api_field("Frame rate of a video when a request does not say (16: Wan's).", default=16,
+                                 minimum=1)
+    max_fps: int = api_field("Highest frame rate a request may ask for.", default=60, minimum=1)
     max_parts: int = api_field("Most media parts (image, audio, video) in one request, across all its messages; "
                                "text is bounded by maxPromptChars.", default=16,
                                minimum=1, maximum=1024)
@@ -233,7 +257,12 @@ MAX_MESSAGE_BYTES = 512 << 20
 # What a limit left at 0 ("from the model") comes to when no checkpoint says (`omnistage.checkpoints.defaults`
 # reads them where the checkpoints are at hand; `resolve` falls back to these): no bound on max_tokens
 # beyond the model's own context, which the engine applies.
-MODEL_LIMIT_FALLBACKS = {"default_max_tokens": 256, "default_image_side": 512, "default_inference_steps": 28}
+# default_frames: WanPipeline's own `num_frames` default (its `__call__`'s; no config file holds it).
+MODEL_LIMIT_FALLBACKS = {"default_max_tokens": 256, "default_image_side": 512, "default_inference_steps": 28,
+                         "default_frames": 81}
+# What limits.defaultGuidanceScale left at 0 comes to when no family says: StableDiffusionPipeline's (the scale
+# every request got before it was taken per family).
+FALLBACK_GUIDANCE_SCALE = 7.5
 
 # Each request total, when set, must be at least the per-part limit it sums (checked by validation): below it, a
 # request of one part within its limit would be refused.
@@ -242,9 +271,15 @@ REQUEST_TOTALS = (("max_request_audio_seconds", "max_audio_seconds"),
                   ("max_request_video_frames", "max_video_frames"),
                   ("max_request_video_pixels", "max_video_pixels"))
 
+# A video's frame count is 1 + FRAME_STEP x k: Wan's VAE keeps the first frame alone and compresses each later
+# FRAME_STEP frames into one latent frame (its temporal scale), so no other count decodes.
+FRAME_STEP = 4
+
 # Each default must not exceed its maximum (checked by validation, where both are set).
 LIMIT_DEFAULTS = (("default_max_tokens", "max_tokens"), ("default_codec_frames", "max_codec_frames"),
-                  ("default_image_side", "max_image_side"), ("default_inference_steps", "max_inference_steps"))
+                  ("default_image_side", "max_image_side"), ("default_inference_steps", "max_inference_steps"),
+                  ("default_frames", "max_frames"), ("default_fps", "max_fps"),
+                  ("default_width", "max_image_side"), ("default_height", "max_image_side"))
 
 
 @dataclass(frozen=True)
@@ -432,6 +467,58 @@ class OrchestratorTls:
 
 
 @dataclass(frozen=True)
+class JobStoreSecret:
+    """A Secret in the pipeline's namespace whose value is the job store's URL (it holds the database password)."""
+
+    name: str = api_field("The Secret's name.", required=True, default="", pattern=SECRET_NAME,
+                          pattern_hint=SECRET_NAME_HINT, max_length=253)
+    key: str = api_field("The key of the Secret whose value is the URL.", default=DEFAULT_JOBS_STORE_KEY,
+                         pattern=SECRET_KEY, pattern_hint=SECRET_KEY_HINT, max_length=253)
+
+
+@dataclass(frozen=True)
+class JobStore:
+    """The database the durable jobs (/v1/videos) are kept in, shared by every orchestrator replica: one of a
+    URL or a Secret holding it."""
+
+    url: str = api_field("postgresql://USER:PASS@HOST/DB, or sqlite:///FILE for one replica (the file on "
+                         "contentVolume). A password here is readable by whoever reads the pipeline: prefer "
+                         "secretRef.", default="", pattern=JOBS_STORE_URL, pattern_hint=JOBS_STORE_URL_HINT,
+                         max_length=2048)
+    secret_ref: JobStoreSecret = api_field("A Secret whose value is the URL (set in the orchestrator's "
+                                           "environment by the kubelet).", default_factory=JobStoreSecret)
+
+    @property
+    def secret(self) -> JobStoreSecret | None:
+        """The Secret the URL comes from, None when none is named."""
+        return self.secret_ref if self.secret_ref.name else None
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.url or self.secret_ref.name)
+
+
+@dataclass(frozen=True)
+class OrchestratorJobs:
+    """Durable jobs (/v1/videos and the gRPC Jobs API): where they are kept and how each replica runs them.
+    Absent store: the orchestrator refuses job creation (503)."""
+
+    store: JobStore = api_field("The job store: url or secretRef.", default_factory=JobStore)
+    content_volume: str = api_field(
+        "A PersistentVolumeClaim of the pipeline's namespace where finished content (MP4, thumbnails) is kept, "
+        "mounted by every replica (ReadWriteMany with more than one replica: any replica answers any job's "
+        "download). Absent: each pod's own volume, lost with the pod.", default="", pattern=SECRET_NAME,
+        pattern_hint=SECRET_NAME_HINT, max_length=253)
+    ttl_seconds: int = api_field("How long a finished job and its content are kept.", default=86400, minimum=60,
+                                 maximum=31_536_000)
+    concurrency: int = api_field("Jobs each replica runs at once (each through the usual admission); the rest "
+                                 "wait in the store, where the stage planner counts them.", default=2, minimum=1,
+                                 maximum=1000)
+    max_queued_per_key: int = api_field("Queued jobs one API key may have at most; beyond it 429.", default=16,
+                                        minimum=1, maximum=1_000_000)
+
+
+@dataclass(frozen=True)
 class OrchestratorDeployment:
     replicas: int = api_field("Replicas of the orchestrator.", default=1, minimum=0, maximum=1000)
     image: str = api_field("Container image.", default="", default_from="spec.deployment.image")
@@ -452,6 +539,8 @@ class OrchestratorDeployment:
     http: OrchestratorHttp = api_field("The OpenAI-compatible HTTP API.", default_factory=OrchestratorHttp)
     tls: OrchestratorTls = api_field("Client-facing TLS; absent: the client ports are plaintext.",
                                      default_factory=OrchestratorTls)
+    jobs: OrchestratorJobs = api_field("Durable jobs (/v1/videos): the store, the content volume, limits.",
+                                       default_factory=OrchestratorJobs)
 
     @property
     def client_tls_secret(self) -> str | None:

@@ -35,6 +35,7 @@ from omnistage.api.model import (
     API_GROUP,
     API_VERSION,
     ENGINES,
+    FRAME_STEP,
     KIND,
     LABEL_KEY,
     LABEL_KEY_HINT,
@@ -55,6 +56,7 @@ from omnistage.api.model import (
 )
 from omnistage.api.model_sources import hub_revision, is_commit, source_error
 from omnistage.api.ports import GRPC_PORT, GRPC_PORT_NAME, HTTP_PORT, HTTP_PORT_NAME
+from omnistage.store_url import redacted_url
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,7 @@ class _Relations:
         self.stage_deployments()
         self.autoscaling()
         self.api_port()
+        self.jobs()
         self.model_sources()
 
     def stage_graph(self) -> dict[str, list[str]]:
@@ -348,6 +351,10 @@ class _Relations:
             m = limits.get(pkey, getattr(Limits(), part))
             if _number(t) and _number(m) and t and t < m:  # 0: follows the per-part limits
                 self.w.err(f"spec.topology.limits.{tkey}", f"must be 0 or at least {pkey} ({m}), got {t}")
+        frames = limits.get(_key(Limits, "default_frames"), 0)
+        if type(frames) is int and frames > 0 and (frames - 1) % FRAME_STEP:
+            self.w.err(f"spec.topology.limits.{_key(Limits, 'default_frames')}",
+                       f"must be {FRAME_STEP}k + 1 frames (what the video VAE makes), got {frames}")
         parts, size = (limits.get(_key(Limits, k), getattr(Limits(), k)) for k in ("max_parts", "max_part_bytes"))
         if type(parts) is int and type(size) is int and parts * size + (1 << 20) > MAX_MESSAGE_BYTES:
             self.w.err(f"spec.topology.limits.{_key(Limits, 'max_part_bytes')}",
@@ -559,6 +566,30 @@ class _Relations:
                        f"{port} is {taken[port]} of the orchestrator; choose another port")
 
 
+    def jobs(self) -> None:
+        """The job store is named once; its content and (SQLite) database outlive a pod, and every replica reads
+        what any replica wrote."""
+        path = "spec.deployment.orchestrator.jobs"
+        orchestrator = _dict(self.deployment.get("orchestrator"))
+        jobs = _dict(orchestrator.get("jobs"))
+        store = _dict(jobs.get("store"))
+        url, secret = store.get("url"), _dict(store.get("secretRef")).get("name")
+        volume, replicas = jobs.get("contentVolume"), orchestrator.get("replicas", 1)
+        if url and secret:
+            self.w.err(f"{path}.store", "name one of url or secretRef, not both")
+        if volume and not (url or secret):
+            self.w.err(f"{path}.contentVolume", "keeps a job store's content: name jobs.store (url or secretRef) too")
+        sqlite = isinstance(url, str) and url.startswith("sqlite:")
+        if sqlite and type(replicas) is int and replicas > 1:
+            self.w.err(f"{path}.store.url", f"SQLite serves one orchestrator replica, not {replicas}: its file "
+                                            "locks do not hold across nodes; use a postgresql:// store")
+        elif sqlite and not volume:
+            self.w.err(f"{path}.contentVolume", "a SQLite store needs a volume its file outlives the pod on: name "
+                                               "a PersistentVolumeClaim (the file goes on it)")
+        elif (url or secret) and not volume and type(replicas) is int and replicas > 1:
+            self.w.err(f"{path}.contentVolume", f"with {replicas} orchestrator replicas any of them answers a job's "
+                                               "download: name a ReadWriteMany PersistentVolumeClaim they share")
+
     def model_sources(self) -> None:
         """Each stage's `model` is a source omnistage reads (omnistage.api.model_sources); the hf:// cache
         is one volume."""
@@ -631,4 +662,5 @@ def _type_name(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    return f'"{value}"' if isinstance(value, str) else repr(value)
+    """A value as a message quotes it; a URL's password hidden (a job store URL's: messages reach events and logs)."""
+    return f'"{redacted_url(value)}"' if isinstance(value, str) else repr(value)

@@ -11,7 +11,12 @@ the model volume, mounted read-only), reading configs only:
   (2 ** (number of `block_out_channels` - 1)): 128 x 8 = 1024 for SD3.5, 64 x 8 = 512 for SD 1.5; at most
   `maxImageSide`;
 - `defaultInferenceSteps`: the published pipeline's own default (the family's `default_inference_steps`:
-  28 for SD3, 50 for SD), at most `maxInferenceSteps`.
+  28 for SD3, 50 for SD), at most `maxInferenceSteps`;
+- `defaultGuidanceScale`: the published pipeline's own default (the family's `default_guidance_scale`: 5.0 for
+  Wan, 7.0 for SD3, 7.5 for SD);
+- `defaultWidth` / `defaultHeight`: a pipeline whose frames are not square and whose checkpoint gives no side
+  (the family's `default_size`: 832 x 480 for Wan), when the file sets no size at all (a `defaultImageSide`
+  it sets is its size) and it fits `maxImageSide`.
 
 A value the file sets is kept as written. A checkpoint that cannot be read leaves the limit to the
 fallbacks `resolve` applies (`omnistage.api.MODEL_LIMIT_FALLBACKS`), with a note saying why.
@@ -76,18 +81,33 @@ def native_side(directory: Path, component: str) -> tuple[int, int]:
     return sample * vae_scale(directory), sample
 
 
-def image_limits(pipeline: Pipeline, stage: Stage, root: str | os.PathLike | None) -> dict[str, tuple[int, str]]:
-    """`default_image_side` and `default_inference_steps` from the denoise stage's pipeline checkpoint."""
+def image_limits(pipeline: Pipeline, stage: Stage,
+                 root: str | os.PathLike | None) -> dict[str, tuple[int | float, str]]:
+    """`default_image_side`, `default_inference_steps`, `default_guidance_scale` and the family's
+    `default_width` / `default_height` from the denoise stage's pipeline checkpoint."""
     directory = checkpoint_dir(stage, root)
     index = read_json(directory / "model_index.json")
-    side, sample = native_side(directory, stage.component)
     limits = pipeline.limits
-    out = {"default_image_side": (min(side, limits.max_image_side),
-                                  f"{stage.component}.sample_size {sample} x the VAE's scale {side // sample}")}
+    out = {}
+    # A video DiT (Wan's) has no native square side (no `sample_size`): the side's fallback applies, its steps not.
+    if "sample_size" in read_json(directory / stage.component / "config.json"):
+        side, sample = native_side(directory, stage.component)
+        out["default_image_side"] = (min(side, limits.max_image_side),
+                                     f"{stage.component}.sample_size {sample} x the VAE's scale {side // sample}")
     family = family_of(index.get("_class_name", ""))
     if family is not None and family.default_inference_steps:
         out["default_inference_steps"] = (min(family.default_inference_steps, limits.max_inference_steps),
                                           f"the {index['_class_name']} default")
+    if family is not None and family.default_guidance_scale:
+        out["default_guidance_scale"] = (family.default_guidance_scale, f"the {index['_class_name']} default")
+    if family is not None and family.default_size and not (limits.default_width or limits.default_height):
+        width, height = family.default_size
+        source = f"the {index['_class_name']} default {width}x{height}"
+        if max(width, height) <= limits.max_image_side:
+            out["default_width"], out["default_height"] = (width, source), (height, source)
+        else:  # a size the limits refuse is no default: left at 0, the square side's fallback applies
+            why = (0, f"{source} exceeds maxImageSide {limits.max_image_side}: not taken, the square fallback applies")
+            out["default_width"], out["default_height"] = why, why
     return out
 
 
@@ -95,12 +115,16 @@ def with_model_limits(pipeline: Pipeline, root: str | os.PathLike | None = None)
     """`pipeline` with each limit it leaves at 0 read from its checkpoints, and one note per limit: its value
     and where it came from, or why it stays with the fallback."""
     limits = pipeline.limits
-    wanted = {name for name in ("max_tokens", "default_max_tokens", "default_image_side", "default_inference_steps")
+    wanted = {name for name in ("max_tokens", "default_max_tokens", "default_image_side", "default_inference_steps",
+                                "default_guidance_scale", "default_width", "default_height")
               if not getattr(limits, name)}
-    found: dict[str, tuple[int, str]] = {}
+    if limits.default_image_side:  # the file's square side is its size: no other default width or height
+        wanted -= {"default_width", "default_height"}
+    found: dict[str, tuple[int | float, str]] = {}
     notes: list[str] = []
     readers = ((text_limits, text_stage(pipeline), {"max_tokens", "default_max_tokens"}),
-               (image_limits, image_stage(pipeline), {"default_image_side", "default_inference_steps"}))
+               (image_limits, image_stage(pipeline), {"default_image_side", "default_inference_steps",
+                                                      "default_guidance_scale", "default_width", "default_height"}))
     for read, stage, names in readers:
         if stage is None or not wanted & names:
             continue

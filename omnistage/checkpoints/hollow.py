@@ -43,6 +43,9 @@ class Weights:
     stem: str = "model"  # model / diffusion_pytorch_model
     shards: int = 1      # the published shard count (1: a single `<stem>.safetensors`)
     dtype: str = "bfloat16"  # the published storage dtype
+    # Tensors of the class's state dict the published files leave out: a tied copy saved once (UMT5's
+    # `encoder.embed_tokens.weight`, the same parameter as `shared.weight`).
+    omit: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,13 @@ PUBLISHED_MODELS = {m.family: m for m in (
         Weights("text_encoder_2", "transformers", "CLIPTextModelWithProjection", dtype="float16"),
         Weights("text_encoder_3", "transformers", "T5EncoderModel", shards=2, dtype="float16"),
     ), tuple(f"{t}/{f}" for t in ("tokenizer", "tokenizer_2", "tokenizer_3") for f in TOKENIZER_FILES)),
+    PublishedModel("wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", (
+        Weights("transformer", "diffusers", "WanTransformer3DModel", "diffusion_pytorch_model", shards=2,
+                dtype="float32"),
+        Weights("vae", "diffusers", "AutoencoderKLWan", "diffusion_pytorch_model", dtype="float32"),
+        Weights("text_encoder", "transformers", "UMT5EncoderModel", shards=5, dtype="float32",
+                omit=("encoder.embed_tokens.weight",)),
+    ), tuple(f"tokenizer/{f}" for f in ("special_tokens_map.json", "spiece.model", *TOKENIZER_FILES))),
 )}
 
 
@@ -154,7 +164,8 @@ def tensor_layout(weights: Weights, config_dir: Path) -> dict[str, tuple[str, tu
         with torch.device("meta"):
             module = cls._from_config(config, dtype=dtype)  # modules the class keeps in float32 stay so
         state = revert_weight_conversion(module, module.state_dict())
-    return {k: (_SAFETENSORS_DTYPE[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for k, t in state.items()}
+    return {k: (_SAFETENSORS_DTYPE[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for k, t in state.items()
+            if k not in weights.omit}
 
 
 def _nbytes(dtype: str, shape: Iterable[int]) -> int:

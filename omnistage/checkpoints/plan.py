@@ -12,8 +12,9 @@ Diffusion, decoder and text-encoder stages: their largest step's shape from the 
 guidance) at the example's default image side; a decoder's largest feature map (output channels x samples
 or pixels) x the chunks or images of a step; a text encoder's prompts x tokens x its layer's width, and the
 embeddings it hands on; each at a per-element cost measured on one tiny model (see the constants). vLLM
-stages size their own activations, and a UNet's and the omni encoders' are not modelled: for those an
-ESTIMATE, a fixed fraction of the weights (`ACTIVATION_FRACTION`). Only headers and configs are read.
+stages size their own activations, and a UNet's, the omni encoders' and a video pipeline's DiT and VAE
+(Wan's) are not modelled: for those an ESTIMATE, a fixed fraction of the weights (`ACTIVATION_FRACTION`).
+Only headers and configs are read.
 `fit.py` says whether a plan fits where its stage runs; `models check --plan` and `serve` refuse one that
 does not.
 """
@@ -220,7 +221,8 @@ def ar_plan(config: Mapping, stage: Stage, dep: StageDeployment | None, dtype: s
 def generation_activation_bytes(pipeline: Pipeline, stage: Stage, load: LoadPlan, weights: int,
                                 dtype_bytes: int) -> int:
     """What the largest step of a non-AR stage holds beside its weights, from its component's config (see the
-    constants for each factor); ACTIVATION_FRACTION of `weights` for a kind not modelled (a UNet)."""
+    constants for each factor); ACTIVATION_FRACTION of `weights` for a kind not modelled (a UNet, a video DiT
+    or VAE)."""
     dep = pipeline.deployment.stages.get(stage.name)
     batch = dep.scheduler.max_batch if dep is not None else 1
     engine_args = dep.engine_args if dep is not None else {}
@@ -231,7 +233,7 @@ def generation_activation_bytes(pipeline: Pipeline, stage: Stage, load: LoadPlan
         if stage.kind == "diffusion" and cfg.get("_class_name") == "SD3Transformer2DModel":
             per_row = dit_bytes_per_row(cfg, image_side(pipeline, stage, root), root)
             return int(per_row * batch * rows * dtype_bytes) + STEP_WORKSPACE_BYTES
-        if stage.component == "vae":
+        if stage.component == "vae" and "block_out_channels" in cfg:  # an image VAE (a video VAE: not modelled)
             side = image_side(pipeline, stage, root)
             pixels = batch * side * side * cfg["block_out_channels"][0]
             return int(VAE_DECODER_WIDTHS * pixels * dtype_bytes) + STEP_WORKSPACE_BYTES
@@ -335,5 +337,6 @@ def describe_plans(plans: list[StagePlan]) -> str:
                 "(maxBatch prompts of the whole context, or engineArgs.max_num_batched_tokens) at a per-token "
                 "cost measured on a tiny causal LM; for diffusion, decoder and text-encoder stages their largest step "
                 "(maxBatch images at the default side, or chunks) at factors measured on tiny models; for vLLM stages, "
-                f"a UNet and the omni encoders {ACTIVATION_FRACTION:.0%} of the weights, not modelled")
+                f"a UNet, the omni encoders and a video DiT and VAE {ACTIVATION_FRACTION:.0%} of the weights, "
+                "not modelled")
     return "\n".join(rows)

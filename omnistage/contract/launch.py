@@ -73,6 +73,10 @@ DATA_PLANE_KEY_MOUNT = "/etc/omnistage-data-plane"
 # The orchestrator's client-facing certificate (tls.crt, tls.key): its gRPC and HTTP API ports serve TLS.
 ENV_CLIENT_TLS_DIR = "OMNISTAGE_CLIENT_TLS_DIR"
 CLIENT_TLS_MOUNT = "/etc/omnistage-client-tls"
+# The job API's durable store (a sqlite:// or postgresql:// URL: its password stays out of the command line on a
+# cluster, where the operator sets it from a Secret) and the folder where finished jobs' content is kept.
+ENV_JOBS_STORE = "OMNISTAGE_JOBS_STORE"
+ENV_JOBS_CONTENT = "OMNISTAGE_JOBS_CONTENT"
 
 DEFAULT_MODEL_DIR = "models"                 # relative to the working directory
 DEFAULT_HOST = "127.0.0.1"
@@ -165,6 +169,19 @@ ORCHESTRATOR_FLAGS = (
     Flag("client_tls_dir", f"serve the client-facing gRPC and HTTP API ports over TLS with tls.crt and tls.key "
                            f"from this folder (default ${ENV_CLIENT_TLS_DIR}; none: plaintext)",
          env=ENV_CLIENT_TLS_DIR, metavar="DIR"),
+    Flag("jobs_store", f"the job API's store (/v1/videos, gRPC Jobs): sqlite:///PATH or postgresql://USER:PASS@HOST/DB "
+                       f"(default ${ENV_JOBS_STORE}; none: jobs are refused)", env=ENV_JOBS_STORE, metavar="URL"),
+    Flag("jobs_content", f"folder where finished jobs' content (MP4, thumbnails) is kept: shared by the replicas "
+                         f"(default ${ENV_JOBS_CONTENT}; none: beside a sqlite store)", env=ENV_JOBS_CONTENT,
+         metavar="DIR"),
+    Flag("jobs_ttl_s", "seconds a finished job and its content are kept", float, default=86400.0),
+    Flag("jobs_concurrency", "jobs this replica runs at once", int, default=2),
+    Flag("jobs_max_queued_per_key", "jobs one API key may have queued at once", int, default=16),
+    Flag("jobs_lease_s", "seconds a running job's lease lasts without renewal: a replica that stops renewing (dead) "
+                         "has its jobs taken over this long after", float, default=10.0),
+    Flag("jobs_max_attempts", "times a job is run before it fails (restarted_too_often) instead of being taken over "
+                              "again: a job whose run kills its orchestrator is not passed from replica to replica "
+                              "for good", int, default=3),
     *_LIFECYCLE,
 )
 

@@ -3,8 +3,9 @@
 Names are `omnistage_<subsystem>_<what>_<unit>`: subsystem `request(s)` and `admission` (an orchestrator's
 client requests), `audio` (the answers' audio as a client receives it), `stage` (a stage replica, or an
 orchestrator's view of a stage), `transfer` (the data plane), `class` (per request class), `planner`,
-`operator`, `tls` (a process's certificates). Units are base units (`_seconds`, `_bytes`); counters get
-`_total` from prometheus_client. docs/observability.md lists every metric (generated: scripts/metrics_doc.py).
+`operator`, `tls` (a process's certificates), `jobs` (an orchestrator's durable jobs, /v1/videos). Units are
+base units (`_seconds`, `_bytes`); counters get `_total` from prometheus_client. docs/observability.md lists
+every metric (generated: scripts/metrics_doc.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from omnistage.api import MODEL_LIMIT_FALLBACKS, Limits
+from omnistage.api.model import FALLBACK_GUIDANCE_SCALE, FRAME_STEP
 from omnistage.contract import conversation
 from omnistage.contract.errors import InvalidRequest as InvalidRequest  # where callers have found it
 from omnistage.v1 import common_pb2
@@ -50,6 +51,9 @@ class RequestParams:
     num_inference_steps: int
     guidance_scale: float
     negative_prompt: str
+    # Video pipelines: frames (1 + FRAME_STEP x k) and their rate.
+    num_frames: int = 1
+    fps: int = 0
     # Chat: a system turn before the prompt, or the prompt sent as written (no chat template applied).
     system_prompt: str = ""
     raw_prompt: bool = False
@@ -118,8 +122,8 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
     _bound("params.audio.max_codec_frames", frames, 1, limits.max_codec_frames)
     img = p.image
     side = limits.default_image_side or min(MODEL_LIMIT_FALLBACKS["default_image_side"], limits.max_image_side)
-    width = img.width or side
-    height = img.height or side
+    width = img.width or limits.default_width or side
+    height = img.height or limits.default_height or side
     for name, side in (("width", width), ("height", height)):
         _bound(f"params.image.{name}", side, 8, limits.max_image_side)
         if side % 8:
@@ -127,11 +131,13 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
     steps = (img.num_inference_steps or limits.default_inference_steps
              or min(MODEL_LIMIT_FALLBACKS["default_inference_steps"], limits.max_inference_steps))
     _bound("params.image.num_inference_steps", steps, 1, limits.max_inference_steps)
-    guidance = img.guidance_scale if img.HasField("guidance_scale") else 7.5
+    guidance = (img.guidance_scale if img.HasField("guidance_scale")
+                else limits.default_guidance_scale or FALLBACK_GUIDANCE_SCALE)
     if not (0.0 <= guidance <= 100.0 and math.isfinite(guidance)):
         raise InvalidRequest("params.image.guidance_scale", f"must be between 0 and 100, got {guidance}")
     if len(img.negative_prompt) > limits.max_prompt_chars:
         raise InvalidRequest("params.image.negative_prompt", f"is longer than {limits.max_prompt_chars} characters")
+    num_frames, fps = _video(p.video, limits)
     if len(p.system_prompt) > limits.max_prompt_chars:
         raise InvalidRequest("params.system_prompt", f"is longer than {limits.max_prompt_chars} characters")
     if p.system_prompt and p.raw_prompt:
@@ -145,7 +151,8 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         ignore_eos=t.ignore_eos,
         max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
-        system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts, turns=tuple(p.turns),
+        num_frames=num_frames, fps=fps, system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts,
+        turns=tuple(p.turns),
         tools=tuple(p.tools), answer_prefix=p.answer_prefix)
 
 
@@ -170,7 +177,38 @@ def fill_resolved(p: common_pb2.GenerationParams, params: RequestParams) -> comm
     p.image.width, p.image.height = params.width, params.height
     p.image.num_inference_steps = params.num_inference_steps
     p.image.guidance_scale = params.guidance_scale
+    p.video.num_frames, p.video.fps = params.num_frames, params.fps
     return p
+
+
+def valid_frames(n: int) -> bool:
+    """Whether `n` frames is a count a video pipeline makes (1 + FRAME_STEP x k)."""
+    return n >= 1 and (n - 1) % FRAME_STEP == 0
+
+
+def nearest_frames(n: int, most: int) -> list[int]:
+    """The valid frame counts either side of `n` (within 1..`most`), nearest first."""
+    below = n - (n - 1) % FRAME_STEP if n >= 1 else 1
+    found = [c for c in (below, below + FRAME_STEP) if 1 <= c <= most and c != n]
+    return sorted(found, key=lambda c: (abs(c - n), c))
+
+
+def _video(v: common_pb2.VideoParams, limits: Limits) -> tuple[int, int]:
+    """(num_frames, fps): given or defaulted, within the limits; a frame count no video VAE decodes is refused
+    with the nearest ones it does (rounding it silently would make another video than asked)."""
+    frames = v.num_frames
+    if not frames:
+        frames = limits.default_frames or min(MODEL_LIMIT_FALLBACKS["default_frames"], limits.max_frames)
+        frames -= (frames - 1) % FRAME_STEP  # the pipeline's own default within maxFrames: the valid one below
+    _bound("params.video.num_frames", frames, 1, limits.max_frames)
+    if not valid_frames(frames):
+        nearest = " or ".join(str(c) for c in nearest_frames(frames, limits.max_frames))
+        raise InvalidRequest("params.video.num_frames", f"must be {FRAME_STEP}k + 1 frames (the video VAE makes "
+                                                        f"{FRAME_STEP} frames per latent frame after the first): "
+                                                        f"{nearest}, got {frames}")
+    fps = v.fps or limits.default_fps
+    _bound("params.video.fps", fps, 1, limits.max_fps)
+    return frames, fps
 
 
 def check_parts(parts, limits: Limits) -> None:

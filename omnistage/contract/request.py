@@ -18,8 +18,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, ignore_eos: bool = False, max_codec_frames: int = 0, speaker: str = "",
                   width: int = 0, height: int = 0, num_inference_steps: int = 0, guidance_scale: float | None = None,
-                  negative_prompt: str = "", outputs: Iterable[str] = (), return_trace: bool = False,
-                  priority: int = 0, request_id: str = "",
+                  negative_prompt: str = "", num_frames: int = 0, fps: int = 0, outputs: Iterable[str] = (),
+                  return_trace: bool = False, priority: int = 0, request_id: str = "",
                   parts: Iterable[common_pb2.ContentPart | str] = (), turns: Iterable[common_pb2.Turn] = (),
                   tools: Iterable[common_pb2.Tool] = (), answer_prefix: str = "") -> orchestrator_pb2.GenerateRequest:
     """One Generate request. `parts`: the user turn as ordered content parts (a str is a text part); a
@@ -39,6 +39,7 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
     params = common_pb2.GenerationParams(prompt=prompt, prompt_token_ids=list(prompt_token_ids), text=text,
                                          audio=common_pb2.AudioParams(max_codec_frames=max_codec_frames,
                                                                       speaker=speaker), image=image,
+                                         video=common_pb2.VideoParams(num_frames=num_frames, fps=fps),
                                          system_prompt=system_prompt, raw_prompt=raw_prompt,
                                          parts=[_part(p) for p in parts], turns=list(turns), tools=list(tools),
                                          answer_prefix=answer_prefix)

@@ -23,7 +23,9 @@ DENOISER = Adapter("denoiser", ("diffusers",), "diffusion", "unet", frozenset({"
                    reads=frozenset({"embeddings"}), needs=frozenset({"embeddings"}))
 DIT_DENOISER = Adapter("dit-denoiser", ("diffusers",), "diffusion", "transformer", frozenset({"latents"}),
                        reads=frozenset({"embeddings"}), needs=frozenset({"embeddings"}))
-VAE_DECODER = Adapter("vae-decoder", ("diffusers",), "generation", "vae", frozenset({"image"}),
+# The VAE stage emits images or video frames: which one is the pipeline's (validation cannot see the checkpoint;
+# each family maps this adapter to its own engine, and a video engine refuses a stage that declares images).
+VAE_DECODER = Adapter("vae-decoder", ("diffusers",), "generation", "vae", frozenset({"image", "video"}),
                       reads=frozenset({"latents"}), needs=frozenset({"latents"}))
 
 

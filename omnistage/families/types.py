@@ -76,6 +76,12 @@ class Family:
     # The published pipeline's own default of denoise steps (its `__call__` default; no config file holds
     # it): a pipeline's limits.defaultInferenceSteps when its file sets none. 0: the family has none.
     default_inference_steps: int = 0
+    # Its `__call__`'s default guidance scale: a pipeline's limits.defaultGuidanceScale when its file sets none.
+    # 0: the family has none.
+    default_guidance_scale: float = 0.0
+    # Its `__call__`'s default (width, height) where no checkpoint config gives the side (a video pipeline's
+    # non-square frame: WanPipeline's 832 x 480): limits.defaultWidth / defaultHeight when the file sets no size.
+    default_size: tuple[int, int] | None = None
 
     def matches(self, architecture: str) -> bool:
         if self.suffix:

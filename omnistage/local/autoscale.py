@@ -7,7 +7,8 @@ endpoints file, `--discovery file`); a replica removed leaves them first and is 
 it finishes what it was given, then exits), so scaling down fails no request. A stage on GPUs keeps the
 replicas it started with (serve places GPUs at start). The planner is given the stage graph (each
 stage's inputs), so a stage's upstream catch-up is not read as a rise in its load, and the stages the audio
-passes through, the only ones a missed underrun target grows. The planner's
+passes through, the only ones a missed underrun target grows; from the orchestrator it also reads the jobs
+queued in its job store (a video pipeline's), backlog to the stages they will load. The planner's
 decisions are served as Prometheus metrics on a status port of their own
 (`omnistage_planner_desired_replicas`, ...).
 """
@@ -26,7 +27,13 @@ from omnistage.planner.controller import Planner
 from omnistage.planner.graph import audio_path, upstream_of
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, orchestrator_counters, replica_counters
+from omnistage.planner.scrape import (
+    orchestrator_buckets,
+    orchestrator_classes,
+    orchestrator_counters,
+    orchestrator_jobs,
+    replica_counters,
+)
 from omnistage.serving import HttpStatusServer
 
 SCRAPE_TIMEOUT_S = 1.0
@@ -95,11 +102,14 @@ class LocalAutoscaler:
                 text = self._read(http_url(self.local.host, orch.ports.http, METRICS_PATH))
                 buckets, classes, audio = orchestrator_buckets(text), orchestrator_classes(text), \
                     orchestrator_counters(text)
+                jobs = orchestrator_jobs(text)
             except (OSError, http.client.HTTPException, ValueError):
                 return
             self.planner.observe_orchestrators({orch.name: buckets}, self.clock())
             self.planner.observe_classes({orch.name: classes}, self.clock())
             self.planner.observe_audio({orch.name: audio}, self.clock())
+            if jobs is not None:   # an orchestrator with a job store (serve gives a video pipeline one)
+                self.planner.observe_jobs({orch.name: jobs}, self.clock())
 
     @staticmethod
     def _read(url: str) -> str:

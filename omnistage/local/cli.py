@@ -11,10 +11,18 @@ import time
 from pathlib import Path
 
 from omnistage.api import MODALITIES, SpecError, load_pipeline
-from omnistage.contract.launch import ENV_ALLOWED_HOSTS, ENV_API_KEYS, ENV_CLIENT_API_KEY, model_root, report_exit
+from omnistage.contract.launch import (
+    ENV_ALLOWED_HOSTS,
+    ENV_API_KEYS,
+    ENV_CLIENT_API_KEY,
+    ENV_JOBS_STORE,
+    model_root,
+    report_exit,
+)
 from omnistage.local import gpu_placement
 from omnistage.local.restarts import LOG_BACKUPS, LOG_MAX_BYTES
 from omnistage.logs import ACCESS_LOGGER, ENV_ACCESS_LOG, ENV_LOG_FORMAT, log_format
+from omnistage.store_url import redacted_url
 
 DEFAULT_MODEL_DIR = str(model_root())
 
@@ -119,6 +127,8 @@ def _print_endpoints(local) -> None:
     width = max(len(name) for name in local.status_urls)
     for name, url in local.status_urls.items():
         print(f"  {name:<{width}}  {url}{METRICS_PATH}  {url}{READY_PATH}  {url}{LIVE_PATH}")
+    if local.jobs is not None:
+        print(f"  Job store:  {redacted_url(local.jobs.store)}  (content in {local.jobs.content})")
     print(f"  Prometheus targets (file_sd_configs): {local.targets_file}", flush=True)
 
 
@@ -138,7 +148,9 @@ def cmd_serve(args) -> int:
         os.environ[ENV_ALLOWED_HOSTS] = ",".join(args.allowed_host)
     try:
         local = _launcher(args, api_port=args.api_port, api_keys=args.api_key, tls=not args.no_tls,
-                          client_tls_dir=Path(args.client_tls_dir).resolve() if args.client_tls_dir else None)
+                          client_tls_dir=Path(args.client_tls_dir).resolve() if args.client_tls_dir else None,
+                          jobs_store=args.jobs_store or os.environ.get(ENV_JOBS_STORE) or None,
+                          jobs_content=Path(args.jobs_content).resolve() if args.jobs_content else None)
         if args.no_api or not local.pipeline.deployment.orchestrator.http.enabled:
             local.api_port = None
     except SpecError as e:
@@ -585,6 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-tls-dir", default=None, metavar="DIR",
                    help="serve the client-facing gRPC and OpenAI API ports over TLS with DIR/tls.crt and "
                         "DIR/tls.key (default: plaintext on the loopback address)")
+    p.add_argument("--jobs-store", default=None, metavar="URL",
+                   help="the durable job store (/v1/videos): sqlite:///FILE or postgresql://USER:PASS@HOST/DB "
+                        f"(default ${ENV_JOBS_STORE}, else the file's jobs.store.url, else for a pipeline with a "
+                        "video output SQLite in ./.omnistage/jobs/; none: jobs are refused). The process list "
+                        f"shows it: prefer ${ENV_JOBS_STORE} for a password")
+    p.add_argument("--jobs-content", default=None, metavar="DIR",
+                   help="where finished jobs' videos and thumbnails are kept (default ./.omnistage/jobs/content)")
     p.add_argument("--autoscale", action="store_true",
                    help="run the stage planner: add and drain CPU stage replicas as measured load asks, within "
                         "spec.deployment.autoscaling (targets, budget, per-stage bounds; see docs/planner.md); "

@@ -39,16 +39,19 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from omnistage import tls as certificates
 from omnistage.api import Pipeline
+from omnistage.api.model import JOBS_MODALITY
 from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import (
     API_PATH,
     ENV_API_KEYS,
     ENV_CLIENT_TLS_DIR,
     ENV_DATA_PLANE_KEY,
+    ENV_JOBS_CONTENT,
+    ENV_JOBS_STORE,
     ENV_TLS_DIR,
     ReadyPorts,
     http_url,
@@ -59,6 +62,7 @@ from omnistage.contract.launch import (
     stage_command,
 )
 from omnistage.local import gpu_placement
+from omnistage.local.process_group import signal_group
 from omnistage.local.restarts import (
     LOG_BACKUPS,
     LOG_MAX_BYTES,
@@ -67,6 +71,7 @@ from omnistage.local.restarts import (
     restart_delay,
     rotate_log,
 )
+from omnistage.store_url import redacted_url, sqlite_file
 
 TARGETS_FILE = "prometheus-targets.json"   # in the log folder: Prometheus file-based service discovery
 ENDPOINTS_FILE = "endpoints.json"           # in the log folder: the orchestrator's stage replicas (--discovery file)
@@ -76,10 +81,48 @@ DRAIN_AFTER_UNLISTED_S = 1.0
 DRAIN_KILL_MARGIN_S = 10.0   # past its drainSeconds and this, a drained replica that has not exited is killed
 SCRAPE_JOB = "omnistage"
 LOCAL_NAMESPACE = "local"           # the namespace part of every local process's identity
+# The job store of a pipeline with a video output, by default: SQLite and a content folder under the working
+# directory (not the log folder, a temporary one), so jobs and their videos outlive a restart of serve.
+JOBS_DIR = Path(".omnistage") / "jobs"
+JOBS_DB_FILE = "jobs.db"
+JOBS_CONTENT_DIR = "content"
+
+
+@dataclass(frozen=True)
+class LocalJobs:
+    """Where the orchestrator keeps its durable jobs (/v1/videos): the store's URL and the content folder."""
+    store: str
+    content: Path
+    root: Path      # JOBS_DIR under the working directory: made private when a default lives there
+
+
+def local_jobs(pipeline: Pipeline, work_dir: Path, store: str | None = None,
+               content: Path | None = None) -> LocalJobs | None:
+    """The job store `omnistage serve` gives the orchestrator: `store` (--jobs-store), else the pipeline's
+    jobs.store.url, else, for a pipeline with a video output, SQLite in JOBS_DIR under `work_dir`; content in
+    `content` (--jobs-content), else JOBS_DIR's content folder. None: no store (the job API refuses jobs). A
+    store the pipeline names by Secret (secretRef) is the cluster's: locally it is not read."""
+    store = store or pipeline.deployment.orchestrator.jobs.store.url or None
+    if store is None and not any(o.modality == JOBS_MODALITY for o in pipeline.outputs):
+        return None
+    root = (work_dir / JOBS_DIR).resolve()
+    return LocalJobs(store or f"sqlite://{root / JOBS_DB_FILE}", (content or root / JOBS_CONTENT_DIR).resolve(), root)
 
 
 class LaunchError(RuntimeError):
     pass
+
+
+def sqlite_folder(folder: Path, store: str) -> None:
+    """Make the folder of a SQLite job store's file (private: the jobs' prompts are the users'), or refuse to
+    start naming it: the orchestrator would start and answer every job creation 503."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"{folder} is not writable by this user")
+    except OSError as e:
+        raise LaunchError(f"job store {redacted_url(store)}: the folder of its SQLite file, {folder}, cannot be made "
+                          f"or written ({e.strerror or e}); choose another --jobs-store") from None
 
 
 @dataclass
@@ -126,6 +169,9 @@ class LocalPipeline:
     client_tls_dir: Path | None = None  # tls.crt + tls.key: the orchestrator's client ports serve TLS
     log_max_bytes: int = LOG_MAX_BYTES  # each process's log file is rotated past this (restarts.rotate_log)
     log_backups: int = LOG_BACKUPS      # ... keeping this many old copies
+    jobs_store: str | None = None       # the job store's URL (default: local_jobs)
+    jobs_content: Path | None = None    # its content folder (default: local_jobs)
+    work_dir: Path = field(default_factory=Path.cwd)   # where the default job store lives
 
     def __post_init__(self):
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix=f"omnistage-{self.pipeline.name}-"))
@@ -142,6 +188,7 @@ class LocalPipeline:
         self._env: dict[str, str] = {}
         self._tls_dirs: dict[str | None, Path] = {}
         self._added = 0
+        self.jobs = local_jobs(self.pipeline, self.work_dir, self.jobs_store, self.jobs_content)
 
     def replica_counts(self) -> dict[str, int]:
         """Replicas each stage runs here, in stage order (a stage scaled to 0 in the file still runs one)."""
@@ -197,7 +244,7 @@ class LocalPipeline:
         env.update(service_env(self.model_dir, same_host=True))
         env.update({"UCX_TLS": env.get("UCX_TLS", "tcp"), "UCX_WARN_UNUSED_ENV_VARS": "n"})
         # serve decides: its own certificates and data-plane key, or none (--no-tls)
-        for key in (ENV_TLS_DIR, ENV_CLIENT_TLS_DIR, ENV_DATA_PLANE_KEY):
+        for key in (ENV_TLS_DIR, ENV_CLIENT_TLS_DIR, ENV_DATA_PLANE_KEY, ENV_JOBS_STORE, ENV_JOBS_CONTENT):
             env.pop(key, None)
         env.update(self.extra_env)
         return env
@@ -217,7 +264,7 @@ class LocalPipeline:
         self.check_models()
         env = self.env()
         # refused keys and GPU placements: before anything starts; the orchestrator never uses a GPU
-        orchestrator_env = {**env, **self._api_key_env(), **gpu_placement.replica_env()}
+        orchestrator_env = {**env, **self._api_key_env(), **self._jobs_env(), **gpu_placement.replica_env()}
         machine = self.place_gpus(env)
         self.check_memory(env)
         self._tls_dirs = self._issue_certificates() if self.tls else {}
@@ -242,7 +289,7 @@ class LocalPipeline:
         argv = orchestrator_command(self.pipeline_file, host=self.host, port=port, http_port=http_port,
                                     api_port=api_port, discovery="file", endpoints_file=self.endpoints_file,
                                     wait_for_stages=30, ready_file=ready_file, tls_dir=self._tls_dirs.get(None),
-                                    client_tls_dir=self.client_tls_dir)
+                                    client_tls_dir=self.client_tls_dir, **self._jobs_flags())
         return Proc("orchestrator", argv, self.log_dir / "orchestrator.log", ready_file)
 
     def _stage_proc(self, stage: str, tag: str, name: str, gpus: tuple[str, ...] = ()) -> Proc:
@@ -293,7 +340,7 @@ class LocalPipeline:
         self.starting.remove(proc)
         if proc.restart_at is not None:   # dead, waiting for its restart: nothing to stop
             return proc
-        _signal_group(proc.popen, signal.SIGTERM)
+        signal_group(proc.popen, signal.SIGTERM)
         proc.stop_at, proc.kill_at = None, time.monotonic() + DRAIN_KILL_MARGIN_S
         self.draining.append(proc)   # reaped (or killed) there
         return proc
@@ -333,14 +380,14 @@ class LocalPipeline:
         for p in list(self.draining):
             now = time.monotonic()
             if p.stop_at is not None and now >= p.stop_at:
-                _signal_group(p.popen, signal.SIGTERM)
+                signal_group(p.popen, signal.SIGTERM)
                 p.stop_at = None
                 p.kill_at = now + self.pipeline.deployment.stages[p.stage].drain_seconds + DRAIN_KILL_MARGIN_S
             elif p.popen.poll() is not None:
                 self.draining.remove(p)
                 events.append(f"{p.name}: drained, exited with code {p.popen.returncode}")
             elif p.kill_at is not None and now >= p.kill_at:
-                _signal_group(p.popen, signal.SIGKILL)
+                signal_group(p.popen, signal.SIGKILL)
                 p.kill_at = None
                 events.append(f"{p.name}: still there past its drain bound; killed")
         return events
@@ -358,6 +405,26 @@ class LocalPipeline:
         dirs = certificates.write_pipeline_dirs(self.tls_root, ca, ca_key, LOCAL_NAMESPACE, self.pipeline.name,
                                                 [st.name for st in self.pipeline.stages])
         return {who: files.folder for who, files in dirs.items()}
+
+    def _jobs_env(self) -> dict[str, str]:
+        """The job store's URL for the orchestrator, by environment (a PostgreSQL URL holds a password the
+        process list would show); its folders made (private: the jobs' prompts and videos are the users')."""
+        if self.jobs is None:
+            return {}
+        if self.jobs.content.is_relative_to(self.jobs.root) or self.jobs.store.startswith(f"sqlite://{self.jobs.root}"):
+            self.jobs.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.jobs.content.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if (db := sqlite_file(self.jobs.store)) is not None:
+            sqlite_folder(Path(db).parent, self.jobs.store)
+        return {ENV_JOBS_STORE: self.jobs.store}
+
+    def _jobs_flags(self) -> dict[str, Any]:
+        """The orchestrator's --jobs-* flags: the content folder and the pipeline's jobs settings."""
+        if self.jobs is None:
+            return {}
+        spec = self.pipeline.deployment.orchestrator.jobs
+        return {"jobs_content": self.jobs.content, "jobs_ttl_s": spec.ttl_seconds,
+                "jobs_concurrency": spec.concurrency, "jobs_max_queued_per_key": spec.max_queued_per_key}
 
     def _api_key_env(self) -> dict[str, str]:
         """The keys reach the orchestrator in its environment, not its command line (which `ps` shows)."""
@@ -454,7 +521,7 @@ class LocalPipeline:
 
     def _restart_later(self, p: Proc, when: str) -> str:
         """Schedule the restart of a process that died; the line that says so."""
-        _signal_group(p.popen, signal.SIGKILL)   # helper processes of its group go with it
+        signal_group(p.popen, signal.SIGKILL)   # helper processes of its group go with it
         now = time.monotonic()
         p.failures = failures_after_death(p.failures, now - p.started)
         delay = restart_delay(p.failures)
@@ -478,7 +545,7 @@ class LocalPipeline:
         procs = [p for p in [*self.all_procs(), *self.starting, *self.draining]
                  if p.popen is not None and p.restart_at is None]
         for p in procs:
-            _signal_group(p.popen, signal.SIGTERM)
+            signal_group(p.popen, signal.SIGTERM)
         end = time.monotonic() + grace
         for p in procs:
             try:
@@ -486,7 +553,7 @@ class LocalPipeline:
             except subprocess.TimeoutExpired:
                 pass
         for p in procs:  # the group too: engine helper processes must not outlive their stage
-            _signal_group(p.popen, signal.SIGKILL)
+            signal_group(p.popen, signal.SIGKILL)
             try:
                 p.popen.wait(5)
             except subprocess.TimeoutExpired:
@@ -500,10 +567,3 @@ class LocalPipeline:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -12,7 +12,10 @@ what the front door's admissions surely send it at each request class's demand (
 the request mix reaches the stage it loads at the next decision, not once its upstream has passed it on.
 Given the stages on the audio path (`audio_path`: graph.audio_path) and the orchestrators' audio counters
 (`observe_audio`), a share of late audio chunks over `targets.underruns` presses the busiest of those
-stages only (latency.py).
+stages only (latency.py). Given the jobs the orchestrators count queued in their job store and their job slots
+(`observe_jobs`), each stage is planned for the queued jobs that free slots take now too: their work there
+over the drain time, at most a replica a job (jobs.py); the jobs that wait for a slot reach no stage sooner
+for more replicas, and add nothing.
 What the controller does with the result is its own: write Deployments' replicas, or start and drain
 local processes until each stage runs `scales[stage].replicas`.
 
@@ -31,6 +34,7 @@ from omnistage.planner.classes import ClassCounts, ClassDemand, Forecast, counte
 from omnistage.planner.classes import demand as class_demand
 from omnistage.planner.decisions import Change, StageScale, decide
 from omnistage.planner.graph import demand_per_request, edge_ratio, steady_arrivals
+from omnistage.planner.jobs import JobsReading, job_demand, jobs_backlog, jobs_entering, merged_jobs
 from omnistage.planner.latency import Buckets, Counters, counted_since, merged, missed, p95, underruns_missed
 from omnistage.planner.scrape import ORCHESTRATOR_HISTOGRAMS
 from omnistage.planner.sizing import Budget, Plan, StageNeed, plan
@@ -58,16 +62,21 @@ class Decision:
     # request class's demand (classes.forecast; absent before any class is known)
     forecast: Mapping[str, float] = field(default_factory=dict)
     classes: Mapping[str, ClassDemand] = field(default_factory=dict)
+    # per stage, of its load, the work units per second of the queued jobs the free job slots take (jobs.py)
+    jobs: Mapping[str, float] = field(default_factory=dict)
 
     def figures(self, stage: str) -> str:
         """What a change of `stage` rests on, for a person: "53.8 frames/s offered, 272 per replica" (and
-        ", 12 of it upstream backlog in transit" when the graph says so, "; 80 on their way from the front door's
-        request mix" when the classes forecast more than reached the stage)."""
+        " (12 of it upstream backlog in transit)" when the graph says so, "(80 of it queued jobs)" for jobs waiting
+        in the job store, "; 80 on their way from the front door's request mix" when the classes forecast more
+        than reached the stage)."""
         est = self.estimates[stage]
-        transit = f" ({est.in_transit:.3g} of it upstream backlog in transit)" if est.in_transit > 0 else ""
+        parts = [f"{est.in_transit:.3g} of it upstream backlog in transit" if est.in_transit > 0 else "",
+                 f"{self.jobs[stage]:.3g} of it queued jobs" if self.jobs.get(stage, 0.0) > 0 else ""]
+        of_it = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
         ahead = self.forecast.get(stage, 0.0)
         coming = f"; {ahead:.3g} on their way from the front door's request mix" if ahead > est.load else ""
-        return f"{est.load:.3g} {self.units[stage]} offered{transit}, {est.capacity:.3g} per replica{coming}"
+        return f"{est.load:.3g} {self.units[stage]} offered{of_it}, {est.capacity:.3g} per replica{coming}"
 
 
 class Planner:
@@ -102,6 +111,7 @@ class Planner:
         # the orchestrators' audio counters (scrape.orchestrator_counters): (at, per replica)
         self._audio: deque[tuple[float, dict[str, Counters]]] = deque()
         self.classes: dict[str, ClassDemand] = {}
+        self._jobs: tuple[float, JobsReading] | None = None   # (at, the job gauges merged), the last reading
 
     @property
     def budget(self) -> Budget:
@@ -150,6 +160,30 @@ class Planner:
         keep = max([self.window_s, *(b.scale_down_delay_seconds for b in self.bounds.values())])
         while len(self._classes) > 2 and self._classes[1][0] <= at - keep:
             self._classes.popleft()   # keep one reading at least a window (and every scale-down delay) old
+
+    def observe_jobs(self, readings: Mapping[str, JobsReading], at: float) -> None:
+        """One reading of every orchestrator replica's job gauges (by replica name: scrape.orchestrator_jobs):
+        the jobs queued in the one job store, their job slots and the jobs they run (jobs.merged_jobs)."""
+        if readings:
+            self._jobs = (at, merged_jobs(readings.values()))
+
+    def _jobs_load(self, now: float, queue_seconds: float) -> tuple[dict[str, float], JobsReading, float]:
+        """Per stage, the units per second of the backlog of the queued jobs the free job slots take (jobs.py);
+        the jobs reading; how many enter. Nothing once the reading is a window old (no orchestrator answered
+        since). A stage whose capacity is not measured yet (too idle to say) gets none: what stands in for its
+        capacity is sized to its own load, so a backlog on top would grow it for no measured reason; once
+        measured, it is planned like the others. Stages the planner does not run (an orchestrator's counters
+        may still name one a rollout renamed) get none."""
+        if self._jobs is None or self._jobs[0] < now - self.window_s:
+            return {}, JobsReading(0.0), 0.0
+        average = demand_per_request(self.upstream, self.ratios,
+                                     {s: e.units_per_request for s, e in self.estimates.items()})
+        reading = self._jobs[1]
+        entering = jobs_entering(reading)
+        demand = {s: u for s, u in job_demand(self.classes, average).items() if s in self.estimates}
+        # a backlog is planned at full utilisation (sizing.replicas_for): a job's worth is a replica's capacity
+        per_replica = {s: e.capacity for s, e in self.estimates.items() if e.capacity > 0}
+        return jobs_backlog(entering, demand, queue_seconds, per_replica), reading, entering
 
     def _forecast(self, seconds: float, now: float) -> dict[str, Forecast]:
         """Per stage, what the front door admitted over about the last `seconds` sends it (classes.forecast);
@@ -237,7 +271,13 @@ class Planner:
                                    self.gpus.get(stage, 0), unit,
                                    default_capacity=max(planned, 1.0) / targets.utilization, grow_load=surely,
                                    keep_load=max(over_delay, planned)))
+        jobs, reading, entering = self._jobs_load(now, targets.queue_seconds)
+        needs = [_with_jobs(n, jobs.get(n.stage, 0.0)) for n in needs]
+        running = self.desired()
         needs, why = self._target_pressure(needs, now)
+        if jobs:
+            why = (f"; {reading.queued:.0f} job{'s' if reading.queued != 1 else ''} queued, {entering:.0f} entering "
+                   "free job slots") + why
         p = plan(needs, self.budget, targets.utilization)
         if why:
             p = replace(p, reason=p.reason + why)
@@ -245,8 +285,18 @@ class Planner:
         self.scales, changes = decide(self.scales, p, now, delays, self.gpus, self.budget)
         demand = demand_per_request(self.upstream, self.ratios,
                                     {s: e.units_per_request for s, e in self.estimates.items()})
-        return Decision(p, changes, dict(self.estimates), {n.stage: n.unit for n in needs}, demand,
-                        {s: f.load for s, f in forecasts.get(self.window_s, {}).items()}, dict(self.classes))
+        return Decision(p, changes, self._jobs_estimates(jobs, running), {n.stage: n.unit for n in needs}, demand,
+                        {s: f.load for s, f in forecasts.get(self.window_s, {}).items()}, dict(self.classes), jobs)
+
+    def _jobs_estimates(self, jobs: Mapping[str, float], replicas: Mapping[str, int]) -> dict[str, load.StageEstimate]:
+        """The estimates as the decision reports them: with the queued jobs' backlog in the load (the planner's
+        own stay as measured: the next window measures afresh)."""
+        out = dict(self.estimates)
+        for stage, extra in jobs.items():
+            est, n = out[stage], replicas.get(stage, 0)
+            util = (est.load + extra) / (n * est.capacity) if n and est.capacity > 0 else 0.0
+            out[stage] = replace(est, load=est.load + extra, backlog=est.backlog + extra, utilization=util)
+        return out
 
     def _windows(self) -> dict[str, tuple[load.StageWindow, load.StageWindow, load.StageWindow]]:
         """Per stage measured over a window yet: its last `window_s`, last RECENT_S and last scale-down delay
@@ -292,3 +342,13 @@ def _with_forecast(bound: float | None, f: Forecast | None, errors: float) -> fl
     if bound is None or f is None or f.admitted <= 0:
         return bound
     return max(bound, f.arrivals_bound(errors))
+
+
+def _with_jobs(need: StageNeed, extra: float) -> StageNeed:
+    """The stage's need with the queued jobs' backlog added: counted, not sampled, so it adds alike to the load
+    it grows for and the load fewer replicas must serve."""
+    if extra <= 0:
+        return need
+    return replace(need, load=need.load + extra, backlog=need.backlog + extra,
+                   grow_load=None if need.grow_load is None else need.grow_load + extra,
+                   keep_load=None if need.keep_load is None else need.keep_load + extra)

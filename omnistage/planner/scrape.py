@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.planner.classes import ClassCounts
+from omnistage.planner.jobs import JobsReading
 from omnistage.planner.load import ReplicaCounters
 
 REQUESTS = "omnistage_stage_requests"       # counter, labels stage, outcome
@@ -35,6 +36,12 @@ CLASS_FINISHED = "omnistage_class_finished"              # counter, label class:
 CLASS_ENDED = "omnistage_class_ended"                    # counter, label class: admitted requests ended, any outcome
 CLASS_STAGE_REQUESTS = "omnistage_class_stage_requests"  # counter, labels class, stage: finished ones the stage served
 CLASS_STAGE_UNITS = "omnistage_class_stage_units"        # counter, labels class, stage, unit: the stage's work for them
+# Orchestrator gauges of the durable job store (/v1/videos): jobs waiting in the store to be run, as a replica last
+# counted them (every replica counts the same store, so replicas are not summed), jobs a replica runs now, and
+# the most it runs at once (its --jobs-concurrency; 0 without a store or while it drains): its job slots.
+JOBS_QUEUED = "omnistage_jobs_queued"
+JOBS_RUNNING = "omnistage_jobs_running"
+JOBS_SLOTS = "omnistage_jobs_slots"
 # Outcomes of requests that reached the engine (rejected and invalid ones never did): their work counts.
 RAN = frozenset({"finished", "cancelled", "failed", "timeout"})
 
@@ -88,6 +95,26 @@ def orchestrator_counters(text: str) -> dict[str, float]:
             if s.name in names:
                 out[names[s.name]] += s.value
     return out
+
+
+def orchestrator_jobs(text: str) -> JobsReading | None:
+    """An orchestrator's job gauges (JOBS_QUEUED, JOBS_SLOTS, JOBS_RUNNING); None for one that does not export
+    the queued jobs (an older image). One without slots runs no jobs (0)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in (JOBS_QUEUED, JOBS_SLOTS, JOBS_RUNNING):
+                values[s.name] = s.value
+    if JOBS_QUEUED not in values:
+        return None
+    return JobsReading(values[JOBS_QUEUED], values.get(JOBS_SLOTS, 0.0), values.get(JOBS_RUNNING, 0.0))
+
+
+def orchestrator_jobs_queued(text: str) -> float | None:
+    """The jobs an orchestrator counted queued in its job store (JOBS_QUEUED); None for one that does not export
+    it (no job store, or an older image)."""
+    reading = orchestrator_jobs(text)
+    return None if reading is None else reading.queued
 
 
 def orchestrator_classes(text: str) -> ClassCounts:

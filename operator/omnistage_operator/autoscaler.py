@@ -4,8 +4,9 @@
 
 One asyncio task on the leading replica. Every `TICK_S` it looks at the pipelines whose
 `spec.deployment.autoscaling.enabled` the watch has seen (`track`); for each whose `intervalSeconds` is
-due it reads the pipeline, its stage Deployments and pods, scrapes the ready stage pods (in threads, at
-once), lets the planner decide, sets each stage Deployment whose replicas differ from the planner's, and
+due it reads the pipeline, its stage Deployments and pods, scrapes the ready stage and orchestrator pods (in
+threads, at once; the orchestrators for the targets' measures, the request classes and the jobs queued in
+their job store), lets the planner decide, sets each stage Deployment whose replicas differ from the planner's, and
 posts an Event per change. A Deployment scaled down deletes pods the usual way: each is drained by its
 preStop hook (it leaves the orchestrator's endpoints and finishes what it holds), so a scale-down fails
 no request. The planner's view (desired replicas, capacity, utilisation, the Planned condition) goes to
@@ -39,9 +40,16 @@ from omnistage.contract.launch import METRICS_PATH
 from omnistage.planner.classes import ClassCounts
 from omnistage.planner.controller import Planner
 from omnistage.planner.graph import audio_path, upstream_of
+from omnistage.planner.jobs import JobsReading
 from omnistage.planner.load import ReplicaCounters
 from omnistage.planner.metrics import PlannerMetrics
-from omnistage.planner.scrape import orchestrator_buckets, orchestrator_classes, orchestrator_counters, replica_counters
+from omnistage.planner.scrape import (
+    orchestrator_buckets,
+    orchestrator_classes,
+    orchestrator_counters,
+    orchestrator_jobs,
+    replica_counters,
+)
 
 from .kube import Kube
 from .pipeline_object import parse
@@ -233,6 +241,7 @@ class Autoscaler:
         orchestrators: dict[str, dict[str, dict[float, float]]] = {}
         classes: dict[str, ClassCounts] = {}
         audio: dict[str, dict[str, float]] = {}
+        jobs: dict[str, JobsReading] = {}
         for (unit, target), text in zip(flat, read):
             if text is None:
                 continue   # a pod that does not answer this time is measured next time
@@ -241,6 +250,8 @@ class Autoscaler:
                     orchestrators[target.pod] = orchestrator_buckets(text)
                     classes[target.pod] = orchestrator_classes(text)
                     audio[target.pod] = orchestrator_counters(text)
+                    if (reading := orchestrator_jobs(text)) is not None:
+                        jobs[target.pod] = reading
                     continue
                 counters, work = replica_counters(text, self.clock())
             except ValueError:
@@ -252,6 +263,7 @@ class Autoscaler:
         planner.observe_orchestrators(orchestrators, self.clock())
         planner.observe_classes(classes, self.clock())
         planner.observe_audio(audio, self.clock())
+        planner.observe_jobs(jobs, self.clock())
 
     def _read(self, target: ScrapeTarget) -> str | None:
         try:

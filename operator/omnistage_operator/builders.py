@@ -7,13 +7,14 @@ import copy
 import hashlib
 import json
 import math
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Sequence
 
 import yaml
 
-from omnistage.api import OrchestratorHttp, Pipeline, StageDeployment
+from omnistage.api import FieldError, OrchestratorHttp, Pipeline, StageDeployment
 from omnistage.api.memory_plan import memory_request, planned_bytes
+from omnistage.api.model import JOBS_MODALITY
 from omnistage.contract.devices import uses_gpus
 from omnistage.contract.launch import (
     API_PORT_NAME,
@@ -21,6 +22,7 @@ from omnistage.contract.launch import (
     DATA_PLANE_KEY_MOUNT,
     ENV_API_KEYS,
     ENV_DATA_PLANE_KEY,
+    ENV_JOBS_STORE,
     ENV_POD_IP,
     ENV_POD_NAMESPACE,
     GRPC_PORT,
@@ -37,6 +39,7 @@ from omnistage.contract.launch import (
     stage_command,
 )
 from omnistage.logs import ENV_LOG_FORMAT, POD_LOG_FORMAT
+from omnistage.store_url import sqlite_file
 from omnistage.tls import DATA_PLANE_KEY_FILE
 
 from .certificates import Leaf, build_certificate, leaves
@@ -83,6 +86,9 @@ TLS_VOLUME, CLIENT_TLS_VOLUME, DATA_PLANE_KEY_VOLUME = "tls", "client-tls", "dat
 # The orchestrator's rollout (a stage's comes from its rollingUpdate, the same by default): a new pod is ready
 # before an old one goes, so every replica keeps serving.
 ORCHESTRATOR_ROLLING_UPDATE = {"maxSurge": 1, "maxUnavailable": 0}
+# ... except on a job volume only one pod may hold (orchestrator_strategy): the old pod goes first. rollingUpdate
+# null: the merge patch from a rolling strategy removes it (the API server refuses Recreate with one).
+RECREATE = {"type": "Recreate", "rollingUpdate": None}
 # A memory-backed /dev/shm for stages on GPUs or with parallelism > 1: NCCL's intra-node transport and vLLM's
 # worker message queues live there, and a container runtime gives a pod 64 MiB. Its pages are charged to the
 # container's memory like any other, so the size limit claims nothing extra; it bounds what a runaway writer
@@ -90,6 +96,11 @@ ORCHESTRATOR_ROLLING_UPDATE = {"maxSurge": 1, "maxUnavailable": 0}
 # derived from the stage's memory: what NCCL and vLLM keep there grows with the ranks of a node, not the model.
 # A canonical quantity, so the live object reads it back unchanged (compare.matches).
 SHM_VOLUME, SHM_PATH, SHM_SIZE_LIMIT = "shm", "/dev/shm", "2Gi"
+# The orchestrator's job volume (spec.deployment.orchestrator.jobs.contentVolume): finished content in its
+# `content` folder, and a SQLite store's file beside it (sqlite:///var/lib/omnistage-jobs/jobs.db). Without a
+# volume the content goes to the pod's own /tmp (an emptyDir): lost with the pod.
+JOBS_VOLUME, JOBS_MOUNT = "jobs", "/var/lib/omnistage-jobs"
+JOBS_CONTENT, JOBS_CONTENT_EPHEMERAL = f"{JOBS_MOUNT}/content", "/tmp/omnistage-jobs"
 
 
 @dataclass(frozen=True)
@@ -213,9 +224,9 @@ def build_stage_deployment(p: Pipeline, stage: str, cfg: OperatorConfig) -> dict
     model = model_parts(p, stage, PIPELINE_PATH, POD_PYTHON)
     resources = _stage_resources(sd, stage_plan(p, stage))
     container = _container("stage", image, command, resources, {**sd.env, **model.env}, cfg, secret_env=key_env,
-                           secret_mounts=secrets, shm=shm, model_mounts=model.mounts)
+                           secret_mounts=secrets, shm=shm, extra_mounts=model.mounts)
     pod = _pod_spec(p, container, cfg, sd.drain_seconds, service_account=None, secrets=secrets, shm=shm,
-                    model_volumes=model.volumes)
+                    extra_volumes=model.volumes)
     if model.init:
         pod["initContainers"] = [_init_container(step, image, {**sd.env, **model.env}, cfg, _without_gpus(resources))
                                  for step in model.init]
@@ -301,20 +312,87 @@ def build_orchestrator_deployment(p: Pipeline, cfg: OperatorConfig) -> dict:
     client_tls = od.client_tls_secret
     if client_tls:
         secrets.append((CLIENT_TLS_VOLUME, client_tls, CLIENT_TLS_MOUNT))
+    jobs = orchestrator_jobs(p, cfg)
     command = orchestrator_command(PIPELINE_PATH, python=POD_PYTHON, **_POD_SERVING, discovery="kubernetes",
                                    namespace=p.namespace, api_port=api,
                                    tls_dir=TLS_MOUNT if cfg.tls_enabled else None,
-                                   client_tls_dir=CLIENT_TLS_MOUNT if client_tls else None)
+                                   client_tls_dir=CLIENT_TLS_MOUNT if client_tls else None, **jobs.flags)
     # The model volume, read-only (unless OMNISTAGE_ORCHESTRATOR_MODELS=false): the orchestrator reads the limits
     # a pipeline leaves to the model from the checkpoints' configs (omnistage.checkpoints.defaults), no weights.
     models = cfg.orchestrator_models
     container = _container("orchestrator", pod_image(od.image, cfg), command, od.resources.to_dict(), {}, cfg,
-                           models=models, ports=_orchestrator_ports(od.http), secret_env=_api_key_env(od.http),
-                           secret_mounts=secrets)
+                           models=models, ports=_orchestrator_ports(od.http),
+                           secret_env=[*_api_key_env(od.http), *jobs.env], secret_mounts=secrets,
+                           extra_mounts=jobs.mounts)
     pod = _pod_spec(p, container, cfg, od.drain_seconds, service_account=orchestrator_object_name(p.name),
-                    models=models, secrets=secrets)
+                    models=models, secrets=secrets, extra_volumes=jobs.volumes)
     labels = selector(p.name, COMPONENT_ORCHESTRATOR)
-    return _deployment(p, orchestrator_object_name(p.name), labels, od.replicas, pod, config_hash(p))
+    out = _deployment(p, orchestrator_object_name(p.name), labels, od.replicas, pod, config_hash(p))
+    if jobs.single_writer:
+        out["spec"]["strategy"] = dict(RECREATE)
+    return out
+
+
+@dataclass(frozen=True)
+class JobsParts:
+    """What the orchestrator's durable jobs add to its pod: flags, the store URL's env, the content volume."""
+    flags: dict[str, Any] = field(default_factory=dict)   # launch.ORCHESTRATOR_FLAGS by name
+    env: list[dict] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+    volumes: list[dict] = field(default_factory=list)
+    # one pod at a time on the job volume: a SQLite file (two writers would corrupt its locks across nodes), or a
+    # claim of one replica (ReadWriteOnce, as a single replica's may be: a surge pod on another node would stall
+    # in Multi-Attach). The orchestrator is then recreated on a rollout, not surged.
+    single_writer: bool = False
+
+
+def jobs_errors(p: Pipeline, cfg: OperatorConfig) -> list[FieldError]:
+    """What the operator's default job store (OMNISTAGE_JOBS_STORE_SECRET) cannot do for this pipeline: serve
+    several orchestrator replicas without a shared content claim (OMNISTAGE_JOBS_CONTENT_CLAIM), where each
+    pod's own folder would answer 404 for the videos another finished, and lose them on a rollout (the rule
+    validation.jobs applies to a store the pipeline names)."""
+    od = p.deployment.orchestrator
+    if not _default_store(p, cfg) or od.jobs.content_volume or cfg.jobs_content_claim or od.replicas <= 1:
+        return []
+    return [FieldError("spec.deployment.orchestrator.jobs.contentVolume",
+                       f"with {od.replicas} orchestrator replicas any of them answers a job's download, and the "
+                       "operator's default job store (OMNISTAGE_JOBS_STORE_SECRET) has no content claim "
+                       "(OMNISTAGE_JOBS_CONTENT_CLAIM: the chart's pipelinePods.jobs.content.persistentVolumeClaim):"
+                       " run one replica, or name jobs.store and a ReadWriteMany contentVolume the replicas share")]
+
+
+def _default_store(p: Pipeline, cfg: OperatorConfig) -> bool:
+    """Whether the pipeline's jobs use the operator's default store: it names none and has a video output."""
+    return (not p.deployment.orchestrator.jobs.store.configured and cfg.jobs_store_secret is not None
+            and any(o.modality == JOBS_MODALITY for o in p.outputs))
+
+
+def orchestrator_jobs(p: Pipeline, cfg: OperatorConfig) -> JobsParts:
+    """The job store the pipeline names (spec.deployment.orchestrator.jobs), else, for a pipeline with a video
+    output, the operator's default (the chart's jobs.*); none: no parts (the orchestrator refuses jobs). The URL
+    reaches the process by environment, never on its command line (it holds a password): from the Secret by the
+    kubelet, or as the pipeline writes it."""
+    jobs = p.deployment.orchestrator.jobs
+    volume = jobs.content_volume
+    if jobs.store.configured:
+        secret = jobs.store.secret
+        url_env = ({"name": ENV_JOBS_STORE, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}
+                   if secret else {"name": ENV_JOBS_STORE, "value": jobs.store.url})
+    elif cfg.jobs_store_secret and _default_store(p, cfg):
+        name, key = cfg.jobs_store_secret
+        url_env = {"name": ENV_JOBS_STORE, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
+        volume = volume or cfg.jobs_content_claim
+    else:
+        return JobsParts()
+    flags: dict[str, Any] = {"jobs_content": JOBS_CONTENT if volume else JOBS_CONTENT_EPHEMERAL,
+                             "jobs_ttl_s": jobs.ttl_seconds, "jobs_concurrency": jobs.concurrency,
+                             "jobs_max_queued_per_key": jobs.max_queued_per_key}
+    if not volume:
+        return JobsParts(flags, [url_env])
+    sqlite = sqlite_file(jobs.store.url) is not None
+    return JobsParts(flags, [url_env], [{"name": JOBS_VOLUME, "mountPath": JOBS_MOUNT}],
+                     [{"name": JOBS_VOLUME, "persistentVolumeClaim": {"claimName": volume}}],
+                     single_writer=sqlite or p.deployment.orchestrator.replicas <= 1)
 
 
 def build_orchestrator_service(p: Pipeline) -> dict:
@@ -451,7 +529,7 @@ def _tls_secrets(p: Pipeline, cfg: OperatorConfig, unit: str) -> list[tuple[str,
 def _container(name: str, image: str, command: list[str], resources: dict, user_env: dict,
                cfg: OperatorConfig, models: bool = True, ports: tuple[tuple[str, int], ...] = (),
                secret_env: Sequence[dict] = (), secret_mounts: Sequence[tuple[str, str, str]] = (),
-               shm: bool = False, model_mounts: Sequence[dict] = ()) -> dict:
+               shm: bool = False, extra_mounts: Sequence[dict] = ()) -> dict:
     env: list[dict[str, Any]] = [
         {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -467,7 +545,7 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
               {"name": "tmp", "mountPath": "/tmp"}]
     if models and cfg.model_volume.volume():
         mounts.append({"name": "models", "mountPath": cfg.model_volume.mount_path, "readOnly": True})
-    mounts += [dict(m) for m in model_mounts]
+    mounts += [dict(m) for m in extra_mounts]   # a stage's model cache, the orchestrator's job content
     mounts += [{"name": volume, "mountPath": path, "readOnly": True} for volume, _, path in secret_mounts]
     if shm:
         mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
@@ -495,14 +573,14 @@ def _container(name: str, image: str, command: list[str], resources: dict, user_
 def _pod_spec(p: Pipeline, container: dict, cfg: OperatorConfig, drain_seconds: float,
               service_account: str | None, models: bool = True,
               secrets: Sequence[tuple[str, str, str]] = (), shm: bool = False,
-              model_volumes: Sequence[dict] = ()) -> dict:
+              extra_volumes: Sequence[dict] = ()) -> dict:
     volumes = [{"name": "pipeline", "configMap": {"name": config_map_name(p.name), "items": [
                    {"key": PIPELINE_FILE, "path": PIPELINE_FILE}]}},
                {"name": "tmp", "emptyDir": {}}]
     mv = cfg.model_volume.volume()
     if models and mv:
         volumes.append(mv)
-    volumes += [copy.deepcopy(v) for v in model_volumes]
+    volumes += [copy.deepcopy(v) for v in extra_volumes]
     # Mounted whole, never by subPath: the kubelet then swaps a renewed certificate in place, and the
     # processes reload it, so a rotation rolls nothing. Default mode: the pod's one process reads them.
     volumes += [{"name": volume, "secret": {"secretName": secret}} for volume, secret, _ in secrets]

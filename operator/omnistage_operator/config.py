@@ -25,6 +25,12 @@ OMNISTAGE_OPERATOR_PEER      a JSON NetworkPolicy peer naming the operator's pod
                              no such rule (a cluster without NetworkPolicy enforcement needs none)
 OMNISTAGE_METRICS_ADDR/PORT  where the operator serves its Prometheus metrics (the stage planner's decisions,
                              /metrics); port 0 or unset: not served
+OMNISTAGE_JOBS_STORE_SECRET  `NAME` or `NAME:KEY` (key default `url`) of a Secret in the pipeline's namespace
+                             holding a job store URL (postgresql://...): the durable job store of every
+                             pipeline with a video output that names none (spec.deployment.orchestrator.jobs);
+                             empty: such pipelines refuse jobs unless they name a store
+OMNISTAGE_JOBS_CONTENT_CLAIM  a PersistentVolumeClaim in the pipeline's namespace for their finished content
+                             (with OMNISTAGE_JOBS_STORE_SECRET, where the pipeline names no contentVolume)
 OMNISTAGE_RESYNC_SECONDS     every pipeline is reconciled at least this often (300)
 OMNISTAGE_WORKERS            pipelines reconciled at once (4)
 OMNISTAGE_WEBHOOK            `managed` (kopf serves it and writes its configuration, URL from
@@ -54,7 +60,13 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from omnistage.api import DEFAULT_IMAGE
-from omnistage.api.model import SECRET_NAME, SECRET_NAME_HINT
+from omnistage.api.model import (
+    DEFAULT_JOBS_STORE_KEY,
+    SECRET_KEY,
+    SECRET_KEY_HINT,
+    SECRET_NAME,
+    SECRET_NAME_HINT,
+)
 
 
 class ConfigError(ValueError):
@@ -116,6 +128,8 @@ class OperatorConfig:
     tls_issuer: str = TLS_OFF
     tls_ca_secret: tuple[str, str] | None = None     # (namespace, name), with tls_issuer chart
     tls_issuer_ref: IssuerRef | None = None          # with tls_issuer certManager
+    jobs_store_secret: tuple[str, str] | None = None  # (name, key): the default job store's URL
+    jobs_content_claim: str = ""                     # the default job content volume
 
     @property
     def tls_enabled(self) -> bool:
@@ -197,6 +211,13 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
     for s in pull_secrets:
         if not re.match(SECRET_NAME, s):
             raise ConfigError(f"OMNISTAGE_IMAGE_PULL_SECRETS: {s!r} {SECRET_NAME_HINT}")
+    jobs_secret = _secret_key(env.get("OMNISTAGE_JOBS_STORE_SECRET", "").strip(), "OMNISTAGE_JOBS_STORE_SECRET")
+    jobs_claim = env.get("OMNISTAGE_JOBS_CONTENT_CLAIM", "").strip()
+    if jobs_claim and not re.match(SECRET_NAME, jobs_claim):
+        raise ConfigError(f"OMNISTAGE_JOBS_CONTENT_CLAIM: {jobs_claim!r} {SECRET_NAME_HINT}")
+    if jobs_claim and not jobs_secret:
+        raise ConfigError("OMNISTAGE_JOBS_CONTENT_CLAIM keeps a job store's content: set "
+                          "OMNISTAGE_JOBS_STORE_SECRET too")
     models = env.get("OMNISTAGE_ORCHESTRATOR_MODELS", "true").strip().lower()
     if models not in ("true", "false"):
         raise ConfigError(f"OMNISTAGE_ORCHESTRATOR_MODELS={models!r}: expected true or false")
@@ -228,4 +249,19 @@ def from_env(env: Mapping[str, str] = os.environ) -> OperatorConfig:
         tls_issuer=issuer,
         tls_ca_secret=ca_secret,
         tls_issuer_ref=issuer_ref,
+        jobs_store_secret=jobs_secret,
+        jobs_content_claim=jobs_claim,
     )
+
+
+def _secret_key(raw: str, var: str) -> tuple[str, str] | None:
+    """`NAME` or `NAME:KEY` of a Secret's key (key default DEFAULT_JOBS_STORE_KEY); empty: None."""
+    if not raw:
+        return None
+    name, _, key = raw.partition(":")
+    key = key or DEFAULT_JOBS_STORE_KEY
+    if not re.match(SECRET_NAME, name):
+        raise ConfigError(f"{var}={raw!r}: {name!r} {SECRET_NAME_HINT}")
+    if not re.match(SECRET_KEY, key):
+        raise ConfigError(f"{var}={raw!r}: key {key!r} {SECRET_KEY_HINT}")
+    return name, key

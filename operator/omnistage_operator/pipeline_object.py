@@ -8,7 +8,9 @@ from typing import Any, Mapping
 
 from omnistage import api as omnispec
 from omnistage.api import FieldError, Pipeline, SpecError
+from omnistage.store_url import sqlite_file, sqlite_file_under
 
+from .builders import JOBS_MOUNT
 from .vocabulary import API_VERSION
 
 
@@ -34,14 +36,26 @@ def validation_errors(body: Mapping[str, Any]) -> list[FieldError]:
 def cluster_errors(doc: Mapping[str, Any]) -> list[FieldError]:
     """What a valid pipeline cannot do on a cluster (`omnistage serve` can): an edge that forces shared memory,
     which stays inside one pod, where every stage runs in pods of its own (every request would fail to fetch
-    its inputs). UCX edges are fine in every TLS mode: every stage pod gets the pipeline's data-plane key
-    (data_plane_key.py)."""
+    its inputs), and a SQLite job store off the job volume. UCX edges are fine in every TLS mode: every stage
+    pod gets the pipeline's data-plane key (data_plane_key.py)."""
     stages = ((doc.get("spec") or {}).get("topology") or {}).get("stages") or []
     edges = [(f"spec.topology.stages[{i}].inputs[{j}].transport", edge.get("transport"))
              for i, stage in enumerate(stages) for j, edge in enumerate(stage.get("inputs") or [])]
     return [FieldError(path, "shm cannot cross pods, and on a cluster every stage runs in pods of its own: use "
                              "auto (UCX between pods), ucx or inline")
-            for path, transport in edges if transport == "shm"]
+            for path, transport in edges if transport == "shm"] + _sqlite_errors(doc)
+
+
+def _sqlite_errors(doc: Mapping[str, Any]) -> list[FieldError]:
+    """A SQLite job store's file must be on the job volume (mounted at JOBS_MOUNT): anywhere else it is in the
+    pod's read-only root (every job creation would fail) or lost with the pod."""
+    orchestrator = ((doc.get("spec") or {}).get("deployment") or {}).get("orchestrator") or {}
+    url = ((orchestrator.get("jobs") or {}).get("store") or {}).get("url")
+    if not isinstance(url, str) or sqlite_file(url) is None or sqlite_file_under(url, JOBS_MOUNT):
+        return []
+    return [FieldError("spec.deployment.orchestrator.jobs.store.url",
+                       f"{sqlite_file(url)!r} is not on the job volume: a SQLite file must be under {JOBS_MOUNT}, "
+                       f"where contentVolume is mounted (e.g. sqlite://{JOBS_MOUNT}/jobs.db)")]
 
 
 def parse(body: Mapping[str, Any]) -> Pipeline:

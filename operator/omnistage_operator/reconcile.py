@@ -15,7 +15,7 @@ from omnistage import tls
 from omnistage.api import Pipeline, SpecError
 from omnistage.tls import TlsError
 
-from .builders import Children, build_children, build_data_plane_key_meta, build_tls_secret_meta
+from .builders import Children, build_children, build_data_plane_key_meta, build_tls_secret_meta, jobs_errors
 from .certificates import CertificateAuthority, build_tls_secret, ca_from_secret, leaves, needs_reissue, tls_secret_name
 from .compare import matches
 from .conditions import now_rfc3339
@@ -72,6 +72,8 @@ def reconcile(kube: Kube, cfg: OperatorConfig, namespace: str, name: str, plans:
     generation = body["metadata"].get("generation", 0)
     try:
         pipeline = parse(body)
+        if errors := jobs_errors(pipeline, cfg):   # what this operator's settings cannot serve
+            raise SpecError(errors)
     except SpecError as e:
         _refuse(kube, body, [str(x) for x in e.errors])
         raise kopf.PermanentError(f"{namespace}/{name}: invalid spec: {e}") from None

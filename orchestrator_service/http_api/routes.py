@@ -26,7 +26,7 @@ from omnistage.contract.params import InvalidRequest
 from .. import client_cap, otel
 from ..byte_budget import BudgetFull, ByteBudget
 from ..servicer import MAX_REQUEST_ID
-from . import audio_formats, body_models, chat, completions, images, speech, transcriptions, translate, voices
+from . import audio_formats, body_models, chat, completions, images, speech, transcriptions, translate, videos, voices
 from .audio_ids import AnswerTranscripts
 from .auth import ApiKeyAuth
 from .body_limits import BodyBounds, BodyScan, chat_bounds, text_bounds
@@ -81,6 +81,8 @@ class Endpoints:
         self.budget = ByteBudget(BODIES_AT_ONCE * self.chat_limit.size, CLIENT_BODIES * self.chat_limit.size)
         self.schemas = body_models.bounded(limits)  # each request model under this pipeline's limits
         self.transcripts = AnswerTranscripts()  # what each audio answer said, for a later turn's audio.id
+        # The job API the servicer shares with gRPC; a request path without one (a stand-in) has no job store.
+        self.videos = videos.VideoEndpoints(self, getattr(servicer, "jobs", None), pipeline, servicer.api_keys)
 
     @_answers_errors
     async def chat_completions(self, request: Request) -> Response:
@@ -272,6 +274,15 @@ class Endpoints:
                     incoming=otel.Incoming.of("http", request.headers.items()))
 
 
+def answering(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """`handler(request)` (another module's endpoint) answering its failures as every route does."""
+    wrapped = _answers_errors(lambda _self, request: handler(request))
+
+    async def endpoint(request: Request) -> Response:
+        return await wrapped(None, request)
+    return endpoint
+
+
 async def _events(call: Call, events: AsyncIterator[bytes]) -> Response:
     """Server-sent events from `call`, once its first event came (a refusal before it is raised)."""
     await call.open()
@@ -329,6 +340,7 @@ def build_app(servicer, pipeline: Pipeline, parse_workers: ParseWorkers | None =
         Route("/v1/audio/translations", api.audio_translations, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        *videos.routes(api.videos, answering),
         Route("/health", api.health, methods=["GET"]),
         WebSocketRoute("/v1/realtime", RealtimeEndpoint(pipeline, api.realtime_call, servicer.voices).serve),
     ]

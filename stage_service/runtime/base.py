@@ -57,6 +57,15 @@ class OutputChunk:
     compute_ms: float = 0.0
     transfer_ms: float = 0.0
     encode_ms: float = 0.0       # media decoding, processing and encoders behind this chunk
+    # (done, total) units of the request's work so far (a denoise loop's steps), for the client only: a chunk
+    # whose only content it is goes out as a StageOutput.progress, not a chunk (no consumer stage sees it).
+    progress: tuple[int, int] | None = None
+
+    @property
+    def progress_only(self) -> bool:
+        """The chunk says how far the request has come and carries nothing else."""
+        return (self.progress is not None and not self.tensors and not self.text and not self.last
+                and not self.finish_reason)
 
 
 # A token stage whose chunks only the client reads hands its first token on alone: the client's first token

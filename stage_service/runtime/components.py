@@ -153,9 +153,13 @@ def map_component(ckpt: ShardedCheckpoint, prefix: str, cls, config, dtype: torc
     mismatched = [(k, f"checkpoint {list(a)} vs module {list(b)}") for k, a, b in info.mismatched_keys]
     mismatched += [(k, "does not convert: " + _last_line(e)) for k, e in info.conversion_errors.items()]
     failed = {k for k, _ in mismatched}
+    missing = set(info.missing_keys)
+    # As `from_pretrained` ties: a tied copy the checkpoint saves once (UMT5's encoder embedding, which is
+    # `shared.weight`) is filled from the other, not missing.
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
     return ComponentMapping(
         prefix, len(state), tuple(sorted(prefix + k for k in info.unexpected_keys)),
-        tuple(sorted(prefix + k for k in info.missing_keys if k not in failed and not (skip and k.startswith(skip)))),
+        tuple(sorted(prefix + k for k in missing if k not in failed and not (skip and k.startswith(skip)))),
         tuple(sorted((prefix + k, why) for k, why in mismatched)))
 
 

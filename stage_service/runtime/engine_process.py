@@ -357,7 +357,9 @@ class RemoteState(StepState):
         raise NotImplementedError
 
     def held_bytes(self) -> int:
-        return self.child_bytes
+        # Nothing once released: a step's answer may be taken on another thread after the state left (the VAE's
+        # decode sent ahead), and the bytes it reports are the ones the release freed.
+        return 0 if self._released else self.child_bytes
 
     def release(self) -> None:
         if not self._released:

@@ -41,8 +41,12 @@ def by_reference(thinker_talker: str = "ucx", talker_code2wav: str = "shm", talk
     return edit
 
 
-def segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")}
+def segments(served: "Served") -> set[str]:
+    """The shared-memory segments of the pipeline's own processes: a segment's name carries its producer's pid
+    (after the pid namespace), and other processes on the machine make and remove theirs meanwhile."""
+    pids = {str(p.popen.pid) for p in served.local.all_procs()}
+    return {p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")
+            if (p.name.removeprefix(SEGMENT_PREFIX).split("-") + ["", ""])[1] in pids}
 
 
 class Served:
@@ -178,10 +182,11 @@ async def test_a_thousand_requests_leave_no_buffer_segment_or_endpoint_behind(se
 
         await asyncio.gather(*(one(i) for i in range(16)))  # every connection the pipeline keeps is open now
         await until_nothing_held(served)
-        before = {"segments": segments(), **{n: served.connections(n) for n in ("thinker", "talker")}}
+        before = {"segments": segments(served), **{n: served.connections(n) for n in ("thinker", "talker")}}
         await asyncio.gather(*(one(i) for i in range(16, 1000)))
     await until_nothing_held(served)
-    assert segments() <= before["segments"], f"segments left: {sorted(segments() - before['segments'])}"
+    left = segments(served) - before["segments"]
+    assert not left, f"segments left: {sorted(left)}"
     # UCX endpoints are TCP connections here: as many as before the 984 requests, not one more per request.
     for name in ("thinker", "talker"):
         assert served.connections(name) <= before[name], name

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from stage_service.engines.registry import create_engine
-from stage_service.runtime.engine_process import MAX_STEPS_IN_FLIGHT, EngineProcess
+from stage_service.runtime.engine_process import MAX_STEPS_IN_FLIGHT, EngineProcess, RemoteState
 from stage_service.runtime.errors import EngineConfigError, EngineDead
 
 from ..harness import call_stage, example, header, in_engine_process, stage_servers, start_stage, tensor_of, token_ids
@@ -214,6 +214,19 @@ def test_a_release_sent_while_a_step_is_out_reaches_the_core_after_that_step(gat
     gated.let_go()
     assert gated.collect(pending) == [("a", "done", 0), ("b", "done", 0)]
     assert gated.stats() == (1, 0)  # b alone is left
+
+
+def test_an_answer_taken_after_its_state_left_counts_no_bytes(gated):
+    """A step sent ahead (the VAE's next decode) is answered on another thread, possibly after its state left
+    the scheduler and was released: the bytes the answer reports are the ones the release freed, so the state
+    holds none (it stayed counted while it lived on)."""
+    st = RemoteState(seq=gated.sequence("a"), core=gated)
+    pending = gated.submit([st.seq])
+    st.release()  # the request ended while its step was out
+    gated.let_go()
+    [(_, reason, _)] = gated.collect(pending)
+    st.finish_reason, st.child_bytes = reason, 4096  # as the encoder thread applies a decode's answer
+    assert st.held_bytes() == 0
 
 
 def test_an_answer_that_cannot_be_read_fails_every_step_out_and_wakes_their_waiters(gated):

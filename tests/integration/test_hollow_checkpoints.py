@@ -1,6 +1,6 @@
 """The real models at real size, without their weights: the hollow layouts of Qwen3-Omni-30B-A3B-Instruct,
-Qwen2.5-Omni-7B and Stable Diffusion 3.5 Medium (`omnistage models hollow`) pass `omnistage models check`
-with their real bytes per stage, and every stage's loader maps every tensor of its component onto its
+Qwen2.5-Omni-7B, Stable Diffusion 3.5 Medium and Wan2.1-T2V-1.3B (`omnistage models hollow`) pass `omnistage
+models check` with their real bytes per stage, and every stage's loader maps every tensor of its component onto its
 modules on the meta device, reading headers only. Broken copies are refused in one line."""
 
 from __future__ import annotations
@@ -13,27 +13,36 @@ from pathlib import Path
 import pytest
 
 from omnistage.checkpoints.check import StageCheckError, check_pipeline, check_stage
+from omnistage.checkpoints.defaults import with_model_limits
 from omnistage.checkpoints.hollow import PUBLISHED_MODELS, write_sparse_safetensors
+from omnistage.checkpoints.plan import plan_pipeline
 from omnistage.checkpoints.shards import DTYPES, ShardedCheckpoint
+from omnistage.contract.params import InvalidRequest, resolve
+from omnistage.v1 import common_pb2
 from stage_service.engines.mapping import map_stage
 
 from ..harness import example, hollow_store
 
 GiB = 1 << 30
-# The examples' model names: the hollow layouts stand in for their tiny models.
-MODEL_NAMES = {"qwen3_omni": "qwen3-omni-tiny", "qwen2_5_omni": "qwen2.5-omni-tiny", "sd3": "sd3-tiny"}
+# The examples' model names: the hollow layouts stand in for their tiny models; Wan's is the real-size
+# example's own (examples/wan2.1-t2v-1.3b.yaml).
+MODEL_NAMES = {"qwen3_omni": "qwen3-omni-tiny", "qwen2_5_omni": "qwen2.5-omni-tiny", "sd3": "sd3-tiny",
+               "wan": "Wan2.1-T2V-1.3B-Diffusers"}
 # Weights per stage, GiB: the published sizes (Qwen3-Omni 70.5 GB, Qwen2.5-Omni 22.4 GB, SD3.5 Medium's
-# 2.5 B-parameter MMDiT in bfloat16, its text encoders in float16).
+# 2.5 B-parameter MMDiT in bfloat16, its text encoders in float16; Wan2.1-T2V-1.3B in float32: UMT5-XXL's
+# 5.7 B parameters, the 1.42 B DiT, the 127 M VAE).
 STAGE_GIB = {
     "qwen3-omni-tiny": {"thinker": (58, 61), "talker": (6, 6.5), "code2wav": (0.3, 0.5)},
     "qwen3-omni-encoders-tiny": {"encoder": (2.0, 2.5), "thinker": (58, 61)},
     "qwen2.5-omni-tiny": {"thinker": (16, 17.5), "talker": (2.2, 2.6), "token2wav": (1.5, 1.8)},
     "sd3-tiny": {"text-encoder": (10, 11), "denoise": (4.4, 4.8), "vae-decode": (0.1, 0.2)},
+    "wan2.1-t2v-1.3b": {"text-encoder": (21, 21.5), "denoise": (5.2, 5.4), "vae-decode": (0.45, 0.5)},
 }
 STAGES = [(family, component) for family, components in (
     ("qwen3_omni", ("encoder", "thinker", "talker", "code2wav")),
     ("qwen2_5_omni", ("encoder", "thinker", "talker", "token2wav")),
-    ("sd3", ("text_encoder", "transformer", "vae"))) for component in components]
+    ("sd3", ("text_encoder", "transformer", "vae")),
+    ("wan", ("text_encoder", "transformer", "vae"))) for component in components]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +73,15 @@ def test_hollow_layouts_are_the_published_size_on_no_disk(hollow_root):
             assert len(list(folder.glob(f"{w.stem}*.safetensors"))) == w.shards
     index = json.loads((hollow_root / "qwen3-omni-tiny" / "model.safetensors.index.json").read_text())
     assert "thinker.model.layers.47.mlp.experts.127.down_proj.weight" in index["weight_map"]  # as published
+    # Wan's tensor counts as published (published/README.md): the DiT's 825; UMT5's 242, its embedding saved
+    # once as `shared.weight` (the encoder's copy is the same parameter); the VAE's decoder 108 of its 194.
+    wan = hollow_root / MODEL_NAMES["wan"]
+    dit = json.loads((wan / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    umt5 = json.loads((wan / "text_encoder" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(dit["weight_map"]) == 825
+    assert len(umt5) == 242 and "shared.weight" in umt5 and "encoder.embed_tokens.weight" not in umt5
+    vae = ShardedCheckpoint(wan / "vae", "diffusion_pytorch_model").keys()
+    assert len([k for k in vae if k.startswith(("decoder.", "post_quant_conv."))]) == 108
 
 
 @pytest.mark.parametrize("name", sorted(STAGE_GIB))
@@ -82,6 +100,36 @@ def test_every_stage_maps_tensor_for_tensor(hollow_root, no_data_read, family, c
     for m in mappings:
         assert m.tensors > 0
         assert (m.unmapped, m.missing, m.mismatched) == ((), (), ()), m.describe()
+
+
+def test_the_wan_example_serves_480p_videos_of_81_frames(hollow_root):
+    pipeline, _ = with_model_limits(example("wan2.1-t2v-1.3b"), hollow_root)
+    limits = pipeline.limits
+    assert (limits.default_width, limits.default_height, limits.default_inference_steps) == (832, 480, 50)  # Wan's
+    plain = resolve(common_pb2.GenerationParams(prompt="a red fox in snow"), limits)
+    assert (plain.width, plain.height, plain.num_frames, plain.fps, plain.num_inference_steps) == (832, 480, 81, 16, 50)
+    p = common_pb2.GenerationParams(prompt="a red fox in snow")
+    p.image.width, p.image.height = 832, 480
+    wide = resolve(p, limits)
+    assert (wide.width, wide.height, wide.num_frames) == (832, 480, 81)
+    p.video.num_frames = 85
+    with pytest.raises(InvalidRequest) as e:
+        resolve(p, limits)
+    assert e.value.field == "params.video.num_frames"
+    p.video.num_frames, p.image.width = 81, 848
+    with pytest.raises(InvalidRequest) as e:
+        resolve(p, limits)
+    assert e.value.field == "params.image.width"
+
+
+def test_the_wan_example_has_a_memory_plan(hollow_root, no_data_read):
+    """`models check --plan` and `serve` (before it starts anything on GPUs) plan every stage of a video
+    pipeline: its weights as the stage runs them (bfloat16, the VAE float32), its activations an estimate."""
+    plans, errors = plan_pipeline(example("wan2.1-t2v-1.3b"), hollow_root)
+    assert errors == []
+    weights = {p.stage: p.weights_bytes / GiB for p in plans}
+    assert 10.5 <= weights["text-encoder"] <= 10.8 and 2.6 <= weights["denoise"] <= 2.7  # float32 -> bfloat16
+    assert 0.45 <= weights["vae-decode"] <= 0.5 and all(p.activation_bytes > 0 for p in plans)
 
 
 # ------------------------------------------------------------------ bad input
@@ -161,4 +209,4 @@ def test_the_command_writes_a_layout_or_names_the_families(tmp_path, capsys):
     assert "stabilityai/stable-diffusion-3.5-medium" in out and "no data written" in out
     assert (tmp_path / "sd3" / "model_index.json").is_file()
     assert main(["models", "hollow", "flux", str(tmp_path / "flux")]) == 2
-    assert "known: qwen3_omni, qwen2_5_omni, sd3" in capsys.readouterr().err
+    assert "known: qwen3_omni, qwen2_5_omni, sd3, wan" in capsys.readouterr().err

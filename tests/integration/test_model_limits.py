@@ -6,6 +6,7 @@ at start without torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -61,8 +62,8 @@ def test_the_files_own_values_win_and_engine_args_set_the_context(store):
     assert (kept.limits.max_tokens, kept.limits.default_max_tokens) == (512, 16) and notes == []
     short, _ = with_model_limits(_unset("qwen3-omni-tiny", max_model_len=4096), store)
     assert short.limits.max_tokens == 4096
-    sd3 = example("sd3-tiny")
-    assert with_model_limits(sd3, store)[0].limits == sd3.limits
+    sd3 = example("sd3-tiny")  # sets every image limit but the guidance, which is StableDiffusion3Pipeline's
+    assert with_model_limits(sd3, store)[0].limits == dataclasses.replace(sd3.limits, default_guidance_scale=7.0)
 
 
 def test_generation_configs_max_new_tokens_is_the_default_within_the_context(model_dir, tmp_path):

@@ -5,7 +5,6 @@ own StableDiffusion3Pipeline makes from the same directory, step batching never 
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import shutil
@@ -21,10 +20,7 @@ from omnistage.v1 import stage_pb2
 
 from ..harness import call_stage, example, header, stage_servers_fixture, start_stage, tensor_of
 from ..local.test_cli_serve import serves_a_png
-from ..polling import wait_until
-from .test_stage_batching import batched_steps
-from .test_stage_cancel import chunk_every_step
-from .test_stage_support import Call, assert_nothing_held
+from .test_stage_support import assert_denoise_steps_shared
 
 MODEL = "sd3-tiny"
 PIPELINE = example(MODEL)
@@ -101,34 +97,10 @@ async def test_staged_sd3_makes_the_image_stable_diffusion3_pipeline_makes(serve
 
 
 async def test_two_images_at_different_steps_share_model_calls_and_each_gets_its_image_alone(model_dir):
-    pipeline = example(MODEL, chunk_every_step("denoise"))  # latents after every step show progress
-    enc = await start_stage(pipeline, "text-encoder", model_dir)
-    den = await start_stage(pipeline, "denoise", model_dir)
-    try:
-        long = header("long", prompt="an astronaut riding a horse", width=32, height=32, num_inference_steps=100,
-                      seed=1)
-        short = header("short", prompt="a cat", width=32, height=32, num_inference_steps=5, seed=2,
-                       guidance_scale=1.0)  # one text row: it shares calls with a two-row (guided) image
-        long_emb, short_emb = await call_stage(enc.port, long), await call_stage(enc.port, short)
-
-        def final(chunks):
-            return tensor_of(chunks[-1], "latents")
-
-        long_alone = final(await call_stage(den.port, long, long_emb))
-        short_alone = final(await call_stage(den.port, short, short_emb))
-        shared_before = batched_steps(den)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{den.port}") as ch:
-            running = Call(ch, long, long_emb)
-            await wait_until(lambda: len(running.chunks) >= 3, 60, what="the long image at step 3")
-            short_joined = final(await call_stage(den.port, short, short_emb))
-            assert not running.task.done(), "the long image ended before the short one: they never shared a step"
-            long_joined = final(await asyncio.wait_for(running.task, 120))
-        assert batched_steps(den) > shared_before
-        assert torch.equal(short_joined, short_alone) and torch.equal(long_joined, long_alone)
-        await assert_nothing_held(den)
-    finally:
-        await enc.drain()
-        await den.drain()
+    await assert_denoise_steps_shared(
+        model_dir, MODEL, dict(prompt="an astronaut riding a horse", width=32, height=32, num_inference_steps=100,
+                               seed=1),
+        dict(prompt="a cat", width=32, height=32, num_inference_steps=5, seed=2, guidance_scale=1.0), "image")
 
 
 async def test_bad_text_inputs_and_sizes_are_refused_naming_what_is_wrong(servers, model_dir):

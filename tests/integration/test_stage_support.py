@@ -7,12 +7,13 @@ import asyncio
 import gc
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from stage_service.server import EXIT_ENGINE_DEAD
 
-from ..harness import header
+from ..harness import call_stage, example, header, start_stage, tensor_of
 from ..polling import wait_until
 
 
@@ -113,3 +114,37 @@ async def assert_engine_death_ends_the_stage(srv, kill, failed: str) -> None:
         assert (await asyncio.wait_for(watch.read(), 30)).status == health_pb2.HealthCheckResponse.NOT_SERVING
     await asyncio.wait_for(srv.stopped.wait(), 60)
     assert srv.exit_code == EXIT_ENGINE_DEAD
+
+
+async def assert_denoise_steps_shared(model_dir, model: str, long: dict, short: dict, what: str) -> None:
+    """A long and a short diffusion request (`header()` keyword arguments; the short one unguided: one text row
+    beside the long one's two) on one denoise stage: the short one joins the long one's steps (batched steps
+    counted), and each ends with the latents it gets alone, bit for bit; nothing is held after."""
+    from .test_stage_batching import batched_steps
+    from .test_stage_cancel import chunk_every_step
+
+    pipeline = example(model, chunk_every_step("denoise"))  # latents after every step show how far it is
+    enc = await start_stage(pipeline, "text-encoder", model_dir)
+    den = await start_stage(pipeline, "denoise", model_dir)
+    try:
+        long_h, short_h = header("long", **long), header("short", **short)
+        long_emb, short_emb = await call_stage(enc.port, long_h), await call_stage(enc.port, short_h)
+
+        def final(chunks):
+            return tensor_of(chunks[-1], "latents")
+
+        long_alone = final(await call_stage(den.port, long_h, long_emb))
+        short_alone = final(await call_stage(den.port, short_h, short_emb))
+        shared_before = batched_steps(den)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{den.port}") as ch:
+            running = Call(ch, long_h, long_emb)
+            await wait_until(lambda: len(running.chunks) >= 3, 60, what=f"the long {what} at step 3")
+            short_joined = final(await call_stage(den.port, short_h, short_emb))
+            assert not running.task.done(), f"the long {what} ended before the short one: they never shared a step"
+            long_joined = final(await asyncio.wait_for(running.task, 120))
+        assert batched_steps(den) > shared_before
+        assert torch.equal(short_joined, short_alone) and torch.equal(long_joined, long_alone)
+        await assert_nothing_held(den)
+    finally:
+        await enc.drain()
+        await den.drain()

@@ -232,7 +232,7 @@ BAD = [
     ("duplicate stage name", lambda d: st(d, 1).update(name="thinker"), True, "spec.topology.stages[1].name"),
     ("duplicate output modality", lambda d: d["spec"]["topology"]["outputs"].append(
         {"modality": "text", "stage": "thinker"}), True, "spec.topology.outputs[2].modality"),
-    ("bad modality", lambda d: d["spec"]["topology"]["outputs"][1].update(modality="video"), True,
+    ("bad modality", lambda d: d["spec"]["topology"]["outputs"][1].update(modality="hologram"), True,
      "spec.topology.outputs[1].modality"),
     ("no outputs", lambda d: d["spec"]["topology"].update(outputs=[]), True, "spec.topology.outputs"),
     ("limit zero", lambda d: d["spec"]["topology"]["limits"].update(maxCodecFrames=0), True,

@@ -13,7 +13,8 @@ from omnistage.contract.metrics import LATENCY_SECONDS
 
 from ..conftest import REPO
 
-SUBSYSTEMS = ("request", "requests", "admission", "audio", "stage", "transfer", "class", "planner", "operator", "tls")
+SUBSYSTEMS = ("request", "requests", "admission", "audio", "stage", "transfer", "class", "planner", "operator", "tls",
+              "jobs")
 NAME = re.compile(rf"^omnistage_({'|'.join(SUBSYSTEMS)})_[a-z0-9_]+$")
 
 

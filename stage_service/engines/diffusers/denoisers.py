@@ -12,12 +12,20 @@ what an entry says:
 - `timestep_scale`: FLUX-style models take t / 1000 where the scheduler's timesteps run to 1000;
 - `patch`: latent pixels per image token along a side (for the size check and the image's token
   count); `max_latent_side`: the largest latent side the model's position embedding covers;
+- `video`: the model denoises a video's latents [batch, channels, latent frames, h, w] (Wan), the frame
+  count set by the request's `num_frames` and the VAE's temporal compression; `max_latent_frames`: the
+  most latent frames its position embedding covers;
+- `latents_dtype`: the dtype the loop keeps each image's latents (and its scheduler's state) in, the model's
+  input cast to the stage dtype from it; None: the stage dtype, as StableDiffusionPipeline and
+  StableDiffusion3Pipeline keep them (in their prompt embeddings' dtype). WanPipeline keeps them in float32;
 - `schedule`: extra `set_timesteps` arguments for an image (by default the resolution-dependent
   shift `mu` of a flow-matching scheduler whose config asks for `use_dynamic_shifting`);
 - `pack` / `unpack`: the model's latent layout when it is not [batch, channels, h, w] (FLUX and
   Qwen-Image take 2x2 patches as a token sequence);
 - `extra`: further forward arguments built from the packed latents, the text tensors and each row's
-  guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`).
+  guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`);
+- `unserved`: why a pipeline of this class's that the loop would run wrongly is refused (from its
+  `model_index.json`), rather than served as another pipeline than published.
 
 So a FluxTransformer2DModel or QwenImageTransformer2DModel plugs in as one more entry (plus, for its
 text conditioning, a `PromptEncoder` in diffusion_text.py), not as another engine.
@@ -74,11 +82,31 @@ class DenoiserCall:
     timestep_scale: float = 1.0
     patch: Callable[[Config], int] = lambda cfg: 1
     max_latent_side: Callable[[Config], int | None] = lambda cfg: None
+    video: bool = False
+    max_latent_frames: Callable[[Config], int | None] = lambda cfg: None
+    # The pipeline pins its scheduler's step index at 0 before the loop (`set_begin_index(0)`, as WanPipeline
+    # does) rather than have each step look its timestep up (which differs where the schedule repeats one).
+    from_first_step: bool = False
+    latents_dtype: torch.dtype | None = None
     schedule: Callable[[int, int, Config], dict[str, Any]] = default_schedule
     pack: Callable[[torch.Tensor, Config], torch.Tensor] = _same
     unpack: Callable[[torch.Tensor, torch.Size, Config], torch.Tensor] = _same
     # (packed latents, text forward arguments, guidance scale per row, model config) -> forward arguments
     extra: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Config], dict[str, Any]] = _nothing
+    # model_index.json -> why such a pipeline is not served, or "" (served)
+    unserved: Callable[[Config], str] = lambda index: ""
+
+
+def wan_unserved(index: Config) -> str:
+    """Wan 2.2 pipelines share WanPipeline's class but not its loop: two experts switched at a timestep
+    (`transformer_2`, `boundary_ratio`), or a timestep per latent token (`expand_timesteps`, TI2V-5B)."""
+    second = index.get("transformer_2")
+    if (isinstance(second, list) and any(second)) or index.get("boundary_ratio") is not None:
+        return ("a two-expert WanPipeline (transformer_2, boundary_ratio: Wan 2.2 A14B) is not served: the "
+                "denoise loop runs one transformer")
+    if index.get("expand_timesteps"):
+        return "a WanPipeline with expand_timesteps (Wan 2.2 TI2V) is not served: the denoise loop takes one timestep"
+    return ""
 
 
 DENOISERS: dict[str, DenoiserCall] = {
@@ -91,4 +119,15 @@ DENOISERS: dict[str, DenoiserCall] = {
               TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
         patch=lambda cfg: cfg["patch_size"],
         max_latent_side=lambda cfg: cfg["pos_embed_max_size"] * cfg["patch_size"]),
+    # Wan's patches are (frames, height, width) = (1, 2, 2): square in space. Its rotary position embedding
+    # has `rope_max_seq_len` positions along each of time, height and width.
+    "WanTransformer3DModel": DenoiserCall(
+        adapter=DIT_DENOISER, latents_kwarg="hidden_states",
+        text=(TextInput("encoder_hidden_states", "embeddings", "text_dim", per_token=True),),
+        patch=lambda cfg: cfg["patch_size"][2],
+        max_latent_side=lambda cfg: cfg["rope_max_seq_len"] * cfg["patch_size"][2],
+        video=True, max_latent_frames=lambda cfg: cfg["rope_max_seq_len"] * cfg["patch_size"][0],
+        from_first_step=True, unserved=wan_unserved,
+        # WanPipeline's prepare_latents(..., torch.float32): UniPC steps float32 latents whatever the model's dtype
+        latents_dtype=torch.float32),
 }

@@ -53,7 +53,7 @@ class TextEncoderEngine(SteppedEngine):
     """prompt (+ negative prompt under classifier-free guidance) -> `embeddings` [1 or 2, tokens, dim], and
     what else the pipeline's denoiser takes (SD3: `pooled_embeddings` [1 or 2, dim])."""
 
-    ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection")  # the component's config `_class_name`
+    ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection", "UMT5EncoderModel")  # the component's class
 
 
     unit = "prompts"
@@ -86,7 +86,7 @@ class TextEncoderEngine(SteppedEngine):
 @dataclass(eq=False)
 class DenoiseState(StepState):
     scheduler: Any                 # the diffusers scheduler object: it holds per-image state
-    latents: torch.Tensor          # [1, C, h, w]
+    latents: torch.Tensor          # [1, C, h, w]; a video's [1, C, latent frames, h, w]; in DenoiserCall.latents_dtype
     text: dict[str, torch.Tensor]  # forward argument -> [1 or 2 rows, ...]: [unconditional, conditional]
     guidance: float
     generator: torch.Generator
@@ -111,11 +111,33 @@ class DenoiseState(StepState):
         self.scheduler = None
 
 
+def vae_scales(pipe: PipelineDir) -> tuple[int, int]:
+    """(spatial, temporal) compression of the pipeline's VAE. A video VAE's config names both
+    (AutoencoderKLWan's `scale_factor_spatial`, `scale_factor_temporal`; its class's defaults where a
+    published config predates them, as diffusers fills them in); an image VAE halves the side in each
+    block after the first and has no frames."""
+    cfg = pipe.config("vae")
+    defaults = inspect.signature(pipe.component_class("vae")).parameters
+    scales = []
+    for key in ("scale_factor_spatial", "scale_factor_temporal"):
+        value = cfg.get(key, defaults[key].default if key in defaults else None)
+        scales.append(value if isinstance(value, int) and value > 0 else None)
+    spatial, temporal = scales
+    if spatial is None:
+        if "block_out_channels" not in cfg:
+            raise EngineConfigError(f"{pipe.root / 'vae' / 'config.json'}: no block_out_channels nor "
+                                    "scale_factor_spatial (the VAE's downsampling, which sets the latent size)")
+        spatial = 2 ** (len(cfg["block_out_channels"]) - 1)
+    return spatial, temporal or 1
+
+
 class DenoiseEngine(SteppedEngine):
     """The denoise-step loop (a UNet or a DiT, called as its `DENOISERS` entry says, with the pipeline's own
-    scheduler): the text stage's `embeddings` (and pooled embeddings where the model takes them) -> `latents`.
+    scheduler): the text stage's `embeddings` (and pooled embeddings where the model takes them) -> `latents`;
+    a video model's are [1, C, (num_frames - 1) // temporal compression + 1, h, w].
 
-    A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once.
+    A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once. After every
+    step the client hears how many of the request's steps are done (`OutputChunk.progress`).
     """
 
     ARCHITECTURES = tuple(DENOISERS)  # UNet or DiT: one denoise loop, a table entry per class
@@ -130,6 +152,9 @@ class DenoiseEngine(SteppedEngine):
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: no denoise loop for a {self.arch or 'model'} "
                                     f"(known: {', '.join(DENOISERS)})")
         self.call = DENOISERS[self.arch]
+        why = self.call.unserved(pipe.index)
+        if why:
+            raise EngineConfigError(f"{pipe.index_file}: {why}")
         self.model = pipe.load(pipe.component, device=self.device, dtype=self.dtype)
         if self.batch_invariant:
             make_batch_invariant(self.model)
@@ -138,12 +163,9 @@ class DenoiseEngine(SteppedEngine):
         self.scheduler_cfg = pipe.config("scheduler")
         self.step_takes_generator = "generator" in inspect.signature(self.scheduler_cls.step).parameters
         self.timesteps_take_device = "device" in inspect.signature(self.scheduler_cls.set_timesteps).parameters
-        vae_cfg = pipe.config("vae")
-        if "block_out_channels" not in vae_cfg:
-            raise EngineConfigError(f"{pipe.root / 'vae' / 'config.json'}: no block_out_channels "
-                                    "(the VAE's downsampling, which sets the latent size)")
-        self.vae_scale = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
+        self.vae_scale, self.vae_frames = vae_scales(pipe)
         self.latent_channels = self.config["in_channels"]
+        self.latents_dtype = self.call.latents_dtype or self.dtype  # the model's input is cast to self.dtype
 
     def new_state(self, req: StageRequest, text: dict[str, torch.Tensor]) -> DenoiseState:
         """The image's scheduler, timesteps and latents on the engine's device. Its noise comes from a CPU
@@ -151,15 +173,18 @@ class DenoiseEngine(SteppedEngine):
         same latents on a GPU as on the CPU, and the scheduler's own draws take it as diffusers'
         `randn_tensor` does, on the CPU then moved."""
         p = req.params
-        shape = (1, self.latent_channels, p.height // self.vae_scale, p.width // self.vae_scale)
+        frames = (self.latent_frames(p.num_frames),) if self.call.video else ()
+        shape = (1, self.latent_channels, *frames, p.height // self.vae_scale, p.width // self.vae_scale)
         sched = self.scheduler_cls.from_config(self.scheduler_cfg)  # schedulers hold per-request state
         patch = self.call.patch(self.config)
-        image_tokens = (shape[2] // patch) * (shape[3] // patch)
+        image_tokens = (shape[-2] // patch) * (shape[-1] // patch) * (frames[0] if frames else 1)
         on = {"device": self.device} if self.timesteps_take_device else {}
         sched.set_timesteps(p.num_inference_steps, **on,
                             **self.call.schedule(p.num_inference_steps, image_tokens, self.scheduler_cfg))
+        if self.call.from_first_step:
+            sched.set_begin_index(0)
         g = torch.Generator().manual_seed(p.seed)
-        latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.device, self.dtype)
+        latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.device, self.latents_dtype)
         if hasattr(sched, "init_noise_sigma"):  # flow-matching schedulers start from plain noise
             latents = latents * sched.init_noise_sigma
         return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
@@ -175,7 +200,7 @@ class DenoiseEngine(SteppedEngine):
                 x = torch.cat([st.latents] * st.rows)  # two rows under classifier-free guidance
                 if hasattr(st.scheduler, "scale_model_input"):
                     x = st.scheduler.scale_model_input(x, t)
-                model_in.append(x)
+                model_in.append(x.to(self.dtype))  # itself where the latents are kept in the stage dtype
                 ts.append(t.expand(len(x)))
                 for k, v in st.text.items():
                     text[k].append(v)
@@ -224,8 +249,14 @@ class DenoiseEngine(SteppedEngine):
             text[ti.kwarg] = t
         return text
 
+    def latent_frames(self, num_frames: int) -> int:
+        """A video's latent frames: its first frame, then one per `vae_frames` frames."""
+        return (num_frames - 1) // self.vae_frames + 1
+
     def check_size(self, req: StageRequest) -> None:
-        """Image sides this model can take: whole patches of latents, within its position embedding."""
+        """Image sides this model can take: whole patches of latents, within its position embedding; a video
+        model's frame count too: one the VAE decodes (1 + k x its temporal compression; WanPipeline would round
+        another down, so it is refused rather than silently changed), within its position embedding."""
         side = self.vae_scale * self.call.patch(self.config)
         most = self.call.max_latent_side(self.config)
         for name, value in (("width", req.params.width), ("height", req.params.height)):
@@ -235,6 +266,16 @@ class DenoiseEngine(SteppedEngine):
             if most is not None and value // self.vae_scale > most:
                 raise InvalidRequest(f"params.image.{name}", f"must be at most {most * self.vae_scale} for this "
                                                               f"{self.arch}, got {value}")
+        if not self.call.video:
+            return
+        frames, step = req.params.num_frames, self.vae_frames
+        if frames < 1 or (frames - 1) % step:
+            raise InvalidRequest("params.video.num_frames", f"must be {step}k + 1 for this {self.arch}'s VAE, "
+                                                            f"got {frames}")
+        most = self.call.max_latent_frames(self.config)
+        if most is not None and self.latent_frames(frames) > most:
+            raise InvalidRequest("params.video.num_frames", f"must be at most {(most - 1) * step + 1} for this "
+                                                            f"{self.arch}, got {frames}")
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         self.check_size(req)
@@ -246,16 +287,20 @@ class DenoiseEngine(SteppedEngine):
         del chunks
         chunks = Chunking(self.stage)
         st = self.new_state(req, text)
-        done_steps, compute_before = 0, 0.0
+        done_steps, compute_before, total = 0, 0.0, req.params.num_inference_steps
         async with self.scheduler.submit(req.request_id, st) as stream:
             async for latents in stream:
                 done_steps += 1
-                done = done_steps == req.params.num_inference_steps
+                done = done_steps == total
+                progress = (done_steps, total)
                 if chunks.due(1, done):
                     yield chunks.hand_on(OutputChunk(tensors={"latents": latents}, last=done,
-                                                     compute_ms=stream.compute_ms - compute_before),
+                                                     compute_ms=stream.compute_ms - compute_before,
+                                                     progress=progress),
                                          queue_ms=stream.queue_ms, transfer_ms=transfer_ms)
                     compute_before = stream.compute_ms
+                else:  # the latents stay here; the client hears of the step
+                    yield OutputChunk(progress=progress)
 
 
 # ---------------------------------------------------------------- VAE decode

@@ -9,6 +9,9 @@ become the denoiser's conditioning, depends on the pipeline class in `model_inde
   does: `embeddings` is both CLIPs' penultimate hidden states side by side, zero-padded to T5's width,
   followed by T5's tokens (zeros when there is no T5); `pooled_embeddings` is both CLIPs' projected
   pooled outputs side by side.
+- `WanPipeline`: one UMT5 encoder; `embeddings` is its last hidden state over each prompt's own tokens
+  (the prompt cleaned as WanPipeline cleans it), zero rows after them up to WanPipeline's
+  `max_sequence_length`, as `WanPipeline.encode_prompt` trims and pads them.
 
 Every prompt of a batch is padded to the encoders' fixed lengths, so a prompt encodes the same alone
 or in a batch. Another family plugs in as one more `PromptEncoder` in `PROMPT_ENCODERS`.
@@ -27,6 +30,8 @@ from stage_service.runtime.invariance import make_batch_invariant
 
 # StableDiffusion3Pipeline's default `max_sequence_length`: the T5 tokens (or zero rows) after the CLIP tokens.
 SD3_T5_TOKENS = 256
+# WanPipeline's default `max_sequence_length`: every prompt's embeddings are padded with zero rows to it.
+WAN_TEXT_TOKENS = 512
 
 
 class PromptEncoder(ABC):
@@ -99,9 +104,31 @@ class Sd3PromptEncoder(PromptEncoder):
         return {"embeddings": torch.cat([clip, t5], dim=-2), "pooled_embeddings": torch.cat(pooled, dim=-1)}
 
 
+class Umt5PromptEncoder(PromptEncoder):
+    """WanPipeline: `embeddings` [n, 512, width] from the UMT5 encoder: each prompt's own tokens (its end
+    token included), then zero rows, not the encoder's output at the padding."""
+
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        super().__init__(pipe, dtype, batch_invariant, device)
+        self.clean = prompt_clean  # WanPipeline's own: HTML unescaped (ftfy where installed), whitespace folded
+        self.tokenizer = pipe.load("tokenizer")
+        self.encoder = self._encoder("text_encoder")
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        t = self.tokenizer([self.clean(p) for p in prompts], padding="max_length", max_length=WAN_TEXT_TOKENS,
+                           truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        mask = t.attention_mask.to(self.device)
+        hidden = self.encoder(t.input_ids.to(self.device), mask).last_hidden_state
+        return {"embeddings": hidden.masked_fill(mask.unsqueeze(-1) == 0, 0.0)}
+
+
 PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     "StableDiffusionPipeline": ClipPromptEncoder,
     "StableDiffusion3Pipeline": Sd3PromptEncoder,
+    "WanPipeline": Umt5PromptEncoder,
 }
 
 

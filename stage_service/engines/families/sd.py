@@ -18,4 +18,5 @@ FAMILY = register(Family("sd", ("StableDiffusionPipeline",), (TEXT_ENCODER, DENO
                          pipeline={"text_encoder": PipelinePart(("text_encoder",), ("tokenizer",)),
                                    "unet": PipelinePart(("unet",), ("scheduler", "vae")),
                                    "vae": PipelinePart(("vae",))},
-                         default_inference_steps=50))  # the pipeline class's own default
+                         default_inference_steps=50,  # the pipeline class's own defaults
+                         default_guidance_scale=7.5))

@@ -20,4 +20,5 @@ FAMILY = register(Family("sd3", ("StableDiffusion3Pipeline",), (TEXT_ENCODER, DI
                                                                  "transformer")),
                                    "transformer": PipelinePart(("transformer",), ("scheduler", "vae")),
                                    "vae": PipelinePart(("vae",))},
-                         default_inference_steps=28))  # the pipeline class's own default
+                         default_inference_steps=28,  # the pipeline class's own defaults
+                         default_guidance_scale=7.0))

@@ -1,0 +1,106 @@
+"""One orchestrator replica's part of the job API, as the server wires it: the store its `--jobs-store` URL names,
+the content folder, the door-neutral operations (given to the servicer, so both doors share them) and the runner.
+Without a store the operations exist and refuse to create jobs (NO_STORE)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from . import open_store
+from .api import JobApi, JobSettings
+from .content import ContentStore
+from .runner import RENEW_S, JobRunner
+from .sqlite_store import sqlite_path
+from .store import JobStore, StoreUnavailable
+
+log = logging.getLogger("omnistage.orchestrator.jobs")
+CONTENT_BESIDE_SQLITE = "content"  # the content folder a sqlite store has by default: beside its file
+LEASE_RENEWALS = 2  # a lease lasts at least this many renewals: one renewal missed (a slow store) never loses it
+
+
+class JobsFlagError(ValueError):
+    """A jobs flag that cannot work (the process refuses to start, naming it)."""
+
+
+def check_settings(settings: JobSettings) -> None:
+    """The jobs flags' values, each refused naming its flag (pure)."""
+    if settings.lease_s < LEASE_RENEWALS * RENEW_S:
+        raise JobsFlagError(f"--jobs-lease-s {settings.lease_s:g}: at least {LEASE_RENEWALS * RENEW_S:g} (a lease is "
+                            f"renewed every {RENEW_S:g} s and must outlast a missed renewal)")
+    if settings.concurrency < 0:
+        raise JobsFlagError(f"--jobs-concurrency {settings.concurrency}: 0 (this replica runs no jobs) or more")
+    if settings.max_queued_per_key < 1:
+        raise JobsFlagError(f"--jobs-max-queued-per-key {settings.max_queued_per_key}: at least 1")
+    if not settings.ttl_s >= 0:
+        raise JobsFlagError(f"--jobs-ttl-s {settings.ttl_s:g}: 0 or more seconds")
+    if settings.max_attempts < 1:
+        raise JobsFlagError(f"--jobs-max-attempts {settings.max_attempts}: at least 1")
+
+
+def content_root(store_url: str, content_dir: str | None) -> Path:
+    """Where finished content is kept: `content_dir`, else beside a sqlite store's file (pure). A PostgreSQL
+    store is shared by replicas on several hosts: their content folder must be named (a shared volume)."""
+    if content_dir:
+        return Path(content_dir)
+    if store_url.partition(":")[0].lower() == "sqlite":
+        return sqlite_path(store_url).parent / CONTENT_BESIDE_SQLITE
+    raise JobsFlagError("--jobs-content is needed with a PostgreSQL job store: a folder every orchestrator replica "
+                     "mounts (a shared volume), where finished videos are kept")
+
+
+class ReplicaJobs:
+    def __init__(self, servicer, metrics, store_url: str | None, content_dir: str | None,
+                 settings: JobSettings = JobSettings()):
+        """Checks the flags (JobsFlagError naming the one at fault) and opens nothing yet."""
+        check_settings(settings)
+        try:
+            # the store keeps this pipeline's jobs only: pipelines sharing a database never run each other's
+            self.store: JobStore | None = (open_store(store_url, pipeline=servicer.pipeline.name,
+                                                      max_attempts=settings.max_attempts, ttl_s=settings.ttl_s)
+                                           if store_url else None)
+        except ValueError as e:
+            raise JobsFlagError(f"--jobs-store: {e}") from None
+        content = ContentStore(content_root(store_url, content_dir)) if store_url else None
+        self.api = servicer.jobs = JobApi(servicer.pipeline, self.store, content, settings)
+        self.runner: JobRunner | None = None
+        self._servicer, self._metrics = servicer, metrics
+        self._scratch: Path | None = None
+
+    async def start(self) -> None:
+        """Open the store (unreachable now: logged, its operations answer 503 until it is back) and start running
+        jobs."""
+        if self.store is None:
+            return
+        try:
+            await self.store.open()
+        except StoreUnavailable as e:
+            log.warning("jobs: the store is unreachable at start (%s); jobs wait until it is back", e)
+        # MP4s grow here, on this host's disk, and are copied into the content folder once whole.
+        self._scratch = Path(tempfile.mkdtemp(prefix="omnistage-jobs-"))
+        # A full pipeline or a stage without a ready replica is waited out as long as a request may take.
+        self.runner = JobRunner(self.api, lambda request: self._servicer.generate(request), self._metrics,
+                                self._scratch, patience_s=self.api.pipeline.limits.request_timeout_seconds or None)
+        self.runner.start()
+        self._metrics.jobs_slots.set(self.api.settings.concurrency)   # the planner counts jobs free slots take
+
+    async def drain(self, bound: float) -> None:
+        """No more claims; running jobs have `bound` seconds to finish, then are stopped and released to the store
+        (queued again: another replica claims them at once)."""
+        if self.runner is None:
+            return
+        self.runner.stop_claiming()
+        self._metrics.jobs_slots.set(0)   # it takes no more jobs
+        await self.runner.wait_idle(bound)
+        await self.runner.stop()
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.stop()
+        if self.store is not None:
+            await self.store.close()
+        if self._scratch is not None:
+            await asyncio.to_thread(shutil.rmtree, self._scratch, True)
