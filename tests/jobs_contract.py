@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 import pytest
 
 from orchestrator_service.jobs.sql_store import TABLE, Cursor, SqlJobStore
-from orchestrator_service.jobs.store import Job, JobStatus, JobStore, QuotaExceeded, new_job_id
+from orchestrator_service.jobs.store import MAX_ATTEMPTS, Job, JobStatus, JobStore, QuotaExceeded, new_job_id
 
 LEASE_S = 10.0
 TTL_S = 3600.0
@@ -265,18 +265,32 @@ class JobStoreContract:
         assert await draining.release(job.id, "orch-1", now=104)
         row = await other.get(job.id, "key-a")
         assert (row.status, row.lease_owner, row.lease_until, row.progress, row.started_at, row.attempts) == (
-            JobStatus.QUEUED, "", 0, 0, None, 1)
+            JobStatus.QUEUED, "", 0, 0, None, 0)  # a hand-back is not an attempt
         assert row.restarted_reason == ("orchestrator orch-1 drained (shut down) at 1970-01-01T00:01:44Z while "
                                         "running it; restarted from the start")
         # claimable at once, long before the lease it had would have run out; the reason stays with it
         taken = await other.claim("orch-2", LEASE_S, now=105)
         assert taken is not None and taken.id == job.id
-        assert (taken.attempts, taken.lease_owner, taken.restarted_reason) == (2, "orch-2", row.restarted_reason)
+        assert (taken.attempts, taken.lease_owner, taken.restarted_reason) == (1, "orch-2", row.restarted_reason)
         assert not await draining.release(job.id, "orch-1", now=106)  # no longer its: refused
         assert not await draining.renew(job.id, "orch-1", LEASE_S, now=106, progress=70)
         assert await other.finish(job.id, "orch-2", now=107, ttl_s=TTL_S, content={"video": 1})
         assert not await other.release(job.id, "orch-2", now=108)  # finished: stays finished
         assert (await other.get(job.id, "key-a")).status is JobStatus.COMPLETED
+
+    async def test_drain_hand_backs_do_not_use_up_the_restart_budget(self, make_store: MakeStore):
+        """A released job was stopped by a drain, not by its own doing: two drains (a rolling upgrade) and one
+        replica dying still leave it its next run."""
+        a, b, c, d = [await make_store(max_attempts=MAX_ATTEMPTS, ttl_s=60.0) for _ in range(4)]
+        job = await a.create(queued(), max_queued=4)
+        await a.claim("orch-a", LEASE_S, now=100)
+        assert await a.release(job.id, "orch-a", now=101)
+        await b.claim("orch-b", LEASE_S, now=102)
+        assert await b.release(job.id, "orch-b", now=103)
+        assert (await c.claim("orch-c", LEASE_S, now=104)).attempts == 1  # handed back twice: its first real run
+        taken = await d.claim("orch-d", LEASE_S, now=104 + LEASE_S + 1)  # orch-c died: its lease ran out
+        assert taken is not None and (taken.id, taken.attempts, taken.status) == (job.id, 2, JobStatus.IN_PROGRESS)
+        assert (await d.get(job.id, "key-a")).error_code == ""
 
     async def test_renew_records_progress_within_0_to_100(self, make_store: MakeStore):
         store = await make_store()

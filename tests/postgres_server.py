@@ -1,8 +1,9 @@
-"""A real PostgreSQL server for tests: initdb into a temporary folder, `postgres` on a free loopback port.
+"""A real PostgreSQL server for tests: initdb into a temporary folder, `postgres` on a unix socket only (no TCP).
 
 The server runs as the current user, or as the `postgres` user (through runuser) when the tests run as
 root, which initdb refuses. Its unix socket lies in its own folder, so it never meets a system server.
-`stop()` and `start()` take it down and bring it back on the same port and data (a backend outage).
+`stop()` and `start()` take it down and bring it back on the same socket and data (a backend outage): no other
+process can take that address in between.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import tempfile
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import psycopg
 
@@ -62,7 +64,9 @@ class PostgresServer:
                    "--no-sync"], check=True)
 
     def url(self, database: str = "postgres") -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
+        # Over its own unix socket: a restart (stop(), start()) never finds its address taken by another process
+        # meanwhile, as a TCP port could be; the port only names the socket file.
+        return f"postgresql://{SUPERUSER}@/{database}?host={quote(str(self.sockets), safe='')}&port={self.port}"
 
     def _command(self, argv: list[str]) -> list[str]:
         return argv if self.user is None else ["runuser", "-u", self.user, "--", *argv]
@@ -74,7 +78,7 @@ class PostgresServer:
         assert self.proc is None, "already running"
         # fsync off: the tests never crash the machine, and it keeps the server light on a shared disk.
         argv = [str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.sockets),
-                "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "full_page_writes=off"]
+                "-c", "listen_addresses=", "-c", "fsync=off", "-c", "full_page_writes=off"]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(self._command(argv), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)

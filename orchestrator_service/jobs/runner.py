@@ -57,6 +57,11 @@ ERROR_CODES = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_request", grpc.StatusC
                grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded", grpc.StatusCode.UNAVAILABLE: "unavailable"}
 
 T = TypeVar("T")
+
+
+class _Drained(Exception):
+    """A job waiting out refusals when its replica began to drain: it stops waiting, to be released at once (the
+    draining replica's request path refuses it anyway)."""
 Generate = Callable[[orchestrator_pb2.GenerateRequest], AsyncGenerator[orchestrator_pb2.GenerateResponse, None]]
 
 
@@ -109,7 +114,9 @@ class JobRunner:
         self.patience_s = patience_s or DEFAULT_PATIENCE_S
         self.runs: dict[str, _Run] = {}
         self._wake = asyncio.Event()
+        self._draining = asyncio.Event()  # claiming stopped: runs waiting out refusals give up their jobs
         self._loop: asyncio.Task | None = None
+        self._stopping: asyncio.Task | None = None  # stop()'s work, shared by every caller
         api.on_created = self._wake.set
         api.on_stopped = self.stop_job
 
@@ -118,6 +125,7 @@ class JobRunner:
         self._loop = asyncio.create_task(self._claim_loop(), name="jobs-runner")
 
     def stop_claiming(self) -> None:
+        self._draining.set()
         if self._loop is not None:
             self._loop.cancel()
 
@@ -130,7 +138,14 @@ class JobRunner:
     async def stop(self) -> None:
         """No more claims; the jobs running here are stopped and released: queued again, for another replica (or
         this one restarted) to claim at once. One the store does not take back (down, or no longer this
-        replica's) is left to its lease running out."""
+        replica's) is left to its lease running out. Called again (a drain, then the replica closing), it waits on
+        the first call's work: a caller cancelled leaves that work going."""
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(), name="jobs-runner-stop")
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        self._draining.set()
         if self._loop is not None:
             self._loop.cancel()
             await asyncio.wait([self._loop])
@@ -173,7 +188,7 @@ class JobRunner:
                 # A claim never takes this replica's own leases, even lapsed (the store unreachable for longer
                 # than a lease): those runs go on and renew them.
                 if len(self.runs) < self.api.settings.concurrency:
-                    claimed = await self.store.claim(self.worker, self.api.settings.lease_s, self.api.clock())
+                    claimed = await self._claim()
                 if claimed is not None:
                     self._start(claimed)
                     continue  # more may be waiting
@@ -190,6 +205,19 @@ class JobRunner:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(CLAIM_POLL_S):
                     await self._wake.wait()
+
+    async def _claim(self) -> Job | None:
+        """A claim that, cancelled (the runner stops) while the store's thread runs it, still ends: a job it
+        leased is released, never left leased to a replica that runs nothing."""
+        claim = asyncio.ensure_future(self.store.claim(self.worker, self.api.settings.lease_s, self.api.clock()))
+        try:
+            return await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                job = await claim
+                if job is not None:
+                    await self._release(job)
+            raise
 
     async def _renew(self, run: _Run) -> bool:
         return await self.store.renew(run.job.id, self.worker, self.api.settings.lease_s, self.api.clock(),
@@ -224,6 +252,12 @@ class JobRunner:
                     outcome = "taken_over"  # the runner stops: the lease runs out and another replica takes it
                     raise
                 outcome = await self._lost_outcome(run)
+                return
+            except _Drained:  # handed back at once, for another replica: its run never began
+                keep.cancel()
+                outcome = "taken_over"
+                if await self._release(job):
+                    log.info("jobs: %s released: waiting out refusals when this replica began to drain", job.id)
                 return
             except Exception as e:  # any fault ends the job failed, not this replica's runner
                 if isinstance(e, Refused):
@@ -273,7 +307,11 @@ class JobRunner:
             except Refused as e:
                 if e.code not in RETRIED or run.frames or self.api.clock() + RETRY_S > give_up:
                     raise
-                await asyncio.sleep(e.retry_after_s or RETRY_S)
+                if self._draining.is_set():
+                    raise _Drained(e.message) from e
+                with contextlib.suppress(TimeoutError):  # the wait ends early when this replica begins to drain
+                    async with asyncio.timeout(e.retry_after_s or RETRY_S):
+                        await self._draining.wait()
         job_id = run.job.id
         await run.io(run.mux.close)
         thumbnail, spritesheet = await run.io(lambda: (run.mux.thumbnail(), run.mux.spritesheet()))

@@ -334,10 +334,12 @@ class SqlJobStore:
     async def release(self, job_id: str, worker: str, now: float) -> bool:
         def run(cur: Cursor) -> bool:
             # Queued again, as it was created (its created_at keeps its place: claimed first); the next claim
-            # counts an attempt and keeps this reason.
+            # keeps this reason. A drain stopped the run, not the job: its claim is given back (attempts - 1), so
+            # hand-backs in a rolling upgrade never use up the restarts a job gets (max_attempts).
             return cur.execute(
                 f"UPDATE {TABLE} SET status = ?, lease_owner = '', lease_until = 0, started_at = NULL, progress = 0,"
-                " restarted_reason = ? WHERE pipeline = ? AND id = ? AND lease_owner = ? AND status = ?",
+                " attempts = attempts - 1, restarted_reason = ?"
+                " WHERE pipeline = ? AND id = ? AND lease_owner = ? AND status = ?",
                 (JobStatus.QUEUED.value, released_reason(worker, now), self.pipeline, job_id, worker,
                  JobStatus.IN_PROGRESS.value)).rowcount == 1
         return await self._run(run)

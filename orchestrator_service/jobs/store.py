@@ -1,14 +1,14 @@
 """The durable job store's contract: the job record, its states, the store's errors and its protocol.
 
-A job (a /v1/videos request) outlives the request that created it and the replica that runs it: its
-row lives in a store every orchestrator replica shares (SQLite on one host, PostgreSQL on a cluster).
-A replica runs a job while it holds the job's lease (`claim`, then `renew` about every second); a
-replica that dies stops renewing, and once the lease runs out another replica claims the job again
-from the start (`attempts` counts the claims, `restarted_reason` says why); a replica that drains hands its
-running jobs back (`release`) so another claims them at once. A store serves one pipeline, named when it is
-made: several pipelines may share one database and never see or run each other's jobs. Every time is passed
-in (`now`), so tests need no clock; a PostgreSQL store times leases on the server's own clock instead (replicas'
-clocks may disagree by more than a lease), unless made to use the times passed in.
+A job (a /v1/videos request) outlives the request that created it and the replica that runs it: its row lives in a
+store every orchestrator replica shares (SQLite on one host, PostgreSQL on a cluster). A replica runs a job while
+it holds the job's lease (`claim`, then `renew` about every second); a replica that dies stops renewing, and once
+the lease runs out another replica claims the job again from the start (`attempts` counts the claims not handed
+back, `restarted_reason` says why); a replica that drains hands its running jobs back (`release`) so another claims
+them at once. A store serves one pipeline, named when it is made: several pipelines may share one database and
+never see or run each other's jobs. Every time is passed in (`now`), so tests need no clock; a PostgreSQL store
+times leases on the server's own clock instead (replicas' clocks may disagree by more than a lease), unless made to
+use the times passed in.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Job:
     expires_at: float | None = None  # completed/failed + TTL
     error_code: str = ""
     error_message: str = ""
-    attempts: int = 0  # claims so far; >1 means it was restarted after a replica died
+    attempts: int = 0  # claims so far, less those a drain handed back; >1: restarted after a replica died
     restarted_reason: str = ""
     lease_owner: str = ""
     lease_until: float = 0.0
@@ -118,7 +118,8 @@ class JobStore(Protocol):
 
     async def release(self, job_id: str, worker: str, now: float) -> bool:
         """`worker` stops running the job (its replica drains): it is queued again at once, for any replica to
-        claim, its restarted_reason saying so; False when `worker` does not hold it."""
+        claim, its restarted_reason saying so, its claim not counted (attempts - 1: a drain is not the job's doing);
+        False when `worker` does not hold it."""
 
     async def finish(self, job_id: str, worker: str, now: float, ttl_s: float, content: dict[str, int]) -> bool:
         """Mark the job completed with its content sizes; False when `worker` no longer holds it."""

@@ -135,16 +135,18 @@ def _patch_conv3d(self: torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
     return rows.permute(0, 4, 1, 2, 3)
 
 
-def make_batch_invariant(model: torch.nn.Module) -> torch.nn.Module:
+def make_batch_invariant(model: torch.nn.Module, patch_embed_3d: bool = False) -> torch.nn.Module:
     """Pad every small Linear and Conv2d call of `model` and make their inputs contiguous (channels-last
-    for convolutions and group norms; the convolutions' weights are converted here), and run a video
-    DiT's patch embedding (a Conv3d) as a matmul, in place; returns the model. Convolutions and group
+    for convolutions and group norms; the convolutions' weights are converted here), in place; returns the
+    model. `patch_embed_3d`: also run a video DiT's patch embedding (a Conv3d cutting patches) as a padded
+    matmul (the Wan denoiser asks for it); off, a Conv3d is left as torch runs it (the Qwen omni vision
+    towers' patch embeddings: their outputs stay those of transformers). Convolutions and group
     norms then return channels-last tensors, as torch does for channels-last input: code that needs
     contiguous memory (`.view(n, -1)`, safetensors) calls `.contiguous()` first."""
     for m in model.modules():
         if type(m) is torch.nn.Linear:
             m.forward = types.MethodType(_linear, m)
-        elif type(m) is torch.nn.Conv3d and m.padding_mode == "zeros" and _patchifies(m):
+        elif patch_embed_3d and type(m) is torch.nn.Conv3d and m.padding_mode == "zeros" and _patchifies(m):
             m.forward = types.MethodType(_patch_conv3d, m)
         elif type(m) is torch.nn.Conv2d and m.padding_mode == "zeros":
             if m.weight.device.type == "cpu":

@@ -96,7 +96,7 @@ async def test_the_urls_own_options_are_kept_beside_the_stores_timeouts(postgres
     url = postgres.create_database()
     with psycopg.connect(url, autocommit=True) as admin:
         admin.execute("CREATE SCHEMA video")
-    store = open_store(url + "?options=-csearch_path%3Dvideo", pipeline=PIPELINE)
+    store = open_store(url + ("&" if "?" in url else "?") + "options=-csearch_path%3Dvideo", pipeline=PIPELINE)
     try:
         job = await store.create(queued(), max_queued=8)
         assert await store.get(job.id, "key-a") == job

@@ -156,8 +156,8 @@ class DenoiseEngine(SteppedEngine):
         if why:
             raise EngineConfigError(f"{pipe.index_file}: {why}")
         self.model = pipe.load(pipe.component, device=self.device, dtype=self.dtype)
-        if self.batch_invariant:
-            make_batch_invariant(self.model)
+        if self.batch_invariant:  # a video DiT's patch embedding (Wan's Conv3d) too
+            make_batch_invariant(self.model, patch_embed_3d=True)
         self.config = dict(self.model.config)
         self.scheduler_cls = pipe.scheduler_class()
         self.scheduler_cfg = pipe.config("scheduler")
