@@ -8,8 +8,9 @@ Sides of `video.staged_over_pipeline.frames_per_s_c4`, all up at once (each idle
   work includes muxing its frames to H.264 MP4 with a thumbnail and a spritesheet;
 - staged_vae_x2: the same with two vae-decode replicas (`omnistage serve --replicas vae-decode=2`);
 - staged_vae_shared: the same with `engineArgs.batch_invariant: false` on vae-decode (a step decodes a latent
-  frame of the 4 jobs in one call either way; invariant, a lone request's convolutions are padded to a batch
-  of 2 so its frames are the same alone as in any batch, `invariance.pad_lone_convolutions`; off, they are not);
+  frame of the 4 jobs in one call either way; invariant, a lone request's convolutions and attention are padded
+  to a batch of 2 so its frames are the same alone as in any batch, `video_vae.batch_invariant_decode`; off,
+  they are not);
 - staged_vae_x2_shared: both (two vae-decode replicas, batch invariance off);
 - pipeline: diffusers' `WanPipeline` alone, loaded once in its own process (one torch thread:
   OMP_NUM_THREADS=1 and torch.set_num_threads(1), as every stage process runs), serving the same 4 jobs one

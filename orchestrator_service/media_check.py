@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from omnistage.api import Limits, Pipeline, accepted_inputs
+from omnistage.api import Limits, Pipeline, accepted_inputs, one_of_each_input
 from omnistage.contract.params import InvalidRequest
 from omnistage.media import decode_parts
 from omnistage.v1 import common_pb2
@@ -27,6 +27,16 @@ from .admission import Overloaded
 from .media_pool import DecoderCrashed, DecodeTimeout, MediaPool, WorkerStartFailed
 
 DECODE_WORKERS = 4
+
+
+def check_needed_parts(pipeline: Pipeline, parts: Sequence[common_pb2.ContentPart]) -> None:
+    """InvalidRequest unless the request carries exactly one of each part the pipeline needs one of (an
+    image-to-video pipeline's reference image): checked before anything is decoded or queued."""
+    for kind, stage in one_of_each_input(pipeline).items():
+        count = sum(p.WhichOneof("part") == kind for p in parts)
+        if count != 1:
+            raise InvalidRequest("params.parts", f'"{pipeline.name}" generates from one reference {kind} (its stage '
+                                                 f"{stage} reads it): send exactly one {kind} part, got {count}")
 
 
 class MediaCheck:

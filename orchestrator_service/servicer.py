@@ -22,7 +22,7 @@ from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from . import access_log, client_cap, consumer_pace, otel
 from .admission import Admission, Overloaded
 from .api_keys import ApiKeys
-from .media_check import MediaCheck
+from .media_check import MediaCheck, check_needed_parts
 from .metrics import OrchestratorMetrics
 from .playback import Playback
 from .request_class import request_class
@@ -201,6 +201,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         try:
             label = checked_label(request.request_id)
             params = resolve(request.params, self.pipeline.limits)
+            check_needed_parts(self.pipeline, params.parts)
             outputs = requested_outputs(self.pipeline, request)
             if self.voices is not None and "audio" in outputs.values():  # resolve's own default is not the model's
                 params = dataclasses.replace(params, speaker=self.voices.choose(request.params.audio.speaker))

@@ -47,6 +47,7 @@ from omnistage.api.model import (
                     Topology,
                     TransferSettings,
                     accepted_inputs,
+                    one_of_each_input,
                     stage_inputs,
 )
 from omnistage.api.validation import FieldError, SpecError, validate
@@ -59,6 +60,6 @@ __all__ = [
     "Deployment", "Edge", "FieldError", "Limits", "Metadata", "OrchestratorDeployment", "OrchestratorHttp", "Output",
     "Parallelism", "Pipeline",
     "ReplicaStatus", "Resources", "Rollout", "SchedulerSettings", "Spec", "SpecError", "Stage", "StageDeployment",
-    "Status", "Topology", "TransferSettings", "accepted_inputs", "dump_pipeline", "load_pipeline",
+    "Status", "Topology", "TransferSettings", "accepted_inputs", "dump_pipeline", "load_pipeline", "one_of_each_input",
     "parse_pipeline", "parse_pipeline_yaml", "stage_inputs", "validate",
 ]

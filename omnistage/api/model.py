@@ -837,3 +837,14 @@ def stage_inputs(stage: Stage) -> frozenset[str]:
 def accepted_inputs(pipeline: Pipeline) -> frozenset[str]:
     """The content parts some stage of the pipeline reads: the ones a request may carry."""
     return frozenset().union(*(stage_inputs(s) for s in pipeline.stages))
+
+
+def one_of_each_input(pipeline: Pipeline) -> dict[str, str]:
+    """The content parts a request must carry exactly one of (an image-to-video pipeline's reference image),
+    each with the stage that reads it."""
+    needed: dict[str, str] = {}
+    for s in pipeline.stages:
+        adapter = adapter_for(s.engine, s.kind, s.component)
+        for kind in adapter.needs_one if adapter is not None else ():
+            needed.setdefault(kind, s.name)
+    return needed

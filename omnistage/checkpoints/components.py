@@ -10,8 +10,8 @@ service (`PipelineDir`) and `omnistage models check` refuse the same pairs, by c
 from __future__ import annotations
 
 # The classes the served families' published checkpoints name (sd: StableDiffusionPipeline, sd3:
-# StableDiffusion3Pipeline, wan: WanPipeline; `omnistage/families`), and the tokenizer classes transformers
-# writes for them.
+# StableDiffusion3Pipeline, wan: WanPipeline, wan_i2v: WanImageToVideoPipeline; `omnistage/families`), and the
+# tokenizer and processor classes transformers writes for them.
 # The families list their components, not these classes, so the set is explicit: a new family adds its own.
 COMPONENT_CLASSES: frozenset[tuple[str, str]] = frozenset({
     ("diffusers", "UNet2DConditionModel"),          # sd denoiser
@@ -28,7 +28,9 @@ COMPONENT_CLASSES: frozenset[tuple[str, str]] = frozenset({
     ("transformers", "T5Tokenizer"),
     ("transformers", "T5TokenizerFast"),
     ("transformers", "TokenizersBackend"),          # what transformers 5 writes for a fast tokenizer
-    ("transformers", "CLIPImageProcessor"),         # sd's feature extractor (never loaded, but published)
+    ("transformers", "CLIPImageProcessor"),         # sd's feature extractor (never loaded); wan i2v's image processor
+    ("transformers", "CLIPImageProcessorPil"),      # what transformers 5 writes for it
+    ("transformers", "CLIPVisionModel"),            # wan i2v image encoder
 })
 
 # Schedulers are every class of diffusers' own whose name ends so (dozens, all configs with no code of their

@@ -19,6 +19,11 @@ OMNI_THINKER_VLLM = Adapter("omni-thinker-vllm", ("vllm",), "ar", "thinker",
 # Diffusers: `component` is the pipeline's sub-folder. The text-encoder stage also reads the other text
 # encoders and tokenizers its pipeline class uses (SD3: text_encoder_2, and text_encoder_3 when present).
 TEXT_ENCODER = Adapter("text-encoder", ("diffusers",), "generation", "text_encoder", frozenset({"embeddings"}))
+# Image-to-video's reference image (WanImageToVideoPipeline's `image_encoder`, with the VAE's encoder): the
+# request's one image -> its CLIP embeddings and the VAE condition channels, beside the text encoder's into the
+# denoise loop.
+IMAGE_ENCODER = Adapter("image-encoder", ("diffusers",), "encoder", "image_encoder", frozenset({"embeddings"}),
+                        inputs=frozenset({"image"}), needs_one=frozenset({"image"}))
 DENOISER = Adapter("denoiser", ("diffusers",), "diffusion", "unet", frozenset({"latents"}),
                    reads=frozenset({"embeddings"}), needs=frozenset({"embeddings"}))
 DIT_DENOISER = Adapter("dit-denoiser", ("diffusers",), "diffusion", "transformer", frozenset({"latents"}),

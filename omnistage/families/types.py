@@ -23,6 +23,7 @@ class Adapter:
     reads: frozenset[str] = frozenset()      # what it can take from a producer's edge
     needs: frozenset[str] = frozenset()      # what some input edge must carry (a subset of reads)
     inputs: frozenset[str] = frozenset({"text"})  # the request's content parts it reads (text, image, ...)
+    needs_one: frozenset[str] = frozenset()  # the content parts a request must carry exactly one of (a reference image)
     initial_chunk: bool = False              # emits its first chunk at the stage's initialChunkSize
 
     @property
@@ -31,7 +32,7 @@ class Adapter:
 
     def contract(self) -> tuple:
         """What validation sees: adapters of several families serving the same stages must agree on it."""
-        return self.emits, self.reads, self.needs, self.inputs, self.initial_chunk
+        return self.emits, self.reads, self.needs, self.inputs, self.needs_one, self.initial_chunk
 
 
 @dataclass(frozen=True)

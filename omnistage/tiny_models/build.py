@@ -19,6 +19,7 @@ MODELS: dict[str, Callable[[Path, int], None]] = {
     "sd-tiny": diffusion.build,
     "sd3-tiny": sd3.build,
     "wan-t2v-tiny": wan.build,
+    "wan-i2v-tiny": wan.build_i2v,
 }
 
 

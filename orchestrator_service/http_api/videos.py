@@ -5,7 +5,9 @@ operations are the door-neutral ones the gRPC Jobs service calls too.
 
 The body is JSON or multipart/form-data (as the OpenAI SDKs send it): `prompt`, `model`, `seconds` (OpenAI's
 "4"/"8"/"12", or any number: seconds x fps frames, to the nearest count the video VAE makes), `size` "WxH",
-`seed`; omnistage's own: `num_frames`, `fps`, `negative_prompt`, `num_inference_steps`, `guidance_scale`.
+`seed`, `input_reference` (an image-to-video pipeline's reference image: a file in a multipart body, or in JSON a
+data: URL or `{"image_url": "data:..."}`; the first frame's picture, resized to the video's size as the pipeline
+does); omnistage's own: `num_frames`, `fps`, `negative_prompt`, `num_inference_steps`, `guidance_scale`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from starlette.routing import Route
 from omnistage.api import Pipeline, accepted_inputs
 from omnistage.contract.params import FRAME_STEP, InvalidRequest
 from omnistage.contract.request import build_request
-from omnistage.v1 import orchestrator_pb2
+from omnistage.v1 import common_pb2, orchestrator_pb2
 
 from ..jobs.api import NO_STORE, JobApi, content_gone, owner_of
 from ..jobs.store import Job, JobStatus
@@ -34,12 +36,14 @@ from . import multipart_form
 from .errors import ApiError, from_refused, retry_after_header
 from .responses import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from .schemas import MAX_NAME_CHARS, UINT32, UINT64
-from .translate import check_model, image_size
+from .translate import check_model, data_url, image_size
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 # Fields of OpenAI's video API this server cannot honour, and why.
 INPUT_REFERENCE_REFUSED = ("image-to-video is not served: {model} is a text-to-video pipeline (its first stage "
                            "takes the prompt only); send the prompt without input_reference")
+INPUT_REFERENCE_SHAPES = ('must be an image: a file in a multipart body, a data: URL, or {"image_url": "data:image/'
+                          '...;base64,..."}')
 REMIX_REFUSED = ("remix is not supported: {model} generates each video from its prompt alone; create a new video "
                  "with a changed prompt instead")
 
@@ -86,13 +90,30 @@ def frames_for(seconds: str | float, fps: int, most: int) -> int:
     return frames
 
 
+def reference_parts(value: Any, pipeline: Pipeline) -> list[common_pb2.ContentPart]:
+    """`input_reference` as the request's image part (none without one); the media check decodes it later."""
+    if value in (None, ""):
+        return []
+    if "image" not in accepted_inputs(pipeline):
+        raise InvalidRequest("input_reference", INPUT_REFERENCE_REFUSED.format(model=f'"{pipeline.name}"'))
+    if isinstance(value, bytes):  # a multipart file
+        data = value
+    elif isinstance(value, str):
+        data = data_url(value, "input_reference", "image")
+    elif isinstance(value, dict) and isinstance(value.get("image_url"), str):
+        data = data_url(value["image_url"], "input_reference.image_url", "image")
+    elif isinstance(value, dict) and "file_id" in value:
+        raise InvalidRequest("input_reference.file_id", "file ids are not served (there is no files API here): send "
+                                                        "the image itself, as a file or a data: URL")
+    else:
+        raise InvalidRequest("input_reference", INPUT_REFERENCE_SHAPES)
+    return [common_pb2.ContentPart(image=common_pb2.ImagePart(data=data))]
+
+
 def translate(body: VideoRequest, pipeline: Pipeline) -> orchestrator_pb2.GenerateRequest:
     """The body as the job's GenerateRequest (outputs [VIDEO]); the job API validates it against the limits."""
     check_model(body.model, pipeline)
-    if body.input_reference not in (None, ""):
-        raise InvalidRequest("input_reference", INPUT_REFERENCE_REFUSED.format(model=f'"{pipeline.name}"')
-                             if "image" not in accepted_inputs(pipeline) else
-                             "input_reference is not supported yet: send the prompt alone")
+    parts = reference_parts(body.input_reference, pipeline)
     width, height = image_size(body.size)
     limits = pipeline.limits
     fps = body.fps or 0
@@ -103,7 +124,7 @@ def translate(body: VideoRequest, pipeline: Pipeline) -> orchestrator_pb2.Genera
         frames = frames_for(body.seconds, fps or limits.default_fps, limits.max_frames)
     request = build_request(body.prompt, width=width, height=height, num_inference_steps=body.num_inference_steps or 0,
                             guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt or "",
-                            seed=body.seed, outputs=["video"])
+                            seed=body.seed, outputs=["video"], parts=parts)
     request.params.video.num_frames, request.params.video.fps = frames, fps
     return request
 
@@ -111,13 +132,17 @@ def translate(body: VideoRequest, pipeline: Pipeline) -> orchestrator_pb2.Genera
 def from_form(form: multipart_form.Form) -> VideoRequest:
     """A multipart body's fields as the JSON body's (its numbers as text, read as numbers)."""
     fields: dict[str, Any] = {name: form.text(name) for name in form.fields}
-    if form.files.get("input_reference"):
-        fields["input_reference"] = "file"
+    files = form.files.get("input_reference", [])
+    if len(files) > 1:
+        raise InvalidRequest("input_reference", f"takes one image, got {len(files)} files")
+    if files:
+        fields["input_reference"] = files[0].data
     return VideoRequest.model_validate(fields)
 
 
-# Request-path fields -> the body's, for a refusal of the resolved parameters.
-FIELDS = {"params.prompt": "prompt", "params.image.width": "size", "params.image.height": "size",
+# Request-path fields -> the body's, for a refusal of the resolved parameters (the reference image is the one part).
+FIELDS = {"params.prompt": "prompt", "params.parts": "input_reference", "params.parts[0].image": "input_reference",
+          "params.image.width": "size", "params.image.height": "size",
           "params.image.num_inference_steps": "num_inference_steps", "params.image.guidance_scale": "guidance_scale",
           "params.image.negative_prompt": "negative_prompt", "params.seed": "seed",
           "params.video.num_frames": "seconds", "params.video.fps": "fps"}
@@ -183,7 +208,9 @@ class VideoEndpoints:
     async def create(self, request: Request) -> Response:
         content_type = request.headers.get("content-type", "")
         form = content_type.split(";")[0].strip().lower() in (multipart_form.FORM_TYPE, multipart_form.URLENCODED_TYPE)
-        limit = self.endpoints.upload_limit if form else self.endpoints.text_limit.size
+        # JSON: text only, or with a base64 reference image where the pipeline takes one (bounded as chat's parts)
+        limit = (self.endpoints.upload_limit if form else self.endpoints.chat_limit.size
+                 if "image" in accepted_inputs(self.pipeline) else self.endpoints.text_limit.size)
         async with self.endpoints._body(request, limit) as (body, _):
             raw = body.getvalue()
         body = (from_form(multipart_form.parse(raw, content_type)) if form else

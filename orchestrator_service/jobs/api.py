@@ -12,7 +12,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncGenerator, Callable
+from typing import AsyncGenerator, Awaitable, Callable, TypeVar
 
 import grpc
 
@@ -20,13 +20,16 @@ from omnistage.api import Pipeline, accepted_inputs
 from omnistage.contract.params import InvalidRequest, fill_resolved, has_media, resolve
 from omnistage.v1 import orchestrator_pb2
 
+from ..admission import Overloaded
 from ..api_keys import ApiKeys
+from ..media_check import MediaCheck, check_needed_parts
 from ..servicer import Refused, checked_label, requested_outputs
 from .content import ContentStore
 from .mux import MEDIA_TYPES, VARIANTS
 from .store import FINISHED, MAX_ATTEMPTS, Job, JobStatus, JobStore, QuotaExceeded, StoreUnavailable, new_job_id
 from .watch import Watches
 
+T = TypeVar("T")
 KIND = "video"
 # A client told the store is unreachable retries after this: a database restart or failover takes seconds.
 STORE_RETRY_AFTER_S = 5.0
@@ -72,6 +75,14 @@ def unavailable(e: StoreUnavailable) -> Refused:
                    f"{STORE_RETRY_AFTER_S:.0f} s", retry_after_s=STORE_RETRY_AFTER_S)
 
 
+async def stored(call: Awaitable[T]) -> T:
+    """A store call's answer; the store unreachable is the refusal every door answers (`unavailable`)."""
+    try:
+        return await call
+    except StoreUnavailable as e:
+        raise unavailable(e) from None
+
+
 def job_meta(pipeline: Pipeline, params) -> dict:
     """What the API echoes of a job's request (its resolved parameters)."""
     return {"model": pipeline.name, "width": params.width, "height": params.height,
@@ -85,8 +96,10 @@ class JobApi:
     that was cancelled or deleted here (other replicas' runners see it at their next renewal)."""
 
     def __init__(self, pipeline: Pipeline, store: JobStore | None, content: ContentStore | None,
-                 settings: JobSettings = JobSettings(), clock: Callable[[], float] = time.time):
+                 settings: JobSettings = JobSettings(), clock: Callable[[], float] = time.time,
+                 media: MediaCheck | None = None):
         self.pipeline, self.store, self.content, self.settings, self.clock = pipeline, store, content, settings, clock
+        self.media = media  # decodes a job's media parts at submission, as Generate's admission does
         self.on_created: Callable[[], None] = lambda: None
         self.on_stopped: Callable[[str], None] = lambda job_id: None
         # Watchers of one job share its reads (the poll interval read when it is used: tests shorten it).
@@ -109,8 +122,13 @@ class JobApi:
                 raise InvalidRequest("params.parts", f'"{self.pipeline.name}" is a text-to-video pipeline (no '
                                      "image-to-video input): send the prompt as text only, without media parts")
             params = resolve(request.params, self.pipeline.limits)
+            check_needed_parts(self.pipeline, params.parts)
+            if self.media is not None and has_media(params.parts):  # a bad image is refused now, not when it runs
+                await self.media.check(params.parts)
         except InvalidRequest as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e), param=e.field) from None
+        except Overloaded as e:  # the media decoders stayed busy
+            raise Refused.overloaded(e) from None
         store = self._store()  # after the request's own checks: a bad request is told so wherever it is sent
         job_id = new_job_id()
         sent = orchestrator_pb2.GenerateRequest()
@@ -136,10 +154,7 @@ class JobApi:
     async def get(self, job_id: str, owner: str) -> Job:
         if self.store is None:
             raise not_found(job_id)
-        try:
-            job = await self.store.get(job_id, owner)
-        except StoreUnavailable as e:
-            raise unavailable(e) from None
+        job = await stored(self.store.get(job_id, owner))
         if job is None:
             raise not_found(job_id)
         return job
@@ -178,11 +193,8 @@ class JobApi:
         job = await self.get(job_id, owner)
         if job.status in FINISHED:
             return job
-        try:
-            await self.store.fail(job_id, None, self.clock(), self.settings.ttl_s, CANCELLED,  # type: ignore[union-attr]
-                                  "cancelled by its owner")
-        except StoreUnavailable as e:
-            raise unavailable(e) from None
+        await stored(self.store.fail(job_id, None, self.clock(), self.settings.ttl_s, CANCELLED,  # type: ignore[union-attr]
+                                     "cancelled by its owner"))
         self.on_stopped(job_id)
         return await self.get(job_id, owner)
 
@@ -190,10 +202,7 @@ class JobApi:
         """The job and its content gone (a run of it stops at its next renewal, or at once on this replica)."""
         if self.store is None:
             raise not_found(job_id)
-        try:
-            job = await self.store.delete(job_id, owner)
-        except StoreUnavailable as e:
-            raise unavailable(e) from None
+        job = await stored(self.store.delete(job_id, owner))
         if job is None:
             raise not_found(job_id)
         self.on_stopped(job_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +21,30 @@ from .store import JobStore, StoreUnavailable
 log = logging.getLogger("omnistage.orchestrator.jobs")
 CONTENT_BESIDE_SQLITE = "content"  # the content folder a sqlite store has by default: beside its file
 LEASE_RENEWALS = 2  # a lease lasts at least this many renewals: one renewal missed (a slow store) never loses it
+
+
+SCRATCH_PREFIX = "omnistage-jobs-"  # then the replica's pid: a folder whose process is gone is swept at the next start
+
+
+def new_scratch(base: Path | None = None) -> Path:
+    """A new scratch folder for this process's MP4s in `base` (the system's temporary folder), after sweeping
+    those of replicas that are gone: one killed with -9 never removed its own (its partial MP4s)."""
+    base = Path(base or tempfile.gettempdir())
+    for old in base.glob(f"{SCRATCH_PREFIX}*"):
+        pid = old.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=base))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 class JobsFlagError(ValueError):
@@ -65,7 +90,7 @@ class ReplicaJobs:
         except ValueError as e:
             raise JobsFlagError(f"--jobs-store: {e}") from None
         content = ContentStore(content_root(store_url, content_dir)) if store_url else None
-        self.api = servicer.jobs = JobApi(servicer.pipeline, self.store, content, settings)
+        self.api = servicer.jobs = JobApi(servicer.pipeline, self.store, content, settings, media=servicer.media)
         self.runner: JobRunner | None = None
         self._servicer, self._metrics = servicer, metrics
         self._scratch: Path | None = None
@@ -80,7 +105,7 @@ class ReplicaJobs:
         except StoreUnavailable as e:
             log.warning("jobs: the store is unreachable at start (%s); jobs wait until it is back", e)
         # MP4s grow here, on this host's disk, and are copied into the content folder once whole.
-        self._scratch = Path(tempfile.mkdtemp(prefix="omnistage-jobs-"))
+        self._scratch = await asyncio.to_thread(new_scratch)
         # A full pipeline or a stage without a ready replica is waited out as long as a request may take.
         self.runner = JobRunner(self.api, lambda request: self._servicer.generate(request), self._metrics,
                                 self._scratch, patience_s=self.api.pipeline.limits.request_timeout_seconds or None)

@@ -181,6 +181,23 @@ def pad_lone_convolutions(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def pad_lone_calls(module: torch.nn.Module, rows: int = MIN_CONV_BATCH) -> torch.nn.Module:
+    """Run `module` (one tensor in, one out, each sample on its own) over a batch of at least `rows`, a lone
+    sample with zero ones beside it, in place; returns it. For the attention inside a video VAE's decoder
+    (video_vae.py): torch's CPU attention gives a batch of one other last bits than a sample in a batch of
+    two or more (measured on the tiny Wan VAE's mid-block attention, where a one-level flip of an 8-bit
+    frame followed)."""
+    forward = module.forward
+
+    def padded(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if x.shape[0] >= rows:
+            return forward(x, *args, **kwargs)
+        return forward(pad_rows(x, rows), *args, **kwargs)[: x.shape[0]]
+
+    module.forward = padded  # type: ignore[method-assign]
+    return module
+
+
 def pad_rows(x: torch.Tensor, rows: int = MIN_MATMUL_ROWS) -> torch.Tensor:
     """`x` [n, ...] with zero rows added up to `rows` (for inputs this code batches itself)."""
     if len(x) >= rows:

@@ -38,15 +38,15 @@ def latents_chunk(latents: torch.Tensor) -> stage_pb2.Chunk:
 
 def pipeline_frames(model_dir, latents: torch.Tensor, padded: bool = False) -> np.ndarray:
     """What WanPipeline does with its final latents: un-normalize, one whole decode, `output_type="np"`
-    frames, as 8-bit; `padded`: its VAE's convolutions padded as the stage's are for batch invariance."""
+    frames, as 8-bit; `padded`: its VAE padded as the stage's is for batch invariance."""
     from diffusers import AutoencoderKLWan
     from diffusers.video_processor import VideoProcessor
 
-    from stage_service.runtime.invariance import pad_lone_convolutions
+    from stage_service.engines.diffusers.video_vae import batch_invariant_decode
 
     vae = AutoencoderKLWan.from_pretrained(model_dir / MODEL / "vae").eval()
     if padded:
-        pad_lone_convolutions(vae)
+        batch_invariant_decode(vae)
     cfg = vae.config
     mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)

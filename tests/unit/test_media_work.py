@@ -13,8 +13,8 @@ from omnistage.client import image_part
 from omnistage.contract.params import InvalidRequest
 from orchestrator_service.admission import Overloaded
 from orchestrator_service.media_check import MediaCheck
-from stage_service.engines.omni.media_work import MediaWork
 from stage_service.runtime.errors import EngineOverloaded, RequestFailed
+from stage_service.runtime.media_work import MediaWork
 
 from ..harness import example
 from ..media_builders import png

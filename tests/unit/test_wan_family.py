@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from omnistage.api import accepted_inputs
+from omnistage.api import accepted_inputs, one_of_each_input
 from omnistage.checkpoints.components import allowed
 from omnistage.checkpoints.defaults import with_model_limits
 from omnistage.families import family_of
@@ -58,3 +58,34 @@ def test_a_published_vae_config_without_its_scale_factors_takes_the_classs_defau
     del cfg["scale_factor_spatial"], cfg["scale_factor_temporal"]
     cfg_file.write_text(json.dumps(cfg))
     assert vae_scales(PipelineDir(root / "transformer")) == (8, 4)
+
+
+def test_an_image_to_video_pipeline_is_its_own_family_reading_one_image_and_loading_without_remote_code(model_dir):
+    family = family_of("WanImageToVideoPipeline")
+    assert family is not None and family.name == "wan_i2v"
+    assert family.components == ("text_encoder", "image_encoder", "transformer", "vae")
+    pipe = PipelineDir(model_dir / "wan-i2v-tiny" / "transformer")
+    for component in ("text_encoder", "tokenizer", "image_encoder", "image_processor", "transformer", "vae",
+                      "scheduler"):
+        assert allowed(*pipe.index[component]), component
+    pipeline = example("wan-i2v-tiny")
+    assert accepted_inputs(pipeline) == {"text", "image"}
+    assert one_of_each_input(pipeline) == {"image": "image-encoder"}
+    assert one_of_each_input(example(MODEL)) == {}
+
+
+def test_first_last_frame_and_two_expert_image_to_video_transformers_are_refused_by_name():
+    from stage_service.engines.diffusers.denoisers import wan_unserved
+
+    index = {"_class_name": "WanImageToVideoPipeline", "transformer_2": [None, None]}
+    assert wan_unserved(index, {"image_dim": 1280}) == ""
+    assert "FLF2V" in wan_unserved(index, {"image_dim": 1280, "pos_embed_seq_len": 514})
+    assert "two-expert" in wan_unserved({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"]}, {})
+
+
+def test_the_first_frame_mask_covers_the_reference_frame_and_none_after_it():
+    from stage_service.engines.diffusers.image_condition import first_frame_mask
+
+    mask = first_frame_mask(num_frames=9, temporal=4, latent_h=2, latent_w=3)
+    assert mask.shape == (1, 4, 3, 2, 3)  # 4 frames per latent frame as channels, 3 latent frames
+    assert mask[:, :, 0].eq(1).all() and mask[:, :, 1:].eq(0).all()

@@ -15,6 +15,14 @@ what an entry says:
 - `video`: the model denoises a video's latents [batch, channels, latent frames, h, w] (Wan), the frame
   count set by the request's `num_frames` and the VAE's temporal compression; `max_latent_frames`: the
   most latent frames its position embedding covers;
+- `image` / `takes_image`: image-to-video (WanImageToVideoPipeline): when the model's config says it takes an image
+  (`takes_image`), the reference image's stage sends these per-token tensors (one row, shared by the guidance
+  rows; checked like the text's) beside the text stage's; its `condition` channels (the model's `in_channels`
+  past its `out_channels`) go beside the latents at every step, as any model whose config has more channels in
+  than out takes them;
+- `pins_first_step`: the pipeline classes that pin their scheduler's step index at 0 before the loop
+  (`set_begin_index(0)`, as WanPipeline does) rather than have the first step look its timestep up (which
+  differs where the schedule repeats its first timestep: WanImageToVideoPipeline looks it up);
 - `latents_dtype`: the dtype the loop keeps each image's latents (and its scheduler's state) in, the model's
   input cast to the stage dtype from it; None: the stage dtype, as StableDiffusionPipeline and
   StableDiffusion3Pipeline keep them (in their prompt embeddings' dtype). WanPipeline keeps them in float32;
@@ -84,28 +92,32 @@ class DenoiserCall:
     max_latent_side: Callable[[Config], int | None] = lambda cfg: None
     video: bool = False
     max_latent_frames: Callable[[Config], int | None] = lambda cfg: None
-    # The pipeline pins its scheduler's step index at 0 before the loop (`set_begin_index(0)`, as WanPipeline
-    # does) rather than have each step look its timestep up (which differs where the schedule repeats one).
-    from_first_step: bool = False
+    image: tuple[TextInput, ...] = ()
+    takes_image: Callable[[Config], bool] = lambda cfg: False
+    pins_first_step: frozenset[str] = frozenset()
     latents_dtype: torch.dtype | None = None
     schedule: Callable[[int, int, Config], dict[str, Any]] = default_schedule
     pack: Callable[[torch.Tensor, Config], torch.Tensor] = _same
     unpack: Callable[[torch.Tensor, torch.Size, Config], torch.Tensor] = _same
     # (packed latents, text forward arguments, guidance scale per row, model config) -> forward arguments
     extra: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Config], dict[str, Any]] = _nothing
-    # model_index.json -> why such a pipeline is not served, or "" (served)
-    unserved: Callable[[Config], str] = lambda index: ""
+    # (model_index.json, the model's config) -> why such a pipeline is not served, or "" (served)
+    unserved: Callable[[Config, Config], str] = lambda index, cfg: ""
 
 
-def wan_unserved(index: Config) -> str:
-    """Wan 2.2 pipelines share WanPipeline's class but not its loop: two experts switched at a timestep
-    (`transformer_2`, `boundary_ratio`), or a timestep per latent token (`expand_timesteps`, TI2V-5B)."""
+def wan_unserved(index: Config, cfg: Config) -> str:
+    """Wan 2.2 pipelines share WanPipeline's (and WanImageToVideoPipeline's) class but not its loop: two experts
+    switched at a timestep (`transformer_2`, `boundary_ratio`), or a timestep per latent token (`expand_timesteps`,
+    TI2V-5B). A first-last-frame DiT (FLF2V: `pos_embed_seq_len`) takes two reference images' embeddings."""
     second = index.get("transformer_2")
     if (isinstance(second, list) and any(second)) or index.get("boundary_ratio") is not None:
         return ("a two-expert WanPipeline (transformer_2, boundary_ratio: Wan 2.2 A14B) is not served: the "
                 "denoise loop runs one transformer")
     if index.get("expand_timesteps"):
         return "a WanPipeline with expand_timesteps (Wan 2.2 TI2V) is not served: the denoise loop takes one timestep"
+    if cfg.get("pos_embed_seq_len"):
+        return ("a first-last-frame Wan transformer (pos_embed_seq_len: Wan2.1 FLF2V) is not served: the reference "
+                "image's stage sends one image")
     return ""
 
 
@@ -120,14 +132,17 @@ DENOISERS: dict[str, DenoiserCall] = {
         patch=lambda cfg: cfg["patch_size"],
         max_latent_side=lambda cfg: cfg["pos_embed_max_size"] * cfg["patch_size"]),
     # Wan's patches are (frames, height, width) = (1, 2, 2): square in space. Its rotary position embedding
-    # has `rope_max_seq_len` positions along each of time, height and width.
+    # has `rope_max_seq_len` positions along each of time, height and width. Wan2.1-I2V's DiT also attends to the
+    # reference image's CLIP embeddings (`image_dim`) and takes 20 condition channels (mask + the VAE's latents).
     "WanTransformer3DModel": DenoiserCall(
         adapter=DIT_DENOISER, latents_kwarg="hidden_states",
         text=(TextInput("encoder_hidden_states", "embeddings", "text_dim", per_token=True),),
         patch=lambda cfg: cfg["patch_size"][2],
         max_latent_side=lambda cfg: cfg["rope_max_seq_len"] * cfg["patch_size"][2],
         video=True, max_latent_frames=lambda cfg: cfg["rope_max_seq_len"] * cfg["patch_size"][0],
-        from_first_step=True, unserved=wan_unserved,
+        image=(TextInput("encoder_hidden_states_image", "image_embeddings", "image_dim", per_token=True),),
+        takes_image=lambda cfg: cfg.get("image_dim") is not None,
+        pins_first_step=frozenset({"WanPipeline"}), unserved=wan_unserved,
         # WanPipeline's prepare_latents(..., torch.float32): UniPC steps float32 latents whatever the model's dtype
         latents_dtype=torch.float32),
 }

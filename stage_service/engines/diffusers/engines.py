@@ -32,7 +32,15 @@ from stage_service.engines.diffusers.denoisers import DENOISERS
 from stage_service.engines.diffusers.layout import PipelineDir
 from stage_service.engines.diffusers.text import prompt_encoder
 from stage_service.runtime import device
-from stage_service.runtime.base import Chunking, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
+from stage_service.runtime.base import (
+    Chunking,
+    InputChunk,
+    OutputChunk,
+    StageInputs,
+    StageRequest,
+    SteppedEngine,
+    tensor,
+)
 from stage_service.runtime.engine_process import CoreStates, PendingReply, RemoteState
 from stage_service.runtime.errors import EngineConfigError, EngineDead, EngineError, InputError, RequestFailed
 from stage_service.runtime.invariance import make_batch_invariant
@@ -90,6 +98,8 @@ class DenoiseState(StepState):
     text: dict[str, torch.Tensor]  # forward argument -> [1 or 2 rows, ...]: [unconditional, conditional]
     guidance: float
     generator: torch.Generator
+    # image-to-video: the channels put beside the latents at every step [1, C', ...latents' shape[2:]] (float32)
+    condition: torch.Tensor | None = None
     timesteps: list[torch.Tensor] = field(default_factory=list)
     done_steps: int = 0
     finished: bool = False
@@ -99,16 +109,33 @@ class DenoiseState(StepState):
         return len(next(iter(self.text.values())))
 
     @property
-    def key(self):  # images share a model call when their latents and text shapes agree
-        return tuple(self.latents.shape[1:]), tuple((k, tuple(t.shape[1:])) for k, t in self.text.items())
+    def key(self):  # images share a model call when their latents, condition and text shapes agree
+        condition = None if self.condition is None else tuple(self.condition.shape[1:])
+        return (tuple(self.latents.shape[1:]), condition,
+                tuple((k, tuple(t.shape[1:])) for k, t in self.text.items()))
 
     def held_bytes(self) -> int:
-        return self.latents.nbytes + sum(t.nbytes for t in self.text.values())
+        condition = 0 if self.condition is None else self.condition.nbytes
+        return self.latents.nbytes + condition + sum(t.nbytes for t in self.text.values())
 
     def release(self) -> None:
         self.latents = torch.empty(0)  # a [:0] view would keep the storage alive
         self.text = {}
+        self.condition = None
         self.scheduler = None
+
+
+def _named(chunks: list[InputChunk], name: str) -> torch.Tensor:
+    """The tensor `name` of whichever input edge's chunk carries it."""
+    for chunk in chunks:
+        if name in chunk.tensors:
+            return chunk.tensors[name]
+    return tensor(chunks[0], name) if len(chunks) == 1 else _missing(chunks, name)
+
+
+def _missing(chunks: list[InputChunk], name: str) -> torch.Tensor:
+    have = ", ".join(f'"{c.stage}" ({", ".join(c.tensors) or "none"})' for c in chunks)
+    raise InputError(f'no input stage sent a tensor "{name}" (stages: {have})')
 
 
 def vae_scales(pipe: PipelineDir) -> tuple[int, int]:
@@ -134,7 +161,8 @@ def vae_scales(pipe: PipelineDir) -> tuple[int, int]:
 class DenoiseEngine(SteppedEngine):
     """The denoise-step loop (a UNet or a DiT, called as its `DENOISERS` entry says, with the pipeline's own
     scheduler): the text stage's `embeddings` (and pooled embeddings where the model takes them) -> `latents`;
-    a video model's are [1, C, (num_frames - 1) // temporal compression + 1, h, w].
+    a video model's are [1, C, (num_frames - 1) // temporal compression + 1, h, w]. An image-to-video model also
+    reads the reference image's stage (`image_embeddings`, and the `condition` channels put beside the latents).
 
     A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once. After every
     step the client hears how many of the request's steps are done (`OutputChunk.progress`).
@@ -152,7 +180,7 @@ class DenoiseEngine(SteppedEngine):
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: no denoise loop for a {self.arch or 'model'} "
                                     f"(known: {', '.join(DENOISERS)})")
         self.call = DENOISERS[self.arch]
-        why = self.call.unserved(pipe.index)
+        why = self.call.unserved(pipe.index, pipe.config(pipe.component))
         if why:
             raise EngineConfigError(f"{pipe.index_file}: {why}")
         self.model = pipe.load(pipe.component, device=self.device, dtype=self.dtype)
@@ -164,10 +192,19 @@ class DenoiseEngine(SteppedEngine):
         self.step_takes_generator = "generator" in inspect.signature(self.scheduler_cls.step).parameters
         self.timesteps_take_device = "device" in inspect.signature(self.scheduler_cls.set_timesteps).parameters
         self.vae_scale, self.vae_frames = vae_scales(pipe)
-        self.latent_channels = self.config["in_channels"]
+        # The channels it denoises; those it takes beyond them are a condition another stage sends (image-to-video).
+        self.latent_channels = self.config.get("out_channels") or self.config["in_channels"]
+        self.condition_channels = self.config["in_channels"] - self.latent_channels
+        self.takes_image = self.call.takes_image(self.config)
+        self.pins_first_step = pipe.pipeline_class in self.call.pins_first_step
+        if (self.takes_image or self.condition_channels) and len(self.stage.inputs) < 2:
+            raise EngineConfigError(f"{self.model_dir / 'config.json'}: this {self.arch} generates from a reference "
+                                    f"image (a {pipe.pipeline_class}): stage \"{self.stage.name}\" needs an input from "
+                                    "an image-encoder stage beside the text encoder's")
         self.latents_dtype = self.call.latents_dtype or self.dtype  # the model's input is cast to self.dtype
 
-    def new_state(self, req: StageRequest, text: dict[str, torch.Tensor]) -> DenoiseState:
+    def new_state(self, req: StageRequest, text: dict[str, torch.Tensor],
+                  condition: torch.Tensor | None = None) -> DenoiseState:
         """The image's scheduler, timesteps and latents on the engine's device. Its noise comes from a CPU
         generator whatever the device (as diffusers advises for reproducible images): a seed starts from the
         same latents on a GPU as on the CPU, and the scheduler's own draws take it as diffusers'
@@ -181,14 +218,17 @@ class DenoiseEngine(SteppedEngine):
         on = {"device": self.device} if self.timesteps_take_device else {}
         sched.set_timesteps(p.num_inference_steps, **on,
                             **self.call.schedule(p.num_inference_steps, image_tokens, self.scheduler_cfg))
-        if self.call.from_first_step:
+        if self.pins_first_step:
             sched.set_begin_index(0)
         g = torch.Generator().manual_seed(p.seed)
         latents = torch.randn(shape, generator=g, dtype=torch.float32).to(self.device, self.latents_dtype)
         if hasattr(sched, "init_noise_sigma"):  # flow-matching schedulers start from plain noise
             latents = latents * sched.init_noise_sigma
+        if condition is not None and tuple(condition.shape[2:]) != shape[2:]:
+            raise InputError(f"condition must be [1, {self.condition_channels}, {', '.join(map(str, shape[2:]))}] for "
+                             f"this request's size, got {list(condition.shape)}")
         return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
-                            timesteps=list(sched.timesteps))
+                            timesteps=list(sched.timesteps), condition=condition)
 
     def step(self, states: list[DenoiseState]) -> list[torch.Tensor]:
         """One denoise step of every image in the batch, each at its own timestep, in one model call."""
@@ -200,6 +240,8 @@ class DenoiseEngine(SteppedEngine):
                 x = torch.cat([st.latents] * st.rows)  # two rows under classifier-free guidance
                 if hasattr(st.scheduler, "scale_model_input"):
                     x = st.scheduler.scale_model_input(x, t)
+                if st.condition is not None:  # beside the latents, in their dtype, as the pipeline puts it
+                    x = torch.cat([x, st.condition.to(x.dtype).expand(len(x), *st.condition.shape[1:])], dim=1)
                 model_in.append(x.to(self.dtype))  # itself where the latents are kept in the stage dtype
                 ts.append(t.expand(len(x)))
                 for k, v in st.text.items():
@@ -232,15 +274,35 @@ class DenoiseEngine(SteppedEngine):
         st.finished = st.done_steps == len(st.timesteps)
         return st.latents
 
-    def text_inputs(self, chunk) -> dict[str, torch.Tensor]:
-        """The text stage's tensors as the model's forward arguments, each checked against its config width."""
+    def text_inputs(self, chunks: list[InputChunk]) -> dict[str, torch.Tensor]:
+        """The text stage's tensors (and an image-to-video model's image embeddings, repeated over the guidance
+        rows) as the model's forward arguments, each checked against its config width."""
+        text = self._checked(chunks, self.call.text)
+        if self.takes_image:
+            rows = len(next(iter(text.values())))
+            image = self._checked(chunks, self.call.image, rows=1)
+            text.update({k: v.expand(rows, *v.shape[1:]).contiguous() for k, v in image.items()})
+        return text
+
+    def condition(self, chunks: list[InputChunk]) -> torch.Tensor | None:
+        """An image-to-video request's condition channels (float32, as the pipeline keeps them)."""
+        if not self.condition_channels:
+            return None
+        t = self.on_device(_named(chunks, "condition")).float()
+        if t.dim() != (5 if self.call.video else 4) or t.shape[:2] != (1, self.condition_channels):
+            raise InputError(f"condition must be [1, {self.condition_channels}, ...the latents' shape], "
+                             f"got {list(t.shape)}")
+        return t
+
+    def _checked(self, chunks: list[InputChunk], wanted: tuple, rows: int = 0) -> dict[str, torch.Tensor]:
         text: dict[str, torch.Tensor] = {}
-        rows = 0  # of the first (per-token) tensor; the others must agree
-        for ti in self.call.text:
-            t = self.on_device(tensor(chunk, ti.tensor)).to(self.dtype)
+        # `rows`: of the first (per-token) tensor unless given; the others must agree
+        for ti in wanted:
+            t = self.on_device(_named(chunks, ti.tensor)).to(self.dtype)
             width = self.config[ti.width]
             if ti.per_token:
-                ok, want = t.dim() == 3 and t.shape[0] in (1, 2) and t.shape[2] == width, f"[1 or 2, tokens, {width}]"
+                ok = t.dim() == 3 and t.shape[0] in ((rows,) if rows else (1, 2)) and t.shape[2] == width
+                want = f"[{rows or '1 or 2'}, tokens, {width}]"
                 rows = rows or (t.shape[0] if ok else 0)
             else:
                 ok, want = t.dim() == 2 and t.shape[0] == rows and t.shape[1] == width, f"[{rows}, {width}]"
@@ -279,14 +341,17 @@ class DenoiseEngine(SteppedEngine):
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         self.check_size(req)
-        chunks = await inputs.collect()
-        if not chunks:
-            raise InputError("no embeddings arrived from the text encoder")
-        text = self.text_inputs(chunks[-1])
-        transfer_ms = sum(c.transfer_ms for c in chunks)
-        del chunks
+        last, transfer_ms = [], 0.0
+        for source in inputs.sources:  # the text encoder's; an image-to-video model's reference image stage's too
+            received = await inputs.collect(source)
+            if not received:
+                raise InputError(f'no embeddings arrived from stage "{source}"')
+            last.append(received[-1])
+            transfer_ms += sum(c.transfer_ms for c in received)
+        text, condition = self.text_inputs(last), self.condition(last)
+        del last, received
         chunks = Chunking(self.stage)
-        st = self.new_state(req, text)
+        st = self.new_state(req, text, condition)
         done_steps, compute_before, total = 0, 0.0, req.params.num_inference_steps
         async with self.scheduler.submit(req.request_id, st) as stream:
             async for latents in stream:

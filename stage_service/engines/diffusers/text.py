@@ -129,6 +129,9 @@ PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     "StableDiffusionPipeline": ClipPromptEncoder,
     "StableDiffusion3Pipeline": Sd3PromptEncoder,
     "WanPipeline": Umt5PromptEncoder,
+    # The same text encoder and prompt encoding (its own prompt cleaning needs ftfy installed; WanPipeline's
+    # uses it where it is installed, and folds whitespace alike where it is not).
+    "WanImageToVideoPipeline": Umt5PromptEncoder,
 }
 
 

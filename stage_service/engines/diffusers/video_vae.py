@@ -11,8 +11,9 @@ chunk, so the consumer has the first frames while the rest decode.
 
 The requests of a step at the same size and phase (first latent frame, second, later: what their caches'
 shapes depend on) share one model call, their caches joined along the batch: several requests decode faster
-together. Batch invariance (`engineArgs.batch_invariant`, on by default) runs every convolution over a batch
-of at least 2 (`invariance.pad_lone_convolutions`: a lone request gets a zero one beside it), where each
+together. Batch invariance (`engineArgs.batch_invariant`, on by default) runs every convolution and the decoder's
+attention over a batch of at least 2 (`invariance.pad_lone_convolutions`, `pad_lone_calls`: a lone request gets a
+zero one beside it), where each
 request's frames are the same bit for bit whatever its neighbours and their number, and a lone decode is
 faster too (torch's kernels for a batch of one are slower than oneDNN's). Its frames are then those of a
 WanPipeline whose VAE is padded alike (unpadded, its float frames round apart in the last bits: at most a
@@ -34,7 +35,7 @@ import torch
 from omnistage.contract.params import InvalidRequest
 from stage_service.runtime.base import Chunking, OutputChunk, StageInputs, StageRequest, SteppedEngine, tensor
 from stage_service.runtime.errors import EngineConfigError, InputError, RequestFailed
-from stage_service.runtime.invariance import pad_lone_convolutions
+from stage_service.runtime.invariance import pad_lone_calls, pad_lone_convolutions
 from stage_service.runtime.per_request import alone
 from stage_service.runtime.scheduler import StepState
 
@@ -45,6 +46,18 @@ def to_uint8_frames(decoded: torch.Tensor) -> torch.Tensor:
     `(pipeline_frames * 255).round().astype(uint8)` is these very frames."""
     x = (decoded / 2 + 0.5).clamp(0, 1).float()
     return (x * 255).round().to(torch.uint8)[0].permute(1, 2, 3, 0).contiguous().cpu()
+
+
+def batch_invariant_decode(vae: Any) -> Any:
+    """`vae` (an AutoencoderKLWan) with every convolution and its decoder's attention run over a batch of at least
+    2, in place: a request's frames are then the same bit for bit whatever its neighbours (module docstring)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock
+
+    pad_lone_convolutions(vae)
+    for m in vae.decoder.modules():  # torch's CPU attention rounds a lone call apart from a batched one
+        if isinstance(m, WanAttentionBlock):
+            pad_lone_calls(m)
+    return vae
 
 
 @dataclass(eq=False)
@@ -91,7 +104,7 @@ class VideoVaeDecodeEngine(SteppedEngine):
 
         self.vae = AutoencoderKLWan.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
         if self.batch_invariant:
-            pad_lone_convolutions(self.vae)
+            batch_invariant_decode(self.vae)
         cfg = self.vae.config
         if cfg.patch_size is not None:  # Wan 2.2's patchified VAE decodes another way
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: patch_size {cfg.patch_size}: this engine "

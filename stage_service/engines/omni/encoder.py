@@ -21,12 +21,12 @@ from omnistage.checkpoints.names import THINKER_TOWERS
 from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest, RequestParams, has_media
 from stage_service.engines.omni.media import EncodedPrompt, Family, MediaInputs, OmniProcessor, encode, encode_batch
-from stage_service.engines.omni.media_work import MediaStage
 from stage_service.engines.omni.thinker import prepare_turn
 from stage_service.runtime.base import OutputChunk, StageInputs, StageRequest, SteppedEngine
 from stage_service.runtime.chat import load_chat_template, prompt_ids
 from stage_service.runtime.components import Piece
 from stage_service.runtime.invariance import make_batch_invariant
+from stage_service.runtime.media_work import MediaStage
 from stage_service.runtime.scheduler import StepState
 
 VISUAL, AUDIO = THINKER_TOWERS

@@ -32,11 +32,11 @@ from stage_service.engines.omni.media import (
     encode,
     prompt_rows,
 )
-from stage_service.engines.omni.media_work import MediaStage
 from stage_service.engines.omni.spoken import SpokenRows, tool_tag_ids
 from stage_service.engines.transformers.causal_lm import CausalLmEngine, text_sampling
 from stage_service.runtime import device
 from stage_service.runtime.base import InputError, StageInputs, StageRequest
+from stage_service.runtime.media_work import MediaStage
 from stage_service.runtime.quantize import quantize_weights
 
 

@@ -139,3 +139,27 @@ async def test_a_pipeline_without_video_refuses_jobs_by_name_before_any_store():
     with pytest.raises(Refused) as e:  # a video pipeline, no store: 503 saying which flag
         await JobApi(wan(), None, None).create(build_request("a cat", outputs=["video"]), "")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and "--jobs-store" in e.value.message
+
+
+def wan_i2v():
+    return parse_pipeline(yaml.safe_load((EXAMPLES / "wan-i2v-tiny.yaml").read_text()))
+
+
+@pytest.mark.parametrize("reference", [b"\x89PNG...", "data:image/png;base64,iVBORw==",
+                                       {"image_url": "data:image/png;base64,iVBORw=="}])
+def test_an_input_reference_becomes_the_requests_one_image_part(reference):
+    request = translate(VideoRequest(prompt="x", input_reference=reference), wan_i2v())
+    assert [p.WhichOneof("part") for p in request.params.parts] == ["image"]
+    assert request.params.parts[0].image.data.startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(("reference", "field", "words"), [
+    ("https://example.com/a.png", "input_reference", "not fetched"),
+    ({"image_url": "data:audio/wav;base64,AA=="}, "input_reference.image_url", "not an image"),
+    ({"file_id": "file-1"}, "input_reference.file_id", "file ids are not served"),
+    ({"url": "x"}, "input_reference", "must be an image"),
+    ("data:image/png;base64,***", "input_reference", "not valid base64")])
+def test_an_input_reference_that_is_no_inline_image_is_refused_by_name(reference, field, words):
+    with pytest.raises(InvalidRequest) as e:
+        translate(VideoRequest(prompt="x", input_reference=reference), wan_i2v())
+    assert e.value.field == field and words in str(e.value)

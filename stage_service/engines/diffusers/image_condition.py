@@ -1,0 +1,132 @@
+"""The image-to-video conditioning stage (WanImageToVideoPipeline's `image_encoder` component): the request's
+reference image -> what the denoise loop conditions each video on.
+
+Two tensors, as the pipeline makes them before its loop:
+- `image_embeddings` [1, tokens, width]: the CLIP vision encoder's penultimate hidden states over the image as
+  the pipeline's own `image_processor` prepares it (`encode_image`); the Wan DiT attends to them beside the
+  prompt's;
+- `condition` [1, mask + latent channels, latent frames, h, w] (float32): a first-frame mask (1 over the latent
+  frame that holds the reference, 0 after it, one channel per frame the VAE folds into a latent frame) beside
+  the video VAE's encoding of the reference resized to the video's size followed by black frames, normalized
+  with the VAE config's `latents_mean` / `latents_std` (`prepare_latents`). The denoise loop puts these channels
+  beside its noise latents at every step.
+
+So the stage reads the image encoder and the VAE's encoder; the VAE stage decodes, the denoise stage never
+sees pixels. Requests queued together share one CLIP call; each video's VAE encoding runs alone (its frame
+count and size are its own, and the causal encoder keeps a cache per call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import numpy as np
+import torch
+
+from omnistage.api import Limits
+from omnistage.contract.params import InvalidRequest
+from omnistage.media import Image, decode_parts
+from stage_service.engines.diffusers.engines import vae_scales
+from stage_service.engines.diffusers.layout import PipelineDir
+from stage_service.runtime.base import OutputChunk, StageInputs, StageRequest, SteppedEngine
+from stage_service.runtime.invariance import make_batch_invariant
+from stage_service.runtime.media_work import MediaStage
+from stage_service.runtime.per_request import alone
+from stage_service.runtime.scheduler import StepState
+
+
+@dataclass(eq=False)
+class ReferenceState(StepState):
+    image: Any          # PIL image, RGB
+    height: int
+    width: int
+    num_frames: int
+    finished: bool = False
+
+    def held_bytes(self) -> int:
+        return self.image.width * self.image.height * 3 if self.image is not None else 0
+
+    def release(self) -> None:
+        self.image = None
+
+
+def first_frame_mask(num_frames: int, temporal: int, latent_h: int, latent_w: int) -> torch.Tensor:
+    """[1, temporal, latent frames, h, w]: 1 where a frame is the reference (the first), 0 after it, each latent
+    frame's `temporal` frames as channels (the first frame repeated to fill its latent frame), as
+    WanImageToVideoPipeline.prepare_latents lays it out."""
+    mask = torch.ones(1, 1, num_frames, latent_h, latent_w)
+    mask[:, :, 1:] = 0
+    first = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=temporal)
+    mask = torch.cat([first, mask[:, :, 1:]], dim=2)
+    return mask.view(1, -1, temporal, latent_h, latent_w).transpose(1, 2)
+
+
+def reference_image(parts: tuple, limits: Limits) -> Any:
+    """The request's one image part, decoded and bounded as the orchestrator checked it, as a PIL image."""
+    from PIL import Image as PILImage
+
+    parts = decode_parts(parts, limits, frozenset({"text", "image"}))
+    images = [p for p in parts if isinstance(p, Image)]
+    if len(images) != 1:
+        raise InvalidRequest("params.parts", f"image-to-video takes one reference image, got {len(images)}")
+    return PILImage.fromarray(np.ascontiguousarray(images[0].pixels))
+
+
+class ImageConditionEngine(MediaStage, SteppedEngine):
+    """reference image -> `image_embeddings` and `condition` (module docstring)."""
+
+    ARCHITECTURES = ("CLIPVisionModel",)  # the component's class
+
+    unit = "images"
+
+    def load(self) -> None:
+        from diffusers.video_processor import VideoProcessor
+
+        pipe = PipelineDir(self.model_dir, self.stage.trust_remote_code)
+        self.encoder = pipe.load("image_encoder", device=self.device, dtype=self.dtype)
+        if self.batch_invariant:
+            make_batch_invariant(self.encoder)
+        self.processor = pipe.load("image_processor")
+        self.vae = pipe.load("vae", device=self.device, dtype=self.dtype)
+        self.spatial, self.temporal = vae_scales(pipe)
+        self.video = VideoProcessor(vae_scale_factor=self.spatial)
+        cfg = self.vae.config
+        self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, cfg.z_dim, 1, 1, 1)
+        self.latents_inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, cfg.z_dim, 1, 1, 1)
+
+    def step(self, states: list[ReferenceState]) -> list[dict[str, torch.Tensor]]:
+        with torch.inference_mode():
+            pixels = self.processor(images=[st.image for st in states], return_tensors="pt")
+            hidden = self.encoder(**pixels.to(self.device), output_hidden_states=True).hidden_states[-2]
+            out = []
+            for i, st in enumerate(states):
+                out.append(alone(st, self._conditioned, st, hidden[i:i + 1]))
+                st.finished = True
+        return out
+
+    def _conditioned(self, st: ReferenceState, embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The video's own part: its reference at its size through the VAE's encoder, beside the mask."""
+        image = self.video.preprocess(st.image, height=st.height, width=st.width).to(self.device, torch.float32)
+        frames = image.unsqueeze(2)  # [1, 3, 1, H, W]: the reference, then black frames to the video's length
+        video = torch.cat([frames, frames.new_zeros(1, 3, st.num_frames - 1, st.height, st.width)], dim=2)
+        latents = self.vae.encode(video.to(self.dtype)).latent_dist.mode().to(torch.float32)
+        latents = (latents - self.latents_mean.to(latents.device)) * self.latents_inv_std.to(latents.device)
+        mask = first_frame_mask(st.num_frames, self.temporal, latents.shape[-2], latents.shape[-1])
+        return {"image_embeddings": embeddings.clone(),
+                "condition": torch.cat([mask.to(latents.device), latents], dim=1)}
+
+    async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        p = req.params
+        side = self.spatial
+        for name, value in (("width", p.width), ("height", p.height)):
+            if value % side:
+                raise InvalidRequest(f"params.image.{name}", f"must be a multiple of {side} for this VAE, got {value}")
+        if p.num_frames < 1 or (p.num_frames - 1) % self.temporal:
+            raise InvalidRequest("params.video.num_frames", f"must be {self.temporal}k + 1 for this VAE, "
+                                                            f"got {p.num_frames}")
+        image = await self.media.run(reference_image, p.parts, self.pipeline.limits)  # off the event loop
+        state = ReferenceState(image, p.height, p.width, p.num_frames)
+        async with self.scheduler.submit(req.request_id, state) as stream:
+            conditioned = await stream.next()
+        yield OutputChunk(tensors=conditioned, last=True, queue_ms=stream.queue_ms, compute_ms=stream.compute_ms)
