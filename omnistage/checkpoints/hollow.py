@@ -56,11 +56,19 @@ class PublishedModel:
     repo: str
     weights: tuple[Weights, ...]
     placeholders: tuple[str, ...] = ()   # files a stage's check asks for, written as stand-ins (README.md)
+    # Component folders whose published configs are another published model's, unchanged: (family, folders).
+    shared: tuple[str, tuple[str, ...]] = ("", ())
 
     @property
     def configs(self) -> Path:
         return PUBLISHED / self.family
 
+
+# The Wan 2.1 diffusers repositories share their UMT5-XXL text encoder, tokenizer and video VAE, as published.
+_WAN_VAE = Weights("vae", "diffusers", "AutoencoderKLWan", "diffusion_pytorch_model", dtype="float32")
+_WAN_TEXT_ENCODER = Weights("text_encoder", "transformers", "UMT5EncoderModel", shards=5, dtype="float32",
+                            omit=("encoder.embed_tokens.weight",))
+_WAN_TOKENIZER = tuple(f"tokenizer/{f}" for f in ("special_tokens_map.json", "spiece.model", *TOKENIZER_FILES))
 
 PUBLISHED_MODELS = {m.family: m for m in (
     PublishedModel("qwen3_omni", "Qwen/Qwen3-Omni-30B-A3B-Instruct",
@@ -79,10 +87,14 @@ PUBLISHED_MODELS = {m.family: m for m in (
     PublishedModel("wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", (
         Weights("transformer", "diffusers", "WanTransformer3DModel", "diffusion_pytorch_model", shards=2,
                 dtype="float32"),
-        Weights("vae", "diffusers", "AutoencoderKLWan", "diffusion_pytorch_model", dtype="float32"),
-        Weights("text_encoder", "transformers", "UMT5EncoderModel", shards=5, dtype="float32",
-                omit=("encoder.embed_tokens.weight",)),
-    ), tuple(f"tokenizer/{f}" for f in ("special_tokens_map.json", "spiece.model", *TOKENIZER_FILES))),
+        _WAN_VAE, _WAN_TEXT_ENCODER,
+    ), _WAN_TOKENIZER),
+    PublishedModel("wan_i2v", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", (
+        Weights("transformer", "diffusers", "WanTransformer3DModel", "diffusion_pytorch_model", shards=14,
+                dtype="float32"),
+        _WAN_VAE, _WAN_TEXT_ENCODER,
+        Weights("image_encoder", "transformers", "CLIPVisionModel"),
+    ), _WAN_TOKENIZER, shared=("wan", ("scheduler", "text_encoder", "vae"))),
 )}
 
 
@@ -103,6 +115,9 @@ def write_hollow(family: str, directory: str | os.PathLike) -> HollowCheckpoint:
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     _copy_tree(model.configs, root)
+    other, subs = model.shared
+    for sub in subs:
+        _copy_tree(PUBLISHED / other / sub, root / sub)
     for name in model.placeholders:
         _write_placeholder(root / name)
     files: list[str] = []
@@ -120,6 +135,7 @@ def _write_placeholder(file: Path) -> None:
     """A stand-in for a file the mapping check does not read (tokenizer, processor, speakers): present, so
     `models check` finds it, and marked as what it is."""
     file.parent.mkdir(parents=True, exist_ok=True)
+    body: dict
     if file.name == "tokenizer.json":  # a one-word tokenizer the tokenizers library can open
         body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
                 "pre_tokenizer": None, "post_processor": None, "decoder": None,
