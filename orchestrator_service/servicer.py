@@ -184,13 +184,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def generate(self, request: orchestrator_pb2.GenerateRequest, deadline: float | None = None,
                        request_id: str | None = None,
                        client: str | None = None,
-                       incoming: otel.Incoming | None = None) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+                       incoming: otel.Incoming | None = None,
+                       media_checked: bool = False) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         """The one request path both front doors (gRPC and HTTP) take: validate -> admit -> walk the
         stage graph -> events -> final. `deadline` is time.time() seconds, the caller's; the pipeline's
         requestTimeoutSeconds bounds it. `request_id` is the server's id for it (a new one when None; the
         HTTP layer makes its own to name the response); `request.request_id` is only the client's label.
         `client` names who sent it for the per-client cap (client_cap.py; None: not capped). `incoming`: its door
-        and trace context, for its span (otel.py).
+        and trace context, for its span (otel.py). `media_checked`: its media parts were decoded and checked when
+        it was accepted (a job, at submission), so a run is not failed by a decoder busy or slow now.
         Raises Refused; a caller that stops iterating (client gone) cancels the request in every stage."""
         deadline = effective_deadline(deadline, time.time(), self.pipeline.limits.request_timeout_seconds)
         m = self.metrics
@@ -207,7 +209,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 params = dataclasses.replace(params, speaker=self.voices.choose(request.params.audio.speaker))
             req_class = request_class(params, outputs.values())
             media_decode_ms = 0.0
-            if has_media(params.parts):
+            if has_media(params.parts) and not media_checked:
                 self.client_cap.check(client)  # a client over its cap gets no media decoded first
                 media_decode_ms = await self.media.check(params.parts)
                 m.media_decode_seconds.observe(media_decode_ms / 1e3)

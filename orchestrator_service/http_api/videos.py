@@ -29,7 +29,7 @@ from omnistage.contract.params import FRAME_STEP, InvalidRequest
 from omnistage.contract.request import build_request
 from omnistage.v1 import common_pb2, orchestrator_pb2
 
-from ..jobs.api import NO_STORE, JobApi, content_gone, owner_of
+from ..jobs.api import NO_STORE, JobApi, QuotaRefused, content_gone, owner_of
 from ..jobs.store import Job, JobStatus
 from ..servicer import Refused
 from . import multipart_form
@@ -176,7 +176,7 @@ def job_error(e: Refused, fields: dict[str, str] = FIELDS) -> ApiError:
         return ApiError(409, e.message, "invalid_request_error", None, "video_not_ready")
     if e.code == grpc.StatusCode.UNAVAILABLE and e.message == NO_STORE:
         return ApiError(503, e.message, "service_unavailable_error", None, "jobs_not_configured")
-    if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if isinstance(e, QuotaRefused):
         return ApiError(429, e.message, "rate_limit_error", None, "too_many_queued_videos",
                         {"Retry-After": retry_after_header(e.retry_after_s or 1)})
     return from_refused(e, fields)

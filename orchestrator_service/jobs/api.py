@@ -57,6 +57,10 @@ def owner_of(keys: ApiKeys, authorization: str | None) -> str:
     return "" if key is None else "key-" + hashlib.sha256(key.secret).hexdigest()[:24]
 
 
+class QuotaRefused(Refused):
+    """The owner's queue of jobs is full (its quota): told apart from the server's own overload."""
+
+
 def not_found(job_id: str) -> Refused:
     return Refused(grpc.StatusCode.NOT_FOUND, f"no video {job_id!r} (none by that id for this API key)",
                    param="video_id")
@@ -143,7 +147,7 @@ class JobApi:
         try:
             job = await store.create(job, self.settings.max_queued_per_key)
         except QuotaExceeded:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise QuotaRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"this API key has {self.settings.max_queued_per_key} videos queued already (the most it "
                           "may); retry once some have started", retry_after_s=STORE_RETRY_AFTER_S) from None
         except StoreUnavailable as e:

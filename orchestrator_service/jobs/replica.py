@@ -5,10 +5,12 @@ Without a store the operations exist and refuse to create jobs (NO_STORE)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from . import open_store
@@ -23,27 +25,43 @@ CONTENT_BESIDE_SQLITE = "content"  # the content folder a sqlite store has by de
 LEASE_RENEWALS = 2  # a lease lasts at least this many renewals: one renewal missed (a slow store) never loses it
 
 
-SCRATCH_PREFIX = "omnistage-jobs-"  # then the replica's pid: a folder whose process is gone is swept at the next start
+SCRATCH_PREFIX = "omnistage-jobs-"
+SCRATCH_LOCK = ".owner.lock"  # held (flock) by the replica whose folder it is, for as long as it lives
+SCRATCH_UNLOCKED_GRACE_S = 60.0  # a folder with no lock file yet is a replica's being made: left alone this long
 
 
-def new_scratch(base: Path | None = None) -> Path:
-    """A new scratch folder for this process's MP4s in `base` (the system's temporary folder), after sweeping
-    those of replicas that are gone: one killed with -9 never removed its own (its partial MP4s)."""
+def new_scratch(base: Path | None = None) -> tuple[Path, int]:
+    """A new scratch folder for this replica's MP4s in `base` (the system's temporary folder) and the descriptor of
+    the lock it holds on it (closing it frees the folder to be swept), after sweeping the folders whose replica is
+    gone: one killed with -9 never removed its own (its partial MP4s). A folder is its replica's while that process
+    holds its lock (whatever its pid, in whatever pid namespace shares this folder)."""
     base = Path(base or tempfile.gettempdir())
     for old in base.glob(f"{SCRATCH_PREFIX}*"):
-        pid = old.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if old.is_dir() and _abandoned(old):
             shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=base))
+    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=base))
+    fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return folder, fd
 
 
-def _alive(pid: int) -> bool:
+def _abandoned(folder: Path) -> bool:
+    """No process holds the folder's lock (one made just now without its lock yet is not abandoned)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            return time.time() - folder.stat().st_mtime > SCRATCH_UNLOCKED_GRACE_S
+        except FileNotFoundError:
+            return False
+    except OSError:
         return False
-    except PermissionError:  # another user's: alive
-        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its replica lives
+        return False
+    finally:
+        os.close(fd)  # frees the lock taken, if it was
     return True
 
 
@@ -94,6 +112,7 @@ class ReplicaJobs:
         self.runner: JobRunner | None = None
         self._servicer, self._metrics = servicer, metrics
         self._scratch: Path | None = None
+        self._scratch_lock = -1
 
     async def start(self) -> None:
         """Open the store (unreachable now: logged, its operations answer 503 until it is back) and start running
@@ -105,10 +124,11 @@ class ReplicaJobs:
         except StoreUnavailable as e:
             log.warning("jobs: the store is unreachable at start (%s); jobs wait until it is back", e)
         # MP4s grow here, on this host's disk, and are copied into the content folder once whole.
-        self._scratch = await asyncio.to_thread(new_scratch)
+        self._scratch, self._scratch_lock = await asyncio.to_thread(new_scratch)
         # A full pipeline or a stage without a ready replica is waited out as long as a request may take.
-        self.runner = JobRunner(self.api, lambda request: self._servicer.generate(request), self._metrics,
-                                self._scratch, patience_s=self.api.pipeline.limits.request_timeout_seconds or None)
+        self.runner = JobRunner(self.api, lambda request: self._servicer.generate(request, media_checked=True),
+                                self._metrics, self._scratch,
+                                patience_s=self.api.pipeline.limits.request_timeout_seconds or None)
         self.runner.start()
         self._metrics.jobs_slots.set(self.api.settings.concurrency)   # the planner counts jobs free slots take
 
@@ -129,3 +149,5 @@ class ReplicaJobs:
             await self.store.close()
         if self._scratch is not None:
             await asyncio.to_thread(shutil.rmtree, self._scratch, True)
+            os.close(self._scratch_lock)
+            self._scratch = None

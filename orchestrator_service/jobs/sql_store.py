@@ -42,6 +42,10 @@ COLUMNS = ("id", "owner", "kind", "status", "request", "created_at", "progress",
            "expires_at", "error_code", "error_message", "attempts", "restarted_reason", "lease_owner",
            "lease_until", "meta", "content", "pipeline")
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM {TABLE}"
+# A job's state without its request (empty): what reads, lists, watches and sweeps take. The request (an
+# image-to-video job's reference image: megabytes) is read once, by the replica that claims the job.
+_SELECT_STATE = "SELECT " + ", ".join("substr(request, 1, 0)" if c == "request" else c for c in COLUMNS) + \
+    f" FROM {TABLE}"
 _FINISHED_VALUES = tuple(s.value for s in FINISHED)
 
 
@@ -255,7 +259,7 @@ class SqlJobStore:
 
     async def get(self, job_id: str, owner: str) -> Job | None:
         def run(cur: Cursor) -> Job | None:
-            row = cur.execute(f"{_SELECT} WHERE pipeline = ? AND id = ? AND owner = ?",
+            row = cur.execute(f"{_SELECT_STATE} WHERE pipeline = ? AND id = ? AND owner = ?",
                               (self.pipeline, job_id, owner)).fetchone()
             return None if row is None else from_row(row)
         return await self._run(run, write=False)
@@ -276,14 +280,14 @@ class SqlJobStore:
                     raise ValueError(f"after: there is no job {after!r}")
                 where += f" AND (created_at {cmp} ? OR (created_at = ? AND id {cmp} ?))"
                 params += [mark[0], mark[0], mark[1]]
-            rows = cur.execute(f"{_SELECT} WHERE {where} ORDER BY created_at {direction}, id {direction} LIMIT ?",
+            rows = cur.execute(f"{_SELECT_STATE} WHERE {where} ORDER BY created_at {direction}, id {direction} LIMIT ?",
                                (*params, limit + 1)).fetchall()
             return [from_row(r) for r in rows[:limit]], len(rows) > limit
         return await self._run(run, write=False)
 
     async def delete(self, job_id: str, owner: str) -> Job | None:
         def run(cur: Cursor) -> Job | None:
-            row = cur.execute(f"{_SELECT} WHERE pipeline = ? AND id = ? AND owner = ?",
+            row = cur.execute(f"{_SELECT_STATE} WHERE pipeline = ? AND id = ? AND owner = ?",
                               (self.pipeline, job_id, owner)).fetchone()
             if row is None:
                 return None
@@ -371,7 +375,7 @@ class SqlJobStore:
 
     async def expired(self, now: float, limit: int) -> builtins.list[Job]:
         def run(cur: Cursor) -> list[Job]:
-            rows = cur.execute(f"{_SELECT} WHERE pipeline = ? AND status IN (?, ?) AND expires_at <= ?"
+            rows = cur.execute(f"{_SELECT_STATE} WHERE pipeline = ? AND status IN (?, ?) AND expires_at <= ?"
                                " ORDER BY expires_at, id LIMIT ?",
                                (self.pipeline, *_FINISHED_VALUES, now, limit)).fetchall()
             return [from_row(r) for r in rows]

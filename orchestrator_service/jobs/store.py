@@ -53,7 +53,9 @@ class Job:
     owner: str  # the API key's name ("" with no keys): every read is scoped to it
     kind: str  # "video"
     status: JobStatus
-    request: bytes  # the job's GenerateRequest, serialized (params resolved at creation)
+    # the job's GenerateRequest, serialized (params resolved at creation); only a claim reads it back: the jobs
+    # reads, lists, deletes and sweeps return have it empty (an image-to-video job's carries its reference image)
+    request: bytes
     created_at: float  # unix seconds
     progress: int = 0  # 0..100
     started_at: float | None = None

@@ -116,19 +116,24 @@ async def assert_engine_death_ends_the_stage(srv, kill, failed: str) -> None:
     assert srv.exit_code == EXIT_ENGINE_DEAD
 
 
-async def assert_denoise_steps_shared(model_dir, model: str, long: dict, short: dict, what: str) -> None:
+async def assert_denoise_steps_shared(model_dir, model: str, long: dict, short: dict, what: str,
+                                      encoders: tuple[str, ...] = ("text-encoder",)) -> None:
     """A long and a short diffusion request (`header()` keyword arguments; the short one unguided: one text row
-    beside the long one's two) on one denoise stage: the short one joins the long one's steps (batched steps
-    counted), and each ends with the latents it gets alone, bit for bit; nothing is held after."""
+    beside the long one's two) on one denoise stage fed by the `encoders` stages: the short one joins the long
+    one's steps (batched steps counted), and each ends with the latents it gets alone, bit for bit; nothing is
+    held after."""
     from .test_stage_batching import batched_steps
     from .test_stage_cancel import chunk_every_step
 
     pipeline = example(model, chunk_every_step("denoise"))  # latents after every step show how far it is
-    enc = await start_stage(pipeline, "text-encoder", model_dir)
+    encs = [await start_stage(pipeline, name, model_dir) for name in encoders]
     den = await start_stage(pipeline, "denoise", model_dir)
     try:
         long_h, short_h = header("long", **long), header("short", **short)
-        long_emb, short_emb = await call_stage(enc.port, long_h), await call_stage(enc.port, short_h)
+
+        async def encoded(h):
+            return [c for enc in encs for c in await call_stage(enc.port, h)]
+        long_emb, short_emb = await encoded(long_h), await encoded(short_h)
 
         def final(chunks):
             return tensor_of(chunks[-1], "latents")
@@ -146,5 +151,6 @@ async def assert_denoise_steps_shared(model_dir, model: str, long: dict, short: 
         assert torch.equal(short_joined, short_alone) and torch.equal(long_joined, long_alone)
         await assert_nothing_held(den)
     finally:
-        await enc.drain()
+        for enc in encs:
+            await enc.drain()
         await den.drain()

@@ -176,3 +176,29 @@ def test_a_video_vae_stage_declaring_images_does_not_start(model_dir):
     pipeline = example(MODEL, images)
     with pytest.raises(EngineConfigError, match="its emits must list video"):
         create_engine(pipeline, pipeline.stage("vae-decode"), model_dir)
+
+
+@pytest.mark.parametrize("neighbours", [1, 3])
+def test_a_lone_decode_is_the_same_float_for_float_as_in_a_batch(model_dir, neighbours):
+    """Below the 8-bit frames: every latent frame's decoder output of a request, alone, equals its rows decoded
+    beside others, to the last bit (the attention's lone call rounded apart before it was padded too)."""
+    from diffusers import AutoencoderKLWan
+
+    from stage_service.engines.diffusers.video_vae import batch_invariant_decode
+
+    vae = batch_invariant_decode(AutoencoderKLWan.from_pretrained(model_dir / MODEL / "vae").eval())
+    entries = vae._cached_conv_counts["decoder"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, Z_DIM, 2, 4, 6, generator=g) * 2
+    batch = torch.cat([x, *(torch.randn(1, Z_DIM, 2, 4, 6, generator=g) * 2 for _ in range(neighbours))])
+
+    def decoded(z):
+        cache, out = [None] * entries, []
+        with torch.inference_mode():
+            for i in range(z.shape[2]):
+                out.append(vae.decoder(vae.post_quant_conv(z[:, :, i:i + 1]), feat_cache=cache, feat_idx=[0],
+                                       first_chunk=i == 0)[:1])
+        return out
+
+    for alone, batched in zip(decoded(x), decoded(batch)):
+        assert torch.equal(alone, batched)

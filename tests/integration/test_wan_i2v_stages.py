@@ -19,6 +19,8 @@ from omnistage.v1 import common_pb2, stage_pb2
 from stage_service.runtime.errors import EngineConfigError
 
 from ..harness import call_stage, example, header, stage_servers_fixture, start_stage, tensor_of
+from .test_stage_batching import joins_a_burst
+from .test_stage_support import assert_denoise_steps_shared
 from .test_wan_stages import frames_of
 
 MODEL = "wan-i2v-tiny"
@@ -120,24 +122,32 @@ async def test_the_reference_image_steers_the_video(servers):
     assert not np.array_equal(frames_of(one), frames_of(other))
 
 
-async def test_two_videos_conditioned_together_get_what_each_gets_alone(servers):
-    """The image stage's batch (one CLIP call) and the denoise loop's shared steps change no video."""
-    import asyncio
+async def test_two_videos_at_different_steps_share_model_calls_and_each_gets_its_latents_alone(model_dir):
+    await assert_denoise_steps_shared(
+        model_dir, MODEL, dict(prompt="an astronaut riding a horse", width=32, height=32, num_frames=5,
+                               num_inference_steps=60, seed=1, parts=[image_part(reference_png(seed=4))]),
+        dict(prompt="a cat", width=32, height=32, num_frames=5, num_inference_steps=4, seed=2, guidance_scale=1.0,
+             parts=[image_part(reference_png(seed=5))]),
+        "video", encoders=("text-encoder", "image-encoder"))
 
-    params = dict(prompt="a red car", width=48, height=32, num_frames=5, num_inference_steps=3, seed=11,
-                  guidance_scale=5.0)
-    alone = [await staged(servers, params, reference_png(seed=s), f"alone-{s}") for s in (4, 5)]
-    together = await asyncio.gather(*(staged(servers, params, reference_png(seed=s), f"both-{s}") for s in (4, 5)))
-    for one, both in zip(alone, together):
-        for name, got, want in (("image_embeddings", both[1][0], one[1][0]), ("condition", both[1][0], one[1][0]),
-                                ("latents", both[2][-1], one[2][-1])):
-            assert torch.equal(tensor_of(got, name), tensor_of(want, name)), name
-        assert np.array_equal(frames_of(both[3]), frames_of(one[3]))
+
+async def test_a_reference_conditions_the_same_alone_and_in_a_batch_of_references(servers):
+    """The image stage's batch (one CLIP call over the queued references) changes no request's tensors."""
+    def tensors_of(chunks):
+        return {name: tensor_of(chunks[-1], name) for name in ("image_embeddings", "condition")}
+
+    params = dict(width=48, height=32, num_frames=5)
+    probe = (header("probe", parts=[image_part(reference_png(seed=4))], **params), ())
+    burst = [(header(f"b{i}", parts=[image_part(reference_png(seed=10 + i, height=24 + 8 * i))], **params), ())
+             for i in range(6)]
+    alone, joined = await joins_a_burst(servers["image-encoder"], probe, burst, tensors_of)
+    for name in alone:
+        assert torch.equal(joined[name], alone[name]), name
 
 
 @pytest.mark.parametrize("parts, message", [
     ([], "image-to-video takes one reference image, got 0"),
-    ([image_part(reference_png()), image_part(reference_png(seed=1))], "one reference image, got 2"),
+    ([image_part(reference_png()), image_part(reference_png(seed=1))], "has 2 media parts; the limit is 1"),
     ([image_part(b"not an image at all")], "params.parts[0].image"),
 ], ids=["none", "two", "undecodable"])
 async def test_the_image_stage_refuses_anything_but_one_image(servers, parts, message):
@@ -148,6 +158,18 @@ async def test_the_image_stage_refuses_anything_but_one_image(servers, parts, me
         await call_stage(servers["image-encoder"].port, first)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in e.value.details()
+
+
+@pytest.mark.parametrize("size, message", [
+    (dict(width=40, height=32, num_frames=5), "params.image.width: must be a multiple of 16"),
+    (dict(width=48, height=32, num_frames=6), "params.video.num_frames: must be 4k + 1"),
+], ids=["side", "frames"])
+async def test_the_image_stage_refuses_a_size_the_denoise_stage_would_before_encoding(servers, size, message):
+    import grpc
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call_stage(servers["image-encoder"].port, header(parts=[image_part(reference_png())], **size))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
 
 
 async def test_a_denoise_stage_missing_the_condition_is_told_which_tensor(servers):
@@ -186,3 +208,15 @@ def _without_image_stage() -> Pipeline:
             s["inputs"] = [i for i in s.get("inputs", []) if i["stage"] != "image-encoder"]
         doc["spec"]["deployment"]["stages"].pop("image-encoder")
     return example(MODEL, edit)
+
+
+async def test_a_text_to_video_model_fed_an_image_stage_is_refused_at_start(model_dir):
+    """What the image stage would send, the text-to-video DiT would drop: refused, naming the input."""
+    def edit(doc):
+        stages = doc["spec"]["topology"]["stages"]
+        stages.insert(1, {"name": "image-encoder", "kind": "encoder", "engine": "diffusers", "model": "wan-t2v-tiny",
+                          "component": "image_encoder", "emits": ["embeddings"]})
+        next(s for s in stages if s["name"] == "denoise")["inputs"].append({"stage": "image-encoder"})
+        doc["spec"]["deployment"]["stages"]["image-encoder"] = {"replicas": 1}
+    with pytest.raises(EngineConfigError, match="takes no reference image.*image-encoder"):
+        await start_stage(example("wan-t2v-tiny", edit), "denoise", model_dir)

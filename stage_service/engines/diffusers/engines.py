@@ -28,6 +28,8 @@ import torch
 
 from omnistage.contract.devices import DevicePlan
 from omnistage.contract.params import InvalidRequest
+from omnistage.families import adapter_for
+from omnistage.families.adapters import IMAGE_ENCODER
 from stage_service.engines.diffusers.denoisers import DENOISERS
 from stage_service.engines.diffusers.layout import PipelineDir
 from stage_service.engines.diffusers.text import prompt_encoder
@@ -125,6 +127,11 @@ class DenoiseState(StepState):
         self.scheduler = None
 
 
+def _is_image_encoder(stage) -> bool:
+    adapter = adapter_for(stage.engine, stage.kind, stage.component)
+    return adapter is not None and adapter.name == IMAGE_ENCODER.name
+
+
 def _named(chunks: list[InputChunk], name: str) -> torch.Tensor:
     """The tensor `name` of whichever input edge's chunk carries it."""
     for chunk in chunks:
@@ -156,6 +163,51 @@ def vae_scales(pipe: PipelineDir) -> tuple[int, int]:
                                     "scale_factor_spatial (the VAE's downsampling, which sets the latent size)")
         spatial = 2 ** (len(cfg["block_out_channels"]) - 1)
     return spatial, temporal or 1
+
+
+@dataclass(frozen=True)
+class DenoiserShape:
+    """What bounds a request's size for a denoiser: its class's entry and config, the VAE's compression."""
+    arch: str
+    call: Any  # its DenoiserCall
+    config: dict
+    vae_scale: int
+    vae_frames: int
+
+    @classmethod
+    def of(cls, pipe: PipelineDir) -> DenoiserShape:
+        """The pipeline's denoiser (`transformer` or `unet`), read from the directory without loading it."""
+        component = "transformer" if pipe.has("transformer") else "unet"
+        config = pipe.config(component)
+        arch = config.get("_class_name", "")
+        if arch not in DENOISERS:
+            raise EngineConfigError(f"{pipe.root / component / 'config.json'}: no denoise loop for a {arch or 'model'}")
+        return cls(arch, DENOISERS[arch], config, *vae_scales(pipe))
+
+
+def check_size(params, shape: DenoiserShape) -> None:
+    """Image sides the denoiser can take: whole patches of latents, within its position embedding; a video
+    model's frame count too: one the VAE decodes (1 + k x its temporal compression; WanPipeline would round
+    another down, so it is refused rather than silently changed), within its position embedding. The denoise
+    stage checks it, and so does a stage that works for it at the request's size before it (image-to-video's
+    reference image stage)."""
+    call, config, scale, arch = shape.call, shape.config, shape.vae_scale, shape.arch
+    side = scale * call.patch(config)
+    most = call.max_latent_side(config)
+    for name, value in (("width", params.width), ("height", params.height)):
+        if value % side:
+            raise InvalidRequest(f"params.image.{name}", f"must be a multiple of {side} for this {arch}, got {value}")
+        if most is not None and value // scale > most:
+            raise InvalidRequest(f"params.image.{name}", f"must be at most {most * scale} for this {arch}, got {value}")
+    if not call.video:
+        return
+    frames, step = params.num_frames, shape.vae_frames
+    if frames < 1 or (frames - 1) % step:
+        raise InvalidRequest("params.video.num_frames", f"must be {step}k + 1 for this {arch}'s VAE, got {frames}")
+    most = call.max_latent_frames(config)
+    if most is not None and (frames - 1) // step + 1 > most:
+        raise InvalidRequest("params.video.num_frames", f"must be at most {(most - 1) * step + 1} for this "
+                                                        f"{arch}, got {frames}")
 
 
 class DenoiseEngine(SteppedEngine):
@@ -197,10 +249,15 @@ class DenoiseEngine(SteppedEngine):
         self.condition_channels = self.config["in_channels"] - self.latent_channels
         self.takes_image = self.call.takes_image(self.config)
         self.pins_first_step = pipe.pipeline_class in self.call.pins_first_step
-        if (self.takes_image or self.condition_channels) and len(self.stage.inputs) < 2:
+        image_inputs = [e.source for e in self.stage.inputs if _is_image_encoder(self.pipeline.stage(e.source))]
+        if (self.takes_image or self.condition_channels) and not image_inputs:
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: this {self.arch} generates from a reference "
                                     f"image (a {pipe.pipeline_class}): stage \"{self.stage.name}\" needs an input from "
                                     "an image-encoder stage beside the text encoder's")
+        if image_inputs and not (self.takes_image or self.condition_channels):
+            raise EngineConfigError(f"{self.model_dir / 'config.json'}: this {self.arch} takes no reference image (a "
+                                    f"{pipe.pipeline_class}): stage \"{self.stage.name}\" would drop what its input "
+                                    f"{image_inputs[0]} sends; remove that input")
         self.latents_dtype = self.call.latents_dtype or self.dtype  # the model's input is cast to self.dtype
 
     def new_state(self, req: StageRequest, text: dict[str, torch.Tensor],
@@ -316,28 +373,7 @@ class DenoiseEngine(SteppedEngine):
         return (num_frames - 1) // self.vae_frames + 1
 
     def check_size(self, req: StageRequest) -> None:
-        """Image sides this model can take: whole patches of latents, within its position embedding; a video
-        model's frame count too: one the VAE decodes (1 + k x its temporal compression; WanPipeline would round
-        another down, so it is refused rather than silently changed), within its position embedding."""
-        side = self.vae_scale * self.call.patch(self.config)
-        most = self.call.max_latent_side(self.config)
-        for name, value in (("width", req.params.width), ("height", req.params.height)):
-            if value % side:
-                raise InvalidRequest(f"params.image.{name}", f"must be a multiple of {side} for this {self.arch}, "
-                                                              f"got {value}")
-            if most is not None and value // self.vae_scale > most:
-                raise InvalidRequest(f"params.image.{name}", f"must be at most {most * self.vae_scale} for this "
-                                                              f"{self.arch}, got {value}")
-        if not self.call.video:
-            return
-        frames, step = req.params.num_frames, self.vae_frames
-        if frames < 1 or (frames - 1) % step:
-            raise InvalidRequest("params.video.num_frames", f"must be {step}k + 1 for this {self.arch}'s VAE, "
-                                                            f"got {frames}")
-        most = self.call.max_latent_frames(self.config)
-        if most is not None and self.latent_frames(frames) > most:
-            raise InvalidRequest("params.video.num_frames", f"must be at most {(most - 1) * step + 1} for this "
-                                                            f"{self.arch}, got {frames}")
+        check_size(req.params, DenoiserShape(self.arch, self.call, self.config, self.vae_scale, self.vae_frames))
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         self.check_size(req)

@@ -12,8 +12,11 @@ Two tensors, as the pipeline makes them before its loop:
   beside its noise latents at every step.
 
 So the stage reads the image encoder and the VAE's encoder; the VAE stage decodes, the denoise stage never
-sees pixels. Requests queued together share one CLIP call; each video's VAE encoding runs alone (its frame
-count and size are its own, and the causal encoder keeps a cache per call).
+sees pixels. Decoding the image, the CLIP processor and the resize to the video's size run on the stage's media
+threads (`runtime/media_work.py`), beside the step loop. Requests queued together share one CLIP call; each
+video's VAE encoding runs alone (its frame count and size are its own, and the causal encoder keeps a cache per
+call). A size or frame count the denoise stage would refuse is refused here first, by the same check
+(`engines.check_size`), before any encoding.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from omnistage.api import Limits
 from omnistage.contract.params import InvalidRequest
 from omnistage.media import Image, decode_parts
-from stage_service.engines.diffusers.engines import vae_scales
+from stage_service.engines.diffusers.engines import DenoiserShape, check_size, vae_scales
 from stage_service.engines.diffusers.layout import PipelineDir
 from stage_service.runtime.base import OutputChunk, StageInputs, StageRequest, SteppedEngine
 from stage_service.runtime.invariance import make_batch_invariant
@@ -38,17 +41,16 @@ from stage_service.runtime.scheduler import StepState
 
 @dataclass(eq=False)
 class ReferenceState(StepState):
-    image: Any          # PIL image, RGB
-    height: int
-    width: int
+    pixels: torch.Tensor  # [1, 3, side, side]: the image as the CLIP processor prepares it
+    frame: torch.Tensor   # [1, 3, H, W] in [-1, 1], float32: the image at the video's size
     num_frames: int
     finished: bool = False
 
     def held_bytes(self) -> int:
-        return self.image.width * self.image.height * 3 if self.image is not None else 0
+        return self.pixels.nbytes + self.frame.nbytes
 
     def release(self) -> None:
-        self.image = None
+        self.pixels = self.frame = torch.empty(0)
 
 
 def first_frame_mask(num_frames: int, temporal: int, latent_h: int, latent_w: int) -> torch.Tensor:
@@ -66,8 +68,8 @@ def reference_image(parts: tuple, limits: Limits) -> Any:
     """The request's one image part, decoded and bounded as the orchestrator checked it, as a PIL image."""
     from PIL import Image as PILImage
 
-    parts = decode_parts(parts, limits, frozenset({"text", "image"}))
-    images = [p for p in parts if isinstance(p, Image)]
+    decoded = decode_parts(parts, limits, frozenset({"text", "image"}))
+    images = [p for p in decoded if isinstance(p, Image)]
     if len(images) != 1:
         raise InvalidRequest("params.parts", f"image-to-video takes one reference image, got {len(images)}")
     return PILImage.fromarray(np.ascontiguousarray(images[0].pixels))
@@ -90,15 +92,23 @@ class ImageConditionEngine(MediaStage, SteppedEngine):
         self.processor = pipe.load("image_processor")
         self.vae = pipe.load("vae", device=self.device, dtype=self.dtype)
         self.spatial, self.temporal = vae_scales(pipe)
+        self.denoiser = DenoiserShape.of(pipe)  # the sizes the denoise stage takes, refused here first
         self.video = VideoProcessor(vae_scale_factor=self.spatial)
         cfg = self.vae.config
         self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, cfg.z_dim, 1, 1, 1)
         self.latents_inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, cfg.z_dim, 1, 1, 1)
 
+    def prepare(self, p) -> ReferenceState:
+        """On a media thread: the image decoded, as CLIP's processor prepares it, and at the video's size."""
+        image = reference_image(p.parts, self.pipeline.limits)
+        pixels = self.processor(images=image, return_tensors="pt")["pixel_values"]
+        frame = self.video.preprocess(image, height=p.height, width=p.width).to(torch.float32)
+        return ReferenceState(pixels, frame, p.num_frames)
+
     def step(self, states: list[ReferenceState]) -> list[dict[str, torch.Tensor]]:
         with torch.inference_mode():
-            pixels = self.processor(images=[st.image for st in states], return_tensors="pt")
-            hidden = self.encoder(**pixels.to(self.device), output_hidden_states=True).hidden_states[-2]
+            pixels = torch.cat([st.pixels for st in states]).to(self.device)
+            hidden = self.encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
             out = []
             for i, st in enumerate(states):
                 out.append(alone(st, self._conditioned, st, hidden[i:i + 1]))
@@ -107,9 +117,8 @@ class ImageConditionEngine(MediaStage, SteppedEngine):
 
     def _conditioned(self, st: ReferenceState, embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
         """The video's own part: its reference at its size through the VAE's encoder, beside the mask."""
-        image = self.video.preprocess(st.image, height=st.height, width=st.width).to(self.device, torch.float32)
-        frames = image.unsqueeze(2)  # [1, 3, 1, H, W]: the reference, then black frames to the video's length
-        video = torch.cat([frames, frames.new_zeros(1, 3, st.num_frames - 1, st.height, st.width)], dim=2)
+        frames = st.frame.to(self.device).unsqueeze(2)  # [1, 3, 1, H, W]: the reference, then black frames
+        video = torch.cat([frames, frames.new_zeros(1, 3, st.num_frames - 1, *frames.shape[-2:])], dim=2)
         latents = self.vae.encode(video.to(self.dtype)).latent_dist.mode().to(torch.float32)
         latents = (latents - self.latents_mean.to(latents.device)) * self.latents_inv_std.to(latents.device)
         mask = first_frame_mask(st.num_frames, self.temporal, latents.shape[-2], latents.shape[-1])
@@ -117,16 +126,8 @@ class ImageConditionEngine(MediaStage, SteppedEngine):
                 "condition": torch.cat([mask.to(latents.device), latents], dim=1)}
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
-        p = req.params
-        side = self.spatial
-        for name, value in (("width", p.width), ("height", p.height)):
-            if value % side:
-                raise InvalidRequest(f"params.image.{name}", f"must be a multiple of {side} for this VAE, got {value}")
-        if p.num_frames < 1 or (p.num_frames - 1) % self.temporal:
-            raise InvalidRequest("params.video.num_frames", f"must be {self.temporal}k + 1 for this VAE, "
-                                                            f"got {p.num_frames}")
-        image = await self.media.run(reference_image, p.parts, self.pipeline.limits)  # off the event loop
-        state = ReferenceState(image, p.height, p.width, p.num_frames)
+        check_size(req.params, self.denoiser)
+        state = await self.media.run(self.prepare, req.params)
         async with self.scheduler.submit(req.request_id, state) as stream:
             conditioned = await stream.next()
         yield OutputChunk(tensors=conditioned, last=True, queue_ms=stream.queue_ms, compute_ms=stream.compute_ms)

@@ -21,7 +21,8 @@ def engines():
 FAMILY = register(Family("wan_i2v", ("WanImageToVideoPipeline",),
                          (TEXT_ENCODER, IMAGE_ENCODER, DIT_DENOISER, VAE_DECODER), engines,
                          pipeline={"text_encoder": PipelinePart(("text_encoder",), ("tokenizer",)),
-                                   "image_encoder": PipelinePart(("image_encoder", "vae"), ("image_processor",)),
+                                   "image_encoder": PipelinePart(("image_encoder", "vae"),
+                                                                 ("image_processor", "transformer")),
                                    "transformer": PipelinePart(("transformer",), ("scheduler", "vae")),
                                    "vae": PipelinePart(("vae",))},
                          # the pipeline class's own defaults: steps, guidance, (width, height)
