@@ -148,14 +148,15 @@ class PromptRows:
     of every later position, and the deepstack rows added at visual positions."""
 
     embeds: torch.Tensor                       # [P, H]
-    positions: torch.Tensor                    # [3, P]
+    positions: torch.Tensor | None             # [3, P]; None: plain RoPE, the positions follow the cache
     rope_delta: int
     visual_mask: torch.Tensor | None = None    # [P] bool
     deepstack: list[torch.Tensor] = field(default_factory=list)  # per layer [visual rows, H]
 
     @property
     def nbytes(self) -> int:
-        return self.embeds.nbytes + self.positions.nbytes + sum(t.nbytes for t in self.deepstack)
+        positions = 0 if self.positions is None else self.positions.nbytes
+        return self.embeds.nbytes + positions + sum(t.nbytes for t in self.deepstack)
 
 
 class OmniProcessor:

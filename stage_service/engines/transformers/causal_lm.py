@@ -31,11 +31,16 @@ class TextDeltas:
         self._sent = ""
 
     def delta(self, tokens: list[int], final: bool) -> str:
-        text = self._decode(tokens)
+        text = self.shown(self._decode(tokens), final)
         if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its bytes
             return ""
         out, self._sent = text[len(self._sent):], text
         return out
+
+    def shown(self, text: str, final: bool) -> str:
+        """What of the answer's text so far the client sees (all of it; a model whose answer opens with a
+        header it does not send overrides this). It may only grow as tokens arrive."""
+        return text
 
 
 # A text prompt longer than this is prefilled in pieces of it, each sharing a step with the others' decoding
@@ -119,6 +124,10 @@ class CausalLmEngine(SteppedEngine):
         """Tensors a step adds to the chunk beside its token (rows, for the Thinker)."""
         return {}
 
+    def text_deltas(self, p: RequestParams) -> TextDeltas:
+        """How a request's tokens become the text sent with each chunk."""
+        return TextDeltas(self.decode)
+
     def chunk_marks(self, ids: list[int], p: RequestParams):
         """What marks each chunk's rows for the stage downstream (the Thinker's `spoken`), or None."""
         return None
@@ -145,7 +154,7 @@ class CausalLmEngine(SteppedEngine):
         st = self.new_state(ids, p)
         st.prompt_rows, rows = rows, None  # the state drops them once fed
         marks = self.chunk_marks(ids, p)
-        deltas = TextDeltas(self.decode)
+        deltas = self.text_deltas(p)
         chunks = Chunking(self.stage)
         generated: list[int] = []
         tokens: list[int] = []

@@ -1,0 +1,140 @@
+"""The Qwen3-ASR stage on transformers: the request's audio through the checkpoint's own processor
+(`Qwen3ASRProcessor.apply_transcription_request`: its feature extractor, its chat template, the language forced
+as the processor forces it) and the model's audio tower into prompt rows, on the stage's media threads; then the
+Qwen3 decoder stepped with every other request's on the shared step loop (`DecoderLm`, as the causal LM and the
+omni Thinker are), the transcript streamed as it is decoded.
+
+The model answers `language <Name><asr_text><transcript>`; a request that names its language gets the header in
+its prompt, as the processor writes it, and the model writes the transcript alone. The text sent is the
+transcript: what follows the marker (before it, nothing is sent), or the whole answer where none comes, as the
+processor parses it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from omnistage import media
+from omnistage.api import accepted_inputs
+from omnistage.contract.params import InvalidRequest, RequestParams
+from stage_service.engines.omni.media import PROCESSING_ERRORS, PromptRows
+from stage_service.engines.omni.media_work import MediaStage
+from stage_service.engines.transformers.causal_lm import CausalLmEngine, TextDeltas, text_sampling
+from stage_service.engines.transformers.lm_steps import DecoderLm
+from stage_service.runtime import device
+from stage_service.runtime.base import StageInputs, StageRequest
+from stage_service.runtime.errors import InputError
+from stage_service.runtime.quantize import quantize_weights
+
+MARKER = "<asr_text>"  # the model's answer: a language header, this marker, then the transcript
+
+
+class Transcript(TextDeltas):
+    """The transcript of a streamed answer: after the marker; the header before it never sent."""
+
+    def __init__(self, decode, forced: bool):
+        super().__init__(decode)
+        self.forced = forced  # the header and the marker are in the prompt: everything decoded is transcript
+
+    def shown(self, text: str, final: bool) -> str:
+        if self.forced:
+            return text.lstrip()
+        head, marker, tail = text.partition(MARKER)
+        if marker:
+            return tail.lstrip()
+        return text.strip() if final else ""
+
+
+class Qwen3AsrEngine(MediaStage, CausalLmEngine):
+    """Emits per chunk `token_ids` (new tokens), `prompt_token_ids` on the first, and the transcript's delta.
+    A request is one audio part, with `params.system_prompt` as context (names, spelling) and
+    `params.audio.language` forcing the transcript's language."""
+
+    ENGINE_PROCESS = False  # the audio tower and the prompt rows stay in the stage process
+    KV_BUDGET = True        # admitted by the whole reservation: audio rows cannot be fed again after a preemption
+
+    def load(self) -> None:
+        from transformers import Qwen3ASRForConditionalGeneration, Qwen3ASRProcessor
+
+        model = Qwen3ASRForConditionalGeneration.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
+        self.lm = DecoderLm(model, batch_invariant=self.batch_invariant, paged=self.kv_paged)
+        # Only the decoder is quantized: the audio tower runs in the dtype.
+        quantize_weights(model, self.settings.quantization, self.stage.name, (self.lm.decoder, self.lm.head))
+        self.model = model
+        self.processor = Qwen3ASRProcessor.from_pretrained(self.model_dir)
+        self.tokenizer, self.chat_template = self.processor.tokenizer, self.processor.chat_template
+        text = model.config.text_config
+        self.vocab = text.vocab_size
+        self.max_len = min(x for x in (text.max_position_embeddings, self.options.max_model_len) if x)
+        eos = model.generation_config.eos_token_id or model.config.eos_token_id
+        self.stop_ids = frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.bound_kv(self.lm.kv_per_token, device.weights_bytes(model), device.gpu_bytes(self.device))
+
+    async def prompt(self, req: StageRequest, inputs: StageInputs):
+        return await self.media.run(self.encode, req.params)
+
+    def encode(self, p: RequestParams) -> tuple[list[int], PromptRows, float]:
+        """Decode the request's audio, run the processor and the audio tower (on a media thread): the prompt
+        ids, the decoder's rows and the milliseconds taken."""
+        started = time.perf_counter()
+        if not p.parts and not p.prompt_token_ids:
+            raise InvalidRequest("params.parts", "needs one audio part: the speech to transcribe")
+        if p.prompt_token_ids or p.raw_prompt or p.turns or p.tools or p.answer_prefix:
+            field = next(f for f in ("prompt_token_ids", "raw_prompt", "turns", "tools", "answer_prefix")
+                         if getattr(p, f))
+            raise InvalidRequest(f"params.{field}", "a speech recognition model takes one audio part (and a "
+                                                    "system_prompt as context), nothing else")
+        parts = media.decode_parts(p.content, self.pipeline.limits, accepted_inputs(self.pipeline))
+        if len(parts) != 1 or not isinstance(parts[0], media.Audio):
+            raise InvalidRequest("params.parts", f"needs exactly one audio part, got {len(parts)} parts")
+        features = self.processor.feature_extractor
+        clip = media.resample(parts[0].samples, parts[0].sample_rate, features.sampling_rate)
+        language = self.language(p.language)
+        try:
+            batch = self.processor.apply_transcription_request(clip, language=language,
+                                                               prompt=p.system_prompt or None)
+        except PROCESSING_ERRORS as e:
+            raise InvalidRequest("params.parts[0].audio", f"the model's processor refused it: {e}") from None
+        ids = batch["input_ids"][0].tolist()
+        rows = self.prompt_rows(batch["input_ids"][0], batch["input_features"], batch["input_features_mask"])
+        return ids, rows, (time.perf_counter() - started) * 1e3
+
+    def language(self, code: str) -> str | None:
+        """The language name the processor forces for an ISO-639-1 code (or a name it knows); None: detected."""
+        from transformers.models.qwen3_asr.processing_qwen3_asr import LANGUAGE_CODE_TO_NAME
+
+        if not code:
+            return None
+        name = LANGUAGE_CODE_TO_NAME.get(code.split("-")[0].lower())
+        if name is None and code.capitalize() in LANGUAGE_CODE_TO_NAME.values():
+            name = code.capitalize()
+        if name is None:
+            raise InvalidRequest("params.audio.language", f'"{code}" is not a language this model transcribes '
+                                                          f'(it takes {", ".join(sorted(LANGUAGE_CODE_TO_NAME))})')
+        return name
+
+    @torch.inference_mode()
+    def prompt_rows(self, ids: torch.Tensor, features: torch.Tensor, mask: torch.Tensor) -> PromptRows:
+        """The prompt's embeddings with the audio tower's projected rows at the audio placeholders, as the
+        model's forward places them."""
+        model = self.model
+        ids = ids.to(self.device)
+        embeds = model.get_input_embeddings()(ids).clone()
+        audio = model.get_audio_features(features.to(self.device, model.dtype), mask.to(self.device),
+                                         return_dict=True).pooler_output
+        at = ids == model.config.audio_token_id
+        if int(at.sum()) != len(audio):
+            raise InputError(f"the prompt has {int(at.sum())} audio placeholders but the audio tower made "
+                             f"{len(audio)} rows")
+        embeds[at] = audio.to(embeds.dtype)
+        return PromptRows(embeds=embeds, positions=None, rope_delta=0)
+
+    def new_state(self, ids: list[int], p: RequestParams):
+        # Never preempted (recompute=False): its audio rows cannot be fed again from its token ids.
+        return self.lm.new_state(ids, text_sampling(p), p.max_tokens, frozenset() if p.ignore_eos else self.stop_ids,
+                                 prefill_chunk=self.prefill_chunk)
+
+    def text_deltas(self, p: RequestParams) -> TextDeltas:
+        return Transcript(self.decode, forced=bool(p.language))
