@@ -47,6 +47,7 @@ from omnistage.api.model import (
                     Topology,
                     TransferSettings,
                     accepted_inputs,
+                    reads_language,
                     stage_inputs,
 )
 from omnistage.api.validation import FieldError, SpecError, validate
@@ -60,5 +61,5 @@ __all__ = [
     "Parallelism", "Pipeline",
     "ReplicaStatus", "Resources", "Rollout", "SchedulerSettings", "Spec", "SpecError", "Stage", "StageDeployment",
     "Status", "Topology", "TransferSettings", "accepted_inputs", "dump_pipeline", "load_pipeline",
-    "parse_pipeline", "parse_pipeline_yaml", "stage_inputs", "validate",
+    "parse_pipeline", "parse_pipeline_yaml", "reads_language", "stage_inputs", "validate",
 ]

@@ -837,3 +837,9 @@ def stage_inputs(stage: Stage) -> frozenset[str]:
 def accepted_inputs(pipeline: Pipeline) -> frozenset[str]:
     """The content parts some stage of the pipeline reads: the ones a request may carry."""
     return frozenset().union(*(stage_inputs(s) for s in pipeline.stages))
+
+
+def reads_language(pipeline: Pipeline) -> bool:
+    """Whether some stage of the pipeline reads `params.audio.language` (a request may carry it only then)."""
+    adapters = (adapter_for(s.engine, s.kind, s.component) for s in pipeline.stages)
+    return any(a is not None and a.language for a in adapters)

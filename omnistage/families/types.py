@@ -24,6 +24,7 @@ class Adapter:
     needs: frozenset[str] = frozenset()      # what some input edge must carry (a subset of reads)
     inputs: frozenset[str] = frozenset({"text"})  # the request's content parts it reads (text, image, ...)
     initial_chunk: bool = False              # emits its first chunk at the stage's initialChunkSize
+    language: bool = False                   # reads params.audio.language (a speech recognition stage)
 
     @property
     def is_entry(self) -> bool:
@@ -31,7 +32,7 @@ class Adapter:
 
     def contract(self) -> tuple:
         """What validation sees: adapters of several families serving the same stages must agree on it."""
-        return self.emits, self.reads, self.needs, self.inputs, self.initial_chunk
+        return self.emits, self.reads, self.needs, self.inputs, self.initial_chunk, self.language
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,9 @@ INSTRUCTIONS = {
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 STREAM_FORMATS = ("json", "text")  # a stream is transcript.text events: the other formats have no events
 TRANSLATION_LANGUAGE = "english"  # what verbose_json names as a translation's language (the reference's word)
-UNKNOWN_LANGUAGE = "unknown"  # a transcription's language when the client named none: the model detects none
+# A transcription's language when the client named none: an omni Thinker detects none, and a speech recognition
+# stage's detected language (its answer's header) is not passed on.
+UNKNOWN_LANGUAGE = "unknown"
 # ISO-639-1 (or -3) codes, as the reference takes `language`, optionally with a region (en-US).
 _LANGUAGE = re.compile(r"^[A-Za-z]{2,3}(-[A-Za-z0-9]{2,8})?$")
 # The reference's fields this API cannot honour, refused when a request asks for them.
@@ -127,11 +129,9 @@ def _translated(form: multipart_form.Form, pipeline: Pipeline, task: str) -> Tra
         if task == TRANSLATE:
             raise InvalidRequest("model", f'"{pipeline.name}" is a speech recognition model: it transcribes, and '
                                           "does not translate (use /v1/audio/transcriptions)")
-        if len(prompt) > pipeline.limits.max_prompt_chars:
-            raise InvalidRequest("prompt", f"has {len(prompt)} characters; this pipeline takes at most "
-                                           f"{pipeline.limits.max_prompt_chars} (its maxPromptChars)")
-        request = build_request(parts=[audio], system_prompt=prompt, language=language, temperature=temperature,
-                                outputs=["text"], return_trace=trace)
+        # The region of a code (en-US) is the model's concern no more than the reference's: the language alone.
+        request = build_request(parts=[audio], system_prompt=prompt, language=language.split("-")[0],
+                                temperature=temperature, outputs=["text"], return_trace=trace)
         fields |= {"params.system_prompt": "prompt", "params.audio.language": "language"}
     else:
         asked = instruction(task, language, prompt)

@@ -11,6 +11,9 @@ import openai
 import pytest
 import torch
 
+from stage_service.engines.qwen3_asr.engine import MARKER
+from stage_service.engines.qwen3_asr.engine import transcript as read
+
 from ..harness import example, start_stage
 from ..media_builders import wav
 from .test_http_api import Served, serve
@@ -36,19 +39,23 @@ async def served(model_dir):
 
 @pytest.fixture(scope="module")
 def transcript(model_dir):
-    """The model's own transcript of the clip: generate() greedy on the processor's prompt, decoded as the
-    processor decodes it (special tokens skipped, the text after the forced language header)."""
+    """The model's own transcript of the clip: generate() greedy on the processor's prompt, its tokens read as
+    the stage reads them (`engine.transcript`: the raw decode after the language header, no repetition
+    collapsed; the whole answer where the header never ends)."""
     from transformers import Qwen3ASRForConditionalGeneration, Qwen3ASRProcessor
 
     model = Qwen3ASRForConditionalGeneration.from_pretrained(model_dir / MODEL).eval()
     processor = Qwen3ASRProcessor.from_pretrained(model_dir / MODEL)
+    tokenizer = processor.tokenizer
 
-    def of(language: str, context: str | None = None) -> str:
+    def of(language: str | None, context: str | None = None) -> str:
         inputs = processor.apply_transcription_request(SAMPLES, language=language, prompt=context)
         with torch.inference_mode():
             out = model.generate(**inputs, do_sample=False,
                                  max_new_tokens=ASR.limits.default_max_tokens)
-        return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        tokens = out[0, inputs["input_ids"].shape[1]:].tolist()
+        return read(tokens, lambda t: tokenizer.decode(t, skip_special_tokens=True),
+                    tokenizer.convert_tokens_to_ids(MARKER), forced=language is not None).strip()
     return of
 
 
@@ -85,9 +92,10 @@ async def test_stream_sends_the_transcript_as_deltas_then_done(served, transcrip
     await settled(served)
 
 
-async def test_without_a_language_the_model_detects_it_and_only_the_transcript_is_sent(served):
+async def test_without_a_language_the_model_detects_it_and_only_the_transcript_is_sent(served, transcript):
     r = await served.aio().audio.transcriptions.create(model=served.model, file=("clip.wav", CLIP))
-    assert isinstance(r.text, str) and "<asr_text>" not in r.text and "language " not in r.text[:9]
+    expected = transcript(None)
+    assert r.text == expected and expected and expected != transcript("English")
     await settled(served)
 
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from omnistage.contract.modalities import MODALITY_CODES
-from omnistage.contract.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest, resolve
 from orchestrator_service.http_api import multipart_form, transcriptions
 from orchestrator_service.http_api.errors import ApiError
 
@@ -101,14 +101,18 @@ def test_a_speech_recognition_pipeline_gets_the_audio_alone_with_its_context_and
     assert plan.fields["params.parts[0]"] == "file" and plan.language == "fr"
 
 
-def test_a_speech_recognition_pipeline_does_not_translate_and_bounds_the_prompt_alone():
+def test_a_speech_recognition_pipeline_does_not_translate_and_bounds_the_prompt_as_the_system_prompt():
     with pytest.raises(InvalidRequest) as e:
         upload(ASR, task=transcriptions.TRANSLATE)
     assert e.value.field == "model" and "transcribes" in str(e.value)
+    # The prompt is the system prompt, bounded where every request's is (resolve), refused naming `prompt`.
+    plan = upload(ASR, prompt="x" * (ASR.limits.max_prompt_chars + 1))
     with pytest.raises(InvalidRequest) as e:
-        upload(ASR, prompt="x" * (ASR.limits.max_prompt_chars + 1))
-    assert e.value.field == "prompt"
-    assert upload(ASR, prompt="x" * ASR.limits.max_prompt_chars).request.params.system_prompt
+        resolve(plan.request.params, ASR.limits)
+    assert plan.fields[e.value.field] == "prompt"
+    resolve(upload(ASR, prompt="x" * ASR.limits.max_prompt_chars).request.params, ASR.limits)
+    # A region is dropped: the model forces a language, not a variant of it.
+    assert upload(ASR, language="en-US").request.params.audio.language == "en"
 
 
 def test_a_pipeline_that_hears_no_audio_is_refused_naming_model():

@@ -11,7 +11,7 @@ from stage_service.engines.families.causal_lm import CHAT_FILES
 # The whole model as a stage of its own component ("asr"): the plain causal LM's stage ("" on transformers) reads
 # text only, this one the request's audio, so validation must tell them apart.
 ASR = Adapter("qwen3-asr", ("transformers",), "ar", "asr", frozenset({"text", "tokens"}),
-              inputs=frozenset({"audio"}))
+              inputs=frozenset({"audio"}), language=True)
 # The processor's settings (feature extractor, processor class), as transformers saves a Qwen3ASRProcessor.
 PROCESSOR_FILE = "processor_config.json"
 
