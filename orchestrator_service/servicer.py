@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Iterable
 
 import grpc
 
-from omnistage.api import Pipeline
+from omnistage.api import Pipeline, reads_language
 from omnistage.contract.modalities import MODALITY_CODES, MODALITY_NAMES
 from omnistage.contract.params import InvalidRequest, RequestParams, fill_resolved, has_media, resolve
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -204,6 +204,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             label = checked_label(request.request_id)
             params = resolve(request.params, self.pipeline.limits)
             check_needed_parts(self.pipeline, params.parts)
+            if params.language and not reads_language(self.pipeline):
+                raise InvalidRequest("params.audio.language", f'"{self.pipeline.name}" has no stage that reads it '
+                                                              "(a speech recognition model does)")
             outputs = requested_outputs(self.pipeline, request)
             if self.voices is not None and "audio" in outputs.values():  # resolve's own default is not the model's
                 params = dataclasses.replace(params, speaker=self.voices.choose(request.params.audio.speaker))

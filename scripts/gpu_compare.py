@@ -37,6 +37,7 @@ from common import engine_available, figure, on_gpu, print_table, write_results 
 # One request per example: greedy text (and speech) or a seeded image.
 SPEECH = {"prompt": "Tell me about the harbour at night.", "max_tokens": 12, "temperature": 0.0, "seed": 7,
           "max_codec_frames": 24}
+HEARD = {"language": "en", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}  # with heard_clip()
 IMAGE = {"prompt": "a lighthouse on a cliff", "width": 32, "height": 32, "num_inference_steps": 4, "seed": 7}
 AUDIO_TOLERANCE = 64        # int16 units (0.2 % of full scale): rounding, not another codec code
 IMAGE_TOLERANCE = 4.0       # mean absolute difference of 8-bit pixel values
@@ -45,19 +46,37 @@ UNITS = {"tokens_equal": "bool", "tokens": "tokens", "first_differing_token": "i
          "audio_samples_equal_length": "bool", "audio_max_abs_diff": "int16", "image_mean_abs_diff": "levels"}
 
 
-LIVE: set = set()  # pipelines being served, stopped on SIGTERM
+LIVE: dict = {}  # pipelines being served (by id: a LocalPipeline is not hashable), stopped on SIGTERM
 
 
 def stop_all_and_exit(*_) -> None:
     """A bound's SIGTERM: stop every pipeline still served (their processes run in sessions of their own)."""
-    for local in list(LIVE):
+    for local in list(LIVE.values()):
         local.stop(grace=5)
     os._exit(124)
 
 
 def request_for(doc: dict) -> dict:
+    from omnistage.api import accepted_inputs, parse_pipeline
+
     modalities = {o["modality"] for o in doc["spec"]["topology"].get("outputs", [])}
-    return IMAGE if "image" in modalities else SPEECH
+    if "image" in modalities:
+        return IMAGE
+    if "text" not in accepted_inputs(parse_pipeline(doc)):  # speech recognition: a seeded clip to transcribe
+        return {**HEARD, "parts": [heard_clip()]}
+    return SPEECH
+
+
+def heard_clip():
+    """Two seconds of seeded noise at 16 kHz as a WAV audio part (float samples: decoded exactly on both sides)."""
+    import soundfile
+
+    from omnistage.v1 import common_pb2
+
+    buf = io.BytesIO()
+    samples = (0.2 * np.random.default_rng(7).standard_normal(32000)).astype(np.float32)
+    soundfile.write(buf, samples, 16000, format="WAV", subtype="FLOAT")
+    return common_pb2.ContentPart(audio=common_pb2.AudioPart(data=buf.getvalue()))
 
 
 def serve_and_ask(doc: dict, models: Path) -> dict:
@@ -69,7 +88,7 @@ def serve_and_ask(doc: dict, models: Path) -> dict:
         path = Path(tmp) / "pipeline.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         local = LocalPipeline(path, parse_pipeline(doc), models, progress=lambda m: None)
-        LIVE.add(local)
+        LIVE[id(local)] = local
         try:
             endpoint = local.start()
             t0 = time.perf_counter()
@@ -79,7 +98,7 @@ def serve_and_ask(doc: dict, models: Path) -> dict:
                     "images": [im.png for im in r.images], "seconds": time.perf_counter() - t0}
         finally:
             local.stop()
-            LIVE.discard(local)
+            LIVE.pop(id(local), None)
 
 
 def pixels(png: bytes) -> np.ndarray:

@@ -848,3 +848,9 @@ def one_of_each_input(pipeline: Pipeline) -> dict[str, str]:
         for kind in adapter.needs_one if adapter is not None else ():
             needed.setdefault(kind, s.name)
     return needed
+
+
+def reads_language(pipeline: Pipeline) -> bool:
+    """Whether some stage of the pipeline reads `params.audio.language` (a request may carry it only then)."""
+    adapters = (adapter_for(s.engine, s.kind, s.component) for s in pipeline.stages)
+    return any(a is not None and a.language for a in adapters)

@@ -25,6 +25,7 @@ class Adapter:
     inputs: frozenset[str] = frozenset({"text"})  # the request's content parts it reads (text, image, ...)
     needs_one: frozenset[str] = frozenset()  # the content parts a request must carry exactly one of (a reference image)
     initial_chunk: bool = False              # emits its first chunk at the stage's initialChunkSize
+    language: bool = False                   # reads params.audio.language (a speech recognition stage)
 
     @property
     def is_entry(self) -> bool:
@@ -32,7 +33,8 @@ class Adapter:
 
     def contract(self) -> tuple:
         """What validation sees: adapters of several families serving the same stages must agree on it."""
-        return self.emits, self.reads, self.needs, self.inputs, self.needs_one, self.initial_chunk
+        return (self.emits, self.reads, self.needs, self.inputs, self.needs_one, self.initial_chunk,
+                self.language)
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,14 @@
 file as a GenerateRequest for a pipeline whose Thinker hears audio, and the Thinker's text as the answer in
 the asked `response_format`, or as `transcript.text.delta` / `transcript.text.done` server-sent events.
 
-The request is the audio as one content part and an instruction as a text part after it (transcribe it, or
-translate it into English; the client's `language` and `prompt` folded in as context), under a fixed system
-prompt, with text as the only output: the request path runs the stages text needs (the Thinker) and none of
-the speech stages. The orchestrator's media check decodes and bounds the audio as for any audio part (its
-format, its seconds); its refusals name `file`.
+For a pipeline that reads text parts (an omni Thinker), the request is the audio as one content part and an
+instruction as a text part after it (transcribe it, or translate it into English; the client's `language` and
+`prompt` folded in as context), under a fixed system prompt. A pipeline that reads audio alone is a speech
+recognition model, whose prompt is its own (Qwen3-ASR: its processor's): the request is the audio part alone,
+the client's `prompt` as the system prompt (the context its model reads there) and `language` as
+`params.audio.language` (its model forces it); such a model transcribes only. Either way text is the only
+output: the request path runs the stages text needs and none of the speech stages. The orchestrator's media
+check decodes and bounds the audio as for any audio part (its format, its seconds); its refusals name `file`.
 
 The model gives no timestamps: verbose_json has one segment, and srt / vtt one cue, spanning the whole clip
 (its length read from the decoded audio).
@@ -44,7 +47,9 @@ INSTRUCTIONS = {
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 STREAM_FORMATS = ("json", "text")  # a stream is transcript.text events: the other formats have no events
 TRANSLATION_LANGUAGE = "english"  # what verbose_json names as a translation's language (the reference's word)
-UNKNOWN_LANGUAGE = "unknown"  # a transcription's language when the client named none: the model detects none
+# A transcription's language when the client named none: an omni Thinker detects none, and a speech recognition
+# stage's detected language (its answer's header) is not passed on.
+UNKNOWN_LANGUAGE = "unknown"
 # ISO-639-1 (or -3) codes, as the reference takes `language`, optionally with a region (en-US).
 _LANGUAGE = re.compile(r"^[A-Za-z]{2,3}(-[A-Za-z0-9]{2,8})?$")
 # The reference's fields this API cannot honour, refused when a request asks for them.
@@ -116,17 +121,26 @@ def _translated(form: multipart_form.Form, pipeline: Pipeline, task: str) -> Tra
     if language and not _LANGUAGE.match(language):
         raise InvalidRequest("language", f'must be an ISO-639-1 code such as "en", got "{language}"')
     prompt = form.text("prompt") or ""
-    asked = instruction(task, language, prompt)
-    if len(asked) > pipeline.limits.max_prompt_chars:  # the prompt is all of the instruction that can grow
-        room = pipeline.limits.max_prompt_chars - len(instruction(task, language, "-")) + 1
-        raise InvalidRequest("prompt", f"has {len(prompt)} characters; this pipeline takes at most {room} "
-                                       f"(its maxPromptChars, less the instruction around it)")
-    request = build_request(
-        parts=[common_pb2.ContentPart(audio=common_pb2.AudioPart(data=files[0].data)), asked],
-        system_prompt=SYSTEM_PROMPT, temperature=_number(form, "temperature"), outputs=["text"],
-        return_trace=bool(_flag(form, "return_trace")))
+    audio = common_pb2.ContentPart(audio=common_pb2.AudioPart(data=files[0].data))
+    temperature, trace = _number(form, "temperature"), bool(_flag(form, "return_trace"))
     fields = {"params.parts": "file", "params.parts[0]": "file", "params.parts[1]": "prompt",
               "params.prompt": "prompt", "params.text.temperature": "temperature", "outputs": "model"}
+    if "text" not in takes:  # a speech recognition model: its own prompt, the client's context and language
+        if task == TRANSLATE:
+            raise InvalidRequest("model", f'"{pipeline.name}" is a speech recognition model: it transcribes, and '
+                                          "does not translate (use /v1/audio/transcriptions)")
+        # The region of a code (en-US) is the model's concern no more than the reference's: the language alone.
+        request = build_request(parts=[audio], system_prompt=prompt, language=language.split("-")[0],
+                                temperature=temperature, outputs=["text"], return_trace=trace)
+        fields |= {"params.system_prompt": "prompt", "params.audio.language": "language"}
+    else:
+        asked = instruction(task, language, prompt)
+        if len(asked) > pipeline.limits.max_prompt_chars:  # the prompt is all of the instruction that can grow
+            room = pipeline.limits.max_prompt_chars - len(instruction(task, language, "-")) + 1
+            raise InvalidRequest("prompt", f"has {len(prompt)} characters; this pipeline takes at most {room} "
+                                           f"(its maxPromptChars, less the instruction around it)")
+        request = build_request(parts=[audio, asked], system_prompt=SYSTEM_PROMPT, temperature=temperature,
+                                outputs=["text"], return_trace=trace)
     shown_language = TRANSLATION_LANGUAGE if task == TRANSLATE else language or UNKNOWN_LANGUAGE
     return Transcription(request, fields, stream=stream, task=task, response_format=response_format,
                          language=shown_language)

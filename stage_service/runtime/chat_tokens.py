@@ -142,10 +142,7 @@ def _conversation_ids(tokenizer, template: str, turns: list[ChatTurn], expand: C
                       tools: list[dict] | None, checked: tuple[Checked, ...]) -> list[int]:
     texts = [t for turn in turns for t in _client_texts(turn.content)]
     specials = _specials(tokenizer)
-    for c in checked:
-        found = specials.found(c.text)
-        if found:
-            raise InvalidRequest(c.field, f'contains "{found}", a special token of the model')
+    refuse_special_tokens(tokenizer, checked)
     open_ = _sentinel_opening(template, texts)
     sentinels = {f"{open_}{i}{SENTINEL_CLOSE}": t for i, t in enumerate(texts)}
     by_text = {id(t): s for s, t in sentinels.items()}
@@ -176,6 +173,16 @@ def _conversation_ids(tokenizer, template: str, turns: list[ChatTurn], expand: C
         elif piece:
             ids += specials.plain(unmask(piece))
     return ids
+
+
+def refuse_special_tokens(tokenizer, texts: tuple[Checked | ClientText, ...]) -> None:
+    """Refuse, naming its field, a client text that carries a special token of the model: for text placed
+    where it cannot be kept plain (a template that rewrites it, a processor that tokenizes it whole)."""
+    specials = _specials(tokenizer)
+    for c in texts:
+        found = specials.found(c.text)
+        if found:
+            raise InvalidRequest(c.field, f'contains "{found}", a special token of the model')
 
 
 def places(tokenizer, template: str, turns: list[ChatTurn], tools: list[dict] | None) -> tuple[bool, bool]:

@@ -10,11 +10,14 @@ import asyncio
 import json
 import re
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from omnistage.client import AsyncOmniClient
 from omnistage.planner.scrape import REQUESTS
+from omnistage.v1 import common_pb2
 from orchestrator_service.http_api import routes
 
 from ..harness import example, start_stage
@@ -222,6 +225,18 @@ async def test_unknown_response_format_and_a_streamed_subtitle_are_refused_namin
     await refused(transcribe(omni, timestamp_granularities=["word"]), "timestamp_granularities")
     await refused(omni.aio().audio.transcriptions.create(model="whisper-1", file=("clip.wav", CLIP)), "model",
                   openai.NotFoundError)
+    await settled(omni)
+
+
+async def test_the_audio_language_field_is_refused_where_no_stage_reads_it(servers):
+    # Over HTTP the language is folded into the Thinker's instruction (the tests above); the gRPC field that a
+    # speech recognition stage forces is read by no stage here, and refused rather than dropped.
+    omni = servers["omni"]
+    part = common_pb2.ContentPart(audio=common_pb2.AudioPart(data=CLIP))
+    async with AsyncOmniClient(f"127.0.0.1:{omni.orc.port}") as client:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.generate(parts=[part], language="en", outputs=["text"], max_tokens=2, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.audio.language" in e.value.details()
     await settled(omni)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from omnistage import media
-from omnistage.api import MAX_MESSAGE_BYTES, Limits, accepted_inputs, stage_inputs
+from omnistage.api import MAX_MESSAGE_BYTES, Limits, accepted_inputs, reads_language, stage_inputs
 from omnistage.client import (
     audio_part,
     build_request,
@@ -39,6 +39,11 @@ PNG, WAV = png(PIXELS), wav(np.zeros(800, np.float32), 8000)  # WAV: 0.1 s of si
     ("qwen3-omni-encoders-tiny", OMNI_THINKER_READS)])
 def test_a_pipeline_accepts_what_its_stages_adapters_read(name, accepts):
     assert accepted_inputs(example(name)) == accepts
+
+
+@pytest.mark.parametrize("name,reads", [("qwen3-asr-tiny", True), ("qwen3-omni-tiny", False), ("llm-tiny", False)])
+def test_only_a_speech_recognition_stage_reads_the_audio_language(name, reads):
+    assert reads_language(example(name)) is reads
 
 
 def test_only_the_omni_thinker_reads_media():

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from omnistage.contract.modalities import MODALITY_CODES
-from omnistage.contract.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest, resolve
 from orchestrator_service.http_api import multipart_form, transcriptions
 from orchestrator_service.http_api.errors import ApiError
 
@@ -15,6 +15,7 @@ from ..harness import example
 
 OMNI = example("qwen3-omni-tiny")
 IMAGES = example("text-to-image-tiny")
+ASR = example("qwen3-asr-tiny")
 AUDIO = b"RIFF....WAVEfmt "  # the bytes are the request path's to decode: any will do here
 
 
@@ -87,6 +88,31 @@ def test_fields_it_cannot_honour_are_refused_by_name(fields, param):
     with pytest.raises(InvalidRequest) as e:
         upload(**fields)
     assert e.value.field == param
+
+
+def test_a_speech_recognition_pipeline_gets_the_audio_alone_with_its_context_and_language():
+    plan = upload(ASR, language="fr", prompt="Names: Zoë.", temperature="0.2")
+    params = plan.request.params
+    assert [p.WhichOneof("part") for p in params.parts] == ["audio"] and params.parts[0].audio.data == AUDIO
+    assert params.system_prompt == "Names: Zoë." and params.audio.language == "fr"
+    assert list(plan.request.outputs) == [MODALITY_CODES["text"]]
+    assert params.text.temperature == pytest.approx(0.2)
+    assert plan.fields["params.system_prompt"] == "prompt" and plan.fields["params.audio.language"] == "language"
+    assert plan.fields["params.parts[0]"] == "file" and plan.language == "fr"
+
+
+def test_a_speech_recognition_pipeline_does_not_translate_and_bounds_the_prompt_as_the_system_prompt():
+    with pytest.raises(InvalidRequest) as e:
+        upload(ASR, task=transcriptions.TRANSLATE)
+    assert e.value.field == "model" and "transcribes" in str(e.value)
+    # The prompt is the system prompt, bounded where every request's is (resolve), refused naming `prompt`.
+    plan = upload(ASR, prompt="x" * (ASR.limits.max_prompt_chars + 1))
+    with pytest.raises(InvalidRequest) as e:
+        resolve(plan.request.params, ASR.limits)
+    assert plan.fields[e.value.field] == "prompt"
+    resolve(upload(ASR, prompt="x" * ASR.limits.max_prompt_chars).request.params, ASR.limits)
+    # A region is dropped: the model forces a language, not a variant of it.
+    assert upload(ASR, language="en-US").request.params.audio.language == "en"
 
 
 def test_a_pipeline_that_hears_no_audio_is_refused_naming_model():

@@ -148,14 +148,15 @@ class PromptRows:
     of every later position, and the deepstack rows added at visual positions."""
 
     embeds: torch.Tensor                       # [P, H]
-    positions: torch.Tensor                    # [3, P]
+    positions: torch.Tensor | None             # [3, P]; None: plain RoPE, the positions follow the cache
     rope_delta: int
     visual_mask: torch.Tensor | None = None    # [P] bool
     deepstack: list[torch.Tensor] = field(default_factory=list)  # per layer [visual rows, H]
 
     @property
     def nbytes(self) -> int:
-        return self.embeds.nbytes + self.positions.nbytes + sum(t.nbytes for t in self.deepstack)
+        positions = 0 if self.positions is None else self.positions.nbytes
+        return self.embeds.nbytes + positions + sum(t.nbytes for t in self.deepstack)
 
 
 class OmniProcessor:
@@ -364,6 +365,19 @@ def encode_batch(model, batch: list[MediaInputs]) -> list[EncodedPrompt]:
     return out
 
 
+def place_rows(embeds: torch.Tensor, ids: torch.Tensor, token_id: int, rows: torch.Tensor | None,
+               kind: str) -> torch.Tensor:
+    """The encoder's `rows` written into `embeds` at the prompt's placeholders (`token_id` in `ids`), in
+    order; the placeholders' mask. A count that does not match is refused (InputError)."""
+    mask = ids == token_id
+    count = 0 if rows is None else len(rows)
+    if int(mask.sum()) != count:
+        raise InputError(f"the prompt has {int(mask.sum())} {kind} placeholders but the encoder made {count} rows")
+    if rows is not None and count:
+        embeds[mask] = rows.to(embeds.dtype)
+    return mask
+
+
 @torch.inference_mode()
 def prompt_rows(model, enc: EncodedPrompt) -> PromptRows:
     """The decoder's input rows for an encoded prompt: media rows at their placeholders, M-RoPE positions;
@@ -374,12 +388,8 @@ def prompt_rows(model, enc: EncodedPrompt) -> PromptRows:
     embeds = model.get_input_embeddings()(ids).clone()
     masks = {}
     for kind, rows in (("audio", enc.audio), ("image", enc.image), ("video", enc.video)):
-        mask = ids == getattr(cfg, f"{kind}_token_id")
-        count = 0 if rows is None else len(rows)
-        if int(mask.sum()) != count:
-            raise InputError(f"the prompt has {int(mask.sum())} {kind} placeholders but the encoder made {count} rows")
-        if count:
-            embeds[mask] = rows.to(embeds.dtype)
+        mask = place_rows(embeds, ids, getattr(cfg, f"{kind}_token_id"), rows, kind)
+        if rows is not None and len(rows):
             masks[kind] = mask
     visual = [k for k in ("image", "video") if k in masks and getattr(enc, f"{k}_deepstack") is not None]
     visual_mask, deepstack = None, []

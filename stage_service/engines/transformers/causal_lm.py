@@ -31,11 +31,16 @@ class TextDeltas:
         self._sent = ""
 
     def delta(self, tokens: list[int], final: bool) -> str:
-        text = self._decode(tokens)
+        text = self.shown(tokens, final)
         if not final and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its bytes
             return ""
         out, self._sent = text[len(self._sent):], text
         return out
+
+    def shown(self, tokens: list[int], final: bool) -> str:
+        """What of the answer so far (its tokens) the client sees as text: all of it decoded; a model whose
+        answer opens with a header it does not send overrides this. It may only grow as tokens arrive."""
+        return self._decode(tokens)
 
 
 # A text prompt longer than this is prefilled in pieces of it, each sharing a step with the others' decoding
@@ -81,11 +86,15 @@ class CausalLmEngine(SteppedEngine):
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.chat_template = load_chat_template(self.model_dir, self.tokenizer)
+        self.text_bounds(config, config.eos_token_id)
+
+    def text_bounds(self, config, eos: int | list[int] | None) -> None:
+        """The vocabulary, the longest sequence (the decoder's positions, or engineArgs.max_model_len when
+        smaller) and the ids that end an answer, from the decoder's config and its end-of-sequence id(s)."""
         self.vocab = config.vocab_size
         self.max_len = min(x for x in (getattr(config, "max_position_embeddings", None),
                                        self.options.max_model_len, 1 << 62) if x)
-        eos = config.eos_token_id
-        self.stop_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.stop_ids = frozenset(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
 
     def step(self, states: list[TokenState]) -> list:
         if self.core is not None:
@@ -119,6 +128,10 @@ class CausalLmEngine(SteppedEngine):
         """Tensors a step adds to the chunk beside its token (rows, for the Thinker)."""
         return {}
 
+    def text_deltas(self, p: RequestParams) -> TextDeltas:
+        """How a request's tokens become the text sent with each chunk."""
+        return TextDeltas(self.decode)
+
     def chunk_marks(self, ids: list[int], p: RequestParams):
         """What marks each chunk's rows for the stage downstream (the Thinker's `spoken`), or None."""
         return None
@@ -145,7 +158,7 @@ class CausalLmEngine(SteppedEngine):
         st = self.new_state(ids, p)
         st.prompt_rows, rows = rows, None  # the state drops them once fed
         marks = self.chunk_marks(ids, p)
-        deltas = TextDeltas(self.decode)
+        deltas = self.text_deltas(p)
         chunks = Chunking(self.stage)
         generated: list[int] = []
         tokens: list[int] = []
