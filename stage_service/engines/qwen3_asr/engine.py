@@ -23,12 +23,12 @@ from omnistage.api import accepted_inputs
 from omnistage.checkpoints.configs import CheckpointError
 from omnistage.contract.params import InvalidRequest, RequestParams
 from stage_service.engines.omni.media import PROCESSING_ERRORS, PromptRows, place_rows
-from stage_service.engines.omni.media_work import MediaStage
 from stage_service.engines.transformers.causal_lm import CausalLmEngine, TextDeltas, text_sampling
 from stage_service.engines.transformers.lm_steps import DecoderLm
 from stage_service.runtime import device
 from stage_service.runtime.base import StageInputs, StageRequest
 from stage_service.runtime.chat_tokens import ClientText, refuse_special_tokens
+from stage_service.runtime.media_work import MediaStage
 from stage_service.runtime.quantize import quantize_weights
 
 MARKER = "<asr_text>"  # the model's answer: a language header, this marker, then the transcript
