@@ -1,6 +1,6 @@
 """Videos (`/v1/videos`, OpenAI's video API shape): a video is a durable job (jobs/api.py), created here and run
 by whichever orchestrator replica claims it; polled, listed, watched (server-sent events), fetched once completed
-(`/content?variant=video|thumbnail|spritesheet`) and deleted. The request is translated here (pure), the job
+(`/content?variant=video|thumbnail|spritesheet|preview`) and deleted. The request is translated here (pure), the job
 operations are the door-neutral ones the gRPC Jobs service calls too.
 
 The body is JSON or multipart/form-data (as the OpenAI SDKs send it): `prompt`, `model`, `seconds` (OpenAI's

@@ -1,4 +1,4 @@
-"""The finished jobs' content (MP4, thumbnail, spritesheet) as files: `root/<job id>/<variant>`.
+"""The finished jobs' content (MP4, thumbnail, spritesheet, preview) as files: `root/<job id>/<variant>`.
 
 On a cluster the root is a volume every orchestrator replica mounts, so any replica serves what another
 one made. A file is written under a temporary name in its job's folder and renamed into place, so a reader

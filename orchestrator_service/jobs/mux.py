@@ -1,8 +1,9 @@
-"""A job's video content, made as its frames arrive: the H.264 MP4 (PyAV), the thumbnail (the first frame, PNG)
-and the spritesheet (a grid of frames spread over the video, JPEG).
+"""A job's video content, made as its frames arrive: the H.264 MP4 (PyAV), the thumbnail (the first frame, PNG),
+the spritesheet (a grid of frames spread over the video, JPEG) and the preview (an animated, looping WebP of
+frames spread over the video, small: for a page or a chat to show in place of a player).
 
 Frames are encoded as they come and then dropped: what is held is the encoder's own look-ahead, the first frame
-(for the thumbnail) and the spritesheet's few tiles, never the whole video.
+(for the thumbnail), the spritesheet's few tiles and the preview's few small frames, never the whole video.
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ SPRITE_TILES = 16
 SPRITE_COLUMNS = 4
 SPRITE_TILE_WIDTH = 160
 SPRITE_QUALITY = 85  # JPEG quality of the spritesheet: small files, tiles still legible
-MEDIA_TYPES = {"video": "video/mp4", "thumbnail": "image/png", "spritesheet": "image/jpeg"}
+# The preview: at most this many frames, spread evenly over the video (its length kept: each shows longer), each
+# scaled to at most this width.
+PREVIEW_FRAMES = 48
+PREVIEW_WIDTH = 320
+PREVIEW_QUALITY = 70  # WebP quality: a preview, not the video
+MEDIA_TYPES = {"video": "video/mp4", "thumbnail": "image/png", "spritesheet": "image/jpeg", "preview": "image/webp"}
 VARIANTS = tuple(MEDIA_TYPES)
 
 
 def sprite_indices(total_frames: int, tiles: int = SPRITE_TILES) -> list[int]:
-    """The frames (of `total_frames`) a spritesheet shows: at most `tiles`, the first and the last among them,
-    spread evenly (pure)."""
+    """The frames (of `total_frames`) a spritesheet (or the preview) shows: at most `tiles`, the first and the last
+    among them, spread evenly (pure)."""
     if total_frames <= 0:
         return []
     if total_frames <= tiles:
@@ -40,8 +46,9 @@ def sprite_indices(total_frames: int, tiles: int = SPRITE_TILES) -> list[int]:
 
 class VideoMux:
     """`add(frames)` as they come ([n, H, W, 3] uint8 RGB, display order), `close()` once: the MP4 is at `path`,
-    `thumbnail()` and `spritesheet()` give the other variants. `total_frames` (the request's frame count) places
-    the spritesheet's tiles; frames past it are encoded but never tiled."""
+    `thumbnail()`, `spritesheet()` and `preview()` give the other variants. `total_frames` (the request's frame
+    count) places the spritesheet's tiles and the preview's frames; frames past it are encoded but never shown
+    there."""
 
     def __init__(self, path: Path, fps: int, total_frames: int):
         self.path, self.fps, self.total_frames = path, fps, total_frames
@@ -51,6 +58,8 @@ class VideoMux:
         self._first: np.ndarray | None = None
         self._wanted = set(sprite_indices(total_frames))
         self._tiles: list[np.ndarray] = []
+        self._previewed = set(sprite_indices(total_frames, PREVIEW_FRAMES))
+        self._preview: list[np.ndarray] = []
 
     def add(self, frames: np.ndarray) -> None:
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
@@ -65,6 +74,8 @@ class VideoMux:
                 self._first = frame.copy()
             if self.frames in self._wanted:
                 self._tiles.append(_tile(frame))
+            if self.frames in self._previewed:
+                self._preview.append(_tile(frame, PREVIEW_WIDTH))
             self._encode(frame)
             self.frames += 1
 
@@ -105,6 +116,18 @@ class VideoMux:
         Image.fromarray(sheet).save(out, format="JPEG", quality=SPRITE_QUALITY)
         return out.getvalue()
 
+    def preview(self) -> bytes:
+        """The animated WebP, looping; it lasts as long as the video (each frame shown for its share)."""
+        if not self._preview:
+            raise ValueError("no frames: no preview")
+        seconds = max(self.frames, 1) / self.fps
+        duration_ms = max(1, round(seconds * 1000 / len(self._preview)))
+        first, *rest = [Image.fromarray(f) for f in self._preview]
+        out = io.BytesIO()
+        first.save(out, format="WEBP", save_all=True, append_images=rest, duration=duration_ms, loop=0,
+                   quality=PREVIEW_QUALITY)
+        return out.getvalue()
+
     # ------------------------------------------------------------------ encoder
     def _open(self, width: int, height: int) -> None:
         self._size = (height, width)
@@ -126,11 +149,11 @@ class VideoMux:
             self._container.mux(packet)
 
 
-def _tile(frame: np.ndarray) -> np.ndarray:
-    """A frame scaled to at most SPRITE_TILE_WIDTH wide (its aspect kept)."""
+def _tile(frame: np.ndarray, width: int = SPRITE_TILE_WIDTH) -> np.ndarray:
+    """A frame scaled to at most `width` wide (its aspect kept)."""
     h, w = frame.shape[:2]
-    if w <= SPRITE_TILE_WIDTH:
+    if w <= width:
         return frame.copy()
-    size = (SPRITE_TILE_WIDTH, max(1, round(h * SPRITE_TILE_WIDTH / w)))
+    size = (width, max(1, round(h * width / w)))
     return np.asarray(Image.fromarray(frame).resize(size, Image.Resampling.BILINEAR))
 

@@ -314,10 +314,12 @@ class JobRunner:
                         await self._draining.wait()
         job_id = run.job.id
         await run.io(run.mux.close)
-        thumbnail, spritesheet = await run.io(lambda: (run.mux.thumbnail(), run.mux.spritesheet()))
+        thumbnail, spritesheet, preview = await run.io(
+            lambda: (run.mux.thumbnail(), run.mux.spritesheet(), run.mux.preview()))
         return {"video": await run.io(self.content.put, job_id, "video", run.mux.path),
                 "thumbnail": await run.io(self.content.put, job_id, "thumbnail", thumbnail),
-                "spritesheet": await run.io(self.content.put, job_id, "spritesheet", spritesheet)}
+                "spritesheet": await run.io(self.content.put, job_id, "spritesheet", spritesheet),
+                "preview": await run.io(self.content.put, job_id, "preview", preview)}
 
     async def _keep_lease(self, run: _Run, produce: asyncio.Task) -> None:
         """Renew the lease with the progress every RENEW_S; a lease no longer ours stops the run."""

@@ -141,6 +141,12 @@ async def test_a_video_job_over_http_is_the_video_generate_makes_and_its_keys_al
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumb))), expected[0])  # PNG: exactly frame 0
         sheet = (await asyncio.to_thread(sdk.videos.download_content, created.id, variant="spritesheet")).read()
         assert Image.open(io.BytesIO(sheet)).format == "JPEG"
+        preview = await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{orc.api_port}/v1/videos/{created.id}/content",
+                                          params={"variant": "preview"},
+                                          headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
+        assert preview.status_code == 200 and preview.headers["content-type"] == "image/webp"
+        animated = Image.open(io.BytesIO(preview.content))
+        assert animated.is_animated and animated.n_frames == 9 and animated.size == (48, 32)
 
         listed = await asyncio.to_thread(sdk.videos.list)
         assert [v.id for v in listed.data] == [created.id]
@@ -224,7 +230,7 @@ async def test_grpc_jobs_submit_watch_fetch_list_and_delete(servers, tmp_path):
             seen = [j async for j in jobs.Watch(jobs_pb2.JobRef(id=job.id), timeout=JOB_BOUND_S)]
             assert seen[-1].status == jobs_pb2.JOB_COMPLETED and seen[-1].progress == 100
             assert [j.progress for j in seen] == sorted(j.progress for j in seen)  # never backwards
-            assert sorted(seen[-1].variants) == ["spritesheet", "thumbnail", "video"]
+            assert sorted(seen[-1].variants) == ["preview", "spritesheet", "thumbnail", "video"]
             chunks = [c async for c in jobs.Fetch(jobs_pb2.FetchRequest(id=job.id))]
             mp4 = b"".join(c.data for c in chunks)
             assert chunks[0].media_type == "video/mp4" and chunks[0].total_bytes == len(mp4)

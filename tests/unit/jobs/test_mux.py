@@ -79,3 +79,23 @@ def test_wrong_frames_are_refused_naming_the_shape(tmp_path):
         mux.add(np.zeros((1, 8, 16, 3), np.uint8))
     mux.abort()
     assert not (tmp_path / "v.mp4").exists()
+
+
+def test_the_preview_is_a_looping_animated_webp_as_long_as_the_video_from_a_few_small_frames(tmp_path):
+    from orchestrator_service.jobs.mux import PREVIEW_FRAMES, PREVIEW_WIDTH
+
+    frames = _frames(81, 200, 400)
+    mux = VideoMux(tmp_path / "v.mp4", fps=16, total_frames=81)
+    for start in range(0, 81, 4):
+        mux.add(frames[start:start + 4])
+    mux.close()
+    preview = Image.open(io.BytesIO(mux.preview()))
+    assert preview.format == "WEBP" and preview.is_animated and preview.n_frames == PREVIEW_FRAMES
+    assert preview.size == (PREVIEW_WIDTH, 160) and preview.info.get("loop") == 0
+    shown = 0
+    for i in range(preview.n_frames):
+        preview.seek(i)
+        preview.load()
+        shown += preview.info["duration"]
+    assert abs(shown - 81 / 16 * 1000) <= PREVIEW_FRAMES  # the video's length, within a millisecond a frame
+    assert len(mux._preview) == PREVIEW_FRAMES and all(f.shape == (160, PREVIEW_WIDTH, 3) for f in mux._preview)
