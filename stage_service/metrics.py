@@ -35,6 +35,9 @@ class StageMetrics:
         self.failed_steps = Counter("omnistage_stage_failed_steps", "Engine steps that raised", labels, registry=r)
         self.preemptions = Counter("omnistage_stage_kv_preemptions", "Running requests whose KV cache was dropped "
                                    "to fit the stage's KV budget (recomputed when readmitted)", labels, registry=r)
+        self.cached_steps = Counter("omnistage_stage_cached_steps", "Denoise steps of a request that reused its "
+                                    "cached residual, its DiT's blocks after the first skipped "
+                                    "(engineArgs.step_cache_threshold)", labels, registry=r)
         self.chunks = Counter("omnistage_stage_output_chunks", "Output chunks sent", labels, registry=r)
         self.output_bytes = Counter("omnistage_stage_output_bytes", "Tensor bytes sent in output chunks",
                                     labels, registry=r)

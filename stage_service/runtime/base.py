@@ -282,6 +282,10 @@ class EngineOptions:
     engine_process: bool = False   # the model in a process of its own (engine_process.py; engines that can)
     kv_cache_bytes: int | None = None  # AR engines that can: the KV budget in bytes (kvCacheBytes; kv_budget.py)
     max_num_batched_tokens: int | None = None  # AR engines that can: the most tokens one step feeds (as vLLM's)
+    # The denoise loop's step cache (step_cache.py): a request reuses its last computed step's residual while its
+    # first DiT block's output changed by less than this (relative L1); None: off
+    step_cache_threshold: float | None = None
+    step_cache_warmup: int = 1  # with the step cache: steps always computed at the start
 
     KEYS = {"kvCacheBytes": "kv_cache_bytes"}  # keys spelled as the spec spells them, by field
 
@@ -289,16 +293,24 @@ class EngineOptions:
     def parse(cls, stage: str, args: dict[str, Any]) -> "EngineOptions":
         path = f"spec.deployment.stages.{stage}.engineArgs"
         known = {"batch_invariant": bool, "max_failed_steps": int, "max_model_len": int, "max_batched_frames": int,
-                 "engine_process": bool, "kvCacheBytes": int, "max_num_batched_tokens": int}
+                 "engine_process": bool, "kvCacheBytes": int, "max_num_batched_tokens": int,
+                 "step_cache_threshold": float, "step_cache_warmup": int}
         args = {k.replace("-", "_"): v for k, v in args.items()}
         unknown = sorted(set(args) - set(known))
         if unknown:
             raise EngineConfigError(f"{path}: unknown key(s) {', '.join(unknown)} for this engine "
                              f"(known: {', '.join(sorted(known))})")
         for k, v in args.items():
-            if type(v) is not known[k] or (known[k] is int and v < 1):
+            if known[k] is float:  # a fraction: YAML's 1 is an int
+                if type(v) not in (int, float) or not 0 < v <= 1:
+                    raise EngineConfigError(f"{path}.{k}: expected a number above 0 and at most 1, got {v!r}")
+                args[k] = float(v)
+            elif type(v) is not known[k] or (known[k] is int and v < 1):
                 raise EngineConfigError(f"{path}.{k}: expected "
                                         f"{'a positive integer' if known[k] is int else 'true or false'}, got {v!r}")
+        if "step_cache_warmup" in args and "step_cache_threshold" not in args:
+            raise EngineConfigError(f"{path}.step_cache_warmup: applies with step_cache_threshold (without it the "
+                                    "step cache is off)")
         return cls(**{cls.KEYS.get(k, k): v for k, v in args.items()})
 
 
@@ -316,6 +328,7 @@ class SteppedEngine(Engine):
     # Whether its states' `cost` is the tokens their next step feeds, so that engineArgs.max_num_batched_tokens
     # bounds a step's tokens (prompts join a step while they fit it; a longer one steps alone).
     TOKEN_BUDGET = False
+    STEP_CACHE = False  # whether it can reuse a step's work for the next (engineArgs.step_cache_threshold)
     core: EngineProcess | None = None  # engine_process: the model's process
 
     def __init__(self, *args, **kwargs):
@@ -333,6 +346,10 @@ class SteppedEngine(Engine):
             raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.kvCacheBytes: this engine "
                                     f"({type(self).__name__}) does not bound its KV cache by a budget yet; the "
                                     "transformers causal LM and the omni Thinkers and Talkers do")
+        if self.options.step_cache_threshold is not None and not self.STEP_CACHE:
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.step_cache_threshold: "
+                                    f"this engine ({type(self).__name__}) has no step cache; the diffusers denoise "
+                                    "loop over a DiT has one")
         self.scheduler = StepScheduler(self.stage.name, self.settings.scheduler, self.step, unit=self.unit,
                                        tally=self.tally,
                                        max_failed_steps=self.options.max_failed_steps,

@@ -117,15 +117,20 @@ async def assert_engine_death_ends_the_stage(srv, kill, failed: str) -> None:
 
 
 async def assert_denoise_steps_shared(model_dir, model: str, long: dict, short: dict, what: str,
-                                      encoders: tuple[str, ...] = ("text-encoder",)) -> None:
+                                      encoders: tuple[str, ...] = ("text-encoder",), edit=None, check=None) -> None:
     """A long and a short diffusion request (`header()` keyword arguments; the short one unguided: one text row
-    beside the long one's two) on one denoise stage fed by the `encoders` stages: the short one joins the long
-    one's steps (batched steps counted), and each ends with the latents it gets alone, bit for bit; nothing is
-    held after."""
+    beside the long one's two) on one denoise stage fed by the `encoders` stages (the example, with `edit` when
+    given): the short one joins the long one's steps (batched steps counted), and each ends with the latents it
+    gets alone, bit for bit; nothing is held after. `check(stage server)`, when given, runs at the end."""
     from .test_stage_batching import batched_steps
     from .test_stage_cancel import chunk_every_step
 
-    pipeline = example(model, chunk_every_step("denoise"))  # latents after every step show how far it is
+    def edited(doc):
+        chunk_every_step("denoise")(doc)  # latents after every step show how far it is
+        if edit is not None:
+            edit(doc)
+
+    pipeline = example(model, edited)
     encs = [await start_stage(pipeline, name, model_dir) for name in encoders]
     den = await start_stage(pipeline, "denoise", model_dir)
     try:
@@ -150,6 +155,8 @@ async def assert_denoise_steps_shared(model_dir, model: str, long: dict, short: 
         assert batched_steps(den) > shared_before
         assert torch.equal(short_joined, short_alone) and torch.equal(long_joined, long_alone)
         await assert_nothing_held(den)
+        if check is not None:
+            check(den)
     finally:
         for enc in encs:
             await enc.drain()

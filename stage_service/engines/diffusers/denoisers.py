@@ -32,6 +32,8 @@ what an entry says:
   Qwen-Image take 2x2 patches as a token sequence);
 - `extra`: further forward arguments built from the packed latents, the text tensors and each row's
   guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`);
+- `blocks`: how a DiT's forward splits after its first transformer block (step_cache.py), for the step cache
+  (`engineArgs.step_cache_threshold`); None: the class runs whole at every step (the UNet);
 - `unserved`: why a pipeline of this class's that the loop would run wrongly is refused (from its
   `model_index.json`), rather than served as another pipeline than published.
 
@@ -48,6 +50,7 @@ import torch
 
 from omnistage.families import Adapter
 from omnistage.families.adapters import DENOISER, DIT_DENOISER
+from stage_service.engines.diffusers.step_cache import SD3_BLOCKS, WAN_BLOCKS, DitBlocks
 
 Config = dict[str, Any]
 
@@ -101,6 +104,7 @@ class DenoiserCall:
     unpack: Callable[[torch.Tensor, torch.Size, Config], torch.Tensor] = _same
     # (packed latents, text forward arguments, guidance scale per row, model config) -> forward arguments
     extra: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Config], dict[str, Any]] = _nothing
+    blocks: DitBlocks | None = None
     # (model_index.json, the model's config) -> why such a pipeline is not served, or "" (served)
     unserved: Callable[[Config, Config], str] = lambda index, cfg: ""
 
@@ -130,7 +134,7 @@ DENOISERS: dict[str, DenoiserCall] = {
         text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
               TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
         patch=lambda cfg: cfg["patch_size"],
-        max_latent_side=lambda cfg: cfg["pos_embed_max_size"] * cfg["patch_size"]),
+        max_latent_side=lambda cfg: cfg["pos_embed_max_size"] * cfg["patch_size"], blocks=SD3_BLOCKS),
     # Wan's patches are (frames, height, width) = (1, 2, 2): square in space. Its rotary position embedding
     # has `rope_max_seq_len` positions along each of time, height and width. Wan2.1-I2V's DiT also attends to the
     # reference image's CLIP embeddings (`image_dim`) and takes 20 condition channels (mask + the VAE's latents).
@@ -144,5 +148,5 @@ DENOISERS: dict[str, DenoiserCall] = {
         takes_image=lambda cfg: cfg.get("image_dim") is not None,
         pins_first_step=frozenset({"WanPipeline"}), unserved=wan_unserved,
         # WanPipeline's prepare_latents(..., torch.float32): UniPC steps float32 latents whatever the model's dtype
-        latents_dtype=torch.float32),
+        latents_dtype=torch.float32, blocks=WAN_BLOCKS),
 }

@@ -32,6 +32,7 @@ from omnistage.families import adapter_for
 from omnistage.families.adapters import IMAGE_ENCODER
 from stage_service.engines.diffusers.denoisers import DENOISERS
 from stage_service.engines.diffusers.layout import PipelineDir
+from stage_service.engines.diffusers.step_cache import CachedRequest, StepCachePolicy, StepCacheState, cached_forward
 from stage_service.engines.diffusers.text import prompt_encoder
 from stage_service.runtime import device
 from stage_service.runtime.base import (
@@ -105,6 +106,7 @@ class DenoiseState(StepState):
     timesteps: list[torch.Tensor] = field(default_factory=list)
     done_steps: int = 0
     finished: bool = False
+    cache: StepCacheState | None = None  # with the step cache on (step_cache.py)
 
     @property
     def rows(self) -> int:
@@ -118,13 +120,16 @@ class DenoiseState(StepState):
 
     def held_bytes(self) -> int:
         condition = 0 if self.condition is None else self.condition.nbytes
-        return self.latents.nbytes + condition + sum(t.nbytes for t in self.text.values())
+        cache = 0 if self.cache is None else self.cache.held_bytes()
+        return self.latents.nbytes + condition + cache + sum(t.nbytes for t in self.text.values())
 
     def release(self) -> None:
         self.latents = torch.empty(0)  # a [:0] view would keep the storage alive
         self.text = {}
         self.condition = None
         self.scheduler = None
+        if self.cache is not None:
+            self.cache.release()
 
 
 def _is_image_encoder(stage) -> bool:
@@ -217,10 +222,13 @@ class DenoiseEngine(SteppedEngine):
     reads the reference image's stage (`image_embeddings`, and the `condition` channels put beside the latents).
 
     A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once. After every
-    step the client hears how many of the request's steps are done (`OutputChunk.progress`).
+    step the client hears how many of the request's steps are done (`OutputChunk.progress`). With
+    `engineArgs.step_cache_threshold` a DiT's requests each reuse their last computed step's residual while their
+    first block's output barely moves (step_cache.py).
     """
 
     ARCHITECTURES = tuple(DENOISERS)  # UNet or DiT: one denoise loop, a table entry per class
+    STEP_CACHE = True  # over a DiT whose entry splits its forward (step_cache.py)
 
     unit = "steps"
 
@@ -235,6 +243,7 @@ class DenoiseEngine(SteppedEngine):
         why = self.call.unserved(pipe.index, pipe.config(pipe.component))
         if why:
             raise EngineConfigError(f"{pipe.index_file}: {why}")
+        self.step_cache = self._step_cache()
         self.model = pipe.load(pipe.component, device=self.device, dtype=self.dtype)
         if self.batch_invariant:  # a video DiT's patch embedding (Wan's Conv3d) too
             make_batch_invariant(self.model, patch_embed_3d=True)
@@ -259,6 +268,17 @@ class DenoiseEngine(SteppedEngine):
                                     f"{pipe.pipeline_class}): stage \"{self.stage.name}\" would drop what its input "
                                     f"{image_inputs[0]} sends; remove that input")
         self.latents_dtype = self.call.latents_dtype or self.dtype  # the model's input is cast to self.dtype
+
+    def _step_cache(self) -> StepCachePolicy | None:
+        threshold = self.options.step_cache_threshold
+        if threshold is None:
+            return None
+        if self.call.blocks is None:
+            split = ", ".join(name for name, call in DENOISERS.items() if call.blocks is not None)
+            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.step_cache_threshold: a "
+                                    f"{self.arch} has no first block to cache on; the step cache runs over the DiTs "
+                                    f"({split})")
+        return StepCachePolicy(threshold, self.options.step_cache_warmup)
 
     def new_state(self, req: StageRequest, text: dict[str, torch.Tensor],
                   condition: torch.Tensor | None = None) -> DenoiseState:
@@ -285,7 +305,8 @@ class DenoiseEngine(SteppedEngine):
             raise InputError(f"condition must be [1, {self.condition_channels}, {', '.join(map(str, shape[2:]))}] for "
                              f"this request's size, got {list(condition.shape)}")
         return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
-                            timesteps=list(sched.timesteps), condition=condition)
+                            timesteps=list(sched.timesteps), condition=condition,
+                            cache=None if self.step_cache is None else StepCacheState())
 
     def step(self, states: list[DenoiseState]) -> list[torch.Tensor]:
         """One denoise step of every image in the batch, each at its own timestep, in one model call."""
@@ -310,14 +331,27 @@ class DenoiseEngine(SteppedEngine):
             text = {k: torch.cat(v) for k, v in text.items()}
             guidance = torch.tensor([st.guidance for st in states for _ in range(st.rows)], device=self.device)
             packed = call.pack(x, self.config)
-            pred_all = self.model(**{call.latents_kwarg: packed}, timestep=timestep, **text,
-                                  **call.extra(packed, text, guidance, self.config), return_dict=False)[0]
+            forward = {call.latents_kwarg: packed, "timestep": timestep, **text,
+                       **call.extra(packed, text, guidance, self.config)}
+            if self.step_cache is None:
+                pred_all = self.model(**forward, return_dict=False)[0]
+            else:  # each request's own reuse decision (step_cache.py)
+                assert call.blocks is not None
+                pred_all, reused = cached_forward(self.model, call.blocks, self.step_cache,
+                                                  [self._cached(st) for st in states], forward)
+                if reused and self.metrics is not None:
+                    self.metrics.cached_steps.labels(self.stage.name).inc(reused)
             pred_all = call.unpack(pred_all, x.shape, self.config)
             out, i = [], 0
             for st in states:
                 out.append(alone(st, self._denoised, st, pred_all[i:i + st.rows]))
                 i += st.rows
         return out
+
+    @staticmethod
+    def _cached(st: DenoiseState) -> CachedRequest:
+        assert st.cache is not None  # every state has one while the step cache is on
+        return CachedRequest(st.cache, st.rows, st.done_steps, len(st.timesteps))
 
     def _denoised(self, st: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         """The image's own part of a step: its guidance and its scheduler's step from the model's prediction."""

@@ -1,0 +1,206 @@
+"""The denoise loop's step cache (first-block caching, `engineArgs.step_cache_threshold`): a DiT whose first
+block's output has barely moved since the last step its request computed in full skips its remaining blocks and
+reuses what they added then.
+
+At every step the DiT runs its input embedding and first transformer block over every row of the batch. Then,
+for each request on its own (its [unconditional, conditional] rows under guidance decide together), the relative
+L1 change of the first block's output since the last step computed in full for that request is compared with
+the threshold:
+
+- below it, the request takes its cached residual (that step's final hidden states minus its first block's
+  output) on top of this step's first-block output, and its rows skip the remaining blocks;
+- otherwise its rows go through the remaining blocks, with those of the other requests that need them (the
+  rows are gathered, stepped, and put back in place), and its residual and first-block output are cached.
+
+The first `step_cache_warmup` steps and the last step of each request are always computed. Every row then
+goes through the model's output layers. A request's decision reads only its own rows, and every kernel on the
+way is batch-invariant (invariance.py), so batching never changes a request's result, cached or not.
+
+What is class-specific is only how a DiT's forward splits after its first block: a `DitBlocks` per class,
+given by its `DENOISERS` entry (denoisers.py). The per-request part (`StepCacheState`) lives in the request's
+`DenoiseState` and is released with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class FirstBlock:
+    """A batch after the DiT's embeddings and first block: its hidden states [rows, tokens, width], the per-row
+    tensors the remaining blocks and the output layers read (batch first), and what every row shares."""
+
+    hidden: torch.Tensor
+    rows: dict[str, torch.Tensor]
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def select(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v.index_select(0, index) for k, v in self.rows.items()}
+
+
+Rows = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DitBlocks:
+    """A DiT's forward in three parts, together the model's own forward, operation for operation:
+    `head(model, **forward arguments)` the embeddings and first block; `rest(model, hidden, rows, shared)` the
+    remaining blocks over some rows; `out(model, hidden, rows, shared)` the output layers (and unpatchify)."""
+
+    head: Callable[..., FirstBlock]
+    rest: Callable[[torch.nn.Module, torch.Tensor, Rows, dict[str, Any]], torch.Tensor]
+    out: Callable[[torch.nn.Module, torch.Tensor, Rows, dict[str, Any]], torch.Tensor]
+
+
+@dataclass(eq=False)
+class StepCacheState:
+    """One request's cache: its first block's output at its last step computed in full, and what the remaining
+    blocks added to it then."""
+
+    first: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    computed: int = 0  # steps run through every block
+    reused: int = 0    # steps that took the residual instead
+
+    def held_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.first, self.residual) if t is not None)
+
+    def release(self) -> None:
+        self.first = self.residual = None
+
+
+def relative_change(now: torch.Tensor, before: torch.Tensor) -> float:
+    """Mean absolute change relative to the mean magnitude before (float32, whatever the stage dtype)."""
+    now, before = now.float(), before.float()
+    scale = before.abs().mean()
+    return float(((now - before).abs().mean() / scale).item()) if scale > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class StepCachePolicy:
+    threshold: float  # relative L1 change of the first block's output under which a step reuses
+    warmup: int = 1   # steps always computed at the start
+
+    def reuses(self, cache: StepCacheState, first: torch.Tensor, step: int, steps: int) -> bool:
+        """Whether a request at `step` (of `steps`) whose first block gave `first` takes its cached residual."""
+        if cache.first is None or cache.residual is None or step < self.warmup or step == steps - 1:
+            return False
+        return relative_change(first, cache.first) < self.threshold
+
+
+@dataclass(frozen=True)
+class CachedRequest:
+    """A request's part of a batched step: its cache, its row count, its step and how many it takes."""
+
+    cache: StepCacheState
+    rows: int
+    step: int
+    steps: int
+
+
+def cached_forward(model: torch.nn.Module, blocks: DitBlocks, policy: StepCachePolicy,
+                   requests: list[CachedRequest], forward: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """The model's output for the batch (`forward`: its forward arguments, rows in `requests`' order), the
+    remaining blocks run only for the rows of requests that do not reuse their cached residual; and how many
+    requests reused theirs."""
+    head = blocks.head(model, **forward)
+    firsts: list[tuple[CachedRequest, torch.Tensor, bool]] = []
+    computed: list[int] = []
+    i = 0
+    for req in requests:
+        first = head.hidden[i:i + req.rows]
+        reuse = policy.reuses(req.cache, first, req.step, req.steps)
+        firsts.append((req, first, reuse))
+        if not reuse:
+            computed.extend(range(i, i + req.rows))
+        i += req.rows
+    rest = None
+    if len(computed) == len(head.hidden):  # every row: as the model's own forward runs them
+        rest = blocks.rest(model, head.hidden, head.rows, head.shared)
+    elif computed:
+        index = torch.tensor(computed, device=head.hidden.device)
+        rest = blocks.rest(model, head.hidden.index_select(0, index), head.select(index), head.shared)
+    parts, j = [], 0
+    for req, first, reuse in firsts:
+        if reuse:
+            assert req.cache.residual is not None  # reuses() saw it
+            parts.append(first + req.cache.residual)
+            req.cache.reused += 1
+            continue
+        assert rest is not None
+        done = rest[j:j + req.rows]
+        j += req.rows
+        req.cache.first, req.cache.residual = first.clone(), done - first
+        req.cache.computed += 1
+        parts.append(done)
+    reused = sum(1 for _, _, reuse in firsts if reuse)
+    return blocks.out(model, torch.cat(parts), head.rows, head.shared), reused
+
+
+# ------------------------------------------------------------ SD3Transformer2DModel
+
+def sd3_head(model, hidden_states, encoder_hidden_states, pooled_projections, timestep) -> FirstBlock:
+    height, width = hidden_states.shape[-2:]
+    hidden = model.pos_embed(hidden_states).contiguous()
+    temb = model.time_text_embed(timestep, pooled_projections)
+    context = model.context_embedder(encoder_hidden_states)
+    context, hidden = model.transformer_blocks[0](hidden_states=hidden, encoder_hidden_states=context, temb=temb)
+    return FirstBlock(hidden, {"temb": temb, "context": context}, {"height": height, "width": width})
+
+
+def sd3_rest(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    context = rows["context"]
+    for block in model.transformer_blocks[1:]:
+        context, hidden = block(hidden_states=hidden, encoder_hidden_states=context, temb=rows["temb"])
+    return hidden
+
+
+def sd3_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    hidden = model.proj_out(model.norm_out(hidden, rows["temb"]))
+    p, c = model.config.patch_size, model.out_channels
+    h, w = shared["height"] // p, shared["width"] // p
+    hidden = torch.einsum("nhwpqc->nchpwq", hidden.reshape(hidden.shape[0], h, w, p, p, c))
+    return hidden.reshape(hidden.shape[0], c, h * p, w * p)
+
+
+SD3_BLOCKS = DitBlocks(head=sd3_head, rest=sd3_rest, out=sd3_out)
+
+
+# ------------------------------------------------------------ WanTransformer3DModel
+
+def wan_head(model, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None) -> FirstBlock:
+    rotary = model.rope(hidden_states)
+    hidden = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+    temb, projected, context, image = model.condition_embedder(timestep, encoder_hidden_states,
+                                                               encoder_hidden_states_image, timestep_seq_len=None)
+    projected = projected.unflatten(1, (6, -1))
+    if image is not None:
+        context = torch.concat([image, context], dim=1)
+    hidden = model.blocks[0](hidden, context, projected, rotary)
+    return FirstBlock(hidden, {"temb": temb, "projected": projected, "context": context},
+                      {"rotary": rotary, "shape": hidden_states.shape})
+
+
+def wan_rest(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    for block in model.blocks[1:]:
+        hidden = block(hidden, rows["context"], rows["projected"], shared["rotary"])
+    return hidden
+
+
+def wan_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    temb = rows["temb"]
+    shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    shift, scale = shift.to(hidden.device), scale.to(hidden.device)
+    hidden = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+    hidden = model.proj_out(hidden)
+    _, _, frames, height, width = shared["shape"]
+    p_t, p_h, p_w = model.config.patch_size
+    hidden = hidden.reshape(hidden.shape[0], frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
+    return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+WAN_BLOCKS = DitBlocks(head=wan_head, rest=wan_rest, out=wan_out)
