@@ -243,7 +243,7 @@ class DenoiseEngine(SteppedEngine):
         why = self.call.unserved(pipe.index, pipe.config(pipe.component))
         if why:
             raise EngineConfigError(f"{pipe.index_file}: {why}")
-        self.step_cache = self._step_cache()
+        self.step_cache = self._step_cache(cfg)
         self.model = pipe.load(pipe.component, device=self.device, dtype=self.dtype)
         if self.batch_invariant:  # a video DiT's patch embedding (Wan's Conv3d) too
             make_batch_invariant(self.model, patch_embed_3d=True)
@@ -269,15 +269,23 @@ class DenoiseEngine(SteppedEngine):
                                     f"{image_inputs[0]} sends; remove that input")
         self.latents_dtype = self.call.latents_dtype or self.dtype  # the model's input is cast to self.dtype
 
-    def _step_cache(self) -> StepCachePolicy | None:
+    def _step_cache(self, cfg: dict) -> StepCachePolicy | None:
         threshold = self.options.step_cache_threshold
         if threshold is None:
             return None
+        field = f"spec.deployment.stages.{self.stage.name}.engineArgs.step_cache_threshold"
         if self.call.blocks is None:
             split = ", ".join(name for name, call in DENOISERS.items() if call.blocks is not None)
-            raise EngineConfigError(f"spec.deployment.stages.{self.stage.name}.engineArgs.step_cache_threshold: a "
-                                    f"{self.arch} has no first block to cache on; the step cache runs over the DiTs "
-                                    f"({split})")
+            raise EngineConfigError(f"{field}: a {self.arch} has no step-cache split (`DitBlocks`) in DENOISERS; the "
+                                    f"step cache runs over {split}")
+        blocks = self.call.blocks.count(cfg)
+        if blocks < 2:
+            raise EngineConfigError(f"{field}: this {self.arch} has {blocks} transformer block(s); the step cache "
+                                    "skips the blocks after the first, so it needs two or more")
+        if not self.batch_invariant:  # a last-bit difference from a neighbour could flip a whole step's decision
+            raise EngineConfigError(f"{field}: needs batch invariance (engineArgs.batch_invariant, on by default): "
+                                    "without it a request's reuse decisions, and so its image, would depend on its "
+                                    "neighbours in the batch")
         return StepCachePolicy(threshold, self.options.step_cache_warmup)
 
     def new_state(self, req: StageRequest, text: dict[str, torch.Tensor],

@@ -1,16 +1,18 @@
 """The denoise loop's step cache (first-block caching, `engineArgs.step_cache_threshold`): a DiT whose first
-block's output has barely moved since the last step its request computed in full skips its remaining blocks and
-reuses what they added then.
+block's residual (what the block adds to its input) has barely moved since the last step its request computed in
+full skips its remaining blocks and reuses what they added then.
 
 At every step the DiT runs its input embedding and first transformer block over every row of the batch. Then,
 for each request on its own (its [unconditional, conditional] rows under guidance decide together), the relative
-L1 change of the first block's output since the last step computed in full for that request is compared with
-the threshold:
+L1 change of the first block's residual since the last step computed in full for that request is compared with
+the threshold (the first block's residual, not its output: the output carries the embedded input, position
+embedding included, which moves little whatever the step, so a change in it would read small where the blocks'
+work has moved a lot):
 
 - below it, the request takes its cached residual (that step's final hidden states minus its first block's
   output) on top of this step's first-block output, and its rows skip the remaining blocks;
 - otherwise its rows go through the remaining blocks, with those of the other requests that need them (the
-  rows are gathered, stepped, and put back in place), and its residual and first-block output are cached.
+  rows are gathered, stepped, and put back in place), and its residuals are cached.
 
 The first `step_cache_warmup` steps and the last step of each request are always computed. Every row then
 goes through the model's output layers. A request's decision reads only its own rows, and every kernel on the
@@ -35,6 +37,7 @@ class FirstBlock:
     tensors the remaining blocks and the output layers read (batch first), and what every row shares."""
 
     hidden: torch.Tensor
+    before: torch.Tensor  # the hidden states the first block took (the embedded input)
     rows: dict[str, torch.Tensor]
     shared: dict[str, Any] = field(default_factory=dict)
 
@@ -54,42 +57,42 @@ class DitBlocks:
     head: Callable[..., FirstBlock]
     rest: Callable[[torch.nn.Module, torch.Tensor, Rows, dict[str, Any]], torch.Tensor]
     out: Callable[[torch.nn.Module, torch.Tensor, Rows, dict[str, Any]], torch.Tensor]
+    count: Callable[[dict[str, Any]], int]  # the model's transformer blocks, from its config
 
 
 @dataclass(eq=False)
 class StepCacheState:
-    """One request's cache: its first block's output at its last step computed in full, and what the remaining
-    blocks added to it then."""
+    """One request's cache: its first block's residual at its last step computed in full (the signal), and what the
+    remaining blocks added then."""
 
-    first: torch.Tensor | None = None
+    signal: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     computed: int = 0  # steps run through every block
     reused: int = 0    # steps that took the residual instead
 
     def held_bytes(self) -> int:
-        return sum(t.nbytes for t in (self.first, self.residual) if t is not None)
+        return sum(t.nbytes for t in (self.signal, self.residual) if t is not None)
 
     def release(self) -> None:
-        self.first = self.residual = None
+        self.signal = self.residual = None
 
 
-def relative_change(now: torch.Tensor, before: torch.Tensor) -> float:
-    """Mean absolute change relative to the mean magnitude before (float32, whatever the stage dtype)."""
+def relative_change(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Mean absolute change relative to the mean magnitude before (float32, whatever the stage dtype; inf where
+    before is all zeros), as a 0-d tensor: read with the batch's others at once."""
     now, before = now.float(), before.float()
     scale = before.abs().mean()
-    return float(((now - before).abs().mean() / scale).item()) if scale > 0 else float("inf")
+    return torch.where(scale > 0, (now - before).abs().mean() / scale, torch.full_like(scale, float("inf")))
 
 
 @dataclass(frozen=True)
 class StepCachePolicy:
-    threshold: float  # relative L1 change of the first block's output under which a step reuses
+    threshold: float  # relative L1 change of the first block's residual under which a step reuses
     warmup: int = 1   # steps always computed at the start
 
-    def reuses(self, cache: StepCacheState, first: torch.Tensor, step: int, steps: int) -> bool:
-        """Whether a request at `step` (of `steps`) whose first block gave `first` takes its cached residual."""
-        if cache.first is None or cache.residual is None or step < self.warmup or step == steps - 1:
-            return False
-        return relative_change(first, cache.first) < self.threshold
+    def may_reuse(self, cache: StepCacheState, step: int, steps: int) -> bool:
+        """Whether a request at `step` (of `steps`) may take its cached residual (then its change decides)."""
+        return cache.signal is not None and cache.residual is not None and self.warmup <= step < steps - 1
 
 
 @dataclass(frozen=True)
@@ -108,16 +111,21 @@ def cached_forward(model: torch.nn.Module, blocks: DitBlocks, policy: StepCacheP
     remaining blocks run only for the rows of requests that do not reuse their cached residual; and how many
     requests reused theirs."""
     head = blocks.head(model, **forward)
-    firsts: list[tuple[CachedRequest, torch.Tensor, bool]] = []
+    signals = head.hidden - head.before  # what the first block added, each row
+    starts = [sum(r.rows for r in requests[:k]) for k in range(len(requests))]
+    candidates = [k for k, req in enumerate(requests) if policy.may_reuse(req.cache, req.step, req.steps)]
+    changes = torch.stack([relative_change(signals[starts[k]:starts[k] + requests[k].rows],
+                                           requests[k].cache.signal)  # type: ignore[arg-type]
+                           for k in candidates]).tolist() if candidates else []  # one read for the batch
+    reusing = {k for k, change in zip(candidates, changes) if change < policy.threshold}
+    firsts: list[tuple[CachedRequest, torch.Tensor, torch.Tensor, bool]] = []
     computed: list[int] = []
-    i = 0
-    for req in requests:
-        first = head.hidden[i:i + req.rows]
-        reuse = policy.reuses(req.cache, first, req.step, req.steps)
-        firsts.append((req, first, reuse))
+    for k, req in enumerate(requests):
+        i = starts[k]
+        reuse = k in reusing
+        firsts.append((req, head.hidden[i:i + req.rows], signals[i:i + req.rows], reuse))
         if not reuse:
             computed.extend(range(i, i + req.rows))
-        i += req.rows
     rest = None
     if len(computed) == len(head.hidden):  # every row: as the model's own forward runs them
         rest = blocks.rest(model, head.hidden, head.rows, head.shared)
@@ -125,20 +133,21 @@ def cached_forward(model: torch.nn.Module, blocks: DitBlocks, policy: StepCacheP
         index = torch.tensor(computed, device=head.hidden.device)
         rest = blocks.rest(model, head.hidden.index_select(0, index), head.select(index), head.shared)
     parts, j = [], 0
-    for req, first, reuse in firsts:
+    for req, first, signal, reuse in firsts:
         if reuse:
-            assert req.cache.residual is not None  # reuses() saw it
+            assert req.cache.residual is not None  # may_reuse() saw it
             parts.append(first + req.cache.residual)
             req.cache.reused += 1
             continue
         assert rest is not None
         done = rest[j:j + req.rows]
         j += req.rows
-        req.cache.first, req.cache.residual = first.clone(), done - first
+        req.cache.signal, req.cache.residual = signal.clone(), done - first
         req.cache.computed += 1
         parts.append(done)
-    reused = sum(1 for _, _, reuse in firsts if reuse)
-    return blocks.out(model, torch.cat(parts), head.rows, head.shared), reused
+    hidden = rest if not reusing and rest is not None else torch.cat(parts)  # every row ran: no copy
+    reused = len(reusing)
+    return blocks.out(model, hidden, head.rows, head.shared), reused
 
 
 # ------------------------------------------------------------ SD3Transformer2DModel
@@ -148,8 +157,9 @@ def sd3_head(model, hidden_states, encoder_hidden_states, pooled_projections, ti
     hidden = model.pos_embed(hidden_states).contiguous()
     temb = model.time_text_embed(timestep, pooled_projections)
     context = model.context_embedder(encoder_hidden_states)
+    before = hidden
     context, hidden = model.transformer_blocks[0](hidden_states=hidden, encoder_hidden_states=context, temb=temb)
-    return FirstBlock(hidden, {"temb": temb, "context": context}, {"height": height, "width": width})
+    return FirstBlock(hidden, before, {"temb": temb, "context": context}, {"height": height, "width": width})
 
 
 def sd3_rest(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
@@ -167,12 +177,15 @@ def sd3_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> 
     return hidden.reshape(hidden.shape[0], c, h * p, w * p)
 
 
-SD3_BLOCKS = DitBlocks(head=sd3_head, rest=sd3_rest, out=sd3_out)
+SD3_BLOCKS = DitBlocks(head=sd3_head, rest=sd3_rest, out=sd3_out, count=lambda cfg: cfg["num_layers"])
 
 
 # ------------------------------------------------------------ WanTransformer3DModel
 
 def wan_head(model, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None) -> FirstBlock:
+    if timestep.ndim != 1:  # a timestep per token (Wan 2.2 TI2V's expand_timesteps): refused when the stage loads
+        raise ValueError(f"the Wan step-cache split takes one timestep per row, got a timestep of {timestep.ndim} "
+                         "dimensions (denoisers.wan_unserved refuses such a pipeline)")
     rotary = model.rope(hidden_states)
     hidden = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
     temb, projected, context, image = model.condition_embedder(timestep, encoder_hidden_states,
@@ -180,8 +193,9 @@ def wan_head(model, hidden_states, timestep, encoder_hidden_states, encoder_hidd
     projected = projected.unflatten(1, (6, -1))
     if image is not None:
         context = torch.concat([image, context], dim=1)
+    before = hidden
     hidden = model.blocks[0](hidden, context, projected, rotary)
-    return FirstBlock(hidden, {"temb": temb, "projected": projected, "context": context},
+    return FirstBlock(hidden, before, {"temb": temb, "projected": projected, "context": context},
                       {"rotary": rotary, "shape": hidden_states.shape})
 
 
@@ -203,4 +217,4 @@ def wan_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> 
     return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
-WAN_BLOCKS = DitBlocks(head=wan_head, rest=wan_rest, out=wan_out)
+WAN_BLOCKS = DitBlocks(head=wan_head, rest=wan_rest, out=wan_out, count=lambda cfg: cfg["num_layers"])
