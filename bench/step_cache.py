@@ -1,5 +1,5 @@
 """The denoise loop's step cache (`engineArgs.step_cache_threshold`, stage_service/engines/diffusers/step_cache.py):
-how much faster a denoise stage runs with it, and how far its images move, on the tiny SD3 and Wan models.
+how much faster a denoise stage runs with it, and how far its images move, on the tiny SD3, FLUX.1 and Wan models.
 
 Per family, in this one process (one torch thread, as every stage process runs): the example's text-encoder and
 vae-decode stages, and two denoise stages of the same example side by side: `uncached` (the example as it is)
@@ -67,11 +67,14 @@ class Family:
 
 
 FAMILIES = {
-    # SD3's default 28 steps and guidance 7.0
-    "sd3": Family("sd3-tiny", 0.3, dict(width=64, height=64, num_inference_steps=28, guidance_scale=7.0)),
+    # SD3's default 28 steps and guidance 7.0 (two rows: [negative, prompt])
+    "sd3": Family("sd3-tiny", 0.3, dict(width=64, height=64, num_inference_steps=28, guidance_scale=7.0,
+                                        negative_prompt="blurry")),
+    # FluxPipeline's default 28 steps and guidance 3.5 (FLUX.1-dev's guidance embedding: one row, no negative prompt)
+    "flux": Family("flux-tiny", 0.1, dict(width=64, height=64, num_inference_steps=28, guidance_scale=3.5)),
     # Wan's guidance 5.0; 17 frames (5 latent frames) keep the VAE's decode, outside what is timed, short
     "wan": Family("wan-t2v-tiny", 0.1, dict(width=64, height=64, num_frames=17, num_inference_steps=30,
-                                            guidance_scale=5.0), output="video"),
+                                            guidance_scale=5.0, negative_prompt="blurry"), output="video"),
 }
 
 
@@ -91,7 +94,7 @@ async def measure(name: str, family: Family, threshold: float, rounds: int, prom
             servers[key] = StageServer(pipe, stage, "127.0.0.1", 0, model_root=str(MODELS))
             await servers[key].start()
         seeds = [SEED + i for i in range(prompts)]
-        heads = [header(f"{name}-{i}", prompt=p, seed=seed, negative_prompt="blurry", **family.ask)
+        heads = [header(f"{name}-{i}", prompt=p, seed=seed, **family.ask)
                  for i, (p, seed) in enumerate(zip(PROMPTS, seeds))]
         embeddings = [await call_stage(servers["text"].port, h, timeout=CALL_BOUND_S) for h in heads]
         counts = {side: SecondBlockRows(servers[side]) for side in ("uncached", "cached")}

@@ -10,18 +10,19 @@ service (`PipelineDir`) and `omnistage models check` refuse the same pairs, by c
 from __future__ import annotations
 
 # The classes the served families' published checkpoints name (sd: StableDiffusionPipeline, sd3:
-# StableDiffusion3Pipeline, wan: WanPipeline, wan_i2v: WanImageToVideoPipeline; `omnistage/families`), and the
-# tokenizer and processor classes transformers writes for them.
+# StableDiffusion3Pipeline, wan: WanPipeline, wan_i2v: WanImageToVideoPipeline, flux: FluxPipeline;
+# `omnistage/families`), and the tokenizer and processor classes transformers writes for them.
 # The families list their components, not these classes, so the set is explicit: a new family adds its own.
 COMPONENT_CLASSES: frozenset[tuple[str, str]] = frozenset({
     ("diffusers", "UNet2DConditionModel"),          # sd denoiser
     ("diffusers", "SD3Transformer2DModel"),         # sd3 denoiser
-    ("diffusers", "AutoencoderKL"),                 # both: VAE
+    ("diffusers", "AutoencoderKL"),                 # sd, sd3, flux: VAE
+    ("diffusers", "FluxTransformer2DModel"),        # flux denoiser
     ("diffusers", "WanTransformer3DModel"),         # wan denoiser
     ("diffusers", "AutoencoderKLWan"),              # wan: the causal video VAE
-    ("transformers", "CLIPTextModel"),              # sd text encoder
+    ("transformers", "CLIPTextModel"),              # sd text encoder; flux text encoder 1 (pooled)
     ("transformers", "CLIPTextModelWithProjection"),  # sd3 text encoders 1 and 2
-    ("transformers", "T5EncoderModel"),             # sd3 text encoder 3
+    ("transformers", "T5EncoderModel"),             # sd3 text encoder 3; flux text encoder 2
     ("transformers", "UMT5EncoderModel"),           # wan text encoder
     ("transformers", "CLIPTokenizer"),
     ("transformers", "CLIPTokenizerFast"),

@@ -120,8 +120,10 @@ def engine_names() -> tuple[str, ...]:
 
 
 def engines_for_kind(kind: str) -> tuple[str, ...]:
-    """Engines with some adapter for this kind of stage, in table order."""
-    return tuple(dict.fromkeys(e for a in all_adapters() if a.kind == kind for e in a.engines))
+    """Engines with some adapter for this kind of stage, in `ENGINES` order (not the order in which the families
+    happen to register: a new family module must not reorder a message that lists them)."""
+    found = {e for a in all_adapters() if a.kind == kind for e in a.engines}
+    return tuple(e for e in ENGINES if e in found)
 
 
 def components_for(engine: str, kind: str) -> tuple[str, ...]:

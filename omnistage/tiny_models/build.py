@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from omnistage.tiny_models import diffusion, lm, qwen2_5_omni, qwen3_asr, qwen3_omni, sd3, wan
+from omnistage.tiny_models import diffusion, flux, lm, qwen2_5_omni, qwen3_asr, qwen3_omni, sd3, wan
 
 # Bump when a builder changes, so stale models get rebuilt.
 BUILD_VERSION = 7
@@ -21,6 +21,7 @@ MODELS: dict[str, Callable[[Path, int], None]] = {
     "wan-t2v-tiny": wan.build,
     "wan-i2v-tiny": wan.build_i2v,
     "qwen3-asr-tiny": qwen3_asr.build,
+    "flux-tiny": flux.build,
 }
 
 

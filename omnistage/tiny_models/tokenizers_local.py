@@ -26,6 +26,8 @@ CORPUS = [
     "Kubernetes schedules pods; each stage scales on its own.",
 ]
 
+SCORE_DIGITS = 6  # the Unigram scores kept: far above the trainer's run-to-run noise, far below their gaps
+
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
@@ -142,3 +144,22 @@ def save_qwen_tokenizer(tok, out) -> None:
     (out / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False))
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+
+
+def t5_tokenizer(specials: list[str], vocab_size: int = 300):
+    """A transformers T5Tokenizer (sentencepiece-style Unigram, Metaspace pre-tokenizer) trained on CORPUS, with
+    `specials` at the first ids (`<pad>`, `</s>`, ... as the model's tokenizer numbers them)."""
+    from transformers import T5Tokenizer
+
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.train_from_iterator(CORPUS * 20, trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>", show_progress=False))
+    trained = [tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]]
+    assert [v[0] for v in trained[:len(specials)]] == specials, "special tokens must keep the model's ids"
+    # The trainer's scores differ between runs in their last bits (~1e-14), which reorders pieces of equal
+    # score: rounded, and ties put in the pieces' order, every build is the same tokenizer.
+    pieces = sorted(((piece, round(score, SCORE_DIGITS)) for piece, score in trained[len(specials):]),
+                    key=lambda v: (-v[1], v[0]))
+    vocab = [*trained[:len(specials)], *pieces]
+    return T5Tokenizer(vocab=vocab, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_ids=0)

@@ -11,37 +11,21 @@ tokens (`<pad>` 0, `</s>` 1, `<s>` 2, `<unk>` 3); the scheduler is configured as
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from omnistage.tiny_models.tokenizers_local import CORPUS
+from omnistage.tiny_models.tokenizers_local import t5_tokenizer
 
 # UMT5's special tokens at UMT5's ids (google/umt5-xxl, the Wan text encoder's tokenizer).
 SPECIALS = ["<pad>", "</s>", "<s>", "<unk>"]
 TEXT_WIDTH = 32       # the UMT5 encoder's d_model: the DiT's `text_dim`
 LATENT_CHANNELS = 16  # Wan2.1's VAE z_dim
-SCORE_DIGITS = 6  # the Unigram scores kept: far above the trainer's run-to-run noise, far below their gaps
 # The published 1.3B scheduler: UniPC over flow-matching sigmas, shifted by 3.0 (the 480P setting).
 SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0)
 
 
 def umt5_tokenizer(vocab_size: int = 300):
     """A transformers T5Tokenizer (Unigram, Metaspace pre-tokenizer) with UMT5's special tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import T5Tokenizer
-
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    unigram.train_from_iterator(CORPUS * 20, trainers.UnigramTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, unk_token="<unk>", show_progress=False))
-    trained = [tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]]
-    assert [v[0] for v in trained[:len(SPECIALS)]] == SPECIALS, "special tokens must keep UMT5's ids"
-    # The trainer's scores differ between runs in their last bits (~1e-14), which reorders pieces of equal
-    # score: rounded, and ties put in the pieces' order, every build is the same tokenizer.
-    pieces = sorted(((piece, round(score, SCORE_DIGITS)) for piece, score in trained[len(SPECIALS):]),
-                    key=lambda v: (-v[1], v[0]))
-    vocab = [*trained[:len(SPECIALS)], *pieces]
-    return T5Tokenizer(vocab=vocab, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_ids=0)
+    return t5_tokenizer(SPECIALS, vocab_size)
 
 
 def _parts(seed: int, **image):

@@ -9,7 +9,13 @@ what an entry says:
 - `latents_kwarg`: the forward argument that takes the (packed) latents;
 - `text`: which tensors of the text stage's chunk go to which forward argument, and the config key
   giving each one's width (checked before a request joins a batch);
-- `timestep_scale`: FLUX-style models take t / 1000 where the scheduler's timesteps run to 1000;
+- `timestep_divisor`: FLUX-style models take t / 1000 where the scheduler's timesteps run to 1000 (the
+  timestep cast to the stage dtype first, as FluxPipeline casts it to its latents');
+- `guidance_rows`: whether guidance runs over [unconditional, conditional] rows (classifier-free guidance, the
+  text stage sending two rows when `guidance_scale > 1`); False: one row per image whatever the scale, which the
+  model takes as an input where its config has one (FLUX.1-dev's distilled guidance, through `extra`);
+- `latent_channels`: the channels of the latents the loop keeps (and the VAE decodes) from the model's config:
+  by default its `out_channels` (else `in_channels`); FLUX packs four latent channels into each of its inputs;
 - `patch`: latent pixels per image token along a side (for the size check and the image's token
   count); `max_latent_side`: the largest latent side the model's position embedding covers;
 - `video`: the model denoises a video's latents [batch, channels, latent frames, h, w] (Wan), the frame
@@ -30,15 +36,15 @@ what an entry says:
   shift `mu` of a flow-matching scheduler whose config asks for `use_dynamic_shifting`);
 - `pack` / `unpack`: the model's latent layout when it is not [batch, channels, h, w] (FLUX and
   Qwen-Image take 2x2 patches as a token sequence);
-- `extra`: further forward arguments built from the packed latents, the text tensors and each row's
-  guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`);
+- `extra`: further forward arguments built from the model's input before packing ([rows, C, h, w]), the text
+  tensors and each row's guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`);
 - `blocks`: how a DiT's forward splits after its first transformer block (step_cache.py), for the step cache
   (`engineArgs.step_cache_threshold`); None: the class runs whole at every step (the UNet);
 - `unserved`: why a pipeline of this class's that the loop would run wrongly is refused (from its
   `model_index.json`), rather than served as another pipeline than published.
 
-So a FluxTransformer2DModel or QwenImageTransformer2DModel plugs in as one more entry (plus, for its
-text conditioning, a `PromptEncoder` in diffusion_text.py), not as another engine.
+So a FluxTransformer2DModel (FLUX.1) plugs in as one more entry, plus, for its text conditioning, a
+`PromptEncoder` in text.py, not as another engine; a QwenImageTransformer2DModel would too.
 """
 
 from __future__ import annotations
@@ -46,11 +52,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from omnistage.families import Adapter
 from omnistage.families.adapters import DENOISER, DIT_DENOISER
-from stage_service.engines.diffusers.step_cache import SD3_BLOCKS, WAN_BLOCKS, DitBlocks
+from stage_service.engines.diffusers.step_cache import FLUX_BLOCKS, SD3_BLOCKS, WAN_BLOCKS, DitBlocks
 
 Config = dict[str, Any]
 
@@ -90,7 +97,9 @@ class DenoiserCall:
     adapter: Adapter
     latents_kwarg: str
     text: tuple[TextInput, ...]
-    timestep_scale: float = 1.0
+    timestep_divisor: float = 1.0
+    guidance_rows: bool = True
+    latent_channels: Callable[[Config], int] = lambda cfg: cfg.get("out_channels") or cfg["in_channels"]
     patch: Callable[[Config], int] = lambda cfg: 1
     max_latent_side: Callable[[Config], int | None] = lambda cfg: None
     video: bool = False
@@ -102,7 +111,7 @@ class DenoiserCall:
     schedule: Callable[[int, int, Config], dict[str, Any]] = default_schedule
     pack: Callable[[torch.Tensor, Config], torch.Tensor] = _same
     unpack: Callable[[torch.Tensor, torch.Size, Config], torch.Tensor] = _same
-    # (packed latents, text forward arguments, guidance scale per row, model config) -> forward arguments
+    # (model input before packing, text forward arguments, guidance scale per row, model config) -> forward arguments
     extra: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Config], dict[str, Any]] = _nothing
     blocks: DitBlocks | None = None
     # (model_index.json, the model's config) -> why such a pipeline is not served, or "" (served)
@@ -122,6 +131,58 @@ def wan_unserved(index: Config, cfg: Config) -> str:
     if cfg.get("pos_embed_seq_len"):
         return ("a first-last-frame Wan transformer (pos_embed_seq_len: Wan2.1 FLF2V) is not served: the reference "
                 "image's stage sends one image")
+    return ""
+
+
+# FluxPipeline's packing: each 2x2 patch of latents is one token of 4 x the latent channels.
+FLUX_PATCH = 2
+
+
+def flux_pack(x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """[b, c, h, w] -> [b, h/2 x w/2, 4c], as FluxPipeline packs its latents."""
+    b, c, h, w = x.shape
+    x = x.view(b, c, h // FLUX_PATCH, FLUX_PATCH, w // FLUX_PATCH, FLUX_PATCH).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // FLUX_PATCH) * (w // FLUX_PATCH), c * FLUX_PATCH * FLUX_PATCH)
+
+
+def flux_unpack(pred: torch.Tensor, shape: torch.Size, cfg: Config) -> torch.Tensor:
+    """[b, h/2 x w/2, 4c] -> [b, c, h, w] (`shape`: the model input's before packing)."""
+    b, c, h, w = shape
+    pred = pred.view(b, h // FLUX_PATCH, w // FLUX_PATCH, c, FLUX_PATCH, FLUX_PATCH).permute(0, 3, 1, 4, 2, 5)
+    return pred.reshape(b, c, h, w)
+
+
+def flux_extra(x: torch.Tensor, text: dict[str, torch.Tensor], guidance: torch.Tensor,
+               cfg: Config) -> dict[str, Any]:
+    """FluxPipeline's rotary positions, shared by every row: each text token at (0, 0, 0), each latent patch at
+    (0, its row, its column); and, where the config embeds it (`guidance_embeds`: FLUX.1-dev, not -schnell), each
+    row's guidance scale (float32, as the pipeline passes it)."""
+    context = text["encoder_hidden_states"]
+    h, w = x.shape[-2] // FLUX_PATCH, x.shape[-1] // FLUX_PATCH
+    img = torch.zeros(h, w, 3)
+    img[..., 1] = img[..., 1] + torch.arange(h)[:, None]
+    img[..., 2] = img[..., 2] + torch.arange(w)[None, :]
+    out: dict[str, Any] = {"img_ids": img.reshape(h * w, 3).to(context.device, context.dtype),
+                           "txt_ids": torch.zeros(context.shape[1], 3, device=context.device, dtype=context.dtype)}
+    if cfg.get("guidance_embeds"):
+        out["guidance"] = guidance.float()
+    return out
+
+
+def flux_schedule(steps: int, image_tokens: int, scheduler_cfg: Config) -> dict[str, Any]:
+    """FluxPipeline's: its own sigmas, linspace(1, 1/steps) (unless the scheduler makes flow sigmas itself), with
+    the resolution shift `mu` (used where the scheduler shifts dynamically)."""
+    sigmas = None if scheduler_cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+    return {"sigmas": sigmas, "mu": resolution_shift(image_tokens, scheduler_cfg)}
+
+
+def flux_unserved(index: Config, cfg: Config) -> str:
+    """A FLUX.1 transformer taking channels beyond its latents' (Fill, Depth, Canny: a masked or control image's
+    latents packed beside them) is another pipeline's."""
+    channels_in, channels_out = cfg.get("in_channels"), cfg.get("out_channels") or cfg.get("in_channels")
+    if channels_in != channels_out:
+        return (f"a FluxTransformer2DModel with in_channels {channels_in} and out_channels {channels_out} (FLUX.1 "
+                "Fill, Depth or Canny) is not served: the denoise loop sends it its latents alone")
     return ""
 
 
@@ -149,4 +210,14 @@ DENOISERS: dict[str, DenoiserCall] = {
         pins_first_step=frozenset({"WanPipeline"}), unserved=wan_unserved,
         # WanPipeline's prepare_latents(..., torch.float32): UniPC steps float32 latents whatever the model's dtype
         latents_dtype=torch.float32, blocks=WAN_BLOCKS),
+    # FLUX.1: 2x2 latent patches packed into tokens, rotary positions, t / 1000; FLUX.1-dev's guidance is an input
+    # (distilled), not a second row; T5 tokens as the text and CLIP's pooled output beside them.
+    "FluxTransformer2DModel": DenoiserCall(
+        adapter=DIT_DENOISER, latents_kwarg="hidden_states",
+        text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
+              TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
+        timestep_divisor=1000.0, guidance_rows=False,
+        latent_channels=lambda cfg: (cfg.get("out_channels") or cfg["in_channels"]) // (FLUX_PATCH * FLUX_PATCH),
+        patch=lambda cfg: FLUX_PATCH, pins_first_step=frozenset({"FluxPipeline"}), schedule=flux_schedule,
+        pack=flux_pack, unpack=flux_unpack, extra=flux_extra, blocks=FLUX_BLOCKS, unserved=flux_unserved),
 }

@@ -62,7 +62,8 @@ class PromptState(StepState):
 
 class TextEncoderEngine(SteppedEngine):
     """prompt (+ negative prompt under classifier-free guidance) -> `embeddings` [1 or 2, tokens, dim], and
-    what else the pipeline's denoiser takes (SD3: `pooled_embeddings` [1 or 2, dim])."""
+    what else the pipeline's denoiser takes (SD3, FLUX.1: `pooled_embeddings` [1 or 2, dim]); the rows as the
+    pipeline's prompt encoding says (`PromptEncoder.prompts`: FLUX.1's one row)."""
 
     ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection", "UMT5EncoderModel")  # the component's class
 
@@ -85,8 +86,7 @@ class TextEncoderEngine(SteppedEngine):
         return out
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
-        p = req.params
-        prompts = [p.text] if p.guidance_scale <= 1.0 else [p.negative_prompt, p.text]
+        prompts = self.encoder.prompts(req.params)
         async with self.scheduler.submit(req.request_id, PromptState(prompts)) as stream:
             encoded = await stream.next()
         yield OutputChunk(tensors=encoded, last=True, queue_ms=stream.queue_ms, compute_ms=stream.compute_ms)
@@ -254,8 +254,9 @@ class DenoiseEngine(SteppedEngine):
         self.timesteps_take_device = "device" in inspect.signature(self.scheduler_cls.set_timesteps).parameters
         self.vae_scale, self.vae_frames = vae_scales(pipe)
         # The channels it denoises; those it takes beyond them are a condition another stage sends (image-to-video).
-        self.latent_channels = self.config.get("out_channels") or self.config["in_channels"]
-        self.condition_channels = self.config["in_channels"] - self.latent_channels
+        self.latent_channels = self.call.latent_channels(self.config)
+        self.condition_channels = self.config["in_channels"] - (self.config.get("out_channels")
+                                                                or self.config["in_channels"])
         self.takes_image = self.call.takes_image(self.config)
         self.pins_first_step = pipe.pipeline_class in self.call.pins_first_step
         image_inputs = [e.source for e in self.stage.inputs if _is_image_encoder(self.pipeline.stage(e.source))]
@@ -334,13 +335,13 @@ class DenoiseEngine(SteppedEngine):
                     text[k].append(v)
             x = torch.cat(model_in)
             timestep = torch.cat(ts)
-            if call.timestep_scale != 1.0:
-                timestep = timestep * call.timestep_scale
+            if call.timestep_divisor != 1.0:  # in the model's dtype first, as the pipelines cast it
+                timestep = timestep.to(self.dtype) / call.timestep_divisor
             text = {k: torch.cat(v) for k, v in text.items()}
             guidance = torch.tensor([st.guidance for st in states for _ in range(st.rows)], device=self.device)
             packed = call.pack(x, self.config)
             forward = {call.latents_kwarg: packed, "timestep": timestep, **text,
-                       **call.extra(packed, text, guidance, self.config)}
+                       **call.extra(x, text, guidance, self.config)}
             if self.step_cache is None:
                 pred_all = self.model(**forward, return_dict=False)[0]
             else:  # each request's own reuse decision (step_cache.py)
@@ -400,8 +401,9 @@ class DenoiseEngine(SteppedEngine):
             t = self.on_device(_named(chunks, ti.tensor)).to(self.dtype)
             width = self.config[ti.width]
             if ti.per_token:
-                ok = t.dim() == 3 and t.shape[0] in ((rows,) if rows else (1, 2)) and t.shape[2] == width
-                want = f"[{rows or '1 or 2'}, tokens, {width}]"
+                allowed = (rows,) if rows else (1, 2) if self.call.guidance_rows else (1,)
+                ok = t.dim() == 3 and t.shape[0] in allowed and t.shape[2] == width
+                want = f"[{rows or ' or '.join(map(str, allowed))}, tokens, {width}]"
                 rows = rows or (t.shape[0] if ok else 0)
             else:
                 ok, want = t.dim() == 2 and t.shape[0] == rows and t.shape[1] == width, f"[{rows}, {width}]"

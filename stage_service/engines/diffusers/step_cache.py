@@ -218,3 +218,38 @@ def wan_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> 
 
 
 WAN_BLOCKS = DitBlocks(head=wan_head, rest=wan_rest, out=wan_out, count=lambda cfg: cfg["num_layers"])
+
+
+# ------------------------------------------------------------ FluxTransformer2DModel
+
+def flux_head(model, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+              guidance=None) -> FirstBlock:
+    """The first of its dual-stream blocks; the rest of them and then every single-stream block follow in `rest`."""
+    hidden = model.x_embedder(hidden_states)
+    timestep = timestep.to(hidden.dtype) * 1000
+    if guidance is None:
+        temb = model.time_text_embed(timestep, pooled_projections)
+    else:
+        temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled_projections)
+    context = model.context_embedder(encoder_hidden_states)
+    rotary = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    before = hidden
+    context, hidden = model.transformer_blocks[0](hidden_states=hidden, encoder_hidden_states=context, temb=temb,
+                                                  image_rotary_emb=rotary)
+    return FirstBlock(hidden, before, {"temb": temb, "context": context}, {"rotary": rotary})
+
+
+def flux_rest(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    context = rows["context"]
+    for block in [*model.transformer_blocks[1:], *model.single_transformer_blocks]:
+        context, hidden = block(hidden_states=hidden, encoder_hidden_states=context, temb=rows["temb"],
+                                image_rotary_emb=shared["rotary"])
+    return hidden
+
+
+def flux_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    return model.proj_out(model.norm_out(hidden, rows["temb"]))  # still packed: the loop unpacks it
+
+
+FLUX_BLOCKS = DitBlocks(head=flux_head, rest=flux_rest, out=flux_out,
+                        count=lambda cfg: cfg["num_layers"] + cfg["num_single_layers"])

@@ -12,6 +12,12 @@ become the denoiser's conditioning, depends on the pipeline class in `model_inde
 - `WanPipeline`: one UMT5 encoder; `embeddings` is its last hidden state over each prompt's own tokens
   (the prompt cleaned as WanPipeline cleans it), zero rows after them up to WanPipeline's
   `max_sequence_length`, as `WanPipeline.encode_prompt` trims and pads them.
+- `FluxPipeline`: CLIP (`text_encoder`) and T5 (`text_encoder_2`), as `FluxPipeline.encode_prompt` combines
+  them: `pooled_embeddings` is CLIP's pooled output, `embeddings` T5's last hidden state over the prompt padded to
+  FluxPipeline's `max_sequence_length` (512; no attention mask, as the pipeline runs it). One row per request:
+  FLUX.1-dev's guidance scale is the transformer's input, not a second, unconditional row; a negative prompt is
+  refused by name (FluxPipeline reads one only for its true classifier-free guidance, `true_cfg_scale`, which
+  no request field asks for).
 
 Every prompt of a batch is padded to the encoders' fixed lengths, so a prompt encodes the same alone
 or in a batch. Another family plugs in as one more `PromptEncoder` in `PROMPT_ENCODERS`.
@@ -24,6 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F  # noqa: N812 - the ecosystem's name for it
 
+from omnistage.contract.params import InvalidRequest, RequestParams
 from stage_service.engines.diffusers.layout import PipelineDir
 from stage_service.runtime.errors import EngineConfigError
 from stage_service.runtime.invariance import make_batch_invariant
@@ -32,6 +39,8 @@ from stage_service.runtime.invariance import make_batch_invariant
 SD3_T5_TOKENS = 256
 # WanPipeline's default `max_sequence_length`: every prompt's embeddings are padded with zero rows to it.
 WAN_TEXT_TOKENS = 512
+# FluxPipeline's default `max_sequence_length`: the T5 tokens every prompt is padded (or cut) to.
+FLUX_T5_TOKENS = 512
 
 
 class PromptEncoder(ABC):
@@ -49,6 +58,11 @@ class PromptEncoder(ABC):
     def _ids(self, tokenizer, prompts: list[str], length: int) -> torch.Tensor:
         return tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
                          return_tensors="pt").input_ids.to(self.device)
+
+    def prompts(self, params: RequestParams) -> list[str]:
+        """The prompts of a request's rows: [prompt], or [negative prompt, prompt] under classifier-free guidance
+        (`guidance_scale > 1`), as the denoise loop takes them."""
+        return [params.text] if params.guidance_scale <= 1.0 else [params.negative_prompt, params.text]
 
     @abstractmethod
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -125,6 +139,28 @@ class Umt5PromptEncoder(PromptEncoder):
         return {"embeddings": hidden.masked_fill(mask.unsqueeze(-1) == 0, 0.0)}
 
 
+class FluxPromptEncoder(PromptEncoder):
+    """FluxPipeline: `embeddings` [1, 512, T5 width] and `pooled_embeddings` [1, CLIP width]."""
+
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__(pipe, dtype, batch_invariant, device)
+        self.clip = (pipe.load("tokenizer"), self._encoder("text_encoder"))
+        self.t5 = (pipe.load("tokenizer_2"), self._encoder("text_encoder_2"))
+
+    def prompts(self, params: RequestParams) -> list[str]:
+        if params.negative_prompt:
+            raise InvalidRequest("params.image.negative_prompt", "a FluxPipeline takes no negative prompt: its "
+                                 "guidance is the distilled guidance scale (params.image.guidance_scale), one row")
+        return [params.text]
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        tokenizer, clip = self.clip
+        pooled = clip(self._ids(tokenizer, prompts, tokenizer.model_max_length)).pooler_output
+        tokenizer, t5 = self.t5
+        return {"embeddings": t5(self._ids(tokenizer, prompts, FLUX_T5_TOKENS))[0], "pooled_embeddings": pooled}
+
+
 PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     "StableDiffusionPipeline": ClipPromptEncoder,
     "StableDiffusion3Pipeline": Sd3PromptEncoder,
@@ -132,6 +168,7 @@ PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     # The same text encoder and prompt encoding (its own prompt cleaning needs ftfy installed; WanPipeline's
     # uses it where it is installed, and folds whitespace alike where it is not).
     "WanImageToVideoPipeline": Umt5PromptEncoder,
+    "FluxPipeline": FluxPromptEncoder,
 }
 
 
