@@ -18,10 +18,10 @@ the order alternating between rounds.
 - `step_cache.<family>.skipped_rows`: the share of (row, step) passes through the DiT's blocks after the first
   that the cached side skipped (counted on its second block).
 
-The thresholds (on the relative change of the first block's residual), SD3 0.3 and Wan 0.1: every threshold of
-the sweep in docs/benchmarks.md kept PSNR near 50 dB or above on the tiny models, so the 30 dB floor does not
-choose them; each is where about 0.65-0.7 of the later blocks' passes are skipped with the cached latents under
-0.01 off (past it the latents' distance grows faster than the speed).
+The thresholds (on the relative change of the first block's residual), SD3 0.3, FLUX 0.3 and Wan 0.1: every
+threshold of the sweep in docs/benchmarks.md kept PSNR near 50 dB or above on the tiny models, so the 30 dB floor
+does not choose them; each is where about 0.6-0.7 of the later blocks' passes are skipped with the cached latents
+under 0.01 off (past it the latents' distance grows faster than the speed).
 `--threshold FAMILY=VALUE` runs another (and writes no results).
 
     flock /tmp/omnistage-bench.lock .venv/bin/python bench/step_cache.py [--quick] [--threshold sd3=0.3]
@@ -71,7 +71,7 @@ FAMILIES = {
     "sd3": Family("sd3-tiny", 0.3, dict(width=64, height=64, num_inference_steps=28, guidance_scale=7.0,
                                         negative_prompt="blurry")),
     # FluxPipeline's default 28 steps and guidance 3.5 (FLUX.1-dev's guidance embedding: one row, no negative prompt)
-    "flux": Family("flux-tiny", 0.1, dict(width=64, height=64, num_inference_steps=28, guidance_scale=3.5)),
+    "flux": Family("flux-tiny", 0.3, dict(width=64, height=64, num_inference_steps=28, guidance_scale=3.5)),
     # Wan's guidance 5.0; 17 frames (5 latent frames) keep the VAE's decode, outside what is timed, short
     "wan": Family("wan-t2v-tiny", 0.1, dict(width=64, height=64, num_frames=17, num_inference_steps=30,
                                             guidance_scale=5.0, negative_prompt="blurry"), output="video"),
