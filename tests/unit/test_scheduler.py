@@ -51,8 +51,10 @@ class Recorder:
     fail_steps: set[int] = field(default_factory=set)
     gate: threading.Event | None = None          # every step waits for it
     allowed: threading.Semaphore | None = None   # each step takes one permit: the test advances steps
+    entered: int = 0                             # steps begun (a step blocked on its permit counts)
 
     def __call__(self, states: list[Count]) -> list[int]:
+        self.entered += 1
         if self.gate is not None:
             self.gate.wait(10)
         if self.allowed is not None:
@@ -145,8 +147,8 @@ async def test_cancel_during_a_run_of_steps_frees_the_state_when_the_run_ends():
     rec.allowed = threading.Semaphore(3)
     state = Count("c", 100)
     task = asyncio.create_task(run(sched, state))
-    await wait_until(lambda: len(rec.batches) >= 3, interval=0.001, what="three steps")
-    await wait_until(lambda: sched._in_step, interval=0.001, what="the fourth step in flight")
+    # The fourth step begun and waiting for its permit (`_in_step` alone could still be the third, finishing).
+    await wait_until(lambda: rec.entered >= 4, interval=0.001, what="the fourth step in flight")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
