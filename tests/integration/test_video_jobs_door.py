@@ -94,7 +94,9 @@ async def test_submit_checks_the_priority_against_the_key_and_the_job_keeps_it(s
     assert (await jobs.List(jobs_pb2.ListJobsRequest(), metadata=FIRST, timeout=CALL_BOUND_S)).jobs == []
     job = await jobs.Submit(jobs_pb2.SubmitJobRequest(request=build_request(**ASK, priority=3)), metadata=SECOND,
                             timeout=CALL_BOUND_S)
-    stored = await orc.jobs.store.get(job.id, owner_of(orc.servicer.api_keys, "Bearer second-key"))
+    assert await orc.jobs.store.get(job.id, owner_of(orc.servicer.api_keys, "Bearer second-key")) is not None
+    stored = await orc.jobs.store.claim("a-runner", 10.0, time.time())  # reads leave the request: a claim takes it
+    assert stored is not None and stored.id == job.id
     assert orchestrator_pb2.GenerateRequest.FromString(stored.request).priority == 3
 
 
