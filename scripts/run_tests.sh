@@ -19,8 +19,9 @@ case "${1:-}" in --fast|--e2e|--real) mode=${1#--}; shift ;; esac
 # A bound on the whole run: a process that cannot exit must fail CI, not stall it. Measured on 2 cores with
 # nothing cached (a fresh ~/.cache/omnistage): tests/ 21.5 min with the Kubernetes and image builds (about 9 min
 # each) beside it, e2e 6 min, e2e/real 2.5 min (the image's first import included); the whole .ci/run 32 min.
-# Cached: tests/ 16 min, about 28 in all. This bound keeps a slower machine under 45.
-BUDGET=${OMNISTAGE_TEST_BUDGET:-2460}
+# On a slower 2-core VM (AMD EPYC at 2.0 GHz), with more tests: tests/ 40 min (2406 s), the image build beside it.
+# This bound (75 min) leaves room for such a machine with nothing cached under CI's 90 minutes, setup included.
+BUDGET=${OMNISTAGE_TEST_BUDGET:-4500}
 end=$((SECONDS + BUDGET))
 left() { local s=$((end - SECONDS)); echo $((s > 1 ? s : 1)); }   # `timeout 0` would mean no bound
 
