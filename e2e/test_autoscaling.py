@@ -101,6 +101,8 @@ def test_a_load_step_grows_a_stage_and_scaling_down_under_load_fails_nothing(pla
         assert grown == GROWS and sum(replicas(c).values()) == len(STAGES) + 1   # the bounds hold
         # the status says which stage and why, and an Event records the change
         wait_for(lambda: stage_status(c, grown).get("desiredReplicas") == 2, 30, f"status {grown} desiredReplicas 2")
+        # the demand per request comes from the orchestrators' traces: it may reach the status a period later
+        wait_for(lambda: stage_status(c, grown).get("demandPerRequest", 0) > 0, 30, f"status {grown} demandPerRequest")
         st = stage_status(c, grown)
         assert st["capacity"] > 0 and st["capacityUnit"].endswith("/s") and st["utilization"] > 0, st
         assert st["demandPerRequest"] > 0, st   # the work a request takes there, through the graph
@@ -118,7 +120,9 @@ def test_a_load_step_grows_a_stage_and_scaling_down_under_load_fails_nothing(pla
         wait_for(lambda: ready_pods(c, grown) == 2, JOIN_TIMEOUT, f"the second {grown} replica ready")
         t = time.monotonic()
         wait_for(lambda: load.completed_after(t) >= 4, 120, "requests served with the new replica")
-    with SteadyLoad(endpoint, concurrency=2, request=dict(LIGHT_REQUEST)) as light:
+    # one client: on a slower 2-core VM two made the Talker's share at one replica exactly the 30% target (0.15 at
+    # two), which the planner rightly keeps at two
+    with SteadyLoad(endpoint, concurrency=1, request=dict(LIGHT_REQUEST)) as light:
         try:
             wait_for(lambda: replicas(c)[grown] == 1, SHRINK_TIMEOUT, f"{grown} back to 1 replica")
         except Timeout as e:   # say what the planner saw
