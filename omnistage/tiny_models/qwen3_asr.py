@@ -11,19 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omnistage.tiny_models.qwen3_omni import QWEN3_ADDED_TOKENS
+
 HIDDEN = 64
 VOCAB = 151936          # the decoder's embedding rows, as upstream (more than the tokenizer's ids)
 REGULAR_IDS = 151643    # byte-level BPE ids; the added tokens follow
 # Qwen3's added tokens, then the audio ones at upstream's ids (<|audio_start|> 151669, <|audio_end|> 151670,
 # <|audio_pad|> 151676, <asr_text> 151704, <timestamp> 151705). The ids between carry tokens the ASR prompt
 # never writes; the tiny tokenizer holds them as reserved tokens, so every named one sits at its upstream id.
-_QWEN3 = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
-]
+_QWEN3 = QWEN3_ADDED_TOKENS
 _NAMED = {151669: "<|audio_start|>", 151670: "<|audio_end|>", 151676: "<|audio_pad|>", 151704: "<asr_text>",
           151705: "<timestamp>"}
 ADDED_TOKENS = _QWEN3 + [_NAMED.get(i, f"<|reserved_{i}|>") for i in range(REGULAR_IDS + len(_QWEN3), 151706)]

@@ -19,14 +19,18 @@ from omnistage.checkpoints.names import PROCESSOR_CONFIG
 HIDDEN = 64
 VOCAB = 152064          # the Thinker's embedding rows, as upstream (more than the tokenizer's ids)
 REGULAR_IDS = 151643    # byte-level BPE ids; the added tokens follow
-# Upstream's added tokens, in id order from REGULAR_IDS (Qwen3's, then the Omni audio / speech ones).
-ADDED_TOKENS = [
+# Qwen3's added tokens, in id order from REGULAR_IDS (the Qwen3 checkpoints built on it share them).
+QWEN3_ADDED_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
     "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
     "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-    "<tts_text_bos_single>", "<|audio_pad|>",
+    "<think>", "</think>",
+]
+# Upstream's added tokens: Qwen3's, then the Omni audio / speech ones.
+ADDED_TOKENS = QWEN3_ADDED_TOKENS + [
+    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>",
+    "<|audio_pad|>",
 ]
 NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
                          "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
