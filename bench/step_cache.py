@@ -1,5 +1,6 @@
 """The denoise loop's step cache (`engineArgs.step_cache_threshold`, stage_service/engines/diffusers/step_cache.py):
-how much faster a denoise stage runs with it, and how far its images move, on the tiny SD3, FLUX.1 and Wan models.
+how much faster a denoise stage runs with it, and how far its images move, on the tiny SD3, FLUX.1, Qwen-Image and
+Wan models.
 
 Per family, in this one process (one torch thread, as every stage process runs): the example's text-encoder and
 vae-decode stages, and two denoise stages of the same example side by side: `uncached` (the example as it is)
@@ -18,9 +19,9 @@ the order alternating between rounds.
 - `step_cache.<family>.skipped_rows`: the share of (row, step) passes through the DiT's blocks after the first
   that the cached side skipped (counted on its second block).
 
-The thresholds (on the relative change of the first block's residual), SD3 0.3, FLUX 0.3 and Wan 0.1: every
-threshold of the sweep in docs/benchmarks.md kept PSNR near 50 dB or above on the tiny models, so the 30 dB floor
-does not choose them; each is where about 0.6-0.7 of the later blocks' passes are skipped with the cached latents
+The thresholds (on the relative change of the first block's residual), SD3 0.3, FLUX 0.3, Qwen-Image 0.3 and Wan
+0.1: every threshold of the sweep in docs/benchmarks.md kept PSNR near 50 dB or above on the tiny models, so the 30 dB
+floor does not choose them; each is where about 0.6-0.7 of the later blocks' passes are skipped with the cached latents
 under 0.01 off (past it the latents' distance grows faster than the speed).
 `--threshold FAMILY=VALUE` runs another (and writes no results).
 
@@ -72,6 +73,9 @@ FAMILIES = {
                                         negative_prompt="blurry")),
     # FluxPipeline's default 28 steps and guidance 3.5 (FLUX.1-dev's guidance embedding: one row, no negative prompt)
     "flux": Family("flux-tiny", 0.3, dict(width=64, height=64, num_inference_steps=28, guidance_scale=3.5)),
+    # QwenImagePipeline's default 50 steps and true_cfg_scale 4.0, with a negative prompt (two rows: true CFG)
+    "qwen_image": Family("qwen-image-tiny", 0.3, dict(width=64, height=64, num_inference_steps=50, guidance_scale=4.0,
+                                                      negative_prompt="blurry")),
     # Wan's guidance 5.0; 17 frames (5 latent frames) keep the VAE's decode, outside what is timed, short
     "wan": Family("wan-t2v-tiny", 0.1, dict(width=64, height=64, num_frames=17, num_inference_steps=30,
                                             guidance_scale=5.0, negative_prompt="blurry"), output="video"),

@@ -10,8 +10,8 @@ service (`PipelineDir`) and `omnistage models check` refuse the same pairs, by c
 from __future__ import annotations
 
 # The classes the served families' published checkpoints name (sd: StableDiffusionPipeline, sd3:
-# StableDiffusion3Pipeline, wan: WanPipeline, wan_i2v: WanImageToVideoPipeline, flux: FluxPipeline;
-# `omnistage/families`), and the tokenizer and processor classes transformers writes for them.
+# StableDiffusion3Pipeline, wan: WanPipeline, wan_i2v: WanImageToVideoPipeline, flux: FluxPipeline, qwen_image:
+# QwenImagePipeline; `omnistage/families`), and the tokenizer and processor classes transformers writes for them.
 # The families list their components, not these classes, so the set is explicit: a new family adds its own.
 COMPONENT_CLASSES: frozenset[tuple[str, str]] = frozenset({
     ("diffusers", "UNet2DConditionModel"),          # sd denoiser
@@ -20,10 +20,14 @@ COMPONENT_CLASSES: frozenset[tuple[str, str]] = frozenset({
     ("diffusers", "FluxTransformer2DModel"),        # flux denoiser
     ("diffusers", "WanTransformer3DModel"),         # wan denoiser
     ("diffusers", "AutoencoderKLWan"),              # wan: the causal video VAE
+    ("diffusers", "QwenImageTransformer2DModel"),   # qwen_image denoiser
+    ("diffusers", "AutoencoderKLQwenImage"),        # qwen_image: its one-frame causal VAE
     ("transformers", "CLIPTextModel"),              # sd text encoder; flux text encoder 1 (pooled)
     ("transformers", "CLIPTextModelWithProjection"),  # sd3 text encoders 1 and 2
     ("transformers", "T5EncoderModel"),             # sd3 text encoder 3; flux text encoder 2
     ("transformers", "UMT5EncoderModel"),           # wan text encoder
+    ("transformers", "Qwen2_5_VLForConditionalGeneration"),  # qwen_image text encoder
+    ("transformers", "Qwen2Tokenizer"),             # qwen_image tokenizer
     ("transformers", "CLIPTokenizer"),
     ("transformers", "CLIPTokenizerFast"),
     ("transformers", "T5Tokenizer"),

@@ -84,6 +84,7 @@ TOKEN2WAV_WINDOW_BLOCKS = 3    # DiT blocks around a Token2Wav chunk (Token2Wav.
 CPU_MAX_BATCHED_FRAMES = {"code2wav": 100, "token2wav": 200}  # on a CPU, by component (AudioDecoderEngine)
 CLIP_TOKENS = 77               # the CLIP tokenizers' model_max_length
 SD3_T5_TOKENS = 256            # StableDiffusion3Pipeline's max_sequence_length (diffusers/text.py)
+QWEN_IMAGE_PROMPT_TOKENS = 34 + 1024  # QwenImagePipeline's most tokens a prompt encodes (diffusers/text.py)
 DIT_MLP_RATIO = 4              # diffusers' FeedForward default (SD3's joint blocks)
 
 
@@ -298,15 +299,17 @@ def text_encoder_bytes_per_prompt(root) -> float:
     (they run one after another) and the embeddings handed on (CLIP's tokens, then T5's, at the widest
     encoder's width, and the pooled rows)."""
     index = read_json(root / "model_index.json")
+    qwen = index.get("_class_name") == "QwenImagePipeline"
     layers, widths = [], []
     for name in sorted(index):
         entry = index[name]
         if not (name.startswith("text_encoder") and isinstance(entry, list) and entry[1] is not None):
             continue
         c = read_json(root / name / "config.json")
+        c = c.get("text_config") or c  # a multimodal model's language model (Qwen-Image's Qwen2.5-VL)
         t5 = "d_model" in c
         hidden, inner = (c["d_model"], c["d_ff"]) if t5 else (c["hidden_size"], c["intermediate_size"])
-        layers.append((SD3_T5_TOKENS if t5 else CLIP_TOKENS) * (hidden + inner))
+        layers.append((SD3_T5_TOKENS if t5 else QWEN_IMAGE_PROMPT_TOKENS if qwen else CLIP_TOKENS) * (hidden + inner))
         widths.append(hidden)
     sd3 = index.get("_class_name", "").startswith("StableDiffusion3")
     handed = (CLIP_TOKENS + (SD3_T5_TOKENS if sd3 else 0)) * max(widths) + sum(widths)

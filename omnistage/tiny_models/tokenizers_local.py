@@ -83,14 +83,16 @@ def _fill(vocab: dict[str, int], size: int, wanted: dict[int, str]) -> None:
 
 
 def qwen_tokenizer(size: int, words: dict[int, str], specials: dict[int, str],
-                   not_special: frozenset[str] = frozenset(), **roles: str):
+                   not_special: frozenset[str] = frozenset(), texts: tuple[str, ...] = (), **roles: str):
     """A transformers `Qwen2Tokenizer` as Qwen checkpoints ship it.
 
     `size` regular ids: the BPE trained on CORPUS, each of `words` ("user", "assistant": the role names
     a chat template writes) a single token at the id the model config names, pseudo-words elsewhere;
     then the added tokens `specials` at their ids, which must follow on from `size` (special unless in
-    `not_special`, as Qwen marks `<think>` or `<tool_call>`). `roles` are the tokenizer's named tokens
-    (eos_token, pad_token, audio_token, ...), as its tokenizer_config.json lists them.
+    `not_special`, as Qwen marks `<think>` or `<tool_call>`). `texts`: more training lines, each word of which
+    then trains into one token, as the published vocabulary has it (a prompt template whose token count a
+    pipeline relies on). `roles` are the tokenizer's named tokens (eos_token, pad_token, audio_token, ...), as
+    its tokenizer_config.json lists them.
     """
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
@@ -100,7 +102,7 @@ def qwen_tokenizer(size: int, words: dict[int, str], specials: dict[int, str],
     # Each role word as its own line, so training merges it into one token.
     trainer = trainers.BpeTrainer(vocab_size=min(words), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    trained.train_from_iterator(CORPUS * 20 + list(words.values()) * 50, trainer)
+    trained.train_from_iterator(CORPUS * 20 + list(words.values()) * 50 + list(texts) * 50, trainer)
     data = json.loads(trained.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]
     for i, word in words.items():

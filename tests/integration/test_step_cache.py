@@ -1,5 +1,5 @@
-"""The denoise loop's step cache (`engineArgs.step_cache_threshold`, step_cache.py) on the tiny SD3 and Wan DiTs
-behind real stages: off by default; on, requests really skip the DiT's blocks after the first (counted on the
+"""The denoise loop's step cache (`engineArgs.step_cache_threshold`, step_cache.py) on the tiny SD3, Qwen-Image and
+Wan DiTs behind real stages: off by default; on, requests really skip the DiT's blocks after the first (counted on the
 second block) and their pixels stay close to the uncached ones for the same seed; with a threshold no step
 passes it is the uncached loop bit for bit; a request gets the same latents alone as batched with another at
 other steps; a stage that cannot cache refuses the setting by name; each tiny DiT's split forward is its own
@@ -19,7 +19,8 @@ from ..harness import call_stage, example, header, start_stage, tensor_of
 from ..step_cache_support import SecondBlockRows, pixels, psnr_db, step_cache
 from .test_stage_support import assert_denoise_steps_shared, assert_nothing_held
 
-THRESHOLD = 0.1        # Wan's choice in bench/step_cache.py (SD3's is 0.3: its first block's residual moves more)
+THRESHOLD = 0.1        # Wan's choice in bench/step_cache.py (SD3's and Qwen-Image's are 0.3: their first block's
+                       # residual moves more)
 SEED = 5
 NEVER = 1e-9           # no step's first block stays this still: every step computed
 PSNR_BOUND_DB = 30.0
@@ -28,6 +29,9 @@ PSNR_BOUND_DB = 30.0
 LATENTS_BOUND = 0.03
 CASES = {  # model, request, the vae-decode stage's tensor
     "sd3": ("sd3-tiny", dict(width=32, height=32, num_inference_steps=12, guidance_scale=7.0), "image", 0.3),
+    # Under true CFG (a negative prompt): two rows a step, as the others'
+    "qwen_image": ("qwen-image-tiny", dict(width=32, height=32, num_inference_steps=12, guidance_scale=4.0), "image",
+                   0.3),
     "wan": ("wan-t2v-tiny", dict(width=32, height=32, num_frames=5, num_inference_steps=12, guidance_scale=5.0),
             "video", THRESHOLD),
 }

@@ -14,8 +14,12 @@ what an entry says:
 - `guidance_rows`: whether guidance runs over [unconditional, conditional] rows (classifier-free guidance, the
   text stage sending two rows when `guidance_scale > 1`); False: one row per image whatever the scale, which the
   model takes as an input where its config has one (FLUX.1-dev's distilled guidance, through `extra`);
+- `combine`: how an image's two rows' predictions become the one its scheduler steps with (by default
+  classifier-free guidance's `uncond + scale x (cond - uncond)`; QwenImagePipeline's true CFG rescales that to the
+  conditional prediction's norm per packed token);
 - `latent_channels`: the channels of the latents the loop keeps (and the VAE decodes) from the model's config:
-  by default its `out_channels` (else `in_channels`); FLUX packs four latent channels into each of its inputs;
+  by default its `out_channels` (else `in_channels`); FLUX and Qwen-Image pack four latent channels into each of
+  their inputs; `condition_channels`: those it takes beyond them (by default `in_channels` past `out_channels`);
 - `patch`: latent pixels per image token along a side (for the size check and the image's token
   count); `max_latent_side`: the largest latent side the model's position embedding covers;
 - `video`: the model denoises a video's latents [batch, channels, latent frames, h, w] (Wan), the frame
@@ -37,14 +41,15 @@ what an entry says:
 - `pack` / `unpack`: the model's latent layout when it is not [batch, channels, h, w] (FLUX and
   Qwen-Image take 2x2 patches as a token sequence);
 - `extra`: further forward arguments built from the model's input before packing ([rows, C, h, w]), the text
-  tensors and each row's guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`);
+  tensors and each row's guidance scale (FLUX's `img_ids` / `txt_ids` and its distilled `guidance`, Qwen-Image's
+  `img_shapes`);
 - `blocks`: how a DiT's forward splits after its first transformer block (step_cache.py), for the step cache
   (`engineArgs.step_cache_threshold`); None: the class runs whole at every step (the UNet);
 - `unserved`: why a pipeline of this class's that the loop would run wrongly is refused (from its
   `model_index.json`), rather than served as another pipeline than published.
 
-So a FluxTransformer2DModel (FLUX.1) plugs in as one more entry, plus, for its text conditioning, a
-`PromptEncoder` in text.py, not as another engine; a QwenImageTransformer2DModel would too.
+So a FluxTransformer2DModel (FLUX.1) and a QwenImageTransformer2DModel (Qwen-Image) each plug in as one more entry,
+plus, for their text conditioning, a `PromptEncoder` in text.py, not as another engine.
 """
 
 from __future__ import annotations
@@ -57,7 +62,13 @@ import torch
 
 from omnistage.families import Adapter
 from omnistage.families.adapters import DENOISER, DIT_DENOISER
-from stage_service.engines.diffusers.step_cache import FLUX_BLOCKS, SD3_BLOCKS, WAN_BLOCKS, DitBlocks
+from stage_service.engines.diffusers.step_cache import (
+    FLUX_BLOCKS,
+    QWEN_IMAGE_BLOCKS,
+    SD3_BLOCKS,
+    WAN_BLOCKS,
+    DitBlocks,
+)
 
 Config = dict[str, Any]
 
@@ -66,8 +77,9 @@ Config = dict[str, Any]
 class TextInput:
     kwarg: str         # the model's forward argument
     tensor: str        # the tensor of the text stage's chunk
-    width: str         # the config key of its last dimension
+    width: str         # the config key of its last dimension ("" for a mask)
     per_token: bool    # [rows, tokens, width]; else [rows, width]
+    mask: bool = False  # [rows, tokens] (bool): which of the per-token tensor's tokens are the prompt's
 
 
 def resolution_shift(image_tokens: int, scheduler_cfg: Config) -> float:
@@ -92,6 +104,11 @@ def _nothing(*_: Any) -> dict[str, Any]:
     return {}
 
 
+def guided(uncond: torch.Tensor, cond: torch.Tensor, scale: float, cfg: Config) -> torch.Tensor:
+    """Classifier-free guidance: the unconditional prediction moved `scale` times its distance to the conditional."""
+    return uncond + scale * (cond - uncond)
+
+
 @dataclass(frozen=True)
 class DenoiserCall:
     adapter: Adapter
@@ -99,7 +116,12 @@ class DenoiserCall:
     text: tuple[TextInput, ...]
     timestep_divisor: float = 1.0
     guidance_rows: bool = True
+    # (unconditional prediction, conditional prediction, guidance scale, model config) -> the image's prediction
+    combine: Callable[[torch.Tensor, torch.Tensor, float, Config], torch.Tensor] = guided
     latent_channels: Callable[[Config], int] = lambda cfg: cfg.get("out_channels") or cfg["in_channels"]
+    # the channels it takes beyond its latents' (a condition another stage sends: image-to-video)
+    condition_channels: Callable[[Config], int] = (
+        lambda cfg: cfg["in_channels"] - (cfg.get("out_channels") or cfg["in_channels"]))
     patch: Callable[[Config], int] = lambda cfg: 1
     max_latent_side: Callable[[Config], int | None] = lambda cfg: None
     video: bool = False
@@ -134,7 +156,7 @@ def wan_unserved(index: Config, cfg: Config) -> str:
     return ""
 
 
-# FluxPipeline's packing: each 2x2 patch of latents is one token of 4 x the latent channels.
+# FluxPipeline's packing (QwenImagePipeline's too): each 2x2 patch of latents is one token of 4 x the latent channels.
 FLUX_PATCH = 2
 
 
@@ -170,8 +192,8 @@ def flux_extra(x: torch.Tensor, text: dict[str, torch.Tensor], guidance: torch.T
 
 
 def flux_schedule(steps: int, image_tokens: int, scheduler_cfg: Config) -> dict[str, Any]:
-    """FluxPipeline's: its own sigmas, linspace(1, 1/steps) (unless the scheduler makes flow sigmas itself), with
-    the resolution shift `mu` (used where the scheduler shifts dynamically)."""
+    """FluxPipeline's (and QwenImagePipeline's): its own sigmas, linspace(1, 1/steps) (unless the scheduler makes flow
+    sigmas itself), with the resolution shift `mu` (used where the scheduler shifts dynamically)."""
     sigmas = None if scheduler_cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
     return {"sigmas": sigmas, "mu": resolution_shift(image_tokens, scheduler_cfg)}
 
@@ -183,6 +205,43 @@ def flux_unserved(index: Config, cfg: Config) -> str:
     if channels_in != channels_out:
         return (f"a FluxTransformer2DModel with in_channels {channels_in} and out_channels {channels_out} (FLUX.1 "
                 "Fill, Depth or Canny) is not served: the denoise loop sends it its latents alone")
+    return ""
+
+
+def qwen_image_extra(x: torch.Tensor, text: dict[str, torch.Tensor], guidance: torch.Tensor,
+                     cfg: Config) -> dict[str, Any]:
+    """QwenImagePipeline's `img_shapes`: each row's one frame of h/2 x w/2 packed patches (the image tokens' rotary
+    positions, centred; the text tokens' follow them)."""
+    h, w = x.shape[-2] // FLUX_PATCH, x.shape[-1] // FLUX_PATCH
+    return {"img_shapes": [[(1, h, w)]] * len(x)}
+
+
+def qwen_image_true_cfg(uncond: torch.Tensor, cond: torch.Tensor, scale: float, cfg: Config) -> torch.Tensor:
+    """QwenImagePipeline's true CFG (`true_cfg_scale`): guidance, then each packed token's prediction rescaled to the
+    norm of the conditional one's (over its 4 x latent channels, as the pipeline takes the norm of its packed
+    predictions)."""
+    combined = flux_pack(guided(uncond, cond, scale, cfg), cfg)
+    cond_norm = torch.norm(flux_pack(cond, cfg), dim=-1, keepdim=True)
+    noise_norm = torch.norm(combined, dim=-1, keepdim=True)
+    return flux_unpack(combined * (cond_norm / noise_norm), cond.shape, cfg)
+
+
+def qwen_image_unserved(index: Config, cfg: Config) -> str:
+    """Variants of the transformer whose loop is another pipeline's, or which diffusers' own forward cannot run."""
+    name = "a QwenImageTransformer2DModel"
+    if cfg.get("guidance_embeds"):
+        return (f"{name} with guidance_embeds (guidance-distilled) is not served: QwenImagePipeline's guidance is "
+                "true CFG over two rows, and the model has no guidance embedding to take a scale")
+    if cfg.get("zero_cond_t"):
+        return (f"{name} with zero_cond_t (Qwen-Image-Edit-2511) is not served: it denoises beside a reference "
+                "image's latents, which the text-to-image loop does not send")
+    if cfg.get("use_additional_t_cond") or cfg.get("use_layer3d_rope"):
+        return (f"{name} with use_additional_t_cond or use_layer3d_rope (Qwen-Image-Layered) is not served: it "
+                "denoises image layers, not one image")
+    channels_in, channels_out, patch = cfg.get("in_channels"), cfg.get("out_channels"), cfg.get("patch_size")
+    if patch != FLUX_PATCH or not channels_out or channels_in != FLUX_PATCH * FLUX_PATCH * channels_out:
+        return (f"{name} with in_channels {channels_in}, out_channels {channels_out} and patch_size {patch} is not "
+                "served: QwenImagePipeline packs 2x2 patches of its latents alone (in_channels 4 x out_channels)")
     return ""
 
 
@@ -220,4 +279,16 @@ DENOISERS: dict[str, DenoiserCall] = {
         latent_channels=lambda cfg: (cfg.get("out_channels") or cfg["in_channels"]) // (FLUX_PATCH * FLUX_PATCH),
         patch=lambda cfg: FLUX_PATCH, pins_first_step=frozenset({"FluxPipeline"}), schedule=flux_schedule,
         pack=flux_pack, unpack=flux_unpack, extra=flux_extra, blocks=FLUX_BLOCKS, unserved=flux_unserved),
+    # Qwen-Image: FLUX's 2x2 packing, sigmas and t / 1000; the prompt's tokens (the text stage's mask says which) as
+    # the text; guidance is true CFG over [negative, prompt] rows, rescaled to the conditional prediction's norm.
+    "QwenImageTransformer2DModel": DenoiserCall(
+        adapter=DIT_DENOISER, latents_kwarg="hidden_states",
+        text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
+              TextInput("encoder_hidden_states_mask", "embeddings_mask", "", per_token=False, mask=True)),
+        timestep_divisor=1000.0, combine=qwen_image_true_cfg,
+        latent_channels=lambda cfg: cfg["in_channels"] // (FLUX_PATCH * FLUX_PATCH),
+        condition_channels=lambda cfg: 0,  # in_channels are the packed latents' alone (`qwen_image_unserved`)
+        patch=lambda cfg: FLUX_PATCH, pins_first_step=frozenset({"QwenImagePipeline"}), schedule=flux_schedule,
+        pack=flux_pack, unpack=flux_unpack, extra=qwen_image_extra, blocks=QWEN_IMAGE_BLOCKS,
+        unserved=qwen_image_unserved),
 }

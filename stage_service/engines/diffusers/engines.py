@@ -65,7 +65,8 @@ class TextEncoderEngine(SteppedEngine):
     what else the pipeline's denoiser takes (SD3, FLUX.1: `pooled_embeddings` [1 or 2, dim]); the rows as the
     pipeline's prompt encoding says (`PromptEncoder.prompts`: FLUX.1's one row)."""
 
-    ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection", "UMT5EncoderModel")  # the component's class
+    ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection", "UMT5EncoderModel",  # the component's class
+                     "Qwen2_5_VLForConditionalGeneration")
 
 
     unit = "prompts"
@@ -80,7 +81,8 @@ class TextEncoderEngine(SteppedEngine):
             encoded = self.encoder.encode(prompts)
         out, i = [], 0
         for st in states:
-            out.append({name: t[i:i + len(st.prompts)].clone() for name, t in encoded.items()})
+            out.append(self.encoder.request_rows({name: t[i:i + len(st.prompts)].clone()
+                                                  for name, t in encoded.items()}))
             i += len(st.prompts)
             st.finished = True
         return out
@@ -154,7 +156,8 @@ def vae_scales(pipe: PipelineDir) -> tuple[int, int]:
     """(spatial, temporal) compression of the pipeline's VAE. A video VAE's config names both
     (AutoencoderKLWan's `scale_factor_spatial`, `scale_factor_temporal`; its class's defaults where a
     published config predates them, as diffusers fills them in); an image VAE halves the side in each
-    block after the first and has no frames."""
+    block after the first and has no frames; Qwen-Image's (a one-frame causal VAE of Wan's design, its config
+    naming neither) once per `temperal_downsample` entry, as QwenImagePipeline computes it."""
     cfg = pipe.config("vae")
     defaults = inspect.signature(pipe.component_class("vae")).parameters
     scales = []
@@ -162,6 +165,8 @@ def vae_scales(pipe: PipelineDir) -> tuple[int, int]:
         value = cfg.get(key, defaults[key].default if key in defaults else None)
         scales.append(value if isinstance(value, int) and value > 0 else None)
     spatial, temporal = scales
+    if spatial is None and isinstance(cfg.get("temperal_downsample"), list):  # (sic) AutoencoderKLQwenImage's
+        return 2 ** len(cfg["temperal_downsample"]), 1
     if spatial is None:
         if "block_out_channels" not in cfg:
             raise EngineConfigError(f"{pipe.root / 'vae' / 'config.json'}: no block_out_channels nor "
@@ -255,8 +260,7 @@ class DenoiseEngine(SteppedEngine):
         self.vae_scale, self.vae_frames = vae_scales(pipe)
         # The channels it denoises; those it takes beyond them are a condition another stage sends (image-to-video).
         self.latent_channels = self.call.latent_channels(self.config)
-        self.condition_channels = self.config["in_channels"] - (self.config.get("out_channels")
-                                                                or self.config["in_channels"])
+        self.condition_channels = self.call.condition_channels(self.config)
         self.takes_image = self.call.takes_image(self.config)
         self.pins_first_step = pipe.pipeline_class in self.call.pins_first_step
         image_inputs = [e.source for e in self.stage.inputs if _is_image_encoder(self.pipeline.stage(e.source))]
@@ -366,7 +370,7 @@ class DenoiseEngine(SteppedEngine):
         """The image's own part of a step: its guidance and its scheduler's step from the model's prediction."""
         if st.rows == 2:
             uncond, cond = pred.chunk(2)
-            pred = uncond + st.guidance * (cond - uncond)
+            pred = self.call.combine(uncond, cond, st.guidance, self.config)
         t = st.timesteps[st.done_steps]
         kw = {"generator": st.generator} if self.step_takes_generator else {}
         st.latents = st.scheduler.step(pred, t, st.latents, **kw).prev_sample
@@ -396,15 +400,23 @@ class DenoiseEngine(SteppedEngine):
 
     def _checked(self, chunks: list[InputChunk], wanted: tuple, rows: int = 0) -> dict[str, torch.Tensor]:
         text: dict[str, torch.Tensor] = {}
+        tokens = 0  # of the last per-token tensor: a mask's
         # `rows`: of the first (per-token) tensor unless given; the others must agree
         for ti in wanted:
-            t = self.on_device(_named(chunks, ti.tensor)).to(self.dtype)
+            t = self.on_device(_named(chunks, ti.tensor))
+            if ti.mask:
+                if t.dim() != 2 or t.shape != (rows, tokens) or t.dtype != torch.bool:
+                    raise InputError(f"{ti.tensor} must be [{rows}, {tokens}] bool, got {list(t.shape)} {t.dtype}")
+                text[ti.kwarg] = t
+                continue
+            t = t.to(self.dtype)
             width = self.config[ti.width]
             if ti.per_token:
                 allowed = (rows,) if rows else (1, 2) if self.call.guidance_rows else (1,)
                 ok = t.dim() == 3 and t.shape[0] in allowed and t.shape[2] == width
                 want = f"[{rows or ' or '.join(map(str, allowed))}, tokens, {width}]"
                 rows = rows or (t.shape[0] if ok else 0)
+                tokens = t.shape[1] if ok else 0
             else:
                 ok, want = t.dim() == 2 and t.shape[0] == rows and t.shape[1] == width, f"[{rows}, {width}]"
             if not ok:
@@ -466,28 +478,63 @@ class LatentsState(StepState):
         self.latents = torch.empty(0)
 
 
+# The image VAE classes the decode stage runs (its component's `_class_name`).
+IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLQwenImage")
+ONE_FRAME_VAE = "AutoencoderKLQwenImage"  # Qwen-Image's: a causal video VAE of Wan's design, decoding one frame
+
+
+def image_vae_class(model_dir: Path) -> str:
+    from diffusers import AutoencoderKL
+
+    name = AutoencoderKL.load_config(model_dir).get("_class_name", "")
+    if name not in IMAGE_VAES:
+        raise EngineConfigError(f"{model_dir / 'config.json'}: the image VAE stage decodes {', '.join(IMAGE_VAES)}, "
+                                f"not a {name or 'model without _class_name'}")
+    return name
+
+
 class VaeDecoder:
     """The VAE's decode as both placements run it (in the stage process, or in an engine process): latents
     of one shape in, each image's 8-bit RGB pixels out. The denoiser's latents are scaled and shifted as the
-    VAE's config says (`scaling_factor`, and `shift_factor` where it has one, as SD3's does)."""
+    VAE's config says (`scaling_factor`, and `shift_factor` where it has one, as SD3's does); Qwen-Image's
+    (`ONE_FRAME_VAE`) are un-normalized with its `latents_mean` / `latents_std` and decoded as one frame, as
+    QwenImagePipeline does."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, batch_invariant: bool):
-        from diffusers import AutoencoderKL
+        import diffusers
 
-        self.vae = AutoencoderKL.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        arch = image_vae_class(model_dir)
+        self.vae = getattr(diffusers, arch).from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.device, self.dtype = device, dtype
+        cfg = self.vae.config
+        self.one_frame = arch == ONE_FRAME_VAE
+        if self.one_frame:
+            from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageAttentionBlock
+
+            from stage_service.engines.diffusers.video_vae import batch_invariant_decode
+
+            if batch_invariant:
+                batch_invariant_decode(self.vae, QwenImageAttentionBlock)
+            shape = (1, cfg.z_dim, 1, 1, 1)
+            self.mean = torch.tensor(cfg.latents_mean).view(shape).to(device, dtype)
+            self.inv_std = (1.0 / torch.tensor(cfg.latents_std)).view(shape).to(device, dtype)
+            return
         if batch_invariant:
             make_batch_invariant(self.vae)
-        self.device, self.dtype = device, dtype
-        self.scaling = self.vae.config.scaling_factor
-        self.shift = getattr(self.vae.config, "shift_factor", None)
+        self.scaling = cfg.scaling_factor
+        self.shift = getattr(cfg, "shift_factor", None)
 
     def decode(self, latents: list[torch.Tensor]) -> list[np.ndarray]:
         """Each image's pixels [h, w, 3] (uint8), converted for the whole batch at once."""
         with torch.inference_mode():
-            x = torch.cat(latents).to(self.device, self.dtype) / self.scaling
-            if self.shift is not None:
-                x = x + self.shift
-            images = self.vae.decode(x).sample
+            x = torch.cat(latents).to(self.device, self.dtype)
+            if self.one_frame:
+                images = self.vae.decode(x.unsqueeze(2) / self.inv_std + self.mean).sample[:, :, 0]
+            else:
+                x = x / self.scaling
+                if self.shift is not None:
+                    x = x + self.shift
+                images = self.vae.decode(x).sample
             pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
             return list(pixels.permute(0, 2, 3, 1).contiguous().cpu().numpy())
 
@@ -546,7 +593,7 @@ class VaeDecodeEngine(SteppedEngine):
     `max_failed_steps` in a row).
     """
 
-    ARCHITECTURES = ("AutoencoderKL",)
+    ARCHITECTURES = IMAGE_VAES
 
     ENGINE_PROCESS = True
 
@@ -565,7 +612,9 @@ class VaeDecodeEngine(SteppedEngine):
     def load(self) -> None:
         from diffusers import AutoencoderKL
 
-        self.latent_channels = AutoencoderKL.load_config(self.model_dir)["latent_channels"]
+        cfg = AutoencoderKL.load_config(self.model_dir)
+        one_frame = image_vae_class(self.model_dir) == ONE_FRAME_VAE
+        self.latent_channels = cfg["z_dim"] if one_frame else cfg["latent_channels"]
         if self.options.engine_process:
             self.start_core(VaeCore, (str(self.model_dir), self.placement, self.batch_invariant))
             return

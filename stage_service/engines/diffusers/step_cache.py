@@ -253,3 +253,41 @@ def flux_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) ->
 
 FLUX_BLOCKS = DitBlocks(head=flux_head, rest=flux_rest, out=flux_out,
                         count=lambda cfg: cfg["num_layers"] + cfg["num_single_layers"])
+
+
+# ------------------------------------------------------------ QwenImageTransformer2DModel
+
+def qwen_image_head(model, hidden_states, encoder_hidden_states, timestep, img_shapes,
+                    encoder_hidden_states_mask=None) -> FirstBlock:
+    """The first of its dual-stream blocks (the embeddings as its forward makes them: `zero_cond_t`,
+    `use_additional_t_cond` and guidance are refused when the stage loads, denoisers.qwen_image_unserved)."""
+    from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+
+    hidden = model.img_in(hidden_states)
+    timestep = timestep.to(hidden.dtype)
+    context = model.txt_in(model.txt_norm(encoder_hidden_states))
+    tokens, _, mask = compute_text_seq_len_from_mask(context, encoder_hidden_states_mask)
+    temb = model.time_text_embed(timestep, hidden)
+    rotary = model.pos_embed(img_shapes, max_txt_seq_len=tokens, device=hidden.device)
+    before = hidden
+    context, hidden = model.transformer_blocks[0](hidden_states=hidden, encoder_hidden_states=context,
+                                                  encoder_hidden_states_mask=mask, temb=temb, image_rotary_emb=rotary)
+    rows = {"temb": temb, "context": context, **({} if mask is None else {"mask": mask})}
+    return FirstBlock(hidden, before, rows, {"rotary": rotary})
+
+
+def qwen_image_rest(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    context = rows["context"]
+    for block in model.transformer_blocks[1:]:
+        context, hidden = block(hidden_states=hidden, encoder_hidden_states=context,
+                                encoder_hidden_states_mask=rows.get("mask"), temb=rows["temb"],
+                                image_rotary_emb=shared["rotary"])
+    return hidden
+
+
+def qwen_image_out(model, hidden: torch.Tensor, rows: Rows, shared: dict[str, Any]) -> torch.Tensor:
+    return model.proj_out(model.norm_out(hidden, rows["temb"]))  # still packed: the loop unpacks it
+
+
+QWEN_IMAGE_BLOCKS = DitBlocks(head=qwen_image_head, rest=qwen_image_rest, out=qwen_image_out,
+                              count=lambda cfg: cfg["num_layers"])

@@ -18,14 +18,24 @@ become the denoiser's conditioning, depends on the pipeline class in `model_inde
   FLUX.1-dev's guidance scale is the transformer's input, not a second, unconditional row; a negative prompt is
   refused by name (FluxPipeline reads one only for its true classifier-free guidance, `true_cfg_scale`, which
   no request field asks for).
+- `QwenImagePipeline`: the Qwen2.5-VL text encoder over the prompt in the pipeline's template, its last hidden
+  states past the template's first 34 tokens (the system turn), at most 512 of them, as
+  `QwenImagePipeline.encode_prompt` gives them; `embeddings_mask` says which tokens are the prompt's. A request's
+  rows (under true CFG [negative prompt, prompt], QwenImagePipeline's `true_cfg_scale` being the request's
+  guidance scale, run, as the pipeline runs it, only when a negative prompt is given) are padded with zero rows to
+  the longer one's tokens rounded up to 64 (`QWEN_IMAGE_TOKEN_BUCKET`): the denoiser masks the padding, so it
+  changes no image, and requests whose prompts round to the same length share the denoise loop's model calls.
 
-Every prompt of a batch is padded to the encoders' fixed lengths, so a prompt encodes the same alone
-or in a batch. Another family plugs in as one more `PromptEncoder` in `PROMPT_ENCODERS`.
+Every prompt of a batch is padded to the encoders' fixed lengths (the Qwen2.5-VL encoder runs the prompts of one
+token count together instead: a causal model's padding would change its kernels' shapes), so a prompt encodes the
+same alone or in a batch. Another family plugs in as one more `PromptEncoder` in `PROMPT_ENCODERS`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the ecosystem's name for it
@@ -41,6 +51,18 @@ SD3_T5_TOKENS = 256
 WAN_TEXT_TOKENS = 512
 # FluxPipeline's default `max_sequence_length`: the T5 tokens every prompt is padded (or cut) to.
 FLUX_T5_TOKENS = 512
+# QwenImagePipeline's `prompt_template_encode`, the template tokens before the prompt its encoding drops
+# (`prompt_template_encode_start_idx`), the prompt tokens its tokenizer keeps past them (`tokenizer_max_length`)
+# and the most tokens it conditions on (`max_sequence_length`'s default).
+QWEN_IMAGE_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+                       "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+                       "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+QWEN_IMAGE_DROPPED_TOKENS = 34
+QWEN_IMAGE_TOKENIZER_TOKENS = 1024
+QWEN_IMAGE_TEXT_TOKENS = 512
+# A request's text tokens are padded to a multiple of this: more requests share a denoise step (the text's length
+# is part of what a step's images must share), for at most 63 masked tokens each.
+QWEN_IMAGE_TOKEN_BUCKET = 64
 
 
 class PromptEncoder(ABC):
@@ -67,6 +89,10 @@ class PromptEncoder(ABC):
     @abstractmethod
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Blocking; runs under inference mode on the stage's worker thread."""
+
+    def request_rows(self, encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One request's rows of `encode`'s output, as the text stage sends them (by default as they are)."""
+        return encoded
 
 
 class ClipPromptEncoder(PromptEncoder):
@@ -161,6 +187,52 @@ class FluxPromptEncoder(PromptEncoder):
         return {"embeddings": t5(self._ids(tokenizer, prompts, FLUX_T5_TOKENS))[0], "pooled_embeddings": pooled}
 
 
+class QwenImagePromptEncoder(PromptEncoder):
+    """QwenImagePipeline: `embeddings` [1 or 2, tokens, width] and `embeddings_mask` [1 or 2, tokens] (bool), tokens
+    a multiple of `QWEN_IMAGE_TOKEN_BUCKET` (module docstring)."""
+
+    def __init__(self, pipe: PipelineDir, dtype: torch.dtype, batch_invariant: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__(pipe, dtype, batch_invariant, device)
+        self.tokenizer = pipe.load("tokenizer")
+        self.encoder = self._encoder("text_encoder")
+        config: Any = self.encoder.config  # Qwen2.5-VL's: the text model's width under text_config
+        self.width = int(config.get_text_config().hidden_size)
+
+    def prompts(self, params: RequestParams) -> list[str]:
+        """[negative prompt, prompt] under true CFG, which QwenImagePipeline runs when its `true_cfg_scale` (the
+        guidance scale) is above 1 and a negative prompt is given; else [prompt]."""
+        if params.guidance_scale > 1.0 and params.negative_prompt:
+            return [params.negative_prompt, params.text]
+        return [params.text]
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        ids = [self.tokenizer(QWEN_IMAGE_TEMPLATE.format(p), truncation=True,
+                              max_length=QWEN_IMAGE_TOKENIZER_TOKENS + QWEN_IMAGE_DROPPED_TOKENS).input_ids
+               for p in prompts]
+        embeddings = torch.zeros(len(prompts), QWEN_IMAGE_TEXT_TOKENS, self.width, dtype=self.dtype,
+                                 device=self.device)
+        mask = torch.zeros(len(prompts), QWEN_IMAGE_TEXT_TOKENS, dtype=torch.bool, device=self.device)
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for i, row in enumerate(ids):
+            by_length[len(row)].append(i)
+        for rows in by_length.values():  # unpadded, with the pipeline's all-ones attention mask
+            batch = torch.tensor([ids[i] for i in rows], device=self.device)
+            hidden = self.encoder(input_ids=batch, attention_mask=torch.ones_like(batch),
+                                  output_hidden_states=True).hidden_states[-1]
+            kept = hidden[:, QWEN_IMAGE_DROPPED_TOKENS:][:, :QWEN_IMAGE_TEXT_TOKENS]
+            index = torch.tensor(rows, device=self.device)
+            embeddings[index, :kept.shape[1]] = kept.to(self.dtype)
+            mask[index, :kept.shape[1]] = True
+        return {"embeddings": embeddings, "embeddings_mask": mask}
+
+    def request_rows(self, encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The request's rows cut to its longest prompt's tokens rounded up to `QWEN_IMAGE_TOKEN_BUCKET`."""
+        tokens = int(encoded["embeddings_mask"].sum(dim=1).max())
+        keep = min(-(-tokens // QWEN_IMAGE_TOKEN_BUCKET) * QWEN_IMAGE_TOKEN_BUCKET, QWEN_IMAGE_TEXT_TOKENS)
+        return {name: t[:, :keep].contiguous() for name, t in encoded.items()}
+
+
 PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     "StableDiffusionPipeline": ClipPromptEncoder,
     "StableDiffusion3Pipeline": Sd3PromptEncoder,
@@ -169,6 +241,7 @@ PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     # uses it where it is installed, and folds whitespace alike where it is not).
     "WanImageToVideoPipeline": Umt5PromptEncoder,
     "FluxPipeline": FluxPromptEncoder,
+    "QwenImagePipeline": QwenImagePromptEncoder,
 }
 
 

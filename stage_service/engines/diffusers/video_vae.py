@@ -48,14 +48,17 @@ def to_uint8_frames(decoded: torch.Tensor) -> torch.Tensor:
     return (x * 255).round().to(torch.uint8)[0].permute(1, 2, 3, 0).contiguous().cpu()
 
 
-def batch_invariant_decode(vae: Any) -> Any:
-    """`vae` (an AutoencoderKLWan) with every convolution and its decoder's attention run over a batch of at least
-    2, in place: a request's frames are then the same bit for bit whatever its neighbours (module docstring)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock
+def batch_invariant_decode(vae: Any, attention: type[torch.nn.Module] | None = None) -> Any:
+    """`vae` (an AutoencoderKLWan, or Qwen-Image's VAE of the same design with its `attention` block class) with every
+    convolution and its decoder's attention run over a batch of at least 2, in place: a request's frames are then
+    the same bit for bit whatever its neighbours (module docstring)."""
+    if attention is None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock
 
+        attention = WanAttentionBlock
     pad_lone_convolutions(vae)
     for m in vae.decoder.modules():  # torch's CPU attention rounds a lone call apart from a batched one
-        if isinstance(m, WanAttentionBlock):
+        if isinstance(m, attention):
             pad_lone_calls(m)
     return vae
 
