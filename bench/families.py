@@ -17,6 +17,11 @@ same work: every request decodes exactly `TOKENS` tokens (ignore_eos on the stag
 reference). Requests/s = clips / wall time of the round. `asr.staged.rps_c8`, `asr.reference.rps_c1` and
 `asr.reference_batched.rps_b8` are the three rates.
 
+`step_cache.<family>.speedup` and `.psnr_db` (with `.latents_moved_off`, `.skipped_rows` and the `.threshold`
+each was measured at): the diffusion step cache on each diffusion family's tiny model, cached against uncached
+denoise stages for the same prompts and seeds, as bench/step_cache.py measures and defines them (that bench runs
+the same measurement alone, with a threshold sweep).
+
     flock /tmp/omnistage-bench.lock .venv/bin/python bench/families.py [--quick] [--only asr]
 
 Writes bench/results/families.json.
@@ -174,8 +179,20 @@ def asr(quick: bool, models: Path) -> tuple[list[dict], dict]:
                              "reference_batched_rps": batched}}
 
 
+def step_cache(quick: bool, models: Path) -> tuple[list[dict], dict]:
+    """The diffusion families' step cache (`step_cache.<family>.speedup` and `.psnr_db`, with the threshold each
+    was measured at): bench/step_cache.py's measurement, whose docstring defines the figures."""
+    if models != MODELS:
+        raise SystemExit("the step_cache row reads the tiny models from models/ (bench/step_cache.py)")
+    sys.path.insert(0, str(ROOT))
+    import step_cache as measurement  # bench/step_cache.py
+
+    figures, settings = measurement.run(quick)
+    return figures, {"step_cache": settings}
+
+
 # One function per family: (quick, model store) -> (figures, settings).
-ROWS: dict[str, Callable[[bool, Path], tuple[list[dict], dict]]] = {"asr": asr}
+ROWS: dict[str, Callable[[bool, Path], tuple[list[dict], dict]]] = {"asr": asr, "step_cache": step_cache}
 
 
 def main() -> None:
@@ -185,7 +202,8 @@ def main() -> None:
     ap.add_argument("--models", type=Path, default=MODELS)
     args = ap.parse_args()
     started = time.perf_counter()
-    figures, settings = [], {}
+    figures: list[dict] = []
+    settings: dict = {}
     load_before = os.getloadavg()
     for name in args.only or list(ROWS):
         got, extra = ROWS[name](args.quick, args.models)

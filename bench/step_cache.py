@@ -131,6 +131,22 @@ async def measure(name: str, family: Family, threshold: float, rounds: int, prom
             figure(f"step_cache.{name}.threshold", threshold, "relative L1")]
 
 
+def run(quick: bool, names: list[str] | None = None, override: dict[str, float] | None = None
+        ) -> tuple[list[dict], dict]:
+    """The figures for `names` (all families by default) at their chosen thresholds (or `override`'s), and the
+    settings they were measured with. bench/families.py's `step_cache` row runs this too."""
+    torch.set_num_threads(1)
+    override = override or {}
+    rounds, prompts = (QUICK_ROUNDS, 2) if quick else (ROUNDS, len(PROMPTS))
+    figures = []
+    for name in names or sorted(FAMILIES):
+        family = FAMILIES[name]
+        figures += asyncio.run(measure(name, family, override.get(name, family.threshold), rounds, prompts))
+    settings = {name: {"example": f.example, "threshold": override.get(name, f.threshold), **f.ask}
+                for name, f in FAMILIES.items() if name in (names or FAMILIES)}
+    return figures, {"rounds": rounds, "requests": prompts, "settings": settings}
+
+
 def main() -> None:
     exit_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -140,20 +156,13 @@ def main() -> None:
     ap.add_argument("--threshold", action="append", default=[], metavar="FAMILY=VALUE",
                     help="another threshold than the chosen one (a sweep; results not written)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     override = {k: float(v) for k, v in (t.split("=", 1) for t in args.threshold)}
-    rounds, prompts = (QUICK_ROUNDS, 2) if args.quick else (ROUNDS, len(PROMPTS))
     started, load_before = time.perf_counter(), os.getloadavg()
-    figures = []
-    for name in args.family or sorted(FAMILIES):
-        family = FAMILIES[name]
-        figures += asyncio.run(measure(name, family, override.get(name, family.threshold), rounds, prompts))
+    figures, settings = run(args.quick, args.family, override)
     print_table("diffusion step cache: cached against uncached denoise stages, same prompts and seeds", figures)
     if override or args.family:
         return
-    settings = {name: {"example": f.example, "threshold": f.threshold, **f.ask} for name, f in FAMILIES.items()}
-    path = write_results("step_cache", figures, {"quick": args.quick, "rounds": rounds, "requests": prompts,
-                                                 "settings": settings,
+    path = write_results("step_cache", figures, {"quick": args.quick, **settings,
                                                  "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                                                  "runtime_s": round(time.perf_counter() - started, 1)})
     print(f"\nwrote {path}")
