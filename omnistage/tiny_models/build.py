@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from omnistage.tiny_models import diffusion, flux, lm, qwen2_5_omni, qwen3_asr, qwen3_omni, sd3, wan
+from omnistage.tiny_models import diffusion, flux, lm, qwen2_5_omni, qwen3_asr, qwen3_omni, qwen3_tts, sd3, wan
 
 # Bump when a builder changes, so stale models get rebuilt.
 BUILD_VERSION = 7
@@ -22,6 +22,7 @@ MODELS: dict[str, Callable[[Path, int], None]] = {
     "wan-i2v-tiny": wan.build_i2v,
     "qwen3-asr-tiny": qwen3_asr.build,
     "flux-tiny": flux.build,
+    "qwen3-tts-tiny": qwen3_tts.build,
 }
 
 
