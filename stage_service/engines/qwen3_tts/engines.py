@@ -63,7 +63,7 @@ class TalkerEngine(FedTalkerEngine):
         ids, instruction = self.texts(p)
         st = self.talker.new_state(ids, instruction, text_sampling(p, self.REPETITION_PENALTY), p.max_codec_frames,
                                    p.speaker, p.language)
-        prompt_rows = len(instruction) + self.talker.prompt_rows_beyond_ids + len(ids)
+        prompt_rows = self.talker.prompt_rows(instruction)
         refused = self.kv_refusal("params.audio.max_codec_frames", f"a prompt of {prompt_rows} rows plus "
                                   f"max_codec_frames ({p.max_codec_frames})", prompt_rows + p.max_codec_frames)
         if refused is not None:

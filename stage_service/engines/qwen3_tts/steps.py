@@ -28,6 +28,7 @@ from omnistage.checkpoints.configs import CheckpointError
 from omnistage.checkpoints.qwen_tts import SPEECH_TOKENIZER_DIR, classes, load_config, with_rope_buffers
 from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest
+from stage_service.engines.omni.inbox import END_OF_TEXT
 from stage_service.engines.qwen3_omni.steps import Code2Wav, Talker, TalkerState
 from stage_service.runtime.components import Piece
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
@@ -97,6 +98,10 @@ class TtsTalker(Talker):
         self.languages = {k.lower(): v for k, v in (cfg.codec_language_id or {}).items()}
         self.defaults = generation_defaults(root)
 
+    def prompt_rows(self, instruction_ids: list[int]) -> int:
+        """Rows the first step feeds, at most; each later step feeds one (its frame plus a text row, summed)."""
+        return len(instruction_ids) + self.prompt_rows_beyond_ids
+
     def text_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Text token ids as the talker reads them: its text embedding through its text projection."""
         return self.model.text_projection(self.text_embeds(ids))
@@ -122,17 +127,14 @@ class TtsTalker(Talker):
         """A state for the assistant text `text_ids` (ASSISTANT_TEXT tokenized) spoken by `speaker`, after an
         instruction (`instruction_ids`, INSTRUCTION_TEXT tokenized; empty: none). Its inbox holds the text it
         reads after the prompt (the text's embeddings: each step projects what it takes) and the end of text."""
-        from stage_service.engines.omni.inbox import END_OF_TEXT
-
         self.check_speaker(speaker)
         if len(text_ids) <= HEADER + FOOTER:
             raise InvalidRequest("params.prompt", "is empty: there is no text to speak")
         language_id = self.language_id(language, speaker)
-        prompt_rows = len(instruction_ids) + self.prompt_rows_beyond_ids
         st = TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(),
                          generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
                          prompt=(list(text_ids), list(instruction_ids), language_id),
-                         kv=SequenceKV(limit=prompt_rows + len(text_ids) + max_frames))
+                         kv=SequenceKV(limit=self.prompt_rows(instruction_ids) + max_frames))
         with torch.inference_mode():
             st.inbox.append(self.text_embeds(text_ids[HEADER + 1:-FOOTER]))
         st.inbox.append(END_OF_TEXT)
