@@ -1,8 +1,9 @@
 """The staged Qwen3-TTS pipeline (talker -> codec decoder) computes what the model computes: for a fixed text,
 speaker and instruction, greedy, the same codec frames and the same PCM (within one 16-bit step: the stage
 decodes chunk by chunk with left context, the reference in one piece) as qwen-tts's own `generate_custom_voice`
-on the same checkpoint; two requests sharing the talker's steps get each the frames it gets alone; a voice the
-checkpoint lacks and an empty text are refused naming the field. Through gRPC Generate and the stages alone."""
+on the same checkpoint; two requests sharing the talker's steps get each the frames it gets alone, and so do four
+under a KV budget that holds two (preempted and fed again); a voice the checkpoint lacks and an empty text are
+refused naming the field. Through gRPC Generate and the stages alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from omnistage.client import AsyncOmniClient
 
-from ..harness import all_queued, call_stage, example, header, served_pipeline, tensor_of
+from ..harness import all_queued, call_stage, example, header, served_pipeline, stage_servers, tensor_of
 
 MODEL = "qwen3-tts-tiny"
 PIPELINE = example(MODEL)
@@ -108,3 +109,38 @@ async def test_a_voice_the_checkpoint_lacks_and_an_empty_text_are_refused_naming
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await call_stage(talker, header("empty", prompt="", speaker="vivian"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.prompt" in e.value.details()
+
+
+def with_kv_budget(kv_cache_bytes: int):
+    def edit(doc):
+        doc["spec"]["deployment"]["stages"]["talker"]["engineArgs"] = {"kvCacheBytes": kv_cache_bytes}
+    return example(MODEL, edit)
+
+
+async def test_under_a_kv_budget_for_two_every_request_gets_its_unbounded_frames(staged, model_dir):
+    """Four requests under a budget that holds two at their longest: each gets the frames it gets unbounded
+    (some preempted on the way and their rows fed again); a request that could never fit is refused at once."""
+    from stage_service.engines.omni.talker_core import talker_kv_per_token
+    from stage_service.runtime.kv_budget import KvPages
+
+    _, stages = staged
+    unbounded_stage = stages["talker"]
+
+    def ask(i: int, frames: int = FRAMES):
+        return header(f"kv-{i}", prompt=TEXTS[i % 2], speaker=("vivian", "ryan", "dylan", "ryan")[i],
+                      max_codec_frames=frames)
+    unbounded = [await call_stage(unbounded_stage.port, ask(i)) for i in range(4)]
+    pages = KvPages(talker_kv_per_token(unbounded_stage.engine.talker, unbounded_stage.engine.dtype))
+    longest = unbounded_stage.engine.talker.prompt_rows([]) + FRAMES
+    async with stage_servers(with_kv_budget(2 * pages.bytes_for(longest)), model_dir, ("talker",)) as servers:
+        talker = servers["talker"]
+        bounded = await all_queued(talker.engine.scheduler,
+                                   asyncio.gather(*(call_stage(talker.port, ask(i)) for i in range(4))), 4)
+        assert [torch.cat([tensor_of(c, "codes") for c in b], 1).tolist() for b in bounded] == \
+            [torch.cat([tensor_of(c, "codes") for c in u], 1).tolist() for u in unbounded]
+        sched = talker.engine.scheduler
+        assert sched.preemptions > 0 and 0 < sched.kv_peak <= 2 * pages.bytes_for(longest)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call_stage(talker.port, ask(0, frames=3 * longest))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "params.audio.max_codec_frames" in e.value.details()
