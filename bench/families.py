@@ -17,12 +17,23 @@ same work: every request decodes exactly `TOKENS` tokens (ignore_eos on the stag
 reference). Requests/s = clips / wall time of the round. `asr.staged.rps_c8`, `asr.reference.rps_c1` and
 `asr.reference_batched.rps_b8` are the three rates.
 
+`tts.*`: `examples/qwen3-tts-tiny.yaml` (talker -> codec decoder) through gRPC Generate, audio out, greedy, each
+request a fixed sentence of `TTS_TEXTS` in one of the checkpoint's voices with a bound of `TTS_FRAMES` codec frames
+(12.5 a second). `tts.ttfp_p50_ms_cN`: the median time from sending a request to its first audio chunk, N clients
+each sending requests back to back. A stream's real-time factor is its wall time over the seconds of audio it
+carried; `tts.streams_at_rtf_below_1`: the most concurrent streams (of `TTS_LADDER`) at which every stream's
+real-time factor stayed below 1 (0: not even one). `tts.staged_over_reference.rps_c16`: requests/s at 16 clients
+over the reference generating one request at a time: qwen-tts's own `Qwen3TTSModel.generate_custom_voice`
+(greedy, `non_streaming_mode=False` as the staged talker reads the text, the same frame bound, then its decoder)
+in a process of its own (one torch thread), request after request; the same sentences and voices on both
+sides, so both make the same frames (the integration tests show the PCM is the same).
+
 `step_cache.<family>.speedup` and `.psnr_db` (with `.latents_moved_off`, `.skipped_rows` and the `.threshold`
 each was measured at): the diffusion step cache on each diffusion family's tiny model, cached against uncached
 denoise stages for the same prompts and seeds, as bench/step_cache.py measures and defines them (that bench runs
 the same measurement alone, with a threshold sweep).
 
-    flock /tmp/omnistage-bench.lock .venv/bin/python bench/families.py [--quick] [--only asr]
+    flock /tmp/omnistage-bench.lock .venv/bin/python bench/families.py [--quick] [--only ROW ...]
 
 Writes bench/results/families.json.
 """
@@ -47,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import soundfile
 import yaml
-from common import figure, finish, print_table
+from common import figure, finish, merge_results, print_table
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -94,10 +105,12 @@ def _reference_worker(model_dir: str, jobs, done) -> None:
 
 
 class Reference:
-    def __init__(self, model_dir: Path):
+    """A family's reference in a process of its own: `worker(model_dir, jobs, done)` loads it and answers jobs."""
+
+    def __init__(self, model_dir: Path, worker: Callable = _reference_worker):
         ctx = multiprocessing.get_context("spawn")
         self.jobs, self.done = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_reference_worker, args=(str(model_dir), self.jobs, self.done), daemon=True)
+        self.proc = ctx.Process(target=worker, args=(str(model_dir), self.jobs, self.done), daemon=True)
         self.proc.start()
         assert self.done.get(timeout=300) == "ready"
 
@@ -179,6 +192,125 @@ def asr(quick: bool, models: Path) -> tuple[list[dict], dict]:
                              "reference_batched_rps": batched}}
 
 
+# ------------------------------------------------------------------ Qwen3-TTS
+
+TTS_EXAMPLE = ROOT / "examples" / "qwen3-tts-tiny.yaml"
+TTS_MODEL = "qwen3-tts-tiny"
+TTS_FRAMES = 25     # codec frames each request may speak (2 s of audio)
+TTS_TEXTS = [("Hello world, the quick brown fox.", "vivian"), ("Tell me a short story about the sea.", "ryan"),
+             ("What is the weather like today?", "dylan"), ("Kubernetes schedules pods on nodes.", "vivian")]
+TTS_LADDER = (1, 2, 4, 8, 16, 32)
+TTS_REFERENCE_CONCURRENCY = 16
+
+
+def _tts_reference_worker(model_dir: str, jobs, done) -> None:
+    """Loads qwen-tts's Qwen3TTSModel once, then speaks each list of (text, voice) it is sent one request at a
+    time; answers with (seconds taken, audio seconds made) (None ends it)."""
+    import torch
+
+    from omnistage.checkpoints.qwen_tts import reference_model
+
+    torch.set_num_threads(1)
+    model = reference_model(model_dir)
+    done.put("ready")
+    while (job := jobs.get()) is not None:
+        t0, audio = time.perf_counter(), 0.0
+        for text, voice in job:
+            wavs, rate = model.generate_custom_voice(text, speaker=voice, non_streaming_mode=False, do_sample=False,
+                                                     subtalker_dosample=False, max_new_tokens=TTS_FRAMES + 1)
+            audio += len(wavs[0]) / rate
+        done.put((time.perf_counter() - t0, audio))
+
+
+class TtsReference(Reference):
+    def __init__(self, model_dir: Path):
+        super().__init__(model_dir, _tts_reference_worker)
+
+    def speak(self, requests: list[tuple[str, str]]) -> tuple[float, float]:
+        """(requests/s, audio seconds made)."""
+        self.jobs.put(requests)
+        seconds, audio = self.done.get(timeout=1800)
+        return len(requests) / seconds, audio
+
+
+async def tts_load(endpoint: str, requests: list[tuple[str, str]], concurrency: int) -> dict:
+    """The requests sent by `concurrency` clients back to back: requests/s, each one's time to first audio (ms)
+    and real-time factor, and the audio seconds made."""
+    from omnistage.client import AsyncOmniClient
+
+    queue = list(requests)
+    ttfp, rtf, audio = [], [], 0.0
+    async with AsyncOmniClient(endpoint) as client:
+        async def worker():
+            nonlocal audio
+            while queue:
+                text, voice = queue.pop()
+                t0 = time.perf_counter()
+                r = await client.generate(text, speaker=voice, max_codec_frames=TTS_FRAMES, outputs=["audio"],
+                                          timeout=600)
+                wall = time.perf_counter() - t0
+                assert r.first_audio_s is not None and r.audio_seconds > 0, "no audio"
+                ttfp.append(r.first_audio_s * 1e3)
+                rtf.append(wall / r.audio_seconds)
+                audio += r.audio_seconds
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return {"rps": len(requests) / (time.perf_counter() - t0), "ttfp_ms": ttfp, "rtf": rtf, "audio_s": audio}
+
+
+def tts(quick: bool, models: Path) -> tuple[list[dict], dict]:
+    rounds, per_client = (2, 2) if quick else (3, 4)
+    local, tmp = serve_example(TTS_EXAMPLE, models)
+    reference = None
+    ladder: dict[int, list[dict]] = {c: [] for c in TTS_LADDER}
+    staged, ref, ref_audio, staged_audio = [], [], [], []
+    try:
+        endpoint = local.start()
+        asyncio.run(tts_load(endpoint, TTS_TEXTS * 2, 4))  # warm both stages
+        reference = TtsReference(models / TTS_MODEL)
+        reference.speak(TTS_TEXTS[:2])  # warm
+        n = TTS_REFERENCE_CONCURRENCY * per_client
+        asks = [TTS_TEXTS[i % len(TTS_TEXTS)] for i in range(n)]
+        for r in range(rounds):
+            for c in TTS_LADDER:
+                ladder[c].append(asyncio.run(tts_load(endpoint, [TTS_TEXTS[i % len(TTS_TEXTS)]
+                                                                 for i in range(c * per_client)], c)))
+            run = asyncio.run(tts_load(endpoint, asks, TTS_REFERENCE_CONCURRENCY))
+            staged.append(run["rps"])
+            staged_audio.append(run["audio_s"])
+            rps, audio = reference.speak(asks)
+            ref.append(rps)
+            ref_audio.append(audio)
+            worst = {c: round(max(ladder[c][-1]["rtf"]), 3) for c in TTS_LADDER}
+            print(f"  tts round {r + 1}/{rounds}: staged {staged[-1]:.2f} req/s (c{TTS_REFERENCE_CONCURRENCY}), "
+                  f"reference {ref[-1]:.2f} req/s (one at a time); worst real-time factor by streams {worst}",
+                  flush=True)
+    finally:
+        if reference is not None:
+            reference.close()
+        local.stop()
+        tmp.cleanup()
+    # Every stream of every round under real time; the ladder is climbed while it holds.
+    below = 0
+    for c in TTS_LADDER:
+        if max(x for run in ladder[c] for x in run["rtf"]) >= 1:
+            break
+        below = c
+    ttfp = {c: statistics.median(x for run in ladder[c] for x in run["ttfp_ms"]) for c in (1, 8, 32)}
+    figures = [figure("tts.streams_at_rtf_below_1", below, "streams"),
+               *(figure(f"tts.ttfp_p50_ms_c{c}", v, "ms") for c, v in ttfp.items()),
+               figure(f"tts.staged_over_reference.rps_c{TTS_REFERENCE_CONCURRENCY}",
+                      statistics.median(s / r for s, r in zip(staged, ref)), "ratio"),
+               figure(f"tts.staged.rps_c{TTS_REFERENCE_CONCURRENCY}", statistics.median(staged), "req/s"),
+               figure("tts.reference.rps_c1", statistics.median(ref), "req/s")]
+    return figures, {"tts": {"rounds": rounds, "frames_per_request": TTS_FRAMES, "requests_per_client": per_client,
+                             "ladder": list(TTS_LADDER), "staged_rps": staged, "reference_rps": ref,
+                             "staged_audio_s": staged_audio, "reference_audio_s": ref_audio,
+                             "worst_rtf": {c: [max(run["rtf"]) for run in ladder[c]] for c in TTS_LADDER},
+                             "ttfp_p50_ms": {c: [statistics.median(run["ttfp_ms"]) for run in ladder[c]]
+                                             for c in TTS_LADDER}}}
+
+
 def step_cache(quick: bool, models: Path) -> tuple[list[dict], dict]:
     """The diffusion families' step cache (`step_cache.<family>.speedup` and `.psnr_db`, with the threshold each
     was measured at): bench/step_cache.py's measurement, whose docstring defines the figures."""
@@ -192,7 +324,7 @@ def step_cache(quick: bool, models: Path) -> tuple[list[dict], dict]:
 
 
 # One function per family: (quick, model store) -> (figures, settings).
-ROWS: dict[str, Callable[[bool, Path], tuple[list[dict], dict]]] = {"asr": asr, "step_cache": step_cache}
+ROWS: dict[str, Callable[[bool, Path], tuple[list[dict], dict]]] = {"asr": asr, "tts": tts, "step_cache": step_cache}
 
 
 def main() -> None:
@@ -210,8 +342,13 @@ def main() -> None:
         figures += got
         settings |= extra
     print_table("Model families: staged pipeline over the family's reference", figures)
-    finish("families", figures, started, {"quick": args.quick, "load_before": load_before,
-                                          "load_after": os.getloadavg(), **settings})
+    run = {"quick": args.quick, "load_before": load_before, "load_after": os.getloadavg(), **settings}
+    if args.only and set(args.only) != set(ROWS):  # some rows: the others' figures stay in the file
+        path = merge_results("families", figures, {"rows": sorted(set(args.only)), **run,
+                                                   "runtime_s": round(time.perf_counter() - started, 1)})
+        print(f"\nwrote {path} (rows {', '.join(sorted(set(args.only)))}; the others kept)")
+    else:
+        finish("families", figures, started, run)
 
 
 if __name__ == "__main__":

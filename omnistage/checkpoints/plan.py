@@ -36,6 +36,7 @@ from omnistage.checkpoints.configs import ar_text_config, read_json
 from omnistage.checkpoints.defaults import image_stage, native_side, vae_scale
 from omnistage.checkpoints.shards import DTYPES, CheckpointError, TensorInfo
 from omnistage.contract.devices import AUTO_DTYPE, uses_gpus
+from omnistage.families import family_of
 
 # Estimate, not measured: activations and workspace as a share of the weights, for the stages whose
 # activations are not modelled (vLLM, which sizes its own; a diffusers UNet).
@@ -219,6 +220,12 @@ def ar_plan(config: Mapping, stage: Stage, dep: StageDeployment | None, dtype: s
     return per_token, context, activations
 
 
+def code2wav_config(root: Path, config: Mapping) -> Mapping:
+    """A code2wav stage's decoder config: its part's sub-config, in the part's own folder where it has one."""
+    part = family_of((config.get("architectures") or [""])[0]).parts["code2wav"]  # type: ignore[union-attr]
+    return read_json(root / part.folder / "config.json")[part.config] if part.folder else config[part.config]
+
+
 def generation_activation_bytes(pipeline: Pipeline, stage: Stage, load: LoadPlan, weights: int,
                                 dtype_bytes: int) -> int:
     """What the largest step of a non-AR stage holds beside its weights, from its component's config (see the
@@ -246,7 +253,7 @@ def generation_activation_bytes(pipeline: Pipeline, stage: Stage, load: LoadPlan
                                                       if load.device == "cpu" else None)
     chunk = pipeline.stage(stage.inputs[0].source).chunk_size if stage.inputs else 0
     if stage.component == "code2wav":
-        c = config["code2wav_config"]
+        c = code2wav_config(root, config)
         frames = CODE2WAV_LEFT_CONTEXT + chunk
         chunks = max(MIN_CONV_BATCH, steps_chunks(batch, frames, bound))
         upsample = math.prod(c["upsample_rates"]) * math.prod(c["upsampling_ratios"])

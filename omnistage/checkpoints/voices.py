@@ -4,15 +4,16 @@ The orchestrator reads them at start from the model store, as it reads the limit
 that a request's voice is checked before any stage runs:
 
 - Qwen3-Omni: `config.json` `talker_config.speaker_id` (name -> codec token), its keys;
+- Qwen3-TTS (CustomVoice): `config.json` `talker_config.spk_id`, the same map under another name;
 - Qwen2.5-Omni: `spk_dict.pt` at the checkpoint's root (name -> conditioning, reference mel, bos token), a
   torch pickle whose top-level keys are read here without torch: its `data.pkl` is unpickled with every
   tensor left a stand-in (`_SpeakerNames`), so no storage is read and no class outside a short list is
   ever imported.
 
 The voices keep the checkpoint's spelling and order. Its default is the voice the model's own `generate()`
-speaks in when none is named (Qwen3-Omni: Ethan, Qwen2.5-Omni: Chelsie), else its first. The checkpoint read
-is the Talker's (the stage whose `component` is `talker` upstream of the audio output), else the audio
-output stage's own.
+speaks in when none is named (Qwen3-Omni: Ethan, Qwen2.5-Omni: Chelsie), else its first (Qwen3-TTS names
+none). The checkpoint read is the Talker's (the stage whose `component` is `talker` or `tts_talker` upstream of
+the audio output), else the audio output stage's own.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from omnistage.contract.launch import checkpoint_dir
 # The speaker table's pickle holds names and tensor headers only (the tensors lie beside it in the archive):
 # a few hundred bytes for two speakers. A larger one is not a speaker table.
 MAX_SPEAKER_PICKLE_BYTES = 1 << 20
-TALKER_COMPONENT = "talker"
+TALKER_COMPONENTS = ("talker", "tts_talker")  # an omni Talker, a text-to-speech talker
 # The voice each family's own generate() uses when none is named (transformers' Qwen3OmniMoeForConditionalGeneration
 # and Qwen2_5OmniForConditionalGeneration): a pipeline that names no default speaks as the model does upstream.
 QWEN3_OMNI_DEFAULT_VOICE = "Ethan"
@@ -63,7 +64,7 @@ def audio_stage(pipeline: Pipeline) -> Stage | None:
     todo = [out.stage]
     while todo:
         stage = pipeline.stage(todo.pop())
-        if stage.component == TALKER_COMPONENT:
+        if stage.component in TALKER_COMPONENTS:
             return stage
         seen.add(stage.name)
         todo += [e.source for e in stage.inputs if e.source not in seen]
@@ -78,10 +79,13 @@ def checkpoint_voices(directory: str | os.PathLike) -> CheckpointVoices:
     speakers = talker.get("speaker_id") if isinstance(talker, dict) else None
     if isinstance(speakers, dict) and speakers:
         return CheckpointVoices.of(tuple(str(name) for name in speakers), QWEN3_OMNI_DEFAULT_VOICE)
+    speakers = talker.get("spk_id") if isinstance(talker, dict) else None
+    if isinstance(speakers, dict) and speakers:  # Qwen3-TTS: generate() has no default speaker
+        return CheckpointVoices.of(tuple(str(name) for name in speakers), "")
     table = directory / QWEN2_5_OMNI_SPEAKERS
     if table.is_file():
         return CheckpointVoices.of(speaker_table_names(table), QWEN2_5_OMNI_DEFAULT_VOICE)
-    raise CheckpointError(f"{directory}: no voices (no talker_config.speaker_id in config.json, no "
+    raise CheckpointError(f"{directory}: no voices (no talker_config.speaker_id or spk_id in config.json, no "
                           f"{QWEN2_5_OMNI_SPEAKERS})")
 
 

@@ -65,8 +65,11 @@ class RequestParams:
     turns: tuple[common_pb2.Turn, ...] = ()
     tools: tuple[common_pb2.Tool, ...] = ()
     answer_prefix: str = ""
-    # The language spoken in the audio parts ("" = not given): speech recognition stages force it.
+    # The language spoken in the audio parts ("" = not given): speech recognition stages force it; a
+    # text-to-speech stage speaks in it.
     language: str = ""
+    # How a text-to-speech stage speaks the text ("" = as its voice does).
+    instructions: str = ""
 
     @property
     def prompt_field(self) -> str:
@@ -149,6 +152,8 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         raise InvalidRequest("params.audio.speaker", "is longer than 64 characters")
     if len(p.audio.language) > 64:
         raise InvalidRequest("params.audio.language", "is longer than 64 characters")
+    if len(p.audio.instructions) > limits.max_prompt_chars:
+        raise InvalidRequest("params.audio.instructions", f"is longer than {limits.max_prompt_chars} characters")
     return RequestParams(
         prompt=p.prompt, prompt_token_ids=tuple(p.prompt_token_ids), seed=p.seed if p.HasField("seed") else 0,
         max_tokens=max_tokens, temperature=None if is_greedy(temperature) else temperature, top_p=top_p, top_k=top_k,
@@ -157,7 +162,8 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
         num_frames=num_frames, fps=fps, system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts,
         turns=tuple(p.turns),
-        tools=tuple(p.tools), answer_prefix=p.answer_prefix, language=p.audio.language)
+        tools=tuple(p.tools), answer_prefix=p.answer_prefix, language=p.audio.language,
+        instructions=p.audio.instructions)
 
 
 def fill_resolved(p: common_pb2.GenerationParams, params: RequestParams) -> common_pb2.GenerationParams:

@@ -26,6 +26,7 @@ class Adapter:
     needs_one: frozenset[str] = frozenset()  # the content parts a request must carry exactly one of (a reference image)
     initial_chunk: bool = False              # emits its first chunk at the stage's initialChunkSize
     language: bool = False                   # reads params.audio.language (a speech recognition stage)
+    instructions: bool = False               # reads params.audio.instructions (a text-to-speech stage)
 
     @property
     def is_entry(self) -> bool:
@@ -34,7 +35,7 @@ class Adapter:
     def contract(self) -> tuple:
         """What validation sees: adapters of several families serving the same stages must agree on it."""
         return (self.emits, self.reads, self.needs, self.inputs, self.needs_one, self.initial_chunk,
-                self.language)
+                self.language, self.instructions)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class Part:
     tokenizer: bool = False                # reads the tokenizer at the root
     files: tuple[str, ...] = ()            # other files at the root it reads
     optional_files: tuple[str, ...] = ()   # ... where the checkpoint has them
+    # The sub-folder holding the part's own config.json and shards ("" = the root): a checkpoint that nests a
+    # sub-model (Qwen3-TTS's speech tokenizer in speech_tokenizer/). `config` and `config_keys` are its config's.
+    folder: str = ""
 
 
 @dataclass(frozen=True)

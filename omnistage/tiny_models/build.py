@@ -8,7 +8,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from omnistage.tiny_models import diffusion, flux, lm, qwen2_5_omni, qwen3_asr, qwen3_omni, qwen_image, sd3, wan
+from omnistage.tiny_models import (
+    diffusion,
+    flux,
+    lm,
+    qwen2_5_omni,
+    qwen3_asr,
+    qwen3_omni,
+    qwen3_tts,
+    qwen_image,
+    sd3,
+    wan,
+)
 
 # Bump when a builder changes, so stale models get rebuilt.
 BUILD_VERSION = 7
@@ -23,6 +34,7 @@ MODELS: dict[str, Callable[[Path, int], None]] = {
     "qwen3-asr-tiny": qwen3_asr.build,
     "flux-tiny": flux.build,
     "qwen-image-tiny": qwen_image.build,
+    "qwen3-tts-tiny": qwen3_tts.build,
 }
 
 

@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from omnistage.api import Limits, Pipeline
+from omnistage.api import Limits, Pipeline, reads_instructions
 from omnistage.contract.params import InvalidRequest
 from omnistage.contract.request import build_request
 from omnistage.v1 import common_pb2, orchestrator_pb2
@@ -364,9 +364,17 @@ def speech(body: SpeechRequest, pipeline: Pipeline) -> Translated:
     if "audio" not in has:
         raise InvalidRequest("model", f'"{pipeline.name}" cannot speak: it has no audio output (it has: '
                                       f'{", ".join(has)})')
+    # A text-to-speech stage speaks the input as written and reads the instructions; a Thinker is told to repeat
+    # the input, and a Talker has no instructions to read.
+    speaks_input = reads_instructions(pipeline)
+    instructions = ""
     if body.instructions not in _OFF:
-        raise InvalidRequest("instructions", "are not supported: the voice is the checkpoint's speaker named by "
-                                             "voice")
+        if not speaks_input:
+            raise InvalidRequest("instructions", "are not supported: the voice is the checkpoint's speaker named by "
+                                                 "voice")
+        if not isinstance(body.instructions, str):
+            raise InvalidRequest("instructions", "must be a string: how the voice speaks")
+        instructions = body.instructions
     if body.speed not in (None, 1.0):
         raise InvalidRequest("speed", f"only 1.0 is supported, got {body.speed} (another speed needs "
                                       "time-stretching, which this server does not do)")
@@ -381,12 +389,13 @@ def speech(body: SpeechRequest, pipeline: Pipeline) -> Translated:
                                                 f'samples), not "{fmt}"; or ask for stream_format "audio"')
     audio_formats.check(fmt, "response_format", audio_formats.SPEECH_FORMATS)
     request = build_request(
-        body.input, system_prompt=REPEAT_VERBATIM, speaker=body.voice or "", outputs=["audio"],
+        body.input, system_prompt="" if speaks_input else REPEAT_VERBATIM, speaker=body.voice or "",
+        instructions=instructions, outputs=["audio"],
         max_tokens=len(body.input) + SPEECH_EXTRA_TOKENS,
         max_codec_frames=max(limits.default_codec_frames, CODEC_FRAMES_PER_CHAR * len(body.input)),
         return_trace=bool(body.return_trace))
     fields = {"params.prompt": "input", "params.text.max_tokens": "input", "params.audio.max_codec_frames": "input",
-              "params.audio.speaker": "voice"}
+              "params.audio.speaker": "voice", "params.audio.instructions": "instructions"}
     return Translated(request, fields, fmt, stream=sse)
 
 

@@ -183,7 +183,7 @@ BAD = [
     ("no adapter for the component",
      lambda d: stages(d)[1].__setitem__("component", "vocoder"),
      ['spec.topology.stages[1].component: no transformers adapter serves a "ar" stage with component "vocoder" '
-      "(components: none, thinker, talker, asr)"]),
+      "(components: none, thinker, talker, asr, tts_talker)"]),
     ("duplicate input edge",
      lambda d: stages(d)[1].__setitem__("inputs", [{"stage": "thinker"}, {"stage": "thinker"}]),
      ['spec.topology.stages[1].inputs[1].stage: duplicate input stage "thinker"']),

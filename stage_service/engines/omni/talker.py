@@ -285,6 +285,12 @@ class FedTalkerEngine(SteppedEngine):
         if feed.ended:
             st.inbox.append(END_OF_TEXT)
         del embeds, hidden
+        async for chunk in self.speak(req, st, inputs):
+            yield chunk
+
+    async def speak(self, req: StageRequest, st: FedTalkerState, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+        """Step `st` on the scheduler and emit its `codes` chunk by chunk; the text still to come (unless its
+        inbox already holds the end of text) is read from `inputs` as it arrives."""
         frames: list[list[int]] = []
         chunks, compute_before = Chunking(self.stage), 0.0  # the first chunk may be the smaller one
         async with self.scheduler.submit(req.request_id, st) as stream:

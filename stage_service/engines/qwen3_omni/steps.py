@@ -176,6 +176,8 @@ class Talker:
     # joined at different frames then attend in one call per 32-row band of lengths instead of one each,
     # for at most 31 masked rows of attention each (small against the Talker's MoE layers).
     PAD_KEYS_TO = 32
+    # Codec tokens chosen before the end of speech may be (generate's min_new_tokens; Qwen3-Omni's: none).
+    MIN_TOKENS = 0
 
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
@@ -307,10 +309,22 @@ class Talker:
         st.past_hidden = hidden.view(1, 1, -1)
         logits = apply_repetition_penalty(logits, st.tokens, st.sampling.repetition_penalty)
         logits[self.suppress] = float("-inf")
+        if len(st.tokens) < self.MIN_TOKENS:
+            logits[self.eos] = float("-inf")
         # max_frames + 1 tokens: each step completes the previous token's frame, so the last token
         # chosen is never spoken.
         next_token(st, logits, st.tokens, (self.eos,), st.max_frames + 1)
         return TalkerStep(frame, st.finish_reason)
+
+    @staticmethod
+    def residual_sampling(sampling: SamplingSettings) -> SamplingSettings:
+        """How the code predictor chooses a request's residual codes (Qwen3-Omni's generate: its own top-k / top-p
+        at the request's temperature, greedy when the request is)."""
+        return sampling if sampling.greedy else SamplingSettings(temperature=sampling.temperature, top_k=50, top_p=0.8)
+
+    def predictor_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The code predictor's input rows from the talker's (Qwen3-Omni: the same width, as they are)."""
+        return rows
 
     def _residual_codes(self, states: list[TalkerState]) -> list[list[int] | RequestFailed]:
         """The code predictor's residual code groups of each state's last frame, as one batch; a state whose
@@ -321,13 +335,12 @@ class Talker:
         emb = torch.cat([torch.cat([st.past_hidden for st in states]), last], dim=1)
         codes: list[list[int]] = [[] for _ in states]
         failed: dict[int, RequestFailed] = {}
+        chosen_with = [self.residual_sampling(st.sampling) for st in states]
         for g in range(self.groups - 1):
-            out = cp.model(inputs_embeds=emb, past_key_values=cache, use_cache=True)
+            out = cp.model(inputs_embeds=self.predictor_rows(emb), past_key_values=cache, use_cache=True)
             logits = cp.lm_head[g](out.last_hidden_state[:, -1])
             for i, st in enumerate(states):
-                s = st.sampling if st.sampling.greedy else SamplingSettings(
-                    temperature=st.sampling.temperature, top_k=50, top_p=0.8)
-                code = PLACEHOLDER_CODE if i in failed else alone(st, choose, logits[i], s, st.generator)
+                code = PLACEHOLDER_CODE if i in failed else alone(st, choose, logits[i], chosen_with[i], st.generator)
                 if isinstance(code, RequestFailed):
                     failed[i], code = code, PLACEHOLDER_CODE
                 codes[i].append(code)

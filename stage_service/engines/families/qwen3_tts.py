@@ -1,0 +1,37 @@
+"""Qwen3-TTS (Qwen3TTSForConditionalGeneration, the layout Qwen publishes Qwen/Qwen3-TTS-12Hz-*-CustomVoice in,
+served with the qwen-tts package's classes): text to speech as two stages. The talker reads the request's text,
+speaker, instruction and language and steps its decoder and code predictor with every other request's,
+emitting codec frames in chunks; the codec decoder (the 12 Hz speech tokenizer in `speech_tokenizer/`) turns
+each chunk into 24 kHz PCM as it arrives."""
+
+from __future__ import annotations
+
+from omnistage.families import Adapter, Family, Part, register
+
+# The talker reads the request's text itself (no Thinker upstream): a component of its own, since the omni
+# families' `talker` reads a Thinker's rows. The decoder shares the omni decoders' contract (codes in, audio out).
+TALKER = Adapter("qwen3-tts-talker", ("transformers",), "ar", "tts_talker", frozenset({"codes"}),
+                 initial_chunk=True, language=True, instructions=True)
+CODE2WAV = Adapter("qwen3-tts-code2wav", ("transformers",), "generation", "code2wav", frozenset({"audio"}),
+                   reads=frozenset({"codes"}), needs=frozenset({"codes"}))
+GENERATION_FILE = "generation_config.json"  # the sampling defaults qwen-tts reads
+SPEECH_TOKENIZER = "speech_tokenizer"       # the codec's own folder (its config.json and weights)
+
+
+def engines():
+    from stage_service.engines.qwen3_tts.engines import CodecDecoderEngine, TalkerEngine
+
+    return {("transformers", TALKER): TalkerEngine, ("transformers", CODE2WAV): CodecDecoderEngine}
+
+
+FAMILY = register(Family("qwen3_tts", ("Qwen3TTSForConditionalGeneration",), (TALKER, CODE2WAV), engines, parts={
+    "tts_talker": Part("talker.", "talker_config",
+                       ("talker_config.num_code_groups", "talker_config.codec_eos_token_id",
+                        "talker_config.codec_bos_id", "talker_config.codec_pad_id", "talker_config.spk_id",
+                        "talker_config.codec_language_id", "tts_bos_token_id", "tts_eos_token_id",
+                        "tts_pad_token_id"),
+                       tokenizer=True, optional_files=(GENERATION_FILE,)),
+    "code2wav": Part("decoder.", "decoder_config", ("decoder_config.num_quantizers", "decoder_config.codebook_size",
+                                                    "decoder_config.upsample_rates", "decoder_config.upsampling_ratios",
+                                                    "output_sample_rate"), folder=SPEECH_TOKENIZER),
+}))
