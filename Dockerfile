@@ -6,9 +6,10 @@
 # Both start from python slim: CUDA's user-space libraries (runtime, cuBLAS, cuDNN, NCCL) come as wheels with
 # torch, and the driver from the node through the NVIDIA container runtime, so a CUDA base image would only add
 # a second copy of those libraries and another Python. Layers: torch, then the project's dependencies (made from
-# pyproject.toml alone), then the sources and the project itself, so a source edit rebuilds only the last ones
-# (seconds) and reuses the gigabytes of dependencies from the build cache. tests/unit/test_dockerfile.py runs
-# the install steps below with every command stubbed and checks what each variant would install and that order.
+# pyproject.toml alone), Qwen3-TTS's classes (pinned there, installed without their dependencies), then the
+# sources and the project itself, so a source edit rebuilds only the last ones (seconds) and reuses the gigabytes
+# of dependencies from the build cache. tests/unit/test_dockerfile.py runs the install steps below with every
+# command stubbed and checks what each variant would install and that order.
 FROM python:3.11-slim
 
 # cpu or cuda.
@@ -72,6 +73,12 @@ RUN set -eu; \
     fi; \
     rm -f requirements.txt
 
+# Qwen3-TTS's own classes (the qwen-tts package, which the TTS family loads): pinned in pyproject.toml's
+# [tool.omnistage] no-deps and installed without their dependencies (they pin transformers 4), by the script the
+# dev venv's setup runs; librosa, the one of them its 12 Hz models need, came with the layer above.
+COPY scripts/install_qwen_tts.sh ./scripts/
+RUN bash scripts/install_qwen_tts.sh python
+
 COPY README.md ./
 COPY protos ./protos
 COPY omnistage ./omnistage
@@ -83,7 +90,8 @@ COPY operator ./operator
 RUN set -eu; \
     python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/omnistage/v1/*.proto; \
     pip install --no-deps .; \
-    python -c "import torch, transformers, diffusers, grpc, kopf, omnistage.v1.stage_pb2, stage_service.server, orchestrator_service.server, omnistage_operator.handlers; from omnistage.families import families; assert families()"; \
+    python -c "import torch, transformers, diffusers, grpc, kopf, omnistage.v1.stage_pb2, stage_service.server, orchestrator_service.server, omnistage_operator.handlers; from omnistage.families import families; assert families(); \
+      from omnistage.checkpoints.qwen_tts import classes; classes()"; \
     rm -rf /app/build /root/.cache
 
 # Non-root, as the operator's pods run it (runAsUser 1000; root filesystem read-only, /tmp an emptyDir).

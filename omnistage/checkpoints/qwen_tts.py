@@ -1,8 +1,9 @@
 """Qwen3-TTS's own classes (the `qwen-tts` package its authors publish) under the transformers omnistage runs.
 
-`qwen-tts` 0.1.1 is written against transformers 4.57 and pins it; omnistage installs it without its
-dependencies (`scripts/install_qwen_tts.sh`) and imports its 12 Hz parts through `classes()`, which bridges
-the few names transformers 5 changed, in omnistage's process only and without touching the package:
+`qwen-tts` (the release `VERSION` names) is written against transformers 4.57 and pins it; omnistage installs it
+at pyproject.toml's `[tool.omnistage]` no-deps pin without its dependencies (`scripts/install_qwen_tts.sh`, run by
+`make setup` and in the image's build) and imports its 12 Hz parts through `classes()`, which bridges the few
+names transformers 5 changed, in omnistage's process only and without touching the package:
 
 - `check_model_inputs` became a bare decorator (the package calls it with `()`): both forms are accepted
   while the package's modules are imported;
@@ -38,7 +39,8 @@ from typing import Any, Iterator
 from omnistage.checkpoints.configs import CheckpointError
 
 PACKAGE = "qwen_tts"
-# The pinned release omnistage is checked against (scripts/install_qwen_tts.sh installs it).
+# The release the bridges below are written for: pyproject.toml's no-deps pin, which scripts/install_qwen_tts.sh
+# installs (tests/unit/test_dockerfile.py holds the two equal; an installed omnistage has no pyproject.toml).
 VERSION = "0.1.1"
 SPEECH_TOKENIZER_DIR = "speech_tokenizer"  # the 12 Hz codec's sub-folder of a published checkpoint
 _lock = threading.Lock()
@@ -138,8 +140,9 @@ def classes() -> QwenTtsClasses:
 def _import() -> QwenTtsClasses:
     spec = importlib.util.find_spec(PACKAGE) if PACKAGE not in sys.modules else sys.modules[PACKAGE].__spec__
     if spec is None or not spec.submodule_search_locations:
-        raise QwenTtsMissing(f"Qwen3-TTS needs the qwen-tts package ({PACKAGE}=={VERSION}, installed without its "
-                             "dependencies: scripts/install_qwen_tts.sh)")
+        raise QwenTtsMissing(f"Qwen3-TTS needs the qwen-tts package (qwen-tts=={VERSION}, installed without its "
+                             "dependencies): the image carries it; elsewhere scripts/install_qwen_tts.sh installs "
+                             "it (`make setup` runs it)")
     root = Path(list(spec.submodule_search_locations)[0])
     with _transformers4_names():
         if PACKAGE not in sys.modules:

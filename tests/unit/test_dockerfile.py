@@ -1,9 +1,10 @@
 """The image's two variants, checked without Docker or CUDA: the Dockerfile's RUN steps are run by /bin/sh as
 a build would run them (its ARG and ENV values, a build argument overriding one, the files its COPY steps
 bring) with every command they call stubbed to write down its arguments, and the `pip install` calls so
-recorded are resolved against pyproject.toml (extras with tomllib) into what each variant would install. The
-one command run for real is the step's own reading of pyproject.toml (python with tomllib, no network): the
-requirements it writes are what the dependency layer installs."""
+recorded are resolved against pyproject.toml (extras with tomllib) into what each variant would install. Run for
+real are only the steps' own readings of pyproject.toml (python with tomllib, no network: the requirements the
+dependency layer installs, the pins scripts/install_qwen_tts.sh installs without their dependencies) and bash
+running that script, whose commands are stubbed like the steps' own."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # The commands the RUN steps may call; anything else fails the run ("not found"), so a new one is noticed here.
-STUBBED = ("pip", "python", "rm", "useradd")
+STUBBED = ("pip", "python", "rm", "useradd", "bash")
+# The stubs that go on to run the real command after writing it down (python only for a `-c` reading tomllib).
+REAL = {"python": f'case "$2" in *tomllib*) exec {sys.executable} "$@" ;; esac\n', "bash": 'exec /bin/bash "$@"\n'}
 # The CUDA major each pinned upstream vllm's wheels on PyPI are built for (its requirements name cu13 packages).
 # A new vllm pin fails here until someone checks it against the image's CUDA torch and UCX.
 VLLM_CUDA_MAJOR = {"0.32.0": "13"}
@@ -68,10 +71,18 @@ class Build:
     steps: list[tuple[str, list]] = field(default_factory=list)
 
     def pip_installs(self) -> list[list[str]]:
-        return [c[2:] for c in self.calls if c[:2] == ["pip", "install"]]
+        return [args for c in self.calls if (args := pip_install_args(c)) is not None]
 
     def pip_uninstalled(self) -> set[str]:
         return {a for c in self.calls if c[:2] == ["pip", "uninstall"] for a in c[2:] if not a.startswith("-")}
+
+
+def pip_install_args(call: list[str]) -> list[str] | None:
+    """The arguments of a `pip install` or `python -m pip install` call; None for any other call."""
+    for prefix in (["pip", "install"], ["python", "-m", "pip", "install"]):
+        if call[:len(prefix)] == prefix:
+            return call[len(prefix):]
+    return None
 
 
 def requirements_file(path: Path) -> list[str]:
@@ -87,12 +98,11 @@ def build(tmp_path: Path, pyproject: str | None = None, **build_args: str) -> Bu
     stubs.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"
     log.write_text("")
-    for name in STUBBED:   # builtins only: with PATH holding nothing else, a stub runs nothing real
+    for name in STUBBED:   # builtins only: with PATH holding nothing else, a stub runs nothing real but REAL's
         script = stubs / name
-        real = f'case "$2" in *tomllib*) exec {sys.executable} "$@" ;; esac\n' if name == "python" else ""
         script.write_text('#!/bin/sh\nprintf "%s" "${0##*/}" >> "$STUB_LOG"\n'
                           'for a in "$@"; do printf "\\037%s" "$a" >> "$STUB_LOG"; done\n'
-                          'printf "\\n" >> "$STUB_LOG"\n' + real)
+                          'printf "\\n" >> "$STUB_LOG"\n' + REAL.get(name, ""))
         script.chmod(0o755)
     result = Build()
     args: dict[str, str] = {}
@@ -105,19 +115,22 @@ def build(tmp_path: Path, pyproject: str | None = None, **build_args: str) -> Bu
         elif word == "ENV":
             result.env.update(env_pairs(rest))
         elif word == "COPY":
-            sources = rest.split()[:-1]
+            *sources, dest = rest.split()
             result.steps.append(("COPY", sources))
             for source in sources:   # the files (what a RUN step reads here); folders are only named
+                # as Docker places a file: into the destination folder (one ending in /), else as the destination
+                target = app / dest / Path(source).name if dest.endswith("/") else app / dest
+                target.parent.mkdir(parents=True, exist_ok=True)
                 if source == "pyproject.toml" and pyproject is not None:
-                    (app / source).write_text(pyproject)
+                    target.write_text(pyproject)
                 elif (ROOT / source).is_file():
-                    shutil.copy(ROOT / source, app / source)
+                    shutil.copy(ROOT / source, target)
         elif word == "RUN":
             env = {**args, **result.env, "PATH": str(stubs), "STUB_LOG": str(log)}
             done = subprocess.run(["/bin/sh", "-c", rest], env=env, cwd=app, capture_output=True, text=True)
             calls = [line.split("\037") for line in log.read_text().splitlines()][len(result.calls):]
             for call in calls:   # `pip install -r FILE`: the requirements the file held then
-                while call[:2] == ["pip", "install"] and "-r" in call:
+                while pip_install_args(call) is not None and "-r" in call:
                     at = call.index("-r")
                     call[at:at + 2] = requirements_file(app / call[at + 1])
             result.calls += calls
@@ -172,7 +185,7 @@ def dependency_install(b: Build) -> list[str]:
 def step_of(b: Build, call: list[str]) -> int:
     """The step that ran a command (as recorded, or a `pip install`'s arguments as pip_installs gives them)."""
     return next(i for i, (word, body) in enumerate(b.steps)
-                if word == "RUN" and any(call in (c, c[2:]) for c in body))
+                if word == "RUN" and any(call in (c, pip_install_args(c)) for c in body))
 
 
 def everything(b: Build) -> list[str]:
@@ -235,6 +248,33 @@ def test_both_variants_check_their_imports_and_clean_up(variant):
     assert len(imports) == 1 and "omnistage_operator.handlers" in imports[0]
     assert ["rm", "-rf", "/app/build", "/root/.cache"] in b.calls
     assert b.calls[-1][0] == "useradd" and "1000" in b.calls[-1]
+
+
+def test_qwen_tts_goes_in_without_its_dependencies_at_the_projects_pin_and_the_image_loads_its_classes(variant):
+    """Qwen3-TTS's classes: pyproject.toml's no-deps pins (qwen-tts, which pins transformers 4), installed with
+    --no-deps by scripts/install_qwen_tts.sh after the dependency layer, which brings librosa (its 12 Hz models'
+    mel filters), and before the sources, so a source edit leaves the layer cached; the image's import check
+    then imports them as the TTS family's loader does."""
+    _, b = variant
+    no_deps = PYPROJECT["tool"]["omnistage"]["no-deps"]
+    assert "qwen-tts" in {name_of(r) for r in no_deps} and all("==" in r for r in no_deps)
+    ours = [c for c in b.pip_installs() if set(no_deps) & set(c)]
+    assert ours == [["-q", "--no-deps", *no_deps]]
+    assert ["bash", "scripts/install_qwen_tts.sh", "python"] in b.calls
+    librosa = pins(PYPROJECT["project"]["dependencies"])["librosa"]
+    assert f"librosa=={librosa}" in resolve(dependency_install(b))[0]
+    sources = min(i for i, (word, body) in enumerate(b.steps) if word == "COPY" and set(SOURCES) & set(body))
+    assert step_of(b, dependency_install(b)) < step_of(b, ours[0]) < sources
+    check = next(c for c in b.calls if c[:2] == ["python", "-c"] and c[2].startswith("import torch, "))
+    assert "from omnistage.checkpoints.qwen_tts import classes; classes()" in check[2]
+    assert step_of(b, ours[0]) < step_of(b, check)
+
+
+def test_the_loaders_qwen_tts_version_is_the_projects_pin():
+    """omnistage/checkpoints/qwen_tts.py names the release it bridges (and asks for it when it is missing)."""
+    from omnistage.checkpoints import qwen_tts
+
+    assert f"qwen-tts=={qwen_tts.VERSION}" in PYPROJECT["tool"]["omnistage"]["no-deps"]
 
 
 def test_no_package_of_the_build_is_pinned_twice_differently(variant):
@@ -345,3 +385,12 @@ def test_setup_installs_the_cpu_build_of_the_projects_torch_pin_from_the_cpu_ind
     docker = re.search(r"^ARG CPU_TORCH_INDEX=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
     assert index and docker and index.group(1) == docker.group(1) == "https://download.pytorch.org/whl/cpu"
     assert '--index-url "$CPU_TORCH_INDEX"' in text
+
+
+def test_setup_reinstalls_when_a_pin_or_the_qwen_tts_script_changes():
+    """setup.sh skips its installs while its stamp matches a hash of what they follow: pyproject.toml (every
+    pin, the no-deps ones included) and the scripts that install them."""
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    want = re.search(r"^want=\$\(cat ([^|]+)\|", text, re.M)
+    assert want and {"pyproject.toml", "scripts/setup.sh", "scripts/install_qwen_tts.sh"} <= set(want[1].split())
+    assert re.search(r"^scripts/install_qwen_tts\.sh \$VENV/bin/python$", text, re.M)
