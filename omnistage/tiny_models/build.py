@@ -22,6 +22,7 @@ MODELS: dict[str, Callable[[Path, int], None]] = {
     "wan-i2v-tiny": wan.build_i2v,
     "qwen3-asr-tiny": qwen3_asr.build,
     "flux-tiny": flux.build,
+    "flux-kontext-tiny": flux.build_kontext,
 }
 
 

@@ -17,7 +17,7 @@ become the denoiser's conditioning, depends on the pipeline class in `model_inde
   FluxPipeline's `max_sequence_length` (512; no attention mask, as the pipeline runs it). One row per request:
   FLUX.1-dev's guidance scale is the transformer's input, not a second, unconditional row; a negative prompt is
   refused by name (FluxPipeline reads one only for its true classifier-free guidance, `true_cfg_scale`, which
-  no request field asks for).
+  no request field asks for). FluxKontextPipeline encodes its prompt alike.
 
 Every prompt of a batch is padded to the encoders' fixed lengths, so a prompt encodes the same alone
 or in a batch. Another family plugs in as one more `PromptEncoder` in `PROMPT_ENCODERS`.
@@ -150,8 +150,9 @@ class FluxPromptEncoder(PromptEncoder):
 
     def prompts(self, params: RequestParams) -> list[str]:
         if params.negative_prompt:
-            raise InvalidRequest("params.image.negative_prompt", "a FluxPipeline takes no negative prompt: its "
-                                 "guidance is the distilled guidance scale (params.image.guidance_scale), one row")
+            raise InvalidRequest("params.image.negative_prompt", f"a {self.pipe.pipeline_class} takes no negative "
+                                 "prompt: its guidance is the distilled guidance scale (params.image.guidance_scale), "
+                                 "one row")
         return [params.text]
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -169,6 +170,7 @@ PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     # uses it where it is installed, and folds whitespace alike where it is not).
     "WanImageToVideoPipeline": Umt5PromptEncoder,
     "FluxPipeline": FluxPromptEncoder,
+    "FluxKontextPipeline": FluxPromptEncoder,
 }
 
 
