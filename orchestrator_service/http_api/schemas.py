@@ -191,6 +191,7 @@ class ImageRequest(Body):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1, le=UINT32)
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None  # omnistage's: FLUX.1's true classifier-free guidance
     seed: int | None = Field(None, ge=0, le=UINT64)
     stream: bool | None = None
     partial_images: int | None = None

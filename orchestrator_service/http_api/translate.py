@@ -449,12 +449,13 @@ def images(body: ImageRequest, pipeline: Pipeline,
     fields = {"params.prompt": "prompt", "params.image.width": "size", "params.image.height": "size",
               "params.image.num_inference_steps": "num_inference_steps",
               "params.image.guidance_scale": "guidance_scale", "params.image.negative_prompt": "negative_prompt",
-              "params.seed": "seed"}
+              "params.image.true_cfg_scale": "true_cfg_scale", "params.seed": "seed"}
     if parts:
         fields |= {"params.parts": parts_field}
     return [Translated(build_request(body.prompt, width=width, height=height,
                                      num_inference_steps=body.num_inference_steps or 0,
                                      guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt or "",
+                                     true_cfg_scale=body.true_cfg_scale or 0.0,
                                      seed=None if seed is None else (seed + i) % (UINT64 + 1), outputs=["image"],
                                      return_trace=bool(body.return_trace), parts=parts),
                        fields)

@@ -95,7 +95,7 @@ async def test_the_image_to_edit_steers_the_edit(servers):
 async def test_two_edits_at_different_steps_share_model_calls_and_each_gets_its_latents_alone(model_dir):
     """Pictures of one aspect ratio share a Kontext resolution, so their steps share model calls."""
     await assert_denoise_steps_shared(
-        model_dir, MODEL, dict(prompt="make it night", width=32, height=32, num_inference_steps=60, seed=1,
+        model_dir, MODEL, dict(prompt="make it night", width=32, height=32, num_inference_steps=30, seed=1,
                                parts=[image_part(reference_png(**PICTURE, seed=4))]),
         dict(prompt="add a cat", width=32, height=32, num_inference_steps=4, seed=2, guidance_scale=1.0,
              parts=[image_part(reference_png(**PICTURE, seed=5))]),

@@ -14,6 +14,9 @@ what an entry says:
 - `guidance_rows`: whether guidance runs over [unconditional, conditional] rows (classifier-free guidance, the
   text stage sending two rows when `guidance_scale > 1`); False: one row per image whatever the scale, which the
   model takes as an input where its config has one (FLUX.1-dev's distilled guidance, through `extra`);
+- `true_cfg`: where `guidance_rows` is False, whether a request may still run over [negative, prompt] rows, combined
+  at its `true_cfg_scale` (FluxPipeline's true classifier-free guidance: above 1, with a negative prompt), each
+  row taking the guidance scale as its input as before;
 - `latent_channels`: the channels of the latents the loop keeps (and the VAE decodes) from the model's config:
   by default its `out_channels` (else `in_channels`); FLUX packs four latent channels into each of its inputs;
 - `patch`: latent pixels per image token along a side (for the size check and the image's token
@@ -103,6 +106,7 @@ class DenoiserCall:
     text: tuple[TextInput, ...]
     timestep_divisor: float = 1.0
     guidance_rows: bool = True
+    true_cfg: bool = False
     latent_channels: Callable[[Config], int] = lambda cfg: cfg.get("out_channels") or cfg["in_channels"]
     patch: Callable[[Config], int] = lambda cfg: 1
     max_latent_side: Callable[[Config], int | None] = lambda cfg: None
@@ -239,7 +243,7 @@ DENOISERS: dict[str, DenoiserCall] = {
         adapter=DIT_DENOISER, latents_kwarg="hidden_states",
         text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
               TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
-        timestep_divisor=1000.0, guidance_rows=False,
+        timestep_divisor=1000.0, guidance_rows=False, true_cfg=True,
         latent_channels=lambda cfg: (cfg.get("out_channels") or cfg["in_channels"]) // (FLUX_PATCH * FLUX_PATCH),
         patch=lambda cfg: FLUX_PATCH, pins_first_step=frozenset({"FluxPipeline", "FluxKontextPipeline"}),
         schedule=flux_schedule, pack=flux_pack, unpack=flux_unpack, extra=flux_extra, blocks=FLUX_BLOCKS,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from omnistage.contract.devices import DevicePlan
-from omnistage.contract.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest, RequestParams
 from omnistage.families import adapter_for
 from omnistage.families.adapters import REFERENCE_IMAGE
 from stage_service.engines.diffusers.denoisers import DENOISERS
@@ -99,7 +99,7 @@ class DenoiseState(StepState):
     scheduler: Any                 # the diffusers scheduler object: it holds per-image state
     latents: torch.Tensor          # [1, C, h, w]; a video's [1, C, latent frames, h, w]; in DenoiserCall.latents_dtype
     text: dict[str, torch.Tensor]  # forward argument -> [1 or 2 rows, ...]: [unconditional, conditional]
-    guidance: float
+    guidance: float  # each row's guidance scale, where the model takes it as an input (FLUX.1-dev's)
     generator: torch.Generator
     # image-to-video: the channels put beside the latents at every step [1, C', ...latents' shape[2:]] (float32)
     condition: torch.Tensor | None = None
@@ -109,6 +109,7 @@ class DenoiseState(StepState):
     done_steps: int = 0
     finished: bool = False
     cache: StepCacheState | None = None  # with the step cache on (step_cache.py)
+    cfg_scale: float | None = None  # two rows' combination scale: `guidance` unless given (FLUX's true_cfg_scale)
 
     @property
     def rows(self) -> int:
@@ -322,6 +323,7 @@ class DenoiseEngine(SteppedEngine):
                              f"this request's size, got {list(condition.shape)}")
         return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
                             timesteps=list(sched.timesteps), condition=condition, reference=reference,
+                            cfg_scale=None if self.call.guidance_rows else p.true_cfg_scale,
                             cache=None if self.step_cache is None else StepCacheState())
 
     def step(self, states: list[DenoiseState]) -> list[torch.Tensor]:
@@ -380,7 +382,8 @@ class DenoiseEngine(SteppedEngine):
         """The image's own part of a step: its guidance and its scheduler's step from the model's prediction."""
         if st.rows == 2:
             uncond, cond = pred.chunk(2)
-            pred = uncond + st.guidance * (cond - uncond)
+            scale = st.guidance if st.cfg_scale is None else st.cfg_scale
+            pred = uncond + scale * (cond - uncond)
         t = st.timesteps[st.done_steps]
         kw = {"generator": st.generator} if self.step_takes_generator else {}
         st.latents = st.scheduler.step(pred, t, st.latents, **kw).prev_sample
@@ -388,10 +391,13 @@ class DenoiseEngine(SteppedEngine):
         st.finished = st.done_steps == len(st.timesteps)
         return st.latents
 
-    def text_inputs(self, chunks: list[InputChunk]) -> dict[str, torch.Tensor]:
+    def text_inputs(self, chunks: list[InputChunk], params: RequestParams) -> dict[str, torch.Tensor]:
         """The text stage's tensors (and an image-to-video model's image embeddings, repeated over the guidance
-        rows) as the model's forward arguments, each checked against its config width."""
-        text = self._checked(chunks, self.call.text)
+        rows) as the model's forward arguments, each checked against its config width. Rows: one or two where
+        guidance runs over rows; else two only under true classifier-free guidance, as the text stage sends them."""
+        call = self.call
+        true_cfg = call.true_cfg and params.true_cfg
+        text = self._checked(chunks, call.text, allowed=(1, 2) if call.guidance_rows else (2,) if true_cfg else (1,))
         if self.takes_image:
             rows = len(next(iter(text.values())))
             image = self._checked(chunks, self.call.image, rows=1)
@@ -419,14 +425,15 @@ class DenoiseEngine(SteppedEngine):
                              f"{side}, got {list(t.shape)}")
         return t
 
-    def _checked(self, chunks: list[InputChunk], wanted: tuple, rows: int = 0) -> dict[str, torch.Tensor]:
+    def _checked(self, chunks: list[InputChunk], wanted: tuple, rows: int = 0,
+                 allowed: tuple[int, ...] = (1,)) -> dict[str, torch.Tensor]:
         text: dict[str, torch.Tensor] = {}
-        # `rows`: of the first (per-token) tensor unless given; the others must agree
+        # `rows`: of the first (per-token) tensor unless given (one of `allowed`); the others must agree
         for ti in wanted:
             t = self.on_device(_named(chunks, ti.tensor)).to(self.dtype)
             width = self.config[ti.width]
             if ti.per_token:
-                allowed = (rows,) if rows else (1, 2) if self.call.guidance_rows else (1,)
+                allowed = (rows,) if rows else allowed
                 ok = t.dim() == 3 and t.shape[0] in allowed and t.shape[2] == width
                 want = f"[{rows or ' or '.join(map(str, allowed))}, tokens, {width}]"
                 rows = rows or (t.shape[0] if ok else 0)
@@ -453,7 +460,7 @@ class DenoiseEngine(SteppedEngine):
                 raise InputError(f'no embeddings arrived from stage "{source}"')
             last.append(received[-1])
             transfer_ms += sum(c.transfer_ms for c in received)
-        text, condition, reference = self.text_inputs(last), self.condition(last), self.reference(last)
+        text, condition, reference = self.text_inputs(last, req.params), self.condition(last), self.reference(last)
         del last, received
         chunks = Chunking(self.stage)
         st = self.new_state(req, text, condition, reference)
