@@ -65,6 +65,11 @@ DIT_WIDTHS_PER_TOKEN = 3.55
 #   measured on sd3-tiny's vae (8 latents, slope between sides 64 and 256: 416 B per pixel at 16
 #   channels), checked on sd-tiny's (6.19 there);
 VAE_DECODER_WIDTHS = 6.5
+# An image-editing encoder stage (FLUX.1 Kontext's, `kind: encoder, component: vae`) encodes each image at its
+# preferred Kontext resolution, whatever the size made: planned at the largest of them (800 x 1328 in
+# FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS), its full-resolution feature map at the decoder's factor
+# (not measured for the encoder alone).
+EDIT_IMAGE_PIXELS = 800 * 1328
 # - Qwen3-Omni Code2Wav's samples x its last block's channels (decoder_dim / 2 ** upsample stages), per
 #   frame total_upsample samples: measured on qwen3-omni-tiny's code2wav (slope between 2 and 8 chunks of
 #   50 frames: 140 kB a frame); fitted, not checked (the only model of its kind);
@@ -243,7 +248,8 @@ def generation_activation_bytes(pipeline: Pipeline, stage: Stage, load: LoadPlan
             return int(per_row * batch * rows * dtype_bytes) + STEP_WORKSPACE_BYTES
         if stage.component == "vae" and "block_out_channels" in cfg:  # an image VAE (a video VAE: not modelled)
             side = image_side(pipeline, stage, root)
-            pixels = batch * side * side * cfg["block_out_channels"][0]
+            per_image = EDIT_IMAGE_PIXELS if stage.kind == "encoder" else side * side  # the image to edit's
+            pixels = batch * per_image * cfg["block_out_channels"][0]
             return int(VAE_DECODER_WIDTHS * pixels * dtype_bytes) + STEP_WORKSPACE_BYTES
         if stage.kind == "generation" and stage.component.startswith("text_encoder"):
             return int(text_encoder_bytes_per_prompt(root) * batch * rows * dtype_bytes) + STEP_WORKSPACE_BYTES

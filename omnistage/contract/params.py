@@ -51,6 +51,8 @@ class RequestParams:
     num_inference_steps: int
     guidance_scale: float
     negative_prompt: str
+    # FLUX.1's true classifier-free guidance (FluxPipeline's `true_cfg_scale`): on above 1, with a negative prompt.
+    true_cfg_scale: float = 1.0
     # Video pipelines: frames (1 + FRAME_STEP x k) and their rate.
     num_frames: int = 1
     fps: int = 0
@@ -70,6 +72,11 @@ class RequestParams:
     language: str = ""
     # How a text-to-speech stage speaks the text ("" = as its voice does).
     instructions: str = ""
+
+    @property
+    def true_cfg(self) -> bool:
+        """Whether true classifier-free guidance runs: a scale above 1 and a negative prompt, as FluxPipeline asks."""
+        return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
 
     @property
     def prompt_field(self) -> str:
@@ -140,6 +147,9 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
                 else limits.default_guidance_scale or FALLBACK_GUIDANCE_SCALE)
     if not (0.0 <= guidance <= 100.0 and math.isfinite(guidance)):
         raise InvalidRequest("params.image.guidance_scale", f"must be between 0 and 100, got {guidance}")
+    true_cfg = img.true_cfg_scale or 1.0
+    if not (0.0 <= true_cfg <= 100.0 and math.isfinite(true_cfg)):
+        raise InvalidRequest("params.image.true_cfg_scale", f"must be between 0 and 100, got {true_cfg}")
     if len(img.negative_prompt) > limits.max_prompt_chars:
         raise InvalidRequest("params.image.negative_prompt", f"is longer than {limits.max_prompt_chars} characters")
     num_frames, fps = _video(p.video, limits)
@@ -160,8 +170,8 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         ignore_eos=t.ignore_eos,
         max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
-        num_frames=num_frames, fps=fps, system_prompt=p.system_prompt, raw_prompt=p.raw_prompt, parts=parts,
-        turns=tuple(p.turns),
+        true_cfg_scale=true_cfg, num_frames=num_frames, fps=fps, system_prompt=p.system_prompt,
+        raw_prompt=p.raw_prompt, parts=parts, turns=tuple(p.turns),
         tools=tuple(p.tools), answer_prefix=p.answer_prefix, language=p.audio.language,
         instructions=p.audio.instructions)
 
@@ -187,6 +197,7 @@ def fill_resolved(p: common_pb2.GenerationParams, params: RequestParams) -> comm
     p.image.width, p.image.height = params.width, params.height
     p.image.num_inference_steps = params.num_inference_steps
     p.image.guidance_scale = params.guidance_scale
+    p.image.true_cfg_scale = params.true_cfg_scale
     p.video.num_frames, p.video.fps = params.num_frames, params.fps
     return p
 

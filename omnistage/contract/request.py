@@ -18,7 +18,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, ignore_eos: bool = False, max_codec_frames: int = 0, speaker: str = "",
                   width: int = 0, height: int = 0, num_inference_steps: int = 0, guidance_scale: float | None = None,
-                  negative_prompt: str = "", num_frames: int = 0, fps: int = 0, outputs: Iterable[str] = (),
+                  negative_prompt: str = "", true_cfg_scale: float = 0.0, num_frames: int = 0, fps: int = 0,
+                  outputs: Iterable[str] = (),
                   return_trace: bool = False, priority: int = 0, request_id: str = "",
                   parts: Iterable[common_pb2.ContentPart | str] = (), turns: Iterable[common_pb2.Turn] = (),
                   tools: Iterable[common_pb2.Tool] = (), answer_prefix: str = "",
@@ -34,7 +35,7 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
     if top_k is not None:
         text.top_k = top_k
     image = common_pb2.ImageParams(width=width, height=height, num_inference_steps=num_inference_steps,
-                                   negative_prompt=negative_prompt)
+                                   negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale)
     if guidance_scale is not None:
         image.guidance_scale = guidance_scale
     params = common_pb2.GenerationParams(prompt=prompt, prompt_token_ids=list(prompt_token_ids), text=text,

@@ -24,6 +24,12 @@ TEXT_ENCODER = Adapter("text-encoder", ("diffusers",), "generation", "text_encod
 # denoise loop.
 IMAGE_ENCODER = Adapter("image-encoder", ("diffusers",), "encoder", "image_encoder", frozenset({"embeddings"}),
                         inputs=frozenset({"image"}), needs_one=frozenset({"image"}))
+# Image editing's image (FluxKontextPipeline: the VAE's encoder): the request's one image -> its latents, which the
+# denoise loop takes beside its own.
+VAE_ENCODER = Adapter("vae-encoder", ("diffusers",), "encoder", "vae", frozenset({"embeddings"}),
+                      inputs=frozenset({"image"}), needs_one=frozenset({"image"}))
+# The stages whose output is a reference image's conditioning, beside the text encoder's into the denoise loop.
+REFERENCE_IMAGE = frozenset({IMAGE_ENCODER.name, VAE_ENCODER.name})
 DENOISER = Adapter("denoiser", ("diffusers",), "diffusion", "unet", frozenset({"latents"}),
                    reads=frozenset({"embeddings"}), needs=frozenset({"embeddings"}))
 DIT_DENOISER = Adapter("dit-denoiser", ("diffusers",), "diffusion", "transformer", frozenset({"latents"}),

@@ -6,6 +6,9 @@ per component (`scheduler`, `text_encoder`, `text_encoder_2`, `tokenizer`, `toke
 transformer sharded with an index. The CLIP tokenizer is the one the SD3 tiny model trains; the T5 tokenizer a
 Unigram one with T5's special tokens (`<pad>` 0, `</s>` 1, `<unk>` 2). Configs as published at toy widths: the
 VAE's `scaling_factor` and `shift_factor`, no quant convs; the scheduler's dynamic shifting.
+
+FLUX.1 Kontext (black-forest-labs/FLUX.1-Kontext-dev) publishes the same components under `FluxKontextPipeline`,
+the image to edit taken as latent tokens beside the noise's: `build_kontext` saves these toy weights in its layout.
 """
 
 from __future__ import annotations
@@ -26,8 +29,28 @@ SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
 
 
 def build(out: Path, seed: int = 0) -> None:
+    from diffusers import FluxPipeline
+
+    _save(FluxPipeline(**_components(seed)), out)
+
+
+def build_kontext(out: Path, seed: int = 0) -> None:
+    """black-forest-labs/FLUX.1-Kontext-dev's layout: FLUX.1-dev's components (the same toy weights), the pipeline
+    class FluxKontextPipeline; its IP-Adapter parts (`image_encoder`, `feature_extractor`) null, as published."""
+    from diffusers import FluxKontextPipeline
+
+    _save(FluxKontextPipeline(**_components(seed), image_encoder=None, feature_extractor=None), out)
+
+
+def _save(pipe, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out)
+    save_sharded(pipe.transformer, out / "transformer")
+
+
+def _components(seed: int) -> dict:
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
@@ -51,9 +74,5 @@ def build(out: Path, seed: int = 0) -> None:
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                         latent_channels=LATENT_CHANNELS, norm_num_groups=8, sample_size=64, scaling_factor=0.3611,
                         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=text_encoder,
-                        tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-                        transformer=transformer)
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out)
-    save_sharded(transformer, out / "transformer")
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=text_encoder,
+                tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)

@@ -57,6 +57,11 @@ class Form:
         return self.fields.get(f"{name}[]", []) + self.fields.get(name, [])
 
 
+def is_form(content_type: str) -> bool:
+    """Whether a body sent with this Content-Type is a form (multipart, or fields only, URL-encoded)."""
+    return content_type.split(";")[0].strip().lower() in (FORM_TYPE, URLENCODED_TYPE)
+
+
 def parse(body: bytes, content_type: str) -> Form:
     """The form in `body`, sent with the header `content_type`."""
     kind, options = parse_options_header(content_type)

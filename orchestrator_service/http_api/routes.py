@@ -26,7 +26,20 @@ from omnistage.contract.params import InvalidRequest
 from .. import client_cap, otel
 from ..byte_budget import BudgetFull, ByteBudget
 from ..servicer import MAX_REQUEST_ID
-from . import audio_formats, body_models, chat, completions, images, speech, transcriptions, translate, videos, voices
+from . import (
+    audio_formats,
+    body_models,
+    chat,
+    completions,
+    image_edits,
+    images,
+    multipart_form,
+    speech,
+    transcriptions,
+    translate,
+    videos,
+    voices,
+)
 from .audio_ids import AnswerTranscripts
 from .auth import ApiKeyAuth
 from .body_limits import BodyBounds, BodyScan, chat_bounds, text_bounds
@@ -37,7 +50,7 @@ from .errors import ApiError, error_response, from_exception, retry_after_header
 from .parse_workers import ParseWorkers
 from .realtime import RealtimeEndpoint
 from .responses import SSE_HEADERS, SSE_MEDIA_TYPE, CallStreamResponse, model_card
-from .schemas import ChatCompletionRequest, ImageRequest, SpeechRequest
+from .schemas import ChatCompletionRequest, ImageEditRequest, ImageRequest, SpeechRequest
 
 BODIES_AT_ONCE = 2  # the body budget: this many chat bodies at their largest, read at once
 CLIENT_BODIES = 1  # of which one client address may hold this many: the rest stays open to the others
@@ -112,7 +125,19 @@ class Endpoints:
 
     @_answers_errors
     async def images_generations(self, request: Request) -> Response:
-        plans = await self._translated(request, ImageRequest, translate.images, self.text_limit)
+        return await self._images(request, await self._translated(request, ImageRequest, translate.images,
+                                                                  self.text_limit))
+
+    @_answers_errors
+    async def images_edits(self, request: Request) -> Response:
+        """The image to edit uploaded (multipart, as the SDKs send it) or inline in JSON (bounded as chat's parts)."""
+        if multipart_form.is_form(request.headers.get("content-type", "")):
+            plans = await self._uploaded(request, image_edits.from_upload)
+        else:
+            plans = await self._translated(request, ImageEditRequest, image_edits.from_json, self.chat_limit)
+        return await self._images(request, plans)
+
+    async def _images(self, request: Request, plans: list[translate.Translated]) -> Response:
         calls = [self._call(request, p) for p in plans]
         return JSONResponse(await images.generate(calls),
                             headers={"X-Request-Id": ",".join(c.request_id for c in calls)})
@@ -336,6 +361,7 @@ def build_app(servicer, pipeline: Pipeline, parse_workers: ParseWorkers | None =
         Route("/v1/audio/speech", api.audio_speech, methods=["POST"]),
         Route("/v1/audio/voices", api.audio_voices, methods=["GET"]),
         Route("/v1/images/generations", api.images_generations, methods=["POST"]),
+        Route("/v1/images/edits", api.images_edits, methods=["POST"]),
         Route("/v1/audio/transcriptions", api.audio_transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", api.audio_translations, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),

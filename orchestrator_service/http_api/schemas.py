@@ -27,6 +27,7 @@ from .body_limits import base64_bytes
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
 MAX_IMAGES = 10  # `n` of one images request (each image is one request down the request path)
+MAX_EDIT_IMAGES = 16  # images one edit request may list (OpenAI's bound); a pipeline edits fewer, refused by name
 # Messages of one conversation: a long agent session's turns; what they hold is bounded by the body's size
 # and JSON values (body_limits.py) and the pipeline's prompt characters.
 MAX_MESSAGES = 1024
@@ -190,11 +191,27 @@ class ImageRequest(Body):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1, le=UINT32)
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None  # omnistage's: FLUX.1's true classifier-free guidance
     seed: int | None = Field(None, ge=0, le=UINT64)
     stream: bool | None = None
     partial_images: int | None = None
     user: Name | None = None
     return_trace: bool | None = None  # omnistage's
+
+
+class ImageReference(Body):
+    """OpenAI's image reference object in a JSON body: the image inline (a data: URL), or a file id (refused)."""
+    image_url: str | None = None
+    file_id: Name | None = None
+
+
+class ImageEditRequest(ImageRequest):
+    """`/v1/images/edits` as JSON: the image to edit inline (`image`: a data: URL or a reference object, or a list
+    of them; OpenAI's `images`: reference objects), an optional `mask` alike."""
+    image: str | ImageReference | Annotated[list[str | ImageReference], Field(max_length=MAX_EDIT_IMAGES)] | None \
+        = None
+    images: Annotated[list[ImageReference], Field(max_length=MAX_EDIT_IMAGES)] | None = None
+    mask: str | ImageReference | None = None
 
 
 # ------------------------------------------------------------- a pipeline's bounds
@@ -240,4 +257,19 @@ def bounded(limits: Limits) -> dict[type[BaseModel], type[BaseModel]]:
         prompt: prompt_text
         negative_prompt: prompt_text | None = None
 
-    return {ChatCompletionRequest: BoundedChat, SpeechRequest: BoundedSpeech, ImageRequest: BoundedImages}
+    class BoundedImageReference(ImageReference):
+        image_url: data_url | None = None
+
+    one_image = data_url | BoundedImageReference
+
+    class BoundedImageEdits(ImageEditRequest):
+        prompt: prompt_text
+        negative_prompt: prompt_text | None = None
+        image: one_image | Annotated[list[one_image],
+                                     Field(max_length=MAX_EDIT_IMAGES)] | None = None  # type: ignore[assignment]
+        images: Annotated[list[BoundedImageReference],
+                          Field(max_length=MAX_EDIT_IMAGES)] | None = None  # type: ignore[assignment]  # narrower
+        mask: one_image | None = None
+
+    return {ChatCompletionRequest: BoundedChat, SpeechRequest: BoundedSpeech, ImageRequest: BoundedImages,
+            ImageEditRequest: BoundedImageEdits}

@@ -19,7 +19,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from omnistage.api import Limits, Pipeline, reads_instructions
 from omnistage.contract.params import InvalidRequest
@@ -320,6 +320,26 @@ def data_url(url: str, param: str, kind: str) -> bytes:
     return b64decode_field(url[m.end():], param)
 
 
+# How an image comes inline where OpenAI's APIs take one (a video's input_reference, the image to edit).
+IMAGE_SHAPES = ('must be an image: a file in a multipart body, a data: URL, or {"image_url": "data:image/...;base64,'
+                '..."}')
+
+
+def inline_image(value: Any, param: str) -> bytes:
+    """An image as OpenAI's APIs take one, as its bytes: a multipart file's, a data: URL's, or {"image_url": data:
+    URL}'s; a file id or a link is refused (the server keeps no files and fetches nothing)."""
+    if isinstance(value, bytes):  # a multipart file
+        return value
+    if isinstance(value, str):
+        return data_url(value, param, "image")
+    if isinstance(value, dict) and isinstance(value.get("image_url"), str):
+        return data_url(value["image_url"], f"{param}.image_url", "image")
+    if isinstance(value, dict) and "file_id" in value:
+        raise InvalidRequest(f"{param}.file_id", "file ids are not served (there is no files API here): send the "
+                                                 "image itself, as a file or a data: URL")
+    raise InvalidRequest(param, IMAGE_SHAPES)
+
+
 def b64decode_field(data: str, param: str) -> bytes:
     """The bytes of a base64 request field; InvalidRequest naming `param` when it is not base64."""
     try:
@@ -414,9 +434,11 @@ def _check_speech_budget(chars: int, limits: Limits) -> None:
 # ---------------------------------------------------------------------------- images
 
 def images(body: ImageRequest, pipeline: Pipeline,
-           random_seed: Callable[[], int] = lambda: secrets.randbelow(2**32)) -> list[Translated]:
+           random_seed: Callable[[], int] = lambda: secrets.randbelow(2**32),
+           parts: Sequence[common_pb2.ContentPart] = (), parts_field: str = "") -> list[Translated]:
     """One request per image; with n > 1 their seeds are seed, seed + 1, ... (a random seed when none is
-    given, so the images differ)."""
+    given, so the images differ). `parts`: media each request carries beside its prompt (the image to edit), which
+    a refusal names as `parts_field`."""
     check_model(body.model, pipeline)
     has = pipeline_outputs(pipeline)
     if "image" not in has:
@@ -436,12 +458,15 @@ def images(body: ImageRequest, pipeline: Pipeline,
     fields = {"params.prompt": "prompt", "params.image.width": "size", "params.image.height": "size",
               "params.image.num_inference_steps": "num_inference_steps",
               "params.image.guidance_scale": "guidance_scale", "params.image.negative_prompt": "negative_prompt",
-              "params.seed": "seed"}
+              "params.image.true_cfg_scale": "true_cfg_scale", "params.seed": "seed"}
+    if parts:
+        fields |= {"params.parts": parts_field}
     return [Translated(build_request(body.prompt, width=width, height=height,
                                      num_inference_steps=body.num_inference_steps or 0,
                                      guidance_scale=body.guidance_scale, negative_prompt=body.negative_prompt or "",
+                                     true_cfg_scale=body.true_cfg_scale or 0.0,
                                      seed=None if seed is None else (seed + i) % (UINT64 + 1), outputs=["image"],
-                                     return_trace=bool(body.return_trace)),
+                                     return_trace=bool(body.return_trace), parts=parts),
                        fields)
             for i in range(n)]
 

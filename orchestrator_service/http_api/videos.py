@@ -36,14 +36,12 @@ from . import multipart_form
 from .errors import ApiError, from_refused, retry_after_header
 from .responses import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from .schemas import MAX_NAME_CHARS, UINT32, UINT64
-from .translate import check_model, data_url, image_size
+from .translate import check_model, image_size, inline_image
 
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 # Fields of OpenAI's video API this server cannot honour, and why.
 INPUT_REFERENCE_REFUSED = ("image-to-video is not served: {model} is a text-to-video pipeline (its first stage "
                            "takes the prompt only); send the prompt without input_reference")
-INPUT_REFERENCE_SHAPES = ('must be an image: a file in a multipart body, a data: URL, or {"image_url": "data:image/'
-                          '...;base64,..."}')
 REMIX_REFUSED = ("remix is not supported: {model} generates each video from its prompt alone; create a new video "
                  "with a changed prompt instead")
 
@@ -96,18 +94,7 @@ def reference_parts(value: Any, pipeline: Pipeline) -> list[common_pb2.ContentPa
         return []
     if "image" not in accepted_inputs(pipeline):
         raise InvalidRequest("input_reference", INPUT_REFERENCE_REFUSED.format(model=f'"{pipeline.name}"'))
-    if isinstance(value, bytes):  # a multipart file
-        data = value
-    elif isinstance(value, str):
-        data = data_url(value, "input_reference", "image")
-    elif isinstance(value, dict) and isinstance(value.get("image_url"), str):
-        data = data_url(value["image_url"], "input_reference.image_url", "image")
-    elif isinstance(value, dict) and "file_id" in value:
-        raise InvalidRequest("input_reference.file_id", "file ids are not served (there is no files API here): send "
-                                                        "the image itself, as a file or a data: URL")
-    else:
-        raise InvalidRequest("input_reference", INPUT_REFERENCE_SHAPES)
-    return [common_pb2.ContentPart(image=common_pb2.ImagePart(data=data))]
+    return [common_pb2.ContentPart(image=common_pb2.ImagePart(data=inline_image(value, "input_reference")))]
 
 
 def translate(body: VideoRequest, pipeline: Pipeline) -> orchestrator_pb2.GenerateRequest:
@@ -207,7 +194,7 @@ class VideoEndpoints:
     @_answers_job_errors
     async def create(self, request: Request) -> Response:
         content_type = request.headers.get("content-type", "")
-        form = content_type.split(";")[0].strip().lower() in (multipart_form.FORM_TYPE, multipart_form.URLENCODED_TYPE)
+        form = multipart_form.is_form(content_type)
         # JSON: text only, or with a base64 reference image where the pipeline takes one (bounded as chat's parts)
         limit = (self.endpoints.upload_limit if form else self.endpoints.chat_limit.size
                  if "image" in accepted_inputs(self.pipeline) else self.endpoints.text_limit.size)

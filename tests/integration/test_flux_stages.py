@@ -49,9 +49,11 @@ def reference(flux_dir):
 
 
 def reference_images(reference, params, output_type):
+    true_cfg = {k: params[k] for k in ("negative_prompt", "true_cfg_scale") if k in params}
     return reference(params["prompt"], width=params["width"], height=params["height"],
                      num_inference_steps=params["num_inference_steps"], guidance_scale=params["guidance_scale"],
-                     generator=torch.Generator().manual_seed(params["seed"]), output_type=output_type).images
+                     generator=torch.Generator().manual_seed(params["seed"]), output_type=output_type,
+                     **true_cfg).images
 
 
 @pytest.mark.parametrize("guidance", [3.5, 1.0], ids=["guided", "unguided"])
@@ -78,6 +80,32 @@ async def test_staged_flux_makes_the_image_flux_pipeline_makes(servers, referenc
     assert got_pixels.shape == (64, 48, 3) and np.abs(got_pixels - want_pixels).max() <= 1
 
 
+async def test_true_cfg_makes_the_image_flux_pipeline_makes_over_negative_and_prompt_rows(servers, reference):
+    """FluxPipeline's true classifier-free guidance: a negative prompt and true_cfg_scale above 1 run the model over
+    [negative, prompt] rows, combined at true_cfg_scale, each row still taking the distilled guidance scale."""
+    params = dict(prompt="a red car on a road", negative_prompt="blurry, dark", true_cfg_scale=4.0, width=32,
+                  height=48, num_inference_steps=3, seed=9, guidance_scale=3.5)
+    emb, lat, img = await run(servers, **params)
+
+    with torch.inference_mode():
+        pe, pooled, _ = reference.encode_prompt(params["prompt"], None)
+        neg_pe, neg_pooled, _ = reference.encode_prompt(params["negative_prompt"], None)
+    got_emb, got_pooled = tensor_of(emb[0], "embeddings"), tensor_of(emb[0], "pooled_embeddings")
+    assert got_emb.shape == (2, T5_TOKENS, T5_WIDTH) and got_pooled.shape == (2, POOLED_WIDTH)
+    torch.testing.assert_close(got_emb, torch.cat([neg_pe, pe]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_pooled, torch.cat([neg_pooled, pooled]), atol=1e-5, rtol=1e-5)
+
+    packed = reference_images(reference, params, "latent")
+    want = reference._unpack_latents(packed, params["height"], params["width"], reference.vae_scale_factor)
+    latents = tensor_of(lat[-1], "latents")
+    torch.testing.assert_close(latents, want, atol=1e-4, rtol=1e-4)
+    plain = reference._unpack_latents(reference_images(reference, {**params, "true_cfg_scale": 1.0}, "latent"),
+                                      params["height"], params["width"], reference.vae_scale_factor)
+    assert (latents - plain).abs().max() > 1e-3  # the negative rows changed the image
+    want_pixels = np.round(reference_images(reference, params, "np")[0] * 255).astype(np.int16)
+    assert np.abs(png_pixels(img[0]) - want_pixels).max() <= 1
+
+
 async def test_the_guidance_scale_reaches_the_guidance_embedding(servers):
     """Same seed, same one text row: another guidance scale is another image, as FluxPipeline's."""
     params = dict(prompt="a cat", width=32, height=32, num_inference_steps=3, seed=3)
@@ -95,10 +123,16 @@ async def test_two_images_at_different_steps_share_model_calls_and_each_gets_its
 
 
 async def test_bad_text_inputs_sizes_and_a_negative_prompt_are_refused_naming_what_is_wrong(servers):
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await call_stage(servers["text-encoder"].port, header(negative_prompt="blurry"))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "params.image.negative_prompt: a FluxPipeline takes no negative prompt" in e.value.details()
+    for params, message in [
+        (dict(negative_prompt="blurry"), "params.image.negative_prompt: a FluxPipeline reads a negative prompt only "
+                                         "for its true classifier-free guidance"),
+        (dict(true_cfg_scale=4.0), "params.image.true_cfg_scale: a FluxPipeline runs true classifier-free guidance "
+                                   "against a negative prompt"),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call_stage(servers["text-encoder"].port, header(**params))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in e.value.details()
 
     emb = await call_stage(servers["text-encoder"].port, header())
     good = {t.name: tensors.from_proto(t) for t in emb[0].tensors}
@@ -117,6 +151,9 @@ async def test_bad_text_inputs_sizes_and_a_negative_prompt_are_refused_naming_wh
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call_stage(servers["denoise"].port, header(), [bad])
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # true classifier-free guidance: [negative, prompt] rows
+        await call_stage(servers["denoise"].port, header(negative_prompt="blurry", true_cfg_scale=4.0), emb)
+    assert f"embeddings must be [2, tokens, {T5_WIDTH}], got [1, {T5_TOKENS}, {T5_WIDTH}]" in e.value.details()
 
     # A side that is not a whole number of packed patches: 8 (the VAE) x 2 (FluxPipeline's packing) pixels.
     with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -260,7 +297,11 @@ def test_omnistage_serve_flux_answers_both_doors_with_a_png(model_dir, tmp_path)
         with pytest.raises(openai.BadRequestError) as e:
             client.images.generate(model=MODEL, prompt="a red car", size="64x32",
                                    extra_body={"num_inference_steps": 3, "negative_prompt": "blurry"})
-        assert "negative_prompt" in str(e.value) and "takes no negative prompt" in str(e.value)
+        assert "negative_prompt" in str(e.value) and "true_cfg_scale above 1" in str(e.value)
+        reply = client.images.generate(model=MODEL, prompt="a red car", size="64x32", response_format="b64_json",
+                                       extra_body={"num_inference_steps": 3, "negative_prompt": "blurry",
+                                                   "true_cfg_scale": 4.0})
+        assert Image.open(io.BytesIO(base64.b64decode(reply.data[0].b64_json))).size == (64, 32)
     finally:
         assert s.stop() == 0
     assert descendants_alive(s.pids) == []

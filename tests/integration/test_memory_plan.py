@@ -185,6 +185,20 @@ def test_an_audio_decoder_plans_the_chunks_of_its_largest_step(model_dir, name, 
     assert _activations(model_dir, name, stage, batch=16, max_batched_frames=1 << 20) > every_chunk
 
 
+def test_an_editing_encoder_plans_the_image_to_edit_at_its_largest_kontext_resolution(model_dir):
+    """The image to edit is encoded at a preferred Kontext resolution (about 1 MP) whatever the size made."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    assert memory_plan.EDIT_IMAGE_PIXELS == max(w * h for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+    pipeline = example("flux-kontext-tiny")
+    plan = plan_stage(pipeline, pipeline.stage("image-encoder"), model_dir)
+    channels = read_json(model_dir / "flux-kontext-tiny" / "vae/config.json")["block_out_channels"][0]
+    batch = pipeline.deployment.stages["image-encoder"].scheduler.max_batch
+    expected = memory_plan.VAE_DECODER_WIDTHS * batch * memory_plan.EDIT_IMAGE_PIXELS * channels * 4
+    assert plan.activation_bytes == int(expected) + memory_plan.STEP_WORKSPACE_BYTES
+    assert _activations(model_dir, "flux-kontext-tiny", "image-encoder", side=128) == plan.activation_bytes
+
+
 def test_the_plans_engine_constants_are_the_engines():
     from stage_service.engines.diffusers.text import SD3_T5_TOKENS
     from stage_service.engines.qwen2_5_omni.engines import Token2WavEngine

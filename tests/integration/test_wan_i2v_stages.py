@@ -195,19 +195,20 @@ def _ended(stage: str) -> stage_pb2.Chunk:
 
 async def test_an_image_to_video_model_without_its_image_stage_is_refused_at_start(model_dir):
     """The i2v DiT served from a topology whose denoise stage reads the text encoder alone."""
-    pipeline = _without_image_stage()
+    pipeline = without_image_stage(MODEL)
     with pytest.raises(EngineConfigError, match="needs an input from an image-encoder stage"):
         await start_stage(pipeline, "denoise", model_dir)
 
 
-def _without_image_stage() -> Pipeline:
+def without_image_stage(model: str) -> Pipeline:
+    """The example of `model` with its image-encoder stage taken out, and every edge from it."""
     def edit(doc):
         topology = doc["spec"]["topology"]
         topology["stages"] = [s for s in topology["stages"] if s["name"] != "image-encoder"]
         for s in topology["stages"]:
             s["inputs"] = [i for i in s.get("inputs", []) if i["stage"] != "image-encoder"]
         doc["spec"]["deployment"]["stages"].pop("image-encoder")
-    return example(MODEL, edit)
+    return example(model, edit)
 
 
 async def test_a_text_to_video_model_fed_an_image_stage_is_refused_at_start(model_dir):

@@ -96,3 +96,32 @@ def test_the_schedule_is_flux_pipelines_sigmas_shifted_by_the_image_size():
 def test_a_transformer_taking_more_than_its_latents_is_refused_by_name(cfg, why):
     got = FLUX.unserved({"_class_name": "FluxPipeline"}, cfg)
     assert (why in got and "is not served" in got) if why else got == ""
+
+
+@pytest.mark.parametrize("encoder, ask, rows, refused", [
+    (FluxPromptEncoder, dict(), ["a cat"], ""),
+    (FluxPromptEncoder, dict(negative_prompt="dark", true_cfg_scale=4.0), ["dark", "a cat"], ""),
+    (FluxPromptEncoder, dict(negative_prompt="dark", true_cfg_scale=1.0), None, "params.image.negative_prompt"),
+    (FluxPromptEncoder, dict(negative_prompt="dark"), None, "params.image.negative_prompt"),
+    (FluxPromptEncoder, dict(true_cfg_scale=4.0), None, "params.image.true_cfg_scale"),
+    (PROMPT_ENCODERS["StableDiffusion3Pipeline"], dict(negative_prompt="dark", guidance_scale=5.0), ["dark", "a cat"],
+     ""),
+    (PROMPT_ENCODERS["StableDiffusion3Pipeline"], dict(negative_prompt="dark", true_cfg_scale=4.0), None,
+     "params.image.true_cfg_scale"),
+], ids=["plain", "true-cfg", "scale-1", "negative-alone", "scale-alone", "sd3", "sd3-true-cfg"])
+def test_true_cfg_rows_are_flux_pipelines_and_other_classes_refuse_the_scale(encoder, ask, rows, refused):
+    """FluxPipeline's true classifier-free guidance: [negative, prompt] rows only with a negative prompt and
+    true_cfg_scale above 1; a class whose guidance scale is classifier-free guidance already refuses the scale."""
+    from omnistage.contract.params import InvalidRequest, resolve
+    from omnistage.contract.request import build_request
+
+    limits = example(MODEL).limits
+    params = resolve(build_request("a cat", **ask).params, limits)
+    prompts = encoder.__new__(encoder)  # its rows need no model loaded
+    prompts.pipe = type("Index", (), {"pipeline_class": encoder.__name__})()
+    if refused:
+        with pytest.raises(InvalidRequest) as e:
+            prompts.prompts(params)
+        assert e.value.field == refused
+    else:
+        assert prompts.prompts(params) == rows

@@ -257,11 +257,13 @@ def images(pipeline=IMAGES, **kw) -> list[translate.Translated]:
 
 
 def test_one_request_per_image_with_consecutive_seeds():
-    ts = images(n=3, size="128x64", seed=7, num_inference_steps=4, guidance_scale=3.0, negative_prompt="blur")
+    ts = images(n=3, size="128x64", seed=7, num_inference_steps=4, guidance_scale=3.0, negative_prompt="blur",
+                true_cfg_scale=4.0)
     assert [t.request.params.seed for t in ts] == [7, 8, 9]
     p = ts[0].request.params
     assert (p.image.width, p.image.height, p.image.num_inference_steps, p.image.guidance_scale) == (128, 64, 4, 3.0)
     assert p.image.negative_prompt == "blur" and list(ts[0].request.outputs) == [MODALITY_CODES["image"]]
+    assert p.image.true_cfg_scale == 4.0 and ts[0].fields["params.image.true_cfg_scale"] == "true_cfg_scale"
     assert [t.request.params.seed for t in images(n=2)] == [1000, 1001]  # differ, without a seed given
     assert not images()[0].request.params.HasField("seed")  # one image: the pipeline's default
     assert (images(size="auto")[0].request.params.image.width, ts[0].fields["params.image.height"]) == (0, "size")

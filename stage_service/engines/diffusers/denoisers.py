@@ -17,6 +17,9 @@ what an entry says:
 - `combine`: how an image's two rows' predictions become the one its scheduler steps with (by default
   classifier-free guidance's `uncond + scale x (cond - uncond)`; QwenImagePipeline's true CFG rescales that to the
   conditional prediction's norm per packed token);
+- `true_cfg`: where `guidance_rows` is False, whether a request may still run over [negative, prompt] rows, combined
+  at its `true_cfg_scale` (FluxPipeline's true classifier-free guidance: above 1, with a negative prompt), each
+  row taking the guidance scale as its input as before;
 - `latent_channels`: the channels of the latents the loop keeps (and the VAE decodes) from the model's config:
   by default its `out_channels` (else `in_channels`); FLUX and Qwen-Image pack four latent channels into each of
   their inputs; `condition_channels`: those it takes beyond them (by default `in_channels` past `out_channels`);
@@ -30,6 +33,10 @@ what an entry says:
   rows; checked like the text's) beside the text stage's; its `condition` channels (the model's `in_channels`
   past its `out_channels`) go beside the latents at every step, as any model whose config has more channels in
   than out takes them;
+- `reference_tokens` / `with_reference`: image editing (FluxKontextPipeline): for the pipeline classes in
+  `reference_tokens`, the reference image's stage sends the image's VAE latents (`image_latents`, one row, shared by
+  the guidance rows); `with_reference` puts them into the forward arguments as tokens after the noise's, with their
+  own positions, and the loop keeps the model's prediction for the noise's tokens alone;
 - `pins_first_step`: the pipeline classes that pin their scheduler's step index at 0 before the loop
   (`set_begin_index(0)`, as WanPipeline does) rather than have the first step look its timestep up (which
   differs where the schedule repeats its first timestep: WanImageToVideoPipeline looks it up);
@@ -118,6 +125,7 @@ class DenoiserCall:
     guidance_rows: bool = True
     # (unconditional prediction, conditional prediction, guidance scale, model config) -> the image's prediction
     combine: Callable[[torch.Tensor, torch.Tensor, float, Config], torch.Tensor] = guided
+    true_cfg: bool = False
     latent_channels: Callable[[Config], int] = lambda cfg: cfg.get("out_channels") or cfg["in_channels"]
     # the channels it takes beyond its latents' (a condition another stage sends: image-to-video)
     condition_channels: Callable[[Config], int] = (
@@ -128,6 +136,9 @@ class DenoiserCall:
     max_latent_frames: Callable[[Config], int | None] = lambda cfg: None
     image: tuple[TextInput, ...] = ()
     takes_image: Callable[[Config], bool] = lambda cfg: False
+    reference_tokens: frozenset[str] = frozenset()
+    # (forward arguments, the reference's latents [rows, C, h', w'], model config) -> the forward arguments with them
+    with_reference: Callable[[dict[str, Any], torch.Tensor, Config], dict[str, Any]] | None = None
     pins_first_step: frozenset[str] = frozenset()
     latents_dtype: torch.dtype | None = None
     schedule: Callable[[int, int, Config], dict[str, Any]] = default_schedule
@@ -174,21 +185,37 @@ def flux_unpack(pred: torch.Tensor, shape: torch.Size, cfg: Config) -> torch.Ten
     return pred.reshape(b, c, h, w)
 
 
+def flux_positions(x: torch.Tensor, image: int = 0) -> torch.Tensor:
+    """[h/2 x w/2, 3]: each 2x2 patch of latents `x` [..., h, w] at (image, its row, its column), as FluxPipeline
+    numbers them (`_prepare_latent_image_ids`); FluxKontextPipeline numbers its reference image's patches 1."""
+    h, w = x.shape[-2] // FLUX_PATCH, x.shape[-1] // FLUX_PATCH
+    ids = torch.zeros(h, w, 3)
+    ids[..., 0] = image
+    ids[..., 1] = ids[..., 1] + torch.arange(h)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(w)[None, :]
+    return ids.reshape(h * w, 3)
+
+
 def flux_extra(x: torch.Tensor, text: dict[str, torch.Tensor], guidance: torch.Tensor,
                cfg: Config) -> dict[str, Any]:
     """FluxPipeline's rotary positions, shared by every row: each text token at (0, 0, 0), each latent patch at
     (0, its row, its column); and, where the config embeds it (`guidance_embeds`: FLUX.1-dev, not -schnell), each
     row's guidance scale (float32, as the pipeline passes it)."""
     context = text["encoder_hidden_states"]
-    h, w = x.shape[-2] // FLUX_PATCH, x.shape[-1] // FLUX_PATCH
-    img = torch.zeros(h, w, 3)
-    img[..., 1] = img[..., 1] + torch.arange(h)[:, None]
-    img[..., 2] = img[..., 2] + torch.arange(w)[None, :]
-    out: dict[str, Any] = {"img_ids": img.reshape(h * w, 3).to(context.device, context.dtype),
+    out: dict[str, Any] = {"img_ids": flux_positions(x).to(context.device, context.dtype),
                            "txt_ids": torch.zeros(context.shape[1], 3, device=context.device, dtype=context.dtype)}
     if cfg.get("guidance_embeds"):
         out["guidance"] = guidance.float()
     return out
+
+
+def flux_with_reference(forward: dict[str, Any], reference: torch.Tensor, cfg: Config) -> dict[str, Any]:
+    """FluxKontextPipeline's editing input: the reference image's latents packed as the noise's are, their tokens
+    after the noise's in the sequence, their positions after the noise's as (1, row, column)."""
+    ids = forward["img_ids"]
+    return {**forward,
+            "hidden_states": torch.cat([forward["hidden_states"], flux_pack(reference, cfg)], dim=1),
+            "img_ids": torch.cat([ids, flux_positions(reference, image=1).to(ids.device, ids.dtype)])}
 
 
 def flux_schedule(steps: int, image_tokens: int, scheduler_cfg: Config) -> dict[str, Any]:
@@ -275,10 +302,13 @@ DENOISERS: dict[str, DenoiserCall] = {
         adapter=DIT_DENOISER, latents_kwarg="hidden_states",
         text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
               TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
-        timestep_divisor=1000.0, guidance_rows=False,
+        timestep_divisor=1000.0, guidance_rows=False, true_cfg=True,
         latent_channels=lambda cfg: (cfg.get("out_channels") or cfg["in_channels"]) // (FLUX_PATCH * FLUX_PATCH),
-        patch=lambda cfg: FLUX_PATCH, pins_first_step=frozenset({"FluxPipeline"}), schedule=flux_schedule,
-        pack=flux_pack, unpack=flux_unpack, extra=flux_extra, blocks=FLUX_BLOCKS, unserved=flux_unserved),
+        patch=lambda cfg: FLUX_PATCH, pins_first_step=frozenset({"FluxPipeline", "FluxKontextPipeline"}),
+        schedule=flux_schedule, pack=flux_pack, unpack=flux_unpack, extra=flux_extra, blocks=FLUX_BLOCKS,
+        unserved=flux_unserved,
+        # FLUX.1 Kontext: the same transformer, the image to edit as tokens after the noise's
+        reference_tokens=frozenset({"FluxKontextPipeline"}), with_reference=flux_with_reference),
     # Qwen-Image: FLUX's 2x2 packing, sigmas and t / 1000; the prompt's tokens (the text stage's mask says which) as
     # the text; guidance is true CFG over [negative, prompt] rows, rescaled to the conditional prediction's norm.
     "QwenImageTransformer2DModel": DenoiserCall(

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from omnistage.contract.devices import DevicePlan
-from omnistage.contract.params import InvalidRequest
+from omnistage.contract.params import InvalidRequest, RequestParams
 from omnistage.families import adapter_for
-from omnistage.families.adapters import IMAGE_ENCODER
+from omnistage.families.adapters import REFERENCE_IMAGE
 from stage_service.engines.diffusers.denoisers import DENOISERS
 from stage_service.engines.diffusers.layout import PipelineDir
 from stage_service.engines.diffusers.step_cache import CachedRequest, StepCachePolicy, StepCacheState, cached_forward
@@ -101,34 +101,38 @@ class DenoiseState(StepState):
     scheduler: Any                 # the diffusers scheduler object: it holds per-image state
     latents: torch.Tensor          # [1, C, h, w]; a video's [1, C, latent frames, h, w]; in DenoiserCall.latents_dtype
     text: dict[str, torch.Tensor]  # forward argument -> [1 or 2 rows, ...]: [unconditional, conditional]
-    guidance: float
+    guidance: float  # each row's guidance scale, where the model takes it as an input (FLUX.1-dev's)
     generator: torch.Generator
     # image-to-video: the channels put beside the latents at every step [1, C', ...latents' shape[2:]] (float32)
     condition: torch.Tensor | None = None
+    # image editing: the reference image's latents [1, C, h', w'], put beside the latents' tokens at every step
+    reference: torch.Tensor | None = None
     timesteps: list[torch.Tensor] = field(default_factory=list)
     done_steps: int = 0
     finished: bool = False
     cache: StepCacheState | None = None  # with the step cache on (step_cache.py)
+    cfg_scale: float | None = None  # two rows' combination scale: `guidance` unless given (FLUX's true_cfg_scale)
 
     @property
     def rows(self) -> int:
         return len(next(iter(self.text.values())))
 
     @property
-    def key(self):  # images share a model call when their latents, condition and text shapes agree
+    def key(self):  # images share a model call when their latents, condition, reference and text shapes agree
         condition = None if self.condition is None else tuple(self.condition.shape[1:])
-        return (tuple(self.latents.shape[1:]), condition,
+        reference = None if self.reference is None else tuple(self.reference.shape[1:])
+        return (tuple(self.latents.shape[1:]), condition, reference,
                 tuple((k, tuple(t.shape[1:])) for k, t in self.text.items()))
 
     def held_bytes(self) -> int:
-        condition = 0 if self.condition is None else self.condition.nbytes
+        beside = sum(t.nbytes for t in (self.condition, self.reference) if t is not None)
         cache = 0 if self.cache is None else self.cache.held_bytes()
-        return self.latents.nbytes + condition + cache + sum(t.nbytes for t in self.text.values())
+        return self.latents.nbytes + beside + cache + sum(t.nbytes for t in self.text.values())
 
     def release(self) -> None:
         self.latents = torch.empty(0)  # a [:0] view would keep the storage alive
         self.text = {}
-        self.condition = None
+        self.condition = self.reference = None
         self.scheduler = None
         if self.cache is not None:
             self.cache.release()
@@ -136,7 +140,7 @@ class DenoiseState(StepState):
 
 def _is_image_encoder(stage) -> bool:
     adapter = adapter_for(stage.engine, stage.kind, stage.component)
-    return adapter is not None and adapter.name == IMAGE_ENCODER.name
+    return adapter is not None and adapter.name in REFERENCE_IMAGE
 
 
 def _named(chunks: list[InputChunk], name: str) -> torch.Tensor:
@@ -224,7 +228,9 @@ class DenoiseEngine(SteppedEngine):
     """The denoise-step loop (a UNet or a DiT, called as its `DENOISERS` entry says, with the pipeline's own
     scheduler): the text stage's `embeddings` (and pooled embeddings where the model takes them) -> `latents`;
     a video model's are [1, C, (num_frames - 1) // temporal compression + 1, h, w]. An image-to-video model also
-    reads the reference image's stage (`image_embeddings`, and the `condition` channels put beside the latents).
+    reads the reference image's stage (`image_embeddings`, and the `condition` channels put beside the latents); an
+    editing pipeline's (FLUX.1 Kontext) the image's latents (`image_latents`), which go in as tokens beside the
+    latents' at every step.
 
     A stage chunkSize of N emits the current latents every N steps (previews); 0 emits them once. After every
     step the client hears how many of the request's steps are done (`OutputChunk.progress`). With
@@ -263,12 +269,14 @@ class DenoiseEngine(SteppedEngine):
         self.condition_channels = self.call.condition_channels(self.config)
         self.takes_image = self.call.takes_image(self.config)
         self.pins_first_step = pipe.pipeline_class in self.call.pins_first_step
+        self.edits = pipe.pipeline_class in self.call.reference_tokens  # the reference image's latents as tokens
         image_inputs = [e.source for e in self.stage.inputs if _is_image_encoder(self.pipeline.stage(e.source))]
-        if (self.takes_image or self.condition_channels) and not image_inputs:
+        reads_image = self.takes_image or bool(self.condition_channels) or self.edits
+        if reads_image and not image_inputs:
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: this {self.arch} generates from a reference "
                                     f"image (a {pipe.pipeline_class}): stage \"{self.stage.name}\" needs an input from "
                                     "an image-encoder stage beside the text encoder's")
-        if image_inputs and not (self.takes_image or self.condition_channels):
+        if image_inputs and not reads_image:
             raise EngineConfigError(f"{self.model_dir / 'config.json'}: this {self.arch} takes no reference image (a "
                                     f"{pipe.pipeline_class}): stage \"{self.stage.name}\" would drop what its input "
                                     f"{image_inputs[0]} sends; remove that input")
@@ -293,8 +301,8 @@ class DenoiseEngine(SteppedEngine):
                                     "neighbours in the batch")
         return StepCachePolicy(threshold, self.options.step_cache_warmup)
 
-    def new_state(self, req: StageRequest, text: dict[str, torch.Tensor],
-                  condition: torch.Tensor | None = None) -> DenoiseState:
+    def new_state(self, req: StageRequest, text: dict[str, torch.Tensor], condition: torch.Tensor | None = None,
+                  reference: torch.Tensor | None = None) -> DenoiseState:
         """The image's scheduler, timesteps and latents on the engine's device. Its noise comes from a CPU
         generator whatever the device (as diffusers advises for reproducible images): a seed starts from the
         same latents on a GPU as on the CPU, and the scheduler's own draws take it as diffusers'
@@ -318,14 +326,15 @@ class DenoiseEngine(SteppedEngine):
             raise InputError(f"condition must be [1, {self.condition_channels}, {', '.join(map(str, shape[2:]))}] for "
                              f"this request's size, got {list(condition.shape)}")
         return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
-                            timesteps=list(sched.timesteps), condition=condition,
+                            timesteps=list(sched.timesteps), condition=condition, reference=reference,
+                            cfg_scale=None if self.call.guidance_rows else p.true_cfg_scale,
                             cache=None if self.step_cache is None else StepCacheState())
 
     def step(self, states: list[DenoiseState]) -> list[torch.Tensor]:
         """One denoise step of every image in the batch, each at its own timestep, in one model call."""
         call = self.call
         with torch.inference_mode():
-            model_in, ts, text = [], [], {k: [] for k in states[0].text}
+            model_in, ts, text, references = [], [], {k: [] for k in states[0].text}, []
             for st in states:
                 t = st.timesteps[st.done_steps]
                 x = torch.cat([st.latents] * st.rows)  # two rows under classifier-free guidance
@@ -334,6 +343,8 @@ class DenoiseEngine(SteppedEngine):
                 if st.condition is not None:  # beside the latents, in their dtype, as the pipeline puts it
                     x = torch.cat([x, st.condition.to(x.dtype).expand(len(x), *st.condition.shape[1:])], dim=1)
                 model_in.append(x.to(self.dtype))  # itself where the latents are kept in the stage dtype
+                if st.reference is not None:  # one row, shared by the image's guidance rows
+                    references.append(st.reference.expand(len(x), *st.reference.shape[1:]))
                 ts.append(t.expand(len(x)))
                 for k, v in st.text.items():
                     text[k].append(v)
@@ -346,6 +357,9 @@ class DenoiseEngine(SteppedEngine):
             packed = call.pack(x, self.config)
             forward = {call.latents_kwarg: packed, "timestep": timestep, **text,
                        **call.extra(x, text, guidance, self.config)}
+            if references:  # every state of a batch has one (the key has its shape), in the stage dtype
+                assert call.with_reference is not None
+                forward = call.with_reference(forward, torch.cat(references), self.config)
             if self.step_cache is None:
                 pred_all = self.model(**forward, return_dict=False)[0]
             else:  # each request's own reuse decision (step_cache.py)
@@ -354,6 +368,8 @@ class DenoiseEngine(SteppedEngine):
                                                   [self._cached(st) for st in states], forward)
                 if reused and self.metrics is not None:
                     self.metrics.cached_steps.labels(self.stage.name).inc(reused)
+            if references:  # the prediction for the latents' own tokens: the reference's follow them
+                pred_all = pred_all[:, :packed.shape[1]]
             pred_all = call.unpack(pred_all, x.shape, self.config)
             out, i = [], 0
             for st in states:
@@ -370,7 +386,8 @@ class DenoiseEngine(SteppedEngine):
         """The image's own part of a step: its guidance and its scheduler's step from the model's prediction."""
         if st.rows == 2:
             uncond, cond = pred.chunk(2)
-            pred = self.call.combine(uncond, cond, st.guidance, self.config)
+            scale = st.guidance if st.cfg_scale is None else st.cfg_scale
+            pred = self.call.combine(uncond, cond, scale, self.config)
         t = st.timesteps[st.done_steps]
         kw = {"generator": st.generator} if self.step_takes_generator else {}
         st.latents = st.scheduler.step(pred, t, st.latents, **kw).prev_sample
@@ -378,10 +395,13 @@ class DenoiseEngine(SteppedEngine):
         st.finished = st.done_steps == len(st.timesteps)
         return st.latents
 
-    def text_inputs(self, chunks: list[InputChunk]) -> dict[str, torch.Tensor]:
+    def text_inputs(self, chunks: list[InputChunk], params: RequestParams) -> dict[str, torch.Tensor]:
         """The text stage's tensors (and an image-to-video model's image embeddings, repeated over the guidance
-        rows) as the model's forward arguments, each checked against its config width."""
-        text = self._checked(chunks, self.call.text)
+        rows) as the model's forward arguments, each checked against its config width. Rows: one or two where
+        guidance runs over rows; else two only under true classifier-free guidance, as the text stage sends them."""
+        call = self.call
+        true_cfg = call.true_cfg and params.true_cfg
+        text = self._checked(chunks, call.text, allowed=(1, 2) if call.guidance_rows else (2,) if true_cfg else (1,))
         if self.takes_image:
             rows = len(next(iter(text.values())))
             image = self._checked(chunks, self.call.image, rows=1)
@@ -398,10 +418,22 @@ class DenoiseEngine(SteppedEngine):
                              f"got {list(t.shape)}")
         return t
 
-    def _checked(self, chunks: list[InputChunk], wanted: tuple, rows: int = 0) -> dict[str, torch.Tensor]:
+    def reference(self, chunks: list[InputChunk]) -> torch.Tensor | None:
+        """An edit's reference image latents [1, latent channels, h', w'] (whole packed patches), in the stage dtype."""
+        if not self.edits:
+            return None
+        t = self.on_device(_named(chunks, "image_latents")).to(self.dtype)
+        side = self.call.patch(self.config)
+        if t.dim() != 4 or t.shape[:2] != (1, self.latent_channels) or t.shape[2] % side or t.shape[3] % side:
+            raise InputError(f"image_latents must be [1, {self.latent_channels}, h, w] with h and w multiples of "
+                             f"{side}, got {list(t.shape)}")
+        return t
+
+    def _checked(self, chunks: list[InputChunk], wanted: tuple, rows: int = 0,
+                 allowed: tuple[int, ...] = (1,)) -> dict[str, torch.Tensor]:
         text: dict[str, torch.Tensor] = {}
         tokens = 0  # of the last per-token tensor: a mask's
-        # `rows`: of the first (per-token) tensor unless given; the others must agree
+        # `rows`: of the first (per-token) tensor unless given (one of `allowed`); the others must agree
         for ti in wanted:
             t = self.on_device(_named(chunks, ti.tensor))
             if ti.mask:
@@ -412,7 +444,7 @@ class DenoiseEngine(SteppedEngine):
             t = t.to(self.dtype)
             width = self.config[ti.width]
             if ti.per_token:
-                allowed = (rows,) if rows else (1, 2) if self.call.guidance_rows else (1,)
+                allowed = (rows,) if rows else allowed
                 ok = t.dim() == 3 and t.shape[0] in allowed and t.shape[2] == width
                 want = f"[{rows or ' or '.join(map(str, allowed))}, tokens, {width}]"
                 rows = rows or (t.shape[0] if ok else 0)
@@ -440,10 +472,10 @@ class DenoiseEngine(SteppedEngine):
                 raise InputError(f'no embeddings arrived from stage "{source}"')
             last.append(received[-1])
             transfer_ms += sum(c.transfer_ms for c in received)
-        text, condition = self.text_inputs(last), self.condition(last)
+        text, condition, reference = self.text_inputs(last, req.params), self.condition(last), self.reference(last)
         del last, received
         chunks = Chunking(self.stage)
-        st = self.new_state(req, text, condition)
+        st = self.new_state(req, text, condition, reference)
         done_steps, compute_before, total = 0, 0.0, req.params.num_inference_steps
         async with self.scheduler.submit(req.request_id, st) as stream:
             async for latents in stream:

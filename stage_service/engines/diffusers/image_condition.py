@@ -64,14 +64,15 @@ def first_frame_mask(num_frames: int, temporal: int, latent_h: int, latent_w: in
     return mask.view(1, -1, temporal, latent_h, latent_w).transpose(1, 2)
 
 
-def reference_image(parts: tuple, limits: Limits) -> Any:
-    """The request's one image part, decoded and bounded as the orchestrator checked it, as a PIL image."""
+def reference_image(parts: tuple, limits: Limits, use: str = "image-to-video") -> Any:
+    """The request's one image part, decoded and bounded as the orchestrator checked it, as a PIL image (`use`: what
+    the stage makes from it, for the refusal of none or several)."""
     from PIL import Image as PILImage
 
     decoded = decode_parts(parts, limits, frozenset({"text", "image"}))
     images = [p for p in decoded if isinstance(p, Image)]
     if len(images) != 1:
-        raise InvalidRequest("params.parts", f"image-to-video takes one reference image, got {len(images)}")
+        raise InvalidRequest("params.parts", f"{use} takes one reference image, got {len(images)}")
     return PILImage.fromarray(np.ascontiguousarray(images[0].pixels))
 
 

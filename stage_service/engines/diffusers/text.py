@@ -15,9 +15,11 @@ become the denoiser's conditioning, depends on the pipeline class in `model_inde
 - `FluxPipeline`: CLIP (`text_encoder`) and T5 (`text_encoder_2`), as `FluxPipeline.encode_prompt` combines
   them: `pooled_embeddings` is CLIP's pooled output, `embeddings` T5's last hidden state over the prompt padded to
   FluxPipeline's `max_sequence_length` (512; no attention mask, as the pipeline runs it). One row per request:
-  FLUX.1-dev's guidance scale is the transformer's input, not a second, unconditional row; a negative prompt is
-  refused by name (FluxPipeline reads one only for its true classifier-free guidance, `true_cfg_scale`, which
-  no request field asks for).
+  FLUX.1-dev's guidance scale is the transformer's input, not a second, unconditional row. Two rows,
+  [negative, prompt], only under FluxPipeline's true classifier-free guidance (`params.image.true_cfg_scale` above
+  1 with a negative prompt); a negative prompt without it is refused by name, as is the scale without one.
+  FluxKontextPipeline encodes its prompt alike. Every other class has no true classifier-free guidance (its
+  guidance scale is classifier-free guidance) and refuses `true_cfg_scale` by name.
 - `QwenImagePipeline`: the Qwen2.5-VL text encoder over the prompt in the pipeline's template, its last hidden
   states past the template's first 34 tokens (the system turn), at most 512 of them, as
   `QwenImagePipeline.encode_prompt` gives them; `embeddings_mask` says which tokens are the prompt's. A request's
@@ -84,6 +86,10 @@ class PromptEncoder(ABC):
     def prompts(self, params: RequestParams) -> list[str]:
         """The prompts of a request's rows: [prompt], or [negative prompt, prompt] under classifier-free guidance
         (`guidance_scale > 1`), as the denoise loop takes them."""
+        if params.true_cfg_scale != 1.0:
+            raise InvalidRequest("params.image.true_cfg_scale", f"a {self.pipe.pipeline_class} has no true "
+                                 "classifier-free guidance: its guidance_scale (params.image.guidance_scale) is "
+                                 "classifier-free guidance over [negative, prompt] rows")
         return [params.text] if params.guidance_scale <= 1.0 else [params.negative_prompt, params.text]
 
     @abstractmethod
@@ -175,10 +181,17 @@ class FluxPromptEncoder(PromptEncoder):
         self.t5 = (pipe.load("tokenizer_2"), self._encoder("text_encoder_2"))
 
     def prompts(self, params: RequestParams) -> list[str]:
-        if params.negative_prompt:
-            raise InvalidRequest("params.image.negative_prompt", "a FluxPipeline takes no negative prompt: its "
-                                 "guidance is the distilled guidance scale (params.image.guidance_scale), one row")
-        return [params.text]
+        """[prompt]; [negative prompt, prompt] under true classifier-free guidance (`true_cfg_scale > 1` with a
+        negative prompt, as FluxPipeline runs it)."""
+        if params.negative_prompt and params.true_cfg_scale <= 1.0:
+            raise InvalidRequest("params.image.negative_prompt", f"a {self.pipe.pipeline_class} reads a negative "
+                                 "prompt only for its true classifier-free guidance: set params.image.true_cfg_scale "
+                                 "above 1 (its guidance_scale is the distilled guidance, one row)")
+        if params.true_cfg_scale > 1.0 and not params.negative_prompt:
+            raise InvalidRequest("params.image.true_cfg_scale", f"a {self.pipe.pipeline_class} runs true "
+                                 "classifier-free guidance against a negative prompt: send one "
+                                 "(params.image.negative_prompt)")
+        return [params.negative_prompt, params.text] if params.true_cfg else [params.text]
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         tokenizer, clip = self.clip
@@ -242,6 +255,7 @@ PROMPT_ENCODERS: dict[str, type[PromptEncoder]] = {
     "WanImageToVideoPipeline": Umt5PromptEncoder,
     "FluxPipeline": FluxPromptEncoder,
     "QwenImagePipeline": QwenImagePromptEncoder,
+    "FluxKontextPipeline": FluxPromptEncoder,
 }
 
 
