@@ -8,6 +8,7 @@ refused naming the field. Through gRPC Generate and the stages alone."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import numpy as np
@@ -21,7 +22,8 @@ from ..harness import all_queued, call_stage, example, header, served_pipeline, 
 MODEL = "qwen3-tts-tiny"
 PIPELINE = example(MODEL)
 FRAMES = 12  # codec frames: past the first chunk (5), so the decoder decodes with left context
-TEXTS = ["Hello world, the quick brown fox.", "Tell me a short story about the sea."]
+TEXTS = ["Hello world, the quick brown fox.", "Tell me a short story about the sea.",
+         "Hello"]  # one token: nothing left to read after the prompt's first text token
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def pcm_of(result) -> np.ndarray:
 
 @pytest.mark.parametrize("which,speaker,instruction,language", [
     (0, "vivian", "", ""), (1, "ryan", "Speak slowly, in a low voice.", ""), (0, "dylan", "", "chinese"),
-    (1, "vivian", "", "english")])
+    (1, "vivian", "", "english"), (2, "vivian", "", "")])
 async def test_the_pcm_equals_qwen_tts_generate(staged, reference, which, speaker, instruction, language):
     orc, _ = staged
     expected = reference(TEXTS[which], speaker, instruction or None, language or "Auto")
@@ -144,3 +146,37 @@ async def test_under_a_kv_budget_for_two_every_request_gets_its_unbounded_frames
             await call_stage(talker.port, ask(0, frames=3 * longest))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "params.audio.max_codec_frames" in e.value.details()
+
+
+def variant(model_dir, tmp_path, **config):
+    """A model store holding the tiny checkpoint with `config`'s keys changed in its config.json (every other
+    file linked)."""
+    src, dst = model_dir / MODEL, tmp_path / MODEL
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    (dst / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **config}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("key, value", [("tts_model_type", "base"), ("tts_model_type", "voice_design"),
+                                        ("tokenizer_type", "qwen3_tts_tokenizer_25hz")])
+def test_a_checkpoint_the_family_cannot_serve_is_refused_naming_its_config_key(model_dir, tmp_path, key, value):
+    from omnistage.checkpoints.configs import CheckpointError
+    from stage_service.engines.qwen3_tts.steps import TtsTalker
+
+    with pytest.raises(CheckpointError, match=f"{key} '{value}' is not served"):
+        TtsTalker(variant(model_dir, tmp_path, **{key: value}) / MODEL)
+
+
+async def test_the_small_custom_voice_model_refuses_an_instruction_as_qwen_tts_gives_it_none(model_dir, tmp_path):
+    """qwen-tts drops the instruction for its 0.6B CustomVoice model: the talker refuses one rather than speak a
+    prompt the model never saw."""
+    store = variant(model_dir, tmp_path, tts_model_size="0b6")
+    async with stage_servers(PIPELINE, store, ("talker",)) as servers:
+        port = servers["talker"].port
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call_stage(port, header("instructed", prompt="Hello", speaker="vivian", instructions="Slowly."))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.audio.instructions" in e.value.details()
+        assert await call_stage(port, header("plain", prompt="Hello", speaker="vivian", max_codec_frames=3))

@@ -5,6 +5,7 @@ true CFG and schedule, the rows and token buckets of its prompt encoding, and th
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from omnistage.api import accepted_inputs
 from omnistage.checkpoints.components import allowed
 from omnistage.checkpoints.defaults import with_model_limits
+from omnistage.contract.errors import InvalidRequest
 from omnistage.contract.params import RequestParams
 from omnistage.families import family_of
 from stage_service.engines.diffusers.denoisers import DENOISERS, resolution_shift
@@ -102,20 +104,36 @@ def test_the_schedule_is_the_pipelines_sigmas_shifted_by_the_image_size():
     assert QWEN.pins_first_step == frozenset({"QwenImagePipeline"})
 
 
-def params(guidance_scale: float, negative_prompt: str) -> RequestParams:
+def params(guidance_scale: float, negative_prompt: str, true_cfg_scale: float = 1.0) -> RequestParams:
     return RequestParams(prompt="a cat", prompt_token_ids=(), seed=0, max_tokens=0, temperature=None, top_p=None,
                          top_k=None, ignore_eos=False, max_codec_frames=0, speaker="", width=64, height=64,
-                         num_inference_steps=2, guidance_scale=guidance_scale, negative_prompt=negative_prompt)
+                         num_inference_steps=2, guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                         true_cfg_scale=true_cfg_scale)
+
+
+def prompt_encoder() -> QwenImagePromptEncoder:
+    encoder = QwenImagePromptEncoder.__new__(QwenImagePromptEncoder)  # prompts() reads no model
+    encoder.pipe = types.SimpleNamespace(pipeline_class="QwenImagePipeline")
+    return encoder
 
 
 @pytest.mark.parametrize("guidance, negative, rows", [
     (4.0, "blurry", ["blurry", "a cat"]),  # true CFG: [negative prompt, prompt]
     (4.0, "", ["a cat"]),                  # no negative prompt: the pipeline runs no CFG
-    (1.0, "blurry", ["a cat"]),            # true_cfg_scale <= 1: no CFG either
+    (1.0, "", ["a cat"]),                  # true_cfg_scale <= 1: no CFG either
 ])
 def test_a_requests_rows_are_those_qwen_image_pipeline_encodes(guidance, negative, rows):
-    encoder = QwenImagePromptEncoder.__new__(QwenImagePromptEncoder)  # prompts() reads no model
-    assert encoder.prompts(params(guidance_scale=guidance, negative_prompt=negative)) == rows
+    assert prompt_encoder().prompts(params(guidance_scale=guidance, negative_prompt=negative)) == rows
+
+
+@pytest.mark.parametrize("asked, field", [
+    (dict(guidance_scale=1.0, negative_prompt="blurry"), "params.image.negative_prompt"),  # it would go unread
+    (dict(guidance_scale=4.0, negative_prompt="blurry", true_cfg_scale=3.0), "params.image.true_cfg_scale"),
+])
+def test_what_qwen_image_pipeline_would_not_read_is_refused_by_name(asked, field):
+    with pytest.raises(InvalidRequest) as refused:
+        prompt_encoder().prompts(params(**asked))
+    assert refused.value.field == field
 
 
 @pytest.mark.parametrize("tokens, kept", [([5], 64), ([5, 64], 64), ([65, 3], 128), ([512, 9], 512)])

@@ -214,7 +214,15 @@ class QwenImagePromptEncoder(PromptEncoder):
 
     def prompts(self, params: RequestParams) -> list[str]:
         """[negative prompt, prompt] under true CFG, which QwenImagePipeline runs when its `true_cfg_scale` (the
-        guidance scale) is above 1 and a negative prompt is given; else [prompt]."""
+        guidance scale) is above 1 and a negative prompt is given; else [prompt]. A negative prompt the scale would
+        leave unread, and `true_cfg_scale` (the guidance scale is it here), are refused by name."""
+        if params.true_cfg_scale != 1.0:
+            raise InvalidRequest("params.image.true_cfg_scale", f"a {self.pipe.pipeline_class}'s true classifier-free "
+                                 "guidance scale is its guidance_scale (params.image.guidance_scale)")
+        if params.negative_prompt and params.guidance_scale <= 1.0:
+            raise InvalidRequest("params.image.negative_prompt", f"a {self.pipe.pipeline_class} reads a negative "
+                                 "prompt only under true classifier-free guidance: set params.image.guidance_scale "
+                                 "above 1")
         if params.guidance_scale > 1.0 and params.negative_prompt:
             return [params.negative_prompt, params.text]
         return [params.text]
@@ -231,8 +239,8 @@ class QwenImagePromptEncoder(PromptEncoder):
             by_length[len(row)].append(i)
         for rows in by_length.values():  # unpadded, with the pipeline's all-ones attention mask
             batch = torch.tensor([ids[i] for i in rows], device=self.device)
-            hidden = self.encoder(input_ids=batch, attention_mask=torch.ones_like(batch),
-                                  output_hidden_states=True).hidden_states[-1]
+            # the language model's last hidden states (the pipeline's hidden_states[-1]), no vocabulary projection
+            hidden = self.encoder.model(input_ids=batch, attention_mask=torch.ones_like(batch)).last_hidden_state
             kept = hidden[:, QWEN_IMAGE_DROPPED_TOKENS:][:, :QWEN_IMAGE_TEXT_TOKENS]
             index = torch.tensor(rows, device=self.device)
             embeddings[index, :kept.shape[1]] = kept.to(self.dtype)

@@ -53,6 +53,9 @@ class TalkerEngine(FedTalkerEngine):
             raise InvalidRequest("params.parts", f"a text-to-speech model reads text parts only, got {other[0]}")
         if not p.text.strip():
             raise InvalidRequest(p.prompt_field, "is empty: there is no text to speak")
+        if p.instructions and not self.talker.takes_instructions:
+            raise InvalidRequest("params.audio.instructions", "this checkpoint (a 0.6B CustomVoice model) takes no "
+                                                              "instruction: qwen-tts speaks its voices without one")
         ids = self.tokenizer(ASSISTANT_TEXT.format(p.text))["input_ids"]
         instruction = self.tokenizer(INSTRUCTION_TEXT.format(p.instructions))["input_ids"] if p.instructions else []
         return list(ids), list(instruction)

@@ -71,6 +71,15 @@ class TtsTalker(Talker):
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
         combined = load_config(root)
+        served = {"tts_model_type": "custom_voice", "tokenizer_type": "qwen3_tts_tokenizer_12hz"}
+        for key, want in served.items():
+            got = getattr(combined, key, want)
+            if got != want:
+                raise CheckpointError(f"{Path(root) / 'config.json'}: {key} {got!r} is not served (only CustomVoice "
+                                      "checkpoints on the 12 Hz speech tokenizer are: named speakers and "
+                                      "instructions; not voice cloning (Base), VoiceDesign or the 25 Hz tokenizer)")
+        # qwen-tts gives the 0.6B CustomVoice model no instruction (it was not trained with one)
+        self.takes_instructions = getattr(combined, "tts_model_size", "") != "0b6"
         self.checkpoint = ShardedCheckpoint(root)
         self.model = with_rope_buffers(Piece(TALKER, classes().talker, combined.talker_config).load(
             self.checkpoint, dtype, device))
@@ -107,7 +116,7 @@ class TtsTalker(Talker):
         return self.model.text_projection(self.text_embeds(ids))
 
     def text_embeds(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        return self.model.get_text_embeddings()(torch.as_tensor(ids, device=self.device))
+        return self.model.get_text_embeddings()(torch.as_tensor(ids, dtype=torch.long, device=self.device))
 
     def language_id(self, language: str, speaker: str) -> int | None:
         """The codec tag of the language the prompt forces (None: detected), as generate() picks it: the
