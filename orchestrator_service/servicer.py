@@ -206,7 +206,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             check_needed_parts(self.pipeline, params.parts)
             if params.language and not reads_language(self.pipeline):
                 raise InvalidRequest("params.audio.language", f'"{self.pipeline.name}" has no stage that reads it '
-                                                              "(a speech recognition model does)")
+                                                              "(a speech recognition or text-to-speech model does)")
             if params.instructions and not reads_instructions(self.pipeline):
                 raise InvalidRequest("params.audio.instructions", f'"{self.pipeline.name}" has no stage that reads '
                                                                   "them (a text-to-speech model does)")
