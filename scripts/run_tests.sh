@@ -27,7 +27,7 @@ BUDGET=${OMNISTAGE_TEST_BUDGET:-4500}
 # fixtures are started once): the suite's tests wait on stage processes, sockets and timers much of the time,
 # so two processes use two cores where one left the second mostly idle. One per core, at most 4 (each holds its
 # tests' tiny models); OMNISTAGE_TEST_WORKERS=0 runs them in this process, one after another.
-cores=$(nproc 2>/dev/null || echo 2)
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)   # nproc honours OMP_NUM_THREADS (1 here)
 WORKERS=${OMNISTAGE_TEST_WORKERS:-$((cores < 4 ? cores : 4))}
 parallel() { if [ "$WORKERS" -gt 0 ]; then echo "-n $WORKERS --dist loadfile"; fi; }
 end=$((SECONDS + BUDGET))
