@@ -208,7 +208,7 @@ def _tts_reference_worker(model_dir: str, jobs, done) -> None:
     time; answers with (seconds taken, audio seconds made) (None ends it)."""
     import torch
 
-    from omnistage.checkpoints.qwen_tts import reference_model
+    from omnistage.checkpoints.qwen_tts import greedy_speech, reference_model
 
     torch.set_num_threads(1)
     model = reference_model(model_dir)
@@ -216,9 +216,8 @@ def _tts_reference_worker(model_dir: str, jobs, done) -> None:
     while (job := jobs.get()) is not None:
         t0, audio = time.perf_counter(), 0.0
         for text, voice in job:
-            wavs, rate = model.generate_custom_voice(text, speaker=voice, non_streaming_mode=False, do_sample=False,
-                                                     subtalker_dosample=False, max_new_tokens=TTS_FRAMES + 1)
-            audio += len(wavs[0]) / rate
+            wav, rate = greedy_speech(model, text, voice, TTS_FRAMES)
+            audio += len(wav) / rate
         done.put((time.perf_counter() - t0, audio))
 
 

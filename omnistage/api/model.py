@@ -850,14 +850,17 @@ def one_of_each_input(pipeline: Pipeline) -> dict[str, str]:
     return needed
 
 
+def _some_stage_reads(pipeline: Pipeline, flag: str) -> bool:
+    adapters = (adapter_for(s.engine, s.kind, s.component) for s in pipeline.stages)
+    return any(a is not None and getattr(a, flag) for a in adapters)
+
+
 def reads_language(pipeline: Pipeline) -> bool:
     """Whether some stage of the pipeline reads `params.audio.language` (a request may carry it only then)."""
-    adapters = (adapter_for(s.engine, s.kind, s.component) for s in pipeline.stages)
-    return any(a is not None and a.language for a in adapters)
+    return _some_stage_reads(pipeline, "language")
 
 
 def reads_instructions(pipeline: Pipeline) -> bool:
     """Whether some stage of the pipeline reads `params.audio.instructions`: a text-to-speech stage, which speaks
     the request's text itself (a request may carry instructions only then)."""
-    adapters = (adapter_for(s.engine, s.kind, s.component) for s in pipeline.stages)
-    return any(a is not None and a.instructions for a in adapters)
+    return _some_stage_reads(pipeline, "instructions")

@@ -30,6 +30,15 @@ def read_json(file: Path) -> dict:
     return data
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_config(root: Path) -> dict:
+    """The checkpoint's generation_config.json (its sampling defaults, its end-of-sequence ids); {} without one."""
+    file = Path(root) / GENERATION_CONFIG
+    return read_json(file) if file.exists() else {}
+
+
 def require_keys(file: Path, data: dict, keys: tuple[str, ...]) -> None:
     """Every dotted key (`talker_config.accept_hidden_layer`) is in the file itself: a config class would
     fill a missing sub-config with its defaults, which are another model's values."""

@@ -200,6 +200,17 @@ def reference_model(root: str | Path):
     return wrapper
 
 
+def greedy_speech(model, text: str, speaker: str, frames: int, instruction: str | None = None,
+                  language: str = "Auto"):
+    """`reference_model`'s speech for one request as the staged pipeline makes it: greedy (talker and code
+    predictor), reading the text as it speaks (`non_streaming_mode` off), at most `frames` codec frames. Returns
+    (waveform as floats, sample rate)."""
+    wavs, rate = model.generate_custom_voice(text, speaker=speaker, language=language, instruct=instruction,
+                                             non_streaming_mode=False, do_sample=False, subtalker_dosample=False,
+                                             max_new_tokens=frames + 1)
+    return wavs[0], rate
+
+
 def with_pad_token(config):
     """`config` with `pad_token_id` (None) on it and its talker configs where config.json gives none: the
     package's modules read it, and transformers 5 configs no longer default it."""

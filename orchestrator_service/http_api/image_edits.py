@@ -27,9 +27,9 @@ from .translate import Translated, check_model, images, inline_image, pipeline_o
 IMAGE = "image"  # the body's field for the image to edit (`image[]` for a list, as the SDK sends one)
 
 
-def edits(body: ImageEditRequest, pipeline: Pipeline, sent: list[Any], mask: bool) -> list[Translated]:
+def edits(body: ImageEditRequest, pipeline: Pipeline, sent: list[tuple[Any, str]], mask: bool) -> list[Translated]:
     """The edit's requests: `sent` the images to edit as they came (files' bytes, data: URLs, reference objects),
-    `mask` whether a mask came."""
+    each with the body's field a refusal of it names; `mask` whether a mask came."""
     check_model(body.model, pipeline)
     if "image" not in pipeline_outputs(pipeline) or "image" not in one_of_each_input(pipeline):
         makes = "makes no images" if "image" not in pipeline_outputs(pipeline) else \
@@ -40,17 +40,19 @@ def edits(body: ImageEditRequest, pipeline: Pipeline, sent: list[Any], mask: boo
                                      "(FLUX.1 Kontext reads no mask); send the image and the prompt alone")
     if len(sent) != 1:
         raise InvalidRequest(IMAGE, f'"{pipeline.name}" edits one image: send exactly one, got {len(sent)}')
-    value = sent[0]
+    value, field = sent[0]
     if isinstance(value, ImageReference):
         value = value.model_dump(exclude_none=True)
-    part = common_pb2.ContentPart(image=common_pb2.ImagePart(data=inline_image(value, IMAGE)))
-    return images(body, pipeline, parts=[part], parts_field=IMAGE)
+    part = common_pb2.ContentPart(image=common_pb2.ImagePart(data=inline_image(value, field)))
+    return images(body, pipeline, parts=[part], parts_field=field)
 
 
 def from_json(body: ImageEditRequest, pipeline: Pipeline) -> list[Translated]:
     """A JSON body's edit (`image`, or OpenAI's `images`)."""
-    sent: list[Any] = [] if body.image in (None, "") else body.image if isinstance(body.image, list) else [body.image]
-    return edits(body, pipeline, sent + list(body.images or ()), body.mask not in (None, ""))
+    given: list[Any] = [] if body.image in (None, "") else body.image if isinstance(body.image, list) else [body.image]
+    sent = [(v, IMAGE if len(given) == 1 else f"{IMAGE}[{i}]") for i, v in enumerate(given)]
+    sent += [(v, f"images[{i}]") for i, v in enumerate(body.images or ())]
+    return edits(body, pipeline, sent, body.mask not in (None, ""))
 
 
 def from_upload(raw: bytes, content_type: str, pipeline: Pipeline) -> list[Translated]:
@@ -59,7 +61,7 @@ def from_upload(raw: bytes, content_type: str, pipeline: Pipeline) -> list[Trans
     files = (IMAGE, f"{IMAGE}[]", "mask")
     fields: dict[str, Any] = {name: form.text(name) for name in form.fields if name not in files}
     body = ImageEditRequest.model_validate(fields)
-    sent: list[Any] = [f.data for name in (IMAGE, f"{IMAGE}[]") for f in form.files.get(name, [])]
-    sent += form.texts(IMAGE)  # an image sent as a data: URL in a text field
+    sent: list[tuple[Any, str]] = [(f.data, name) for name in (IMAGE, f"{IMAGE}[]") for f in form.files.get(name, [])]
+    sent += [(t, IMAGE) for t in form.texts(IMAGE)]  # an image sent as a data: URL in a text field
     mask = bool(form.files.get("mask")) or bool(form.text("mask"))
     return edits(body, pipeline, sent, mask)

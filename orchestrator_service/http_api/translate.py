@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from omnistage.api import Limits, Pipeline, reads_instructions
+from omnistage.api import Limits, Pipeline, one_of_each_input, reads_instructions
 from omnistage.contract.params import InvalidRequest
 from omnistage.contract.request import build_request
 from omnistage.v1 import common_pb2, orchestrator_pb2
@@ -443,6 +443,9 @@ def images(body: ImageRequest, pipeline: Pipeline,
     has = pipeline_outputs(pipeline)
     if "image" not in has:
         raise InvalidRequest("model", f'"{pipeline.name}" makes no images (it has: {", ".join(has)})')
+    if not parts and "image" in one_of_each_input(pipeline):
+        raise InvalidRequest("model", f'"{pipeline.name}" edits images: send the image and the prompt to '
+                                      "POST /v1/images/edits")
     if body.response_format not in (None, "b64_json"):
         raise InvalidRequest("response_format", f'"{body.response_format}" is not supported: images come back '
                                                 'inline as "b64_json" (this server keeps no files to link to)')

@@ -33,15 +33,15 @@ async def served(model_dir):
 def reference(model_dir):
     import torch
 
-    from omnistage.checkpoints.qwen_tts import reference_model
+    from omnistage.checkpoints.qwen_tts import greedy_speech, reference_model
+    from stage_service.engines.omni.audio import to_pcm16
 
     model = reference_model(model_dir / MODEL)
     frames = max(TTS.limits.default_codec_frames, CODEC_FRAMES_PER_CHAR * len(TEXT))  # as the door budgets them
 
     def of(speaker: str, instruction: str | None) -> np.ndarray:
-        wavs, _ = model.generate_custom_voice(TEXT, speaker=speaker, instruct=instruction, non_streaming_mode=False,
-                                              do_sample=False, subtalker_dosample=False, max_new_tokens=frames + 1)
-        return (torch.as_tensor(wavs[0]).clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+        wav, _ = greedy_speech(model, TEXT, speaker, frames, instruction)
+        return to_pcm16(torch.as_tensor(wav)).numpy()
     return of
 
 

@@ -36,16 +36,15 @@ async def staged(model_dir):
 def reference(model_dir):
     """qwen-tts generating one request at a time, greedy, reading the text as it speaks (non_streaming_mode
     off: what the staged talker does), with a frame bound as the staged request's."""
-    from omnistage.checkpoints.qwen_tts import reference_model
+    from omnistage.checkpoints.qwen_tts import greedy_speech, reference_model
+    from stage_service.engines.omni.audio import to_pcm16
 
     model = reference_model(model_dir / MODEL)
 
     def generate(text: str, speaker: str, instruction: str | None = None, language: str = "Auto"):
-        wavs, rate = model.generate_custom_voice(text, speaker=speaker, language=language, instruct=instruction,
-                                                 non_streaming_mode=False, do_sample=False, subtalker_dosample=False,
-                                                 max_new_tokens=FRAMES + 1)
+        wav, rate = greedy_speech(model, text, speaker, FRAMES, instruction, language)
         assert rate == 24000
-        return (torch.as_tensor(wavs[0]).clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+        return to_pcm16(torch.as_tensor(wav)).numpy()
     return generate
 
 

@@ -77,6 +77,8 @@ REFUSALS = [
     (lambda: as_json(), "image", "got 0"),
     (lambda: as_json(image="https://example.com/a.png"), "image", "not fetched"),
     (lambda: as_json(image={"file_id": "file-1"}), "image.file_id", "file ids are not served"),
+    (lambda: as_json(images=[{"file_id": "file-1"}]), "images[0].file_id", "file ids are not served"),
+    (lambda: as_json(images=[{"image_url": "https://example.com/a.png"}]), "images[0].image_url", "not fetched"),
     (lambda: as_json(image="data:audio/wav;base64,AA=="), "image", "not an image"),
     (lambda: as_json(image=PNG_URL, response_format="url"), "response_format", "b64_json"),
     (lambda: uploaded([("image", ("a.png", PNG, "image/png"))], FLUX), "model",

@@ -299,6 +299,12 @@ def test_images_on_a_pipeline_without_images_are_refused_naming_the_model():
     assert e.value.field == "model"
 
 
+def test_a_generation_on_an_editing_pipeline_is_refused_naming_the_model_and_the_edits_endpoint():
+    with pytest.raises(InvalidRequest) as e:
+        images(load_pipeline(EXAMPLES / "flux-kontext-tiny.yaml"))
+    assert e.value.field == "model" and "/v1/images/edits" in str(e.value)
+
+
 def test_refusal_parts_empty_tool_results_and_empty_system_messages_are_taken():
     t = chat(messages=[{"role": "system", "content": ""},
                        {"role": "user", "content": "Do it"},

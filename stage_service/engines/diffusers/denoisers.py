@@ -13,13 +13,12 @@ what an entry says:
   timestep cast to the stage dtype first, as FluxPipeline casts it to its latents');
 - `guidance_rows`: whether guidance runs over [unconditional, conditional] rows (classifier-free guidance, the
   text stage sending two rows when `guidance_scale > 1`); False: one row per image whatever the scale, which the
-  model takes as an input where its config has one (FLUX.1-dev's distilled guidance, through `extra`);
+  model takes as an input where its config has one (FLUX.1-dev's distilled guidance, through `extra`), and two
+  rows, [negative, prompt], only under true classifier-free guidance (FluxPipeline's: a `true_cfg_scale` above 1
+  with a negative prompt), combined at that scale, each row taking the guidance scale as its input as before;
 - `combine`: how an image's two rows' predictions become the one its scheduler steps with (by default
   classifier-free guidance's `uncond + scale x (cond - uncond)`; QwenImagePipeline's true CFG rescales that to the
   conditional prediction's norm per packed token);
-- `true_cfg`: where `guidance_rows` is False, whether a request may still run over [negative, prompt] rows, combined
-  at its `true_cfg_scale` (FluxPipeline's true classifier-free guidance: above 1, with a negative prompt), each
-  row taking the guidance scale as its input as before;
 - `latent_channels`: the channels of the latents the loop keeps (and the VAE decodes) from the model's config:
   by default its `out_channels` (else `in_channels`); FLUX and Qwen-Image pack four latent channels into each of
   their inputs; `condition_channels`: those it takes beyond them (by default `in_channels` past `out_channels`);
@@ -125,7 +124,6 @@ class DenoiserCall:
     guidance_rows: bool = True
     # (unconditional prediction, conditional prediction, guidance scale, model config) -> the image's prediction
     combine: Callable[[torch.Tensor, torch.Tensor, float, Config], torch.Tensor] = guided
-    true_cfg: bool = False
     latent_channels: Callable[[Config], int] = lambda cfg: cfg.get("out_channels") or cfg["in_channels"]
     # the channels it takes beyond its latents' (a condition another stage sends: image-to-video)
     condition_channels: Callable[[Config], int] = (
@@ -302,7 +300,7 @@ DENOISERS: dict[str, DenoiserCall] = {
         adapter=DIT_DENOISER, latents_kwarg="hidden_states",
         text=(TextInput("encoder_hidden_states", "embeddings", "joint_attention_dim", per_token=True),
               TextInput("pooled_projections", "pooled_embeddings", "pooled_projection_dim", per_token=False)),
-        timestep_divisor=1000.0, guidance_rows=False, true_cfg=True,
+        timestep_divisor=1000.0, guidance_rows=False,
         latent_channels=lambda cfg: (cfg.get("out_channels") or cfg["in_channels"]) // (FLUX_PATCH * FLUX_PATCH),
         patch=lambda cfg: FLUX_PATCH, pins_first_step=frozenset({"FluxPipeline", "FluxKontextPipeline"}),
         schedule=flux_schedule, pack=flux_pack, unpack=flux_unpack, extra=flux_extra, blocks=FLUX_BLOCKS,

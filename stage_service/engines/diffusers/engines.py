@@ -111,7 +111,7 @@ class DenoiseState(StepState):
     done_steps: int = 0
     finished: bool = False
     cache: StepCacheState | None = None  # with the step cache on (step_cache.py)
-    cfg_scale: float | None = None  # two rows' combination scale: `guidance` unless given (FLUX's true_cfg_scale)
+    cfg_scale: float = 1.0  # two rows' combination scale: `guidance`, or true CFG's scale (FLUX's true_cfg_scale)
 
     @property
     def rows(self) -> int:
@@ -327,7 +327,7 @@ class DenoiseEngine(SteppedEngine):
                              f"this request's size, got {list(condition.shape)}")
         return DenoiseState(scheduler=sched, latents=latents, text=text, guidance=p.guidance_scale, generator=g,
                             timesteps=list(sched.timesteps), condition=condition, reference=reference,
-                            cfg_scale=None if self.call.guidance_rows else p.true_cfg_scale,
+                            cfg_scale=p.guidance_scale if self.call.guidance_rows else p.true_cfg_scale,
                             cache=None if self.step_cache is None else StepCacheState())
 
     def step(self, states: list[DenoiseState]) -> list[torch.Tensor]:
@@ -386,8 +386,7 @@ class DenoiseEngine(SteppedEngine):
         """The image's own part of a step: its guidance and its scheduler's step from the model's prediction."""
         if st.rows == 2:
             uncond, cond = pred.chunk(2)
-            scale = st.guidance if st.cfg_scale is None else st.cfg_scale
-            pred = self.call.combine(uncond, cond, scale, self.config)
+            pred = self.call.combine(uncond, cond, st.cfg_scale, self.config)
         t = st.timesteps[st.done_steps]
         kw = {"generator": st.generator} if self.step_takes_generator else {}
         st.latents = st.scheduler.step(pred, t, st.latents, **kw).prev_sample
@@ -400,8 +399,8 @@ class DenoiseEngine(SteppedEngine):
         rows) as the model's forward arguments, each checked against its config width. Rows: one or two where
         guidance runs over rows; else two only under true classifier-free guidance, as the text stage sends them."""
         call = self.call
-        true_cfg = call.true_cfg and params.true_cfg
-        text = self._checked(chunks, call.text, allowed=(1, 2) if call.guidance_rows else (2,) if true_cfg else (1,))
+        text = self._checked(chunks, call.text,
+                             allowed=(1, 2) if call.guidance_rows else (2,) if params.true_cfg else (1,))
         if self.takes_image:
             rows = len(next(iter(text.values())))
             image = self._checked(chunks, self.call.image, rows=1)

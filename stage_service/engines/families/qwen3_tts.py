@@ -6,6 +6,8 @@ each chunk into 24 kHz PCM as it arrives."""
 
 from __future__ import annotations
 
+from omnistage.checkpoints.configs import GENERATION_CONFIG
+from omnistage.checkpoints.qwen_tts import SPEECH_TOKENIZER_DIR
 from omnistage.families import Adapter, Family, Part, register
 
 # The talker reads the request's text itself (no Thinker upstream): a component of its own, since the omni
@@ -14,8 +16,6 @@ TALKER = Adapter("qwen3-tts-talker", ("transformers",), "ar", "tts_talker", froz
                  initial_chunk=True, language=True, instructions=True)
 CODE2WAV = Adapter("qwen3-tts-code2wav", ("transformers",), "generation", "code2wav", frozenset({"audio"}),
                    reads=frozenset({"codes"}), needs=frozenset({"codes"}))
-GENERATION_FILE = "generation_config.json"  # the sampling defaults qwen-tts reads
-SPEECH_TOKENIZER = "speech_tokenizer"       # the codec's own folder (its config.json and weights)
 
 
 def engines():
@@ -30,8 +30,8 @@ FAMILY = register(Family("qwen3_tts", ("Qwen3TTSForConditionalGeneration",), (TA
                         "talker_config.codec_bos_id", "talker_config.codec_pad_id", "talker_config.spk_id",
                         "talker_config.codec_language_id", "tts_bos_token_id", "tts_eos_token_id",
                         "tts_pad_token_id"),
-                       tokenizer=True, optional_files=(GENERATION_FILE,)),
+                       tokenizer=True, optional_files=(GENERATION_CONFIG,)),
     "code2wav": Part("decoder.", "decoder_config", ("decoder_config.num_quantizers", "decoder_config.codebook_size",
                                                     "decoder_config.upsample_rates", "decoder_config.upsampling_ratios",
-                                                    "output_sample_rate"), folder=SPEECH_TOKENIZER),
+                                                    "output_sample_rate"), folder=SPEECH_TOKENIZER_DIR),
 }))

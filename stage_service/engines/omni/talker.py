@@ -265,6 +265,20 @@ class FedTalkerEngine(SteppedEngine):
     def spoken_rows(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """What a later Thinker chunk's rows add to a state's inbox."""
 
+    def refuse_kv(self, prompt: str, prompt_rows: int, frames: int) -> None:
+        """InvalidRequest (naming max_codec_frames) where a prompt of `prompt_rows` rows and `frames` frames could
+        never fit the stage's KV budget."""
+        refused = self.kv_refusal("params.audio.max_codec_frames", f"{prompt} plus max_codec_frames ({frames})",
+                                  prompt_rows + frames)
+        if refused is not None:
+            raise refused
+
+    def seat(self, st: FedTalkerState, prompt_rows: int) -> None:
+        """A new state's KV accounting: what its first step feeds, at most (a step's cost), bound to the budget."""
+        st.kv_rows = prompt_rows
+        if self.kv_pages is not None:
+            st.bound_kv(self.kv_pages, prompt_rows)
+
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         p = req.params
         self.talker.check_speaker(p.speaker)  # before reading any input
@@ -272,15 +286,10 @@ class FedTalkerEngine(SteppedEngine):
         prompt_ids, embeds, hidden = await feed.read_prompt(inputs)
         n = len(prompt_ids)
         prompt_rows = n + self.talker.prompt_rows_beyond_ids  # at most what its first step feeds
-        refused = self.kv_refusal("params.audio.max_codec_frames", f"a prompt of {n} Thinker rows plus "
-                                  f"max_codec_frames ({p.max_codec_frames})", prompt_rows + p.max_codec_frames)
-        if refused is not None:
-            raise refused
+        self.refuse_kv(f"a prompt of {n} Thinker rows", prompt_rows, p.max_codec_frames)
         st = self.talker.new_state(prompt_ids, embeds[:n + 1], hidden[:n + 1],
                                    text_sampling(p, self.REPETITION_PENALTY), p.max_codec_frames, p.speaker)
-        st.kv_rows = prompt_rows  # what its first step feeds, at most (a step's cost)
-        if self.kv_pages is not None:
-            st.bound_kv(self.kv_pages, prompt_rows)
+        self.seat(st, prompt_rows)
         st.inbox.append(self.spoken_rows(embeds[n + 1:], hidden[n + 1:]))
         if feed.ended:
             st.inbox.append(END_OF_TEXT)

@@ -48,9 +48,11 @@ class Code2WavEngine(AudioDecoderEngine):
 
     CPU_MAX_BATCHED_FRAMES = 100  # a frame becomes 1920 samples; past ~100 a CPU forward slows per frame
 
+    DECODER: type[Code2Wav] = Code2Wav  # the model part it decodes with (a family's own codec decoder)
+
     def load(self) -> None:
-        self.c2w = Code2Wav(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
-                            device=self.device)
+        self.c2w = self.DECODER(self.model_dir, self.dtype, batch_invariant=self.batch_invariant,
+                                device=self.device)
         self.checkpoint = self.c2w.checkpoint
         self.codebook = self.c2w.model.config.codebook_size
 

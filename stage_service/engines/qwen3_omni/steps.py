@@ -18,13 +18,13 @@ three rows of the Thinker's embedding matrix; the config keys each part reads ar
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from omnistage.checkpoints.configs import generation_config
 from omnistage.checkpoints.shards import CheckpointError, ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest
 from omnistage.families import family_named
@@ -83,13 +83,7 @@ def pieces(cfg, component: str, encoders: bool = True, batch_invariant: bool = T
 
 def _generation_eos(root: Path) -> list[int]:
     """The end-of-sequence ids of the checkpoint's generation_config.json (none without one)."""
-    file = Path(root) / "generation_config.json"
-    if not file.exists():
-        return []
-    try:
-        eos = json.loads(file.read_text()).get("eos_token_id")
-    except (ValueError, AttributeError):
-        raise CheckpointError(f"{file}: not a JSON object") from None
+    eos = generation_config(root).get("eos_token_id")
     return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
 
 

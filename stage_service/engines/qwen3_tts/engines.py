@@ -62,18 +62,12 @@ class TalkerEngine(FedTalkerEngine):
 
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
         p = req.params
-        self.talker.check_speaker(p.speaker)
         ids, instruction = self.texts(p)
+        prompt_rows = self.talker.prompt_rows(instruction)
+        self.refuse_kv(f"a prompt of {prompt_rows} rows", prompt_rows, p.max_codec_frames)
         st = self.talker.new_state(ids, instruction, text_sampling(p, self.REPETITION_PENALTY), p.max_codec_frames,
                                    p.speaker, p.language)
-        prompt_rows = self.talker.prompt_rows(instruction)
-        refused = self.kv_refusal("params.audio.max_codec_frames", f"a prompt of {prompt_rows} rows plus "
-                                  f"max_codec_frames ({p.max_codec_frames})", prompt_rows + p.max_codec_frames)
-        if refused is not None:
-            raise refused
-        st.kv_rows = prompt_rows
-        if self.kv_pages is not None:
-            st.bound_kv(self.kv_pages, prompt_rows)
+        self.seat(st, prompt_rows)
         async for chunk in self.speak(req, st, inputs):
             yield chunk
 
@@ -81,7 +75,4 @@ class TalkerEngine(FedTalkerEngine):
 class CodecDecoderEngine(Code2WavEngine):
     """The speech tokenizer's decoder: each chunk of codec frames (with left context) into int16 PCM."""
 
-    def load(self) -> None:
-        self.c2w = CodecDecoder(self.model_dir, self.dtype, batch_invariant=self.batch_invariant, device=self.device)
-        self.checkpoint = self.c2w.checkpoint
-        self.codebook = self.c2w.model.config.codebook_size
+    DECODER = CodecDecoder

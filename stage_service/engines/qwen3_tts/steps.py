@@ -19,12 +19,11 @@ The decoder is the speech tokenizer's (`speech_tokenizer/`, tensors under `decod
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from omnistage.checkpoints.configs import CheckpointError
+from omnistage.checkpoints.configs import CheckpointError, generation_config
 from omnistage.checkpoints.qwen_tts import SPEECH_TOKENIZER_DIR, classes, load_config, with_rope_buffers
 from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest
@@ -36,27 +35,19 @@ from stage_service.runtime.packed import SequenceKV, use_packed_attention
 from stage_service.runtime.sampling import SamplingSettings, new_generator
 
 TALKER, DECODER = "talker.", "decoder."
-GENERATION_CONFIG = "generation_config.json"
 AUTO = "auto"  # the language generate() detects (no language tag in the prompt)
 ASSISTANT_TEXT = "<|im_start|>assistant\n{}<|im_end|>\n<|im_start|>assistant\n"
 INSTRUCTION_TEXT = "<|im_start|>user\n{}<|im_end|>\n"
 HEADER, FOOTER = 3, 5  # the assistant text's tokens before and after the text itself
 # qwen-tts's generate() defaults, where generation_config.json gives none.
-GENERATION_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
-                           subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0, subtalker_temperature=0.9)
+# (The talker's first code samples with the request's own settings: greedy unless it sets a temperature.)
+GENERATION_DEFAULTS = dict(repetition_penalty=1.05, subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
+                           subtalker_temperature=0.9)
 
 
 def generation_defaults(root: Path) -> dict:
     """The checkpoint's sampling defaults (generation_config.json over qwen-tts's own)."""
-    file = Path(root) / GENERATION_CONFIG
-    found = {}
-    if file.exists():
-        try:
-            found = json.loads(file.read_text())
-        except ValueError:
-            raise CheckpointError(f"{file}: not JSON") from None
-        if not isinstance(found, dict):
-            raise CheckpointError(f"{file}: not a JSON object")
+    found = generation_config(root)
     return {k: found.get(k, v) for k, v in GENERATION_DEFAULTS.items()}
 
 
