@@ -70,6 +70,9 @@ class QwenTtsClasses:
     talker: type          # Qwen3TTSTalkerForConditionalGeneration (the talker and its code predictor)
     codec_decoder: type   # Qwen3TTSTokenizerV2Decoder (codes -> waveform)
     wrapper: type         # inference's Qwen3TTSModel (generate_custom_voice, ...)
+    speaker_encoder: type  # Qwen3TTSSpeakerEncoder (a Base checkpoint's: mel spectrogram -> speaker row)
+    codec_encoder: type   # Qwen3TTSTokenizerV2Encoder (the speech tokenizer's Mimi encoder: waveform -> codes)
+    mel_spectrogram: Any  # the function the speaker encoder's input is computed with
 
 
 def _decorator_either_way(decorator):
@@ -160,10 +163,12 @@ def _import() -> QwenTtsClasses:
         inference = importlib.import_module(f"{PACKAGE}.inference.qwen3_tts_model")
     for module in (models.modeling_qwen3_tts, v2):
         _untie_listed_heads(module)
+    modeling = models.modeling_qwen3_tts
     return QwenTtsClasses(models.Qwen3TTSConfig, models.Qwen3TTSForConditionalGeneration, models.Qwen3TTSProcessor,
                           v2_config.Qwen3TTSTokenizerV2Config, v2.Qwen3TTSTokenizerV2Model,
-                          models.modeling_qwen3_tts.Qwen3TTSTalkerForConditionalGeneration,
-                          v2.Qwen3TTSTokenizerV2Decoder, inference.Qwen3TTSModel)
+                          modeling.Qwen3TTSTalkerForConditionalGeneration, v2.Qwen3TTSTokenizerV2Decoder,
+                          inference.Qwen3TTSModel, modeling.Qwen3TTSSpeakerEncoder, v2.Qwen3TTSTokenizerV2Encoder,
+                          modeling.mel_spectrogram)
 
 
 def _untie_listed_heads(module: types.ModuleType) -> None:
@@ -201,13 +206,19 @@ def reference_model(root: str | Path):
 
 
 def greedy_speech(model, text: str, speaker: str, frames: int, instruction: str | None = None,
-                  language: str = "Auto"):
+                  language: str = "Auto", clip: tuple | None = None, ref_text: str | None = None):
     """`reference_model`'s speech for one request as the staged pipeline makes it: greedy (talker and code
-    predictor), reading the text as it speaks (`non_streaming_mode` off), at most `frames` codec frames. Returns
-    (waveform as floats, sample rate)."""
-    wavs, rate = model.generate_custom_voice(text, speaker=speaker, language=language, instruct=instruction,
-                                             non_streaming_mode=False, do_sample=False, subtalker_dosample=False,
-                                             max_new_tokens=frames + 1)
+    predictor), reading the text as it speaks (`non_streaming_mode` off), at most `frames` codec frames. With
+    `clip` ((samples, sample rate)), a Base checkpoint's voice clone of it (`generate_voice_clone`: ICL mode with
+    its transcript `ref_text`, x-vector mode without; `speaker` and `instruction` unread). Returns (waveform as
+    floats, sample rate)."""
+    greedy = dict(non_streaming_mode=False, do_sample=False, subtalker_dosample=False, max_new_tokens=frames + 1)
+    if clip is not None:
+        wavs, rate = model.generate_voice_clone(text, language=language, ref_audio=clip, ref_text=ref_text,
+                                                x_vector_only_mode=not ref_text, **greedy)
+    else:
+        wavs, rate = model.generate_custom_voice(text, speaker=speaker, language=language, instruct=instruction,
+                                                 **greedy)
     return wavs[0], rate
 
 

@@ -24,6 +24,10 @@ from omnistage.v1 import common_pb2
 MIN_TEMPERATURE = 1e-5
 
 
+# The speaker a request that names none is sent with (Qwen3-Omni's default voice; a pipeline whose voices the
+# orchestrator reads sends its own default instead).
+DEFAULT_SPEAKER = "ethan"
+
 # Parts of one request, text ones included: a conversation's messages are parts. What they hold is bounded by
 # maxPromptChars (text) and maxParts (media); this bounds the count of the list itself.
 MAX_PARTS = 4096
@@ -72,6 +76,8 @@ class RequestParams:
     language: str = ""
     # How a text-to-speech stage speaks the text ("" = as its voice does).
     instructions: str = ""
+    # A voice-cloning text-to-speech stage: the transcript of its reference clip (the request's audio part).
+    ref_text: str = ""
 
     @property
     def true_cfg(self) -> bool:
@@ -164,16 +170,18 @@ def resolve(p: common_pb2.GenerationParams, limits: Limits) -> RequestParams:
         raise InvalidRequest("params.audio.language", "is longer than 64 characters")
     if len(p.audio.instructions) > limits.max_prompt_chars:
         raise InvalidRequest("params.audio.instructions", f"is longer than {limits.max_prompt_chars} characters")
+    if len(p.audio.ref_text) > limits.max_prompt_chars:
+        raise InvalidRequest("params.audio.ref_text", f"is longer than {limits.max_prompt_chars} characters")
     return RequestParams(
         prompt=p.prompt, prompt_token_ids=tuple(p.prompt_token_ids), seed=p.seed if p.HasField("seed") else 0,
         max_tokens=max_tokens, temperature=None if is_greedy(temperature) else temperature, top_p=top_p, top_k=top_k,
         ignore_eos=t.ignore_eos,
-        max_codec_frames=frames, speaker=p.audio.speaker or "ethan", width=width, height=height,
+        max_codec_frames=frames, speaker=p.audio.speaker or DEFAULT_SPEAKER, width=width, height=height,
         num_inference_steps=steps, guidance_scale=guidance, negative_prompt=img.negative_prompt,
         true_cfg_scale=true_cfg, num_frames=num_frames, fps=fps, system_prompt=p.system_prompt,
         raw_prompt=p.raw_prompt, parts=parts, turns=tuple(p.turns),
         tools=tuple(p.tools), answer_prefix=p.answer_prefix, language=p.audio.language,
-        instructions=p.audio.instructions)
+        instructions=p.audio.instructions, ref_text=p.audio.ref_text)
 
 
 def fill_resolved(p: common_pb2.GenerationParams, params: RequestParams) -> common_pb2.GenerationParams:

@@ -23,7 +23,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
                   return_trace: bool = False, priority: int = 0, request_id: str = "",
                   parts: Iterable[common_pb2.ContentPart | str] = (), turns: Iterable[common_pb2.Turn] = (),
                   tools: Iterable[common_pb2.Tool] = (), answer_prefix: str = "",
-                  language: str = "", instructions: str = "") -> orchestrator_pb2.GenerateRequest:
+                  language: str = "", instructions: str = "",
+                  ref_text: str = "") -> orchestrator_pb2.GenerateRequest:
     """One Generate request. `parts`: the user turn as ordered content parts (a str is a text part); a
     `prompt` with them is one more text part after them. With `turns`, `parts` is a conversation instead:
     each turn takes the next `Turn.parts` of them (`omnistage.contract.conversation`)."""
@@ -41,7 +42,8 @@ def build_request(prompt: str = "", *, prompt_token_ids: Iterable[int] = (), sys
     params = common_pb2.GenerationParams(prompt=prompt, prompt_token_ids=list(prompt_token_ids), text=text,
                                          audio=common_pb2.AudioParams(max_codec_frames=max_codec_frames,
                                                                       speaker=speaker, language=language,
-                                                                      instructions=instructions),
+                                                                      instructions=instructions,
+                                                                      ref_text=ref_text),
                                          image=image,
                                          video=common_pb2.VideoParams(num_frames=num_frames, fps=fps),
                                          system_prompt=system_prompt, raw_prompt=raw_prompt,

@@ -35,6 +35,7 @@ MODELS: dict[str, Callable[[Path, int], None]] = {
     "flux-tiny": flux.build,
     "qwen-image-tiny": qwen_image.build,
     "qwen3-tts-tiny": qwen3_tts.build,
+    "qwen3-tts-base-tiny": qwen3_tts.build_base,
     "flux-kontext-tiny": flux.build_kontext,
 }
 

@@ -159,7 +159,7 @@ def variant(model_dir, tmp_path, **config):
     return tmp_path
 
 
-@pytest.mark.parametrize("key, value", [("tts_model_type", "base"), ("tts_model_type", "voice_design"),
+@pytest.mark.parametrize("key, value", [("tts_model_type", "voice_design"),
                                         ("tokenizer_type", "qwen3_tts_tokenizer_25hz")])
 def test_a_checkpoint_the_family_cannot_serve_is_refused_naming_its_config_key(model_dir, tmp_path, key, value):
     from omnistage.checkpoints.configs import CheckpointError

@@ -297,9 +297,11 @@ class FedTalkerEngine(SteppedEngine):
         async for chunk in self.speak(req, st, inputs):
             yield chunk
 
-    async def speak(self, req: StageRequest, st: FedTalkerState, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
+    async def speak(self, req: StageRequest, st: FedTalkerState, inputs: StageInputs,
+                    context: torch.Tensor | None = None) -> AsyncIterator[OutputChunk]:
         """Step `st` on the scheduler and emit its `codes` chunk by chunk; the text still to come (unless its
-        inbox already holds the end of text) is read from `inputs` as it arrives."""
+        inbox already holds the end of text) is read from `inputs` as it arrives. `context`: codes [groups, n]
+        the first chunk carries as `context_codes` (frames the decoder decodes before it, emitting none)."""
         frames: list[list[int]] = []
         chunks, compute_before = Chunking(self.stage), 0.0  # the first chunk may be the smaller one
         async with self.scheduler.submit(req.request_id, st) as stream:
@@ -312,7 +314,10 @@ class FedTalkerEngine(SteppedEngine):
                     if chunks.due(int(step.frame is not None), done):
                         codes = torch.tensor(frames, dtype=torch.int64).T if frames else torch.empty(
                             (self.talker.groups, 0), dtype=torch.int64)
-                        yield chunks.hand_on(OutputChunk(tensors={"codes": codes.contiguous()}, last=done,
+                        sent = {"codes": codes.contiguous()}
+                        if context is not None:
+                            sent["context_codes"], context = context, None
+                        yield chunks.hand_on(OutputChunk(tensors=sent, last=done,
                                                          finish_reason=step.finish_reason or "",
                                                          compute_ms=stream.compute_ms - compute_before),
                                              queue_ms=stream.queue_ms)

@@ -16,7 +16,7 @@ from stage_service.engines.omni.media import QWEN3_OMNI
 from stage_service.engines.omni.talker import FedTalkerEngine
 from stage_service.engines.omni.thinker import OmniThinkerEngine
 from stage_service.engines.qwen3_omni.steps import Code2Wav, Talker, Thinker
-from stage_service.runtime.base import InputError, OutputChunk, StageInputs, StageRequest, tensor
+from stage_service.runtime.base import InputChunk, InputError, OutputChunk, StageInputs, StageRequest, tensor
 
 
 class ThinkerEngine(OmniThinkerEngine):
@@ -59,16 +59,26 @@ class Code2WavEngine(AudioDecoderEngine):
     def step(self, states) -> list[torch.Tensor]:
         return [to_pcm16(w) for w in self.c2w.decode_batch(states)]
 
+    def first_history(self, chunk: InputChunk) -> torch.Tensor:
+        """The left context of a request's first chunk (none: its frames are the first)."""
+        return torch.empty((self.c2w.groups, 0), dtype=torch.int64, device=self.device)
+
+    def checked_codes(self, codes: torch.Tensor, name: str = "codes") -> torch.Tensor:
+        """`codes` [groups, frames] in the codebook, or InputError naming `name`."""
+        if codes.dim() != 2 or codes.shape[0] != self.c2w.groups:
+            raise InputError(f"{name} must be [{self.c2w.groups}, frames], got {list(codes.shape)}")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook):
+            raise InputError(f"{name} must lie in [0, {self.codebook})")
+        return codes
+
     async def generate(self, req: StageRequest, inputs: StageInputs) -> AsyncIterator[OutputChunk]:
-        history = torch.empty((self.c2w.groups, 0), dtype=torch.int64, device=self.device)
+        history = None
         admitted = False
         playback = PlaybackDue()
         async for chunk in inputs.chunks():
-            codes = self.on_device(tensor(chunk, "codes"))
-            if codes.dim() != 2 or codes.shape[0] != self.c2w.groups:
-                raise InputError(f"codes must be [{self.c2w.groups}, frames], got {list(codes.shape)}")
-            if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook):
-                raise InputError(f"codes must lie in [0, {self.codebook})")
+            if history is None:
+                history = self.first_history(chunk)
+            codes = self.checked_codes(self.on_device(tensor(chunk, "codes")))
             pcm = torch.empty(0, dtype=torch.int16, device=self.device)
             queue_ms = compute_ms = 0.0
             if codes.shape[1]:

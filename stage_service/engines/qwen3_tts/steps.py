@@ -13,6 +13,12 @@ rows only) when there is one; the assistant header's three text rows; then codec
 the language where one is forced, the speaker, pad) over pad text rows and `tts_bos`; then the first text token
 over `codec_bos`. The text is tokenized as `<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n`.
 
+A Base checkpoint (voice cloning) builds the same prompt with its reference clip's speaker row where the named
+speaker's codec row stands (x-vector mode), and, given the clip's transcript (ICL mode), replaces the first text
+row over `codec_bos` with generate_icl_prompt's rows: the transcript's and the text's tokens, then the end of text,
+over `codec_bos` and the clip's codec frames (each its groups' embeddings summed), padded with pad text rows where
+the frames are more; the text rows the frames leave over are read one a step as usual (clone.py: the clip).
+
 The decoder is the speech tokenizer's (`speech_tokenizer/`, tensors under `decoder.`), run chunk by chunk with
 25 frames of left context as its own `chunked_decode` does: it is the omni `Code2Wav` on another module.
 """
@@ -29,6 +35,7 @@ from omnistage.checkpoints.shards import ShardedCheckpoint
 from omnistage.contract.params import InvalidRequest
 from stage_service.engines.omni.inbox import END_OF_TEXT
 from stage_service.engines.qwen3_omni.steps import Code2Wav, Talker, TalkerState
+from stage_service.engines.qwen3_tts.clone import CloneEncoder, VoicePrompt
 from stage_service.runtime.components import Piece
 from stage_service.runtime.invariance import MIN_MATMUL_ROWS, make_batch_invariant
 from stage_service.runtime.packed import SequenceKV, use_packed_attention
@@ -38,7 +45,10 @@ TALKER, DECODER = "talker.", "decoder."
 AUTO = "auto"  # the language generate() detects (no language tag in the prompt)
 ASSISTANT_TEXT = "<|im_start|>assistant\n{}<|im_end|>\n<|im_start|>assistant\n"
 INSTRUCTION_TEXT = "<|im_start|>user\n{}<|im_end|>\n"
+REF_TEXT = "<|im_start|>assistant\n{}<|im_end|>\n"  # a reference clip's transcript (ICL mode)
 HEADER, FOOTER = 3, 5  # the assistant text's tokens before and after the text itself
+REF_FOOTER = 2  # the transcript's tokens after the transcript itself
+CUSTOM_VOICE, BASE = "custom_voice", "base"  # the checkpoints served: named speakers; cloning a reference clip
 # qwen-tts's generate() defaults, where generation_config.json gives none.
 # (The talker's first code samples with the request's own settings: greedy unless it sets a temperature.)
 GENERATION_DEFAULTS = dict(repetition_penalty=1.05, subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
@@ -62,15 +72,20 @@ class TtsTalker(Talker):
     def __init__(self, root: Path, dtype: torch.dtype = torch.float32, batch_invariant: bool = True,
                  device: torch.device | str = "cpu"):
         combined = load_config(root)
-        served = {"tts_model_type": "custom_voice", "tokenizer_type": "qwen3_tts_tokenizer_12hz"}
-        for key, want in served.items():
-            got = getattr(combined, key, want)
-            if got != want:
-                raise CheckpointError(f"{Path(root) / 'config.json'}: {key} {got!r} is not served (only CustomVoice "
-                                      "checkpoints on the 12 Hz speech tokenizer are: named speakers and "
-                                      "instructions; not voice cloning (Base), VoiceDesign or the 25 Hz tokenizer)")
-        # qwen-tts gives the 0.6B CustomVoice model no instruction (it was not trained with one)
-        self.takes_instructions = getattr(combined, "tts_model_size", "") != "0b6"
+        served = {"tts_model_type": (CUSTOM_VOICE, BASE), "tokenizer_type": ("qwen3_tts_tokenizer_12hz",)}
+        for key, wanted in served.items():
+            got = getattr(combined, key, wanted[0])
+            if got not in wanted:
+                raise CheckpointError(f"{Path(root) / 'config.json'}: {key} {got!r} is not served (CustomVoice and "
+                                      "Base checkpoints on the 12 Hz speech tokenizer are: named speakers and "
+                                      "instructions, or a cloned reference clip; not VoiceDesign or the 25 Hz "
+                                      "tokenizer)")
+        self.kind = combined.tts_model_type
+        # qwen-tts gives the 0.6B CustomVoice model no instruction (it was not trained with one), nor a Base one
+        # (generate_voice_clone takes none)
+        self.takes_instructions = self.kind == CUSTOM_VOICE and getattr(combined, "tts_model_size", "") != "0b6"
+        # A Base checkpoint's speaker encoder and speech tokenizer encoder (run on the stage's media threads).
+        self.clone_encoder = CloneEncoder(root, combined, dtype, device) if self.kind == BASE else None
         self.checkpoint = ShardedCheckpoint(root)
         self.model = with_rope_buffers(Piece(TALKER, classes().talker, combined.talker_config).load(
             self.checkpoint, dtype, device))
@@ -98,9 +113,15 @@ class TtsTalker(Talker):
         self.languages = {k.lower(): v for k, v in (cfg.codec_language_id or {}).items()}
         self.defaults = generation_defaults(root)
 
-    def prompt_rows(self, instruction_ids: list[int]) -> int:
-        """Rows the first step feeds, at most; each later step feeds one (its frame plus a text row, summed)."""
-        return len(instruction_ids) + self.prompt_rows_beyond_ids
+    @property
+    def clones(self) -> bool:
+        """Whether it speaks in a reference clip's voice (a Base checkpoint) rather than named speakers'."""
+        return self.clone_encoder is not None
+
+    def prompt_rows(self, instruction_ids: list[int], ref_frames: int = 0) -> int:
+        """Rows the first step feeds, at most (a cloned voice's reference frames among them in ICL mode); each
+        later step feeds one (its frame plus a text row, summed)."""
+        return len(instruction_ids) + self.prompt_rows_beyond_ids + ref_frames
 
     def text_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Text token ids as the talker reads them: its text embedding through its text projection."""
@@ -123,36 +144,73 @@ class TtsTalker(Talker):
         return found
 
     def new_state(self, text_ids: list[int], instruction_ids: list[int], sampling: SamplingSettings,  # type: ignore[override]
-                  max_frames: int, speaker: str, language: str = AUTO) -> TalkerState:
-        """A state for the assistant text `text_ids` (ASSISTANT_TEXT tokenized) spoken by `speaker`, after an
-        instruction (`instruction_ids`, INSTRUCTION_TEXT tokenized; empty: none). Its inbox holds the text it
-        reads after the prompt (the text's embeddings: each step projects what it takes) and the end of text."""
-        self.check_speaker(speaker)
+                  max_frames: int, speaker: str, language: str = AUTO,
+                  voice: VoicePrompt | None = None) -> TalkerState:
+        """A state for the assistant text `text_ids` (ASSISTANT_TEXT tokenized) spoken by `speaker` (or in the
+        cloned `voice`, whose speaker is unread), after an instruction (`instruction_ids`, INSTRUCTION_TEXT
+        tokenized; empty: none). Its inbox holds the text it reads after the prompt (the text's embeddings: each
+        step projects what it takes) and the end of text."""
+        if voice is None:
+            self.check_speaker(speaker)
         if len(text_ids) <= HEADER + FOOTER:
             raise InvalidRequest("params.prompt", "is empty: there is no text to speak")
-        language_id = self.language_id(language, speaker)
+        language_id = self.language_id(language, "" if voice is not None else speaker)
+        ref_frames = voice.frames if voice is not None else 0
         st = TalkerState(sampling=sampling, max_frames=max_frames, speaker=speaker.lower(),
                          generator=None if sampling.greedy else new_generator(sampling.seed, self.device),
-                         prompt=(list(text_ids), list(instruction_ids), language_id),
-                         kv=SequenceKV(limit=self.prompt_rows(instruction_ids) + max_frames))
+                         prompt=(list(text_ids), list(instruction_ids), language_id, voice),
+                         kv=SequenceKV(limit=self.prompt_rows(instruction_ids, ref_frames) + max_frames))
+        # What is read after the prompt: the text after its first token; in ICL mode, the transcript's and the
+        # text's tokens past the reference frames (none, and the end of text read already, where those are more).
+        after = text_ids[HEADER + 1:-FOOTER]
+        if voice is not None and voice.codes is not None:
+            spoken = self._icl_ids(text_ids, voice)
+            after = spoken[ref_frames + 1:]
+            st.end_spoken = len(spoken) <= ref_frames
         with torch.inference_mode():
-            st.inbox.append(self.text_embeds(text_ids[HEADER + 1:-FOOTER]))
+            st.inbox.append(self.text_embeds(after))
         st.inbox.append(END_OF_TEXT)
         return st
 
+    @staticmethod
+    def _icl_ids(text_ids: list[int], voice: VoicePrompt) -> list[int]:
+        """The tokens ICL mode speaks over the reference frames: the transcript's, then the text's."""
+        assert voice.ref_ids is not None
+        return list(voice.ref_ids[HEADER:-REF_FOOTER]) + list(text_ids[HEADER:-FOOTER])
+
     def _prefill(self, text_ids: list[int], instruction_ids: list[int], language_id: int | None,  # type: ignore[override]
-                 speaker: str) -> torch.Tensor:
+                 voice: VoicePrompt | None, speaker: str) -> torch.Tensor:
         """The talker prompt rows [P, H], as generate() builds them (module docstring)."""
         c = self.cfg
         tags = ([c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id] if language_id is None else
                 [c.codec_think_id, c.codec_think_bos_id, language_id, c.codec_think_eos_id])
-        codec_ids = tags + [self.speakers[speaker], c.codec_pad_id, c.codec_bos_id]
-        codec = self.model.get_input_embeddings()(torch.tensor(codec_ids, device=self.device))
-        under = torch.cat([self.tts_pad.expand(len(codec_ids) - 2, -1), self.tts_bos[None]])
+        embed = self.model.get_input_embeddings()
+        spoken_by = (voice.speaker.to(self.device)[None] if voice is not None else
+                     embed(torch.tensor([self.speakers[speaker]], device=self.device)))
+        codec = torch.cat([embed(torch.tensor(tags, device=self.device)), spoken_by,
+                           embed(torch.tensor([c.codec_pad_id, c.codec_bos_id], device=self.device))])
+        under = torch.cat([self.tts_pad.expand(len(codec) - 2, -1), self.tts_bos[None]])
         rows = [self.text_rows(instruction_ids)] if instruction_ids else []
-        rows += [self.text_rows(text_ids[:HEADER]), under + codec[:-1],
-                 self.text_rows(text_ids[HEADER:HEADER + 1]) + codec[-1:]]
+        rows += [self.text_rows(text_ids[:HEADER]), under + codec[:-1]]
+        if voice is not None and voice.codes is not None:
+            rows.append(self._icl_rows(self._icl_ids(text_ids, voice), voice.codes, codec[-1:]))
+        else:
+            rows.append(self.text_rows(text_ids[HEADER:HEADER + 1]) + codec[-1:])
         return torch.cat(rows)
+
+    def _icl_rows(self, ids: list[int], ref_codes: torch.Tensor, codec_bos: torch.Tensor) -> torch.Tensor:
+        """generate_icl_prompt's prompt rows (reading the text as it speaks): `codec_bos` and the reference
+        frames (each its groups' embeddings summed) under as many text rows of `ids` then the end of text, pad
+        rows where the frames are more."""
+        codes = ref_codes.to(self.device)
+        tables = [self.model.get_input_embeddings(), *self.model.code_predictor.get_input_embeddings()]
+        frames = torch.stack([tables[g](codes[:, g]) for g in range(codes.shape[1])], dim=1).sum(1)
+        codec = torch.cat([codec_bos, frames])
+        n = len(codec)
+        if len(ids) + 1 > n:
+            return self.text_rows(ids[:n]) + codec
+        text = torch.cat([self.text_rows(ids), self.tts_eos[None], self.tts_pad.expand(n - len(ids) - 1, -1)])
+        return text + codec
 
     def residual_sampling(self, sampling: SamplingSettings) -> SamplingSettings:  # type: ignore[override]
         """The code predictor samples with the checkpoint's subtalker settings (greedy when the request is, or
