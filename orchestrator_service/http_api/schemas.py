@@ -177,6 +177,11 @@ class SpeechRequest(Body):
     stream_format: Literal["sse", "audio"] | None = None
     instructions: Any = None
     return_trace: bool | None = None  # omnistage's (stream_format "sse" only: the audio body has no room)
+    # Voice cloning (a Base checkpoint), by vLLM-Omni's names: the reference clip (a data: URL or bare base64 of
+    # an audio file), its transcript (ICL mode), and x-vector-only mode (the clip's sound alone, no transcript).
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
 
 
 # ------------------------------------------------------------------------ images

@@ -408,15 +408,42 @@ def speech(body: SpeechRequest, pipeline: Pipeline) -> Translated:
         raise InvalidRequest("response_format", f'stream_format "sse" sends the audio as "pcm" (16-bit mono '
                                                 f'samples), not "{fmt}"; or ask for stream_format "audio"')
     audio_formats.check(fmt, "response_format", audio_formats.SPEECH_FORMATS)
+    clip, ref_text = _reference_clip(body)
     request = build_request(
         body.input, system_prompt="" if speaks_input else REPEAT_VERBATIM, speaker=body.voice or "",
         instructions=instructions, outputs=["audio"],
         max_tokens=len(body.input) + SPEECH_EXTRA_TOKENS,
         max_codec_frames=max(limits.default_codec_frames, CODEC_FRAMES_PER_CHAR * len(body.input)),
-        return_trace=bool(body.return_trace))
+        return_trace=bool(body.return_trace), parts=clip, ref_text=ref_text)
     fields = {"params.prompt": "input", "params.text.max_tokens": "input", "params.audio.max_codec_frames": "input",
-              "params.audio.speaker": "voice", "params.audio.instructions": "instructions"}
+              "params.audio.speaker": "voice", "params.audio.instructions": "instructions",
+              "params.parts": "ref_audio", "params.audio.ref_text": "ref_text"}
     return Translated(request, fields, fmt, stream=sse)
+
+
+def _reference_clip(body: SpeechRequest) -> tuple[list[common_pb2.ContentPart], str]:
+    """A voice-cloning request's reference clip (as the one audio part; none without `ref_audio`) and its
+    transcript: `ref_text` selects ICL mode, `x_vector_only_mode` true the clip's sound alone, and a request that
+    says both, or either without a clip, is refused rather than one of them dropped."""
+    if body.ref_audio is None:
+        for name in ("ref_text", "x_vector_only_mode"):
+            if getattr(body, name) is not None:
+                raise InvalidRequest(name, "is for voice cloning: it goes with ref_audio, the reference clip")
+        return [], ""
+    if body.x_vector_only_mode and body.ref_text:
+        raise InvalidRequest("x_vector_only_mode", "takes the voice from the clip's sound alone, so ref_text would "
+                                                   "go unread: send one or the other")
+    if body.x_vector_only_mode is False and not body.ref_text:
+        raise InvalidRequest("ref_text", "is required when x_vector_only_mode is false (ICL mode reads the clip's "
+                                         "transcript)")
+    value = body.ref_audio.strip()
+    if value.lower().startswith(("data:", "http://", "https://")):
+        data = data_url(value, "ref_audio", "audio")
+    else:
+        data = b64decode_field(value, "ref_audio")
+    if not data:
+        raise InvalidRequest("ref_audio", "is empty")
+    return [common_pb2.ContentPart(audio=common_pb2.AudioPart(data=data))], body.ref_text or ""
 
 
 def _check_speech_budget(chars: int, limits: Limits) -> None:
