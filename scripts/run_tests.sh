@@ -21,6 +21,7 @@ case "${1:-}" in --fast|--e2e|--real) mode=${1#--}; shift ;; esac
 # each) beside it, e2e 6 min, e2e/real 2.5 min (the image's first import included); the whole .ci/run 32 min.
 # On a slower 2-core VM (AMD EPYC at 2.0 GHz), with more tests: tests/ 40 min (2406 s, 3907 tests) one at a time,
 # the image build beside it; in two processes (below), 30.5 min (1834 s, 4046 tests), the image build beside it.
+# The whole .ci/run there, Kubernetes and the image cached: 50 min (3008 s), of which e2e 11.5 min (690 s).
 # This bound (75 min) leaves room for such a machine with nothing cached under CI's 90 minutes, setup included.
 BUDGET=${OMNISTAGE_TEST_BUDGET:-4500}
 # tests/ runs in parallel test processes (pytest-xdist), a test file's tests all in one of them (their module
@@ -33,9 +34,10 @@ parallel() { if [ "$WORKERS" -gt 0 ]; then echo "-n $WORKERS --dist loadfile"; f
 end=$((SECONDS + BUDGET))
 left() { local s=$((end - SECONDS)); echo $((s > 1 ? s : 1)); }   # `timeout 0` would mean no bound
 
+# Each run ends with its slowest tests (--durations): where the next cut of the run's time is.
 run_pytest() {
   set +e
-  timeout --kill-after=60 "$(left)" .venv/bin/python -m pytest "$@"
+  timeout --kill-after=60 "$(left)" .venv/bin/python -m pytest --durations=25 "$@"
   local rc=$?
   set -e
   # pytest exit code 5 means no tests were collected: that is a failure here, never a pass.
