@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Iterable
 
 import grpc
 
-from omnistage.api import Pipeline, reads_instructions, reads_language
+from omnistage.api import Pipeline, clones_voices, reads_instructions, reads_language
 from omnistage.contract.modalities import MODALITY_CODES, MODALITY_NAMES
 from omnistage.contract.params import InvalidRequest, RequestParams, fill_resolved, has_media, resolve
 from omnistage.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -210,6 +210,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if params.instructions and not reads_instructions(self.pipeline):
                 raise InvalidRequest("params.audio.instructions", f'"{self.pipeline.name}" has no stage that reads '
                                                                   "them (a text-to-speech model does)")
+            if params.ref_text and not clones_voices(self.pipeline):
+                raise InvalidRequest("params.audio.ref_text", f'"{self.pipeline.name}" has no stage that reads it (a '
+                                                              "voice-cloning text-to-speech model does)")
             outputs = requested_outputs(self.pipeline, request)
             if self.voices is not None and "audio" in outputs.values():  # resolve's own default is not the model's
                 params = dataclasses.replace(params, speaker=self.voices.choose(request.params.audio.speaker))

@@ -6,6 +6,9 @@ A request's voice (`params.audio.speaker`, the HTTP door's `audio.voice` / `voic
 is the default; any other matches a voice or an alias in any case and is sent to the stages in the
 checkpoint's spelling; OpenAI's voice names and anything else are refused, listing this pipeline's voices.
 
+A pipeline that clones (a Qwen3-TTS Base checkpoint) has no named voices: a request's voice is its reference
+clip, and any voice name but "" or "default" is refused.
+
 When the checkpoint cannot be read (no model store at the orchestrator), the voices are unknown: the voice
 goes on as the request names it (an alias mapped, "default" the file's default or the stage's) and the
 Talker checks it, as it always does.
@@ -44,6 +47,7 @@ class Voices:
     names: tuple[str, ...] = ()
     default: str = ""                     # "" only when unknown and the file names none: the stage's default
     aliases: Mapping[str, str] = field(default_factory=dict)   # lower-case name -> voice
+    clones: bool = False                  # no named voices: each request's reference clip is its voice
 
     @property
     def known(self) -> bool:
@@ -87,6 +91,13 @@ class Voices:
             return cls.of((), "", limits.default_voice, limits.voice_aliases)
         if found is None:
             return None
+        if found.clones:
+            for key, given in (("defaultVoice", limits.default_voice), ("voiceAliases", limits.voice_aliases)):
+                if given:
+                    raise VoiceError(f"limits.{key}: this pipeline's checkpoint has no named voices (it speaks in "
+                                     "the voice of each request's reference clip)")
+            log.info("orchestrator: no named voices (the voice is each request's reference clip)")
+            return cls(clones=True)
         voices = cls.of(found.names, found.default, limits.default_voice, limits.voice_aliases)
         log.info("orchestrator: voices %s (default %s)", ", ".join(voices.names), voices.default)
         return voices
@@ -97,6 +108,10 @@ class Voices:
         key = asked.lower()
         if key in ("", DEFAULT):
             return self.default
+        if self.clones:
+            raise InvalidRequest(SPEAKER_FIELD, f'"{asked}": this pipeline has no named voices, it speaks in the '
+                                                'voice of the request\'s reference clip (ref_audio); send voice '
+                                                '"default" or none')
         if not self.known:
             return self.aliases.get(key, asked)
         for name in self.names:

@@ -47,6 +47,7 @@ from omnistage.api.model import (
                     Topology,
                     TransferSettings,
                     accepted_inputs,
+                    clones_voices,
                     one_of_each_input,
                     reads_instructions,
                     reads_language,
@@ -62,6 +63,7 @@ __all__ = [
     "Deployment", "Edge", "FieldError", "Limits", "Metadata", "OrchestratorDeployment", "OrchestratorHttp", "Output",
     "Parallelism", "Pipeline",
     "ReplicaStatus", "Resources", "Rollout", "SchedulerSettings", "Spec", "SpecError", "Stage", "StageDeployment",
-    "Status", "Topology", "TransferSettings", "accepted_inputs", "dump_pipeline", "load_pipeline", "one_of_each_input",
+    "Status", "Topology", "TransferSettings", "accepted_inputs", "clones_voices", "dump_pipeline", "load_pipeline",
+    "one_of_each_input",
     "parse_pipeline", "parse_pipeline_yaml", "reads_instructions", "reads_language", "stage_inputs", "validate",
 ]

@@ -860,6 +860,12 @@ def reads_language(pipeline: Pipeline) -> bool:
     return _some_stage_reads(pipeline, "language")
 
 
+def clones_voices(pipeline: Pipeline) -> bool:
+    """Whether some stage of the pipeline may clone a voice: read a reference clip and `params.audio.ref_text`
+    (a request may carry the transcript only then; the stage checks that its checkpoint clones)."""
+    return _some_stage_reads(pipeline, "clones")
+
+
 def reads_instructions(pipeline: Pipeline) -> bool:
     """Whether some stage of the pipeline reads `params.audio.instructions`: a text-to-speech stage, which speaks
     the request's text itself (a request may carry instructions only then)."""

@@ -4,7 +4,8 @@ The orchestrator reads them at start from the model store, as it reads the limit
 that a request's voice is checked before any stage runs:
 
 - Qwen3-Omni: `config.json` `talker_config.speaker_id` (name -> codec token), its keys;
-- Qwen3-TTS (CustomVoice): `config.json` `talker_config.spk_id`, the same map under another name;
+- Qwen3-TTS (CustomVoice): `config.json` `talker_config.spk_id`, the same map under another name; a Base
+  checkpoint (`tts_model_type` `base`) has no named voices: it speaks in the voice of each request's reference clip;
 - Qwen2.5-Omni: `spk_dict.pt` at the checkpoint's root (name -> conditioning, reference mel, bos token), a
   torch pickle whose top-level keys are read here without torch: its `data.pkl` is unpickled with every
   tensor left a stand-in (`_SpeakerNames`), so no storage is read and no class outside a short list is
@@ -46,6 +47,7 @@ QWEN2_5_OMNI_DEFAULT_VOICE = "Chelsie"
 class CheckpointVoices:
     names: tuple[str, ...]   # the checkpoint's spelling and order
     default: str             # the model's own default voice, in the checkpoint's spelling
+    clones: bool = False     # no named voices: a request's reference clip is its voice (a Qwen3-TTS Base model)
 
     @classmethod
     def of(cls, names: tuple[str, ...], upstream_default: str) -> "CheckpointVoices":
@@ -75,7 +77,10 @@ def checkpoint_voices(directory: str | os.PathLike) -> CheckpointVoices:
     """The voices of the combined checkpoint in `directory`; CheckpointError when it names none (or its files
     cannot be read)."""
     directory = Path(directory)
-    talker = read_json(directory / "config.json").get("talker_config") or {}
+    config = read_json(directory / "config.json")
+    if config.get("tts_model_type") == "base":  # Qwen3-TTS Base: the voice is each request's reference clip
+        return CheckpointVoices((), "", clones=True)
+    talker = config.get("talker_config") or {}
     speakers = talker.get("speaker_id") if isinstance(talker, dict) else None
     if isinstance(speakers, dict) and speakers:
         return CheckpointVoices.of(tuple(str(name) for name in speakers), QWEN3_OMNI_DEFAULT_VOICE)

@@ -27,6 +27,7 @@ class Adapter:
     initial_chunk: bool = False              # emits its first chunk at the stage's initialChunkSize
     language: bool = False                   # reads params.audio.language (a speech recognition stage)
     instructions: bool = False               # reads params.audio.instructions (a text-to-speech stage)
+    clones: bool = False                     # may read a reference clip and params.audio.ref_text (voice cloning)
 
     @property
     def is_entry(self) -> bool:

@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from omnistage.api import Limits, Pipeline, one_of_each_input, reads_instructions
+from omnistage.api import Limits, Pipeline, clones_voices, one_of_each_input, reads_instructions
 from omnistage.contract.params import InvalidRequest
 from omnistage.contract.request import build_request
 from omnistage.v1 import common_pb2, orchestrator_pb2
@@ -408,7 +408,7 @@ def speech(body: SpeechRequest, pipeline: Pipeline) -> Translated:
         raise InvalidRequest("response_format", f'stream_format "sse" sends the audio as "pcm" (16-bit mono '
                                                 f'samples), not "{fmt}"; or ask for stream_format "audio"')
     audio_formats.check(fmt, "response_format", audio_formats.SPEECH_FORMATS)
-    clip, ref_text = _reference_clip(body)
+    clip, ref_text = _reference_clip(body, pipeline)
     request = build_request(
         body.input, system_prompt="" if speaks_input else REPEAT_VERBATIM, speaker=body.voice or "",
         instructions=instructions, outputs=["audio"],
@@ -421,10 +421,15 @@ def speech(body: SpeechRequest, pipeline: Pipeline) -> Translated:
     return Translated(request, fields, fmt, stream=sse)
 
 
-def _reference_clip(body: SpeechRequest) -> tuple[list[common_pb2.ContentPart], str]:
+def _reference_clip(body: SpeechRequest, pipeline: Pipeline) -> tuple[list[common_pb2.ContentPart], str]:
     """A voice-cloning request's reference clip (as the one audio part; none without `ref_audio`) and its
     transcript: `ref_text` selects ICL mode, `x_vector_only_mode` true the clip's sound alone, and a request that
-    says both, or either without a clip, is refused rather than one of them dropped."""
+    says both, or either without a clip, or any of them to a pipeline that clones no voice, is refused rather
+    than one of them dropped (or the clip heard as the input)."""
+    given = [n for n in ("ref_audio", "ref_text", "x_vector_only_mode") if getattr(body, n) is not None]
+    if given and not clones_voices(pipeline):
+        raise InvalidRequest(given[0], f'is for voice cloning, and "{pipeline.name}" has no stage that clones a voice '
+                                       "(a Qwen3-TTS pipeline does)")
     if body.ref_audio is None:
         for name in ("ref_text", "x_vector_only_mode"):
             if getattr(body, name) is not None:

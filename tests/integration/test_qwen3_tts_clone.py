@@ -135,7 +135,9 @@ async def test_what_a_base_checkpoint_cannot_take_is_refused_naming_the_field(st
         assert "reference clip" in await refused(ask(), "params.parts")
         assert "ref_text" in await refused(ask(ref_text="Hi."), "params.parts")
         await refused(ask(parts=[clip, clip_part(CLIPS[1])]), "params.parts")
-        assert "Base" in await refused(ask(parts=[clip], speaker="vivian"), "params.audio.speaker")
+        # the orchestrator knows a Base checkpoint has no named voices, and says so before any stage runs
+        assert "no named voices" in await refused(ask(parts=[clip], speaker="vivian"), "params.audio.speaker")
+        assert "0.25 s" in await refused(ask(parts=[clip_part(tones((440.0,), 0.1))]), "params.parts[0].audio")
         await refused(ask(parts=[clip], instructions="Slowly."), "params.audio.instructions")
         await refused(ask(parts=[clip], ref_text="  "), "params.audio.ref_text")
         not_audio = common_pb2.ContentPart(audio=common_pb2.AudioPart(data=b"GIF89a not a clip at all"))
@@ -144,7 +146,8 @@ async def test_what_a_base_checkpoint_cannot_take_is_refused_naming_the_field(st
     # The talker refuses them itself (a stage may be called by others than the orchestrator).
     talker = stages["talker"].port
     for params, field in [({}, "params.parts"), ({"parts": [clip], "instructions": "Slowly."},
-                                                 "params.audio.instructions")]:
+                                                 "params.audio.instructions"),
+                          ({"parts": [clip], "speaker": "vivian"}, "params.audio.speaker")]:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call_stage(talker, header("bad", prompt=TEXTS[0], **params))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()

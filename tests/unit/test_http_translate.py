@@ -276,6 +276,10 @@ REFUSALS = [
     (speech, dict(response_format="ogg"), "response_format"),
     (speech, dict(response_format="wav", stream_format="sse"), "response_format"),
     (speech, dict(instructions="whisper"), "instructions"),
+    # an omni pipeline clones no voice: its Thinker would hear the clip as the input
+    (speech, dict(ref_audio="data:audio/wav;base64,UklGRg=="), "ref_audio"),
+    (speech, dict(ref_text="Hi.", x_vector_only_mode=False), "ref_text"),
+    (speech, dict(x_vector_only_mode=True), "x_vector_only_mode"),
     (images, dict(size="big"), "size"),
     (images, dict(size="64x"), "size"),
     (images, dict(response_format="url"), "response_format"),

@@ -67,6 +67,20 @@ def test_the_voices_are_the_checkpoints_named_speakers(model_dir):
     assert voices.names == tuple(SPEAKERS) and voices.default == next(iter(SPEAKERS))  # generate() names none
 
 
+def test_a_base_pipeline_has_no_named_voices_and_a_file_naming_one_does_not_start(model_dir):
+    import dataclasses
+
+    from orchestrator_service.voices import VoiceError, Voices
+
+    base = load_pipeline(EXAMPLES / "qwen3-tts-base-tiny.yaml")
+    voices = Voices.read(base, model_dir)
+    assert voices is not None and voices.clones and voices.names == ()
+    for limits in (dict(default_voice="vivian"), dict(voice_aliases={"alloy": "vivian"})):
+        named = dataclasses.replace(base, limits=dataclasses.replace(base.limits, **limits))
+        with pytest.raises(VoiceError, match="no named voices"):
+            Voices.read(named, model_dir)
+
+
 def test_speech_sends_a_tts_pipeline_the_input_as_written_with_its_instructions():
     t = translate.speech(SpeechRequest(input="Hello there", voice="ryan", instructions="Whisper it."), TTS)
     p = t.request.params

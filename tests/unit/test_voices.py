@@ -53,6 +53,19 @@ def test_the_default_is_the_first_voice_when_the_model_default_is_absent(tmp_pat
     assert found.names == ("serena", "ryan") and found.default == "serena"
 
 
+def test_a_base_checkpoint_has_no_named_voices_and_refuses_any_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_tts", "tts_model_type": "base",
+                                                      "talker_config": {"spk_id": {}}}))
+    found = checkpoint_voices(tmp_path)
+    assert found.clones and found.names == ()
+    clones = Voices(clones=True)
+    assert clones.choose("") == "" and clones.choose("Default") == ""  # the stage speaks the clip's voice
+    for asked in ("ethan", "alloy", "vivian"):
+        with pytest.raises(InvalidRequest) as e:
+            clones.choose(asked)
+        assert e.value.field == SPEAKER_FIELD and "no named voices" in str(e.value) and "reference clip" in str(e.value)
+
+
 def test_a_checkpoint_without_voices_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     with pytest.raises(CheckpointError, match="no voices"):

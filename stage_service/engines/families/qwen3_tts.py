@@ -15,7 +15,8 @@ from omnistage.families import Adapter, Family, Part, register
 # The talker reads the request's text itself (no Thinker upstream): a component of its own, since the omni
 # families' `talker` reads a Thinker's rows. The decoder shares the omni decoders' contract (codes in, audio out).
 TALKER = Adapter("qwen3-tts-talker", ("transformers",), "ar", "tts_talker", frozenset({"codes"}),
-                 inputs=frozenset({"text", "audio"}), initial_chunk=True, language=True, instructions=True)
+                 inputs=frozenset({"text", "audio"}), initial_chunk=True, language=True, instructions=True,
+                 clones=True)
 CODE2WAV = Adapter("qwen3-tts-code2wav", ("transformers",), "generation", "code2wav", frozenset({"audio"}),
                    reads=frozenset({"codes"}), needs=frozenset({"codes"}))
 

@@ -250,7 +250,9 @@ class FedTalkerEngine(SteppedEngine):
         self.talker = self.build_talker(self.model_dir, self.dtype, self.batch_invariant, self.device)
         quantize_weights(self.talker.model, self.settings.quantization, self.stage.name)
         self.checkpoint = self.talker.checkpoint
-        self.bound_kv(talker_kv_per_token(self.talker, self.dtype), device.weights_bytes(self.talker.model),
+        # the weights on the device: the talker's, and the encoders a voice-cloning talker keeps beside them
+        resident = [self.talker.model, *getattr(self.talker, "encoders", ())]
+        self.bound_kv(talker_kv_per_token(self.talker, self.dtype), sum(map(device.weights_bytes, resident)),
                       device.gpu_bytes(self.device))
 
     @staticmethod

@@ -34,6 +34,9 @@ from stage_service.engines.transformers.causal_lm import text_sampling
 from stage_service.runtime.base import InputChunk, OutputChunk, StageInputs, StageRequest, tensor
 from stage_service.runtime.media_work import MediaStage
 
+# The shortest reference clip cloned: the speaker encoder's mel frames and its dilated convolutions (reflect
+# padded) need some 50 ms, the speech tokenizer's encoder a frame (80 ms); shorter is refused by name.
+MIN_CLIP_SECONDS = 0.25
 # What a request to the talker may carry besides its text (and the fields that name them).
 _NOT_READ = ("prompt_token_ids", "raw_prompt", "turns", "tools", "answer_prefix", "system_prompt")
 
@@ -97,7 +100,7 @@ class TalkerEngine(MediaStage, FedTalkerEngine):
         if p.speaker.lower() not in ("", DEFAULT_SPEAKER):
             raise InvalidRequest("params.audio.speaker", f'unknown speaker "{p.speaker}": this checkpoint (a Base '
                                                          "model) has no named voices; it speaks in the voice of the "
-                                                         "reference clip (leave the speaker unset)")
+                                                         "reference clip (send the voice \"default\", or none)")
         if p.instructions:
             raise InvalidRequest("params.audio.instructions", "this checkpoint (a Base model) takes no instruction: "
                                                               "it speaks in the voice of the reference clip")
@@ -116,6 +119,12 @@ class TalkerEngine(MediaStage, FedTalkerEngine):
         """The request's reference clip through the media checks and the encoders (on a media thread)."""
         (clip,) = [x for x in media.decode_parts(p.parts, self.pipeline.limits, accepted_inputs(self.pipeline))
                    if isinstance(x, media.Audio)]
+        seconds = len(clip.samples) / clip.sample_rate
+        if seconds < MIN_CLIP_SECONDS:
+            where = next(i for i, x in enumerate(p.parts) if x.WhichOneof("part") == "audio")
+            raise InvalidRequest(f"params.parts[{where}].audio", f"the reference clip is {seconds * 1000:.0f} ms long: "
+                                                                 f"voice cloning needs at least {MIN_CLIP_SECONDS} s "
+                                                                 "(a few seconds of speech clone best)")
         ref_ids = list(self.tokenizer(REF_TEXT.format(p.ref_text))["input_ids"]) if p.ref_text else None
         assert self.talker.clone_encoder is not None
         return self.talker.clone_encoder.voice(clip.samples, clip.sample_rate, ref_ids)
