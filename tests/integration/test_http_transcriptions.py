@@ -49,7 +49,8 @@ async def servers(model_dir):
 
 
 def stage_requests(served: Served, stage: str) -> float:
-    """Requests the stage's replica has ended, whatever their outcome."""
+    """Requests the stage's replica has ended, whatever their outcome. A stage counts a call when the call ends,
+    which may be after the client has its answer: read it once the stages are idle (`Served.until_idle`)."""
     return sum(s.value for m in served.stages[stage].metrics.registry.collect() for s in m.samples
                if s.name == f"{REQUESTS}_total")
 
@@ -77,6 +78,7 @@ async def settled(served: Served) -> None:
 
 async def test_json_runs_only_the_thinker_and_returns_text_with_token_usage(servers):
     omni = servers["omni"]
+    await omni.until_idle()
     before = {n: stage_requests(omni, n) for n in ("thinker", *SPEECH_STAGES)}
     r = await transcribe(omni, response_format="json", language="en", prompt="A tone.", temperature=0.0,
                          extra_headers=TRACE)
@@ -85,6 +87,7 @@ async def test_json_runs_only_the_thinker_and_returns_text_with_token_usage(serv
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     # Text out needs the Thinker alone: the speech stages are never called.
     assert [s["stage"] for s in r.model_extra["omnistage_trace"]["stages"]] == ["thinker"]
+    await omni.until_idle()  # the thinker's call ends (and is counted) after the answer is out
     after = {n: stage_requests(omni, n) for n in before}
     assert after["thinker"] == before["thinker"] + 1
     assert all(after[n] == before[n] for n in SPEECH_STAGES)

@@ -18,6 +18,7 @@ from orchestrator_service.server import OrchestratorServer
 
 from ..harness import example, small_lm, start_stage
 from ..media_builders import png, wav
+from ..polling import wait_until
 from .test_orchestrator_fuzz import LM_LIMITS, LM_ORCHESTRATOR
 
 OMNI = example("qwen3-omni-tiny")
@@ -57,7 +58,10 @@ async def omni(model_dir):
     await thinker.drain()
 
 
-def stage_requests(stage) -> float:
+async def stage_requests(stage) -> float:
+    """Calls the stage has ended. A call is counted when it ends, which may be after its client has the answer
+    (the last request of the test before): read once the stage has no call running."""
+    await wait_until(lambda: stage.servicer.inflight == 0, 30, 0.05, what="the stage's calls ended")
     return sum(s.value for m in stage.metrics.requests.collect() for s in m.samples if s.name.endswith("_total"))
 
 
@@ -74,12 +78,12 @@ BAD_PARTS = [
 async def test_a_bad_part_is_invalid_argument_naming_it_and_reaches_no_stage(omni, parts, message):
     (client, _), (orc, _), thinker = omni
     invalid = orc.metrics.requests.labels("invalid")._value.get()
-    seen = stage_requests(thinker)
+    seen = await stage_requests(thinker)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await client.generate("What is this?", parts=parts, outputs=["text"], max_tokens=2, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(message)
     assert orc.metrics.requests.labels("invalid")._value.get() == invalid + 1
-    assert stage_requests(thinker) == seen  # refused before any stage work
+    assert await stage_requests(thinker) == seen  # refused before any stage work
     r = await client.generate("Hello", outputs=["text"], max_tokens=2, timeout=60)  # still serving
     assert r.final is not None and r.text
 
@@ -97,12 +101,12 @@ async def test_media_decode_time_is_in_the_trace(omni):
 async def test_decoding_past_its_bound_is_invalid_argument_and_the_orchestrator_keeps_serving(omni):
     (_, hasty), (_, orc), thinker = omni
     big = png(rng.integers(0, 256, (1000, 1000, 3), dtype=np.uint8))  # tens of ms to decode, bound: 1 ms
-    seen = stage_requests(thinker)
+    seen = await stage_requests(thinker)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await hasty.generate("What is this?", parts=[image_part(big)], outputs=["text"], max_tokens=2, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == "params.parts: decoding took longer than 0.001 s"
-    assert stage_requests(thinker) == seen
+    assert await stage_requests(thinker) == seen
     r = await hasty.generate("Hello", outputs=["text"], max_tokens=2, timeout=60)
     assert r.final is not None
 
