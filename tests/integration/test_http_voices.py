@@ -75,7 +75,9 @@ def seen(stage) -> float:
 
 
 async def stages_saw(served: Served, send) -> dict[str, float]:
-    """How many more requests each stage saw while `send()` ran, once nothing is left in flight."""
+    """How many more requests each stage saw while `send()` ran, once nothing is left in flight (before and after:
+    a stage counts a call when it ends, which may be after its client has the answer)."""
+    await served.until_idle()
     before = {n: seen(s) for n, s in served.stages.items()}
     await send()
     await served.until_idle()
