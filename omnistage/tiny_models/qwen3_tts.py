@@ -1,11 +1,11 @@
-"""Tiny Qwen3-TTS CustomVoice and Base (12 Hz), written as Qwen publishes Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice and
--Base and saved by
-the qwen-tts package's own classes: `config.json` (`Qwen3TTSForConditionalGeneration` / `qwen3_tts`: the talker
-with its code predictor, its named speakers `talker_config.spk_id` and languages `codec_language_id`),
-`model.safetensors`, `generation_config.json` (the sampling defaults qwen-tts reads), the Qwen2 tokenizer
-(vocab.json, merges.txt, tokenizer.json, tokenizer_config.json) with the processor's settings, and the 12 Hz
-speech tokenizer in `speech_tokenizer/` (its own config.json, model.safetensors and preprocessor_config.json:
-a Mimi encoder and the decoder that turns 12.5 Hz codec frames into 24 kHz audio, 1920 samples a frame).
+"""Tiny Qwen3-TTS CustomVoice and Base (12 Hz), written as Qwen publishes Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice
+and -Base and saved by the qwen-tts package's own classes: `config.json` (`Qwen3TTSForConditionalGeneration` /
+`qwen3_tts`: the talker with its code predictor, its named speakers `talker_config.spk_id` and languages
+`codec_language_id`), `model.safetensors`, `generation_config.json` (the sampling defaults qwen-tts reads), the
+Qwen2 tokenizer (vocab.json, merges.txt, tokenizer.json, tokenizer_config.json) with the processor's settings, and
+the 12 Hz speech tokenizer in `speech_tokenizer/` (its own config.json, model.safetensors and
+preprocessor_config.json: a Mimi encoder and the decoder that turns 12.5 Hz codec frames into 24 kHz audio,
+1920 samples a frame).
 
 The codec ids keep upstream's layout: 2048 codes per group, the talker's specials above them (a vocabulary of
 3072 whose top 1024 rows `generate` suppresses, the end-of-speech code aside); the tokenizer is the tiny

@@ -15,7 +15,6 @@ Blocking torch code, run on the stage's media threads, one clip at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,18 +52,19 @@ def resample(samples: np.ndarray, rate: int, to: int) -> np.ndarray:
 
 
 class CloneEncoder:
-    """The speaker encoder and the speech tokenizer's encoder of a Base checkpoint at `root`."""
+    """The speaker encoder and the speech tokenizer's encoder of the Base checkpoint `ckpt` (the talker's)."""
 
-    def __init__(self, root: Path, combined, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, ckpt: ShardedCheckpoint, combined, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         from transformers import AutoFeatureExtractor
 
         qt = classes()
         self.device, self.dtype = torch.device(device), dtype
         cfg = combined.speaker_encoder_config
         self.sample_rate = int(cfg.sample_rate)
-        self.speaker_encoder = _load_module(ShardedCheckpoint(root), SPEAKER_ENCODER, qt.speaker_encoder(cfg),
+        self.speaker_encoder = _load_module(ckpt, SPEAKER_ENCODER, qt.speaker_encoder(cfg),
                                             dtype, device)
-        codec_root = Path(root) / SPEECH_TOKENIZER_DIR
+        codec_root = ckpt.root / SPEECH_TOKENIZER_DIR
         codec_cfg = qt.codec_config.from_pretrained(str(codec_root))
         self.codec_encoder = with_rope_buffers(Piece(CODEC_ENCODER, qt.codec_encoder, codec_cfg.encoder_config).load(
             ShardedCheckpoint(codec_root), dtype, device))

@@ -85,11 +85,11 @@ class TtsTalker(Talker):
         # (generate_voice_clone takes none)
         self.takes_instructions = self.kind == CUSTOM_VOICE and getattr(combined, "tts_model_size", "") != "0b6"
         # A Base checkpoint's speaker encoder and speech tokenizer encoder (run on the stage's media threads).
-        self.clone_encoder = CloneEncoder(root, combined, dtype, device) if self.kind == BASE else None
+        self.checkpoint = ShardedCheckpoint(root)
+        self.clone_encoder = CloneEncoder(self.checkpoint, combined, dtype, device) if self.kind == BASE else None
         # on the talker's device beside it: its KV budget is what is left after both
         self.encoders = (self.clone_encoder.speaker_encoder, self.clone_encoder.codec_encoder) \
             if self.clone_encoder is not None else ()
-        self.checkpoint = ShardedCheckpoint(root)
         self.model = with_rope_buffers(Piece(TALKER, classes().talker, combined.talker_config).load(
             self.checkpoint, dtype, device))
         self.device = self.model.device
